@@ -1,0 +1,56 @@
+"""Per-sequence decode state of the reference model: what each layer must remember between steps.
+
+Tensors grow by concatenation here; the runtime's pooled allocator keeps the same fields in
+preallocated pools. Everything is per sequence (no batch dimension).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CompressorState:
+    """One compressor (main KV or indexer keys) of one layer.
+
+    pending_*: the open window's tokens so far, [p < ratio, c*d] (c = 2 with overlap, else 1);
+    pending_score holds gate + ape. prev_a_*: the A half (first d channels) of the last closed
+    window, [ratio, d], which the next window's entry pools (overlapping CSA only).
+    entries: every compressed entry emitted so far, [n, d], in final (normed, roped, QAT) form.
+    """
+    pending_kv: torch.Tensor | None = None
+    pending_score: torch.Tensor | None = None
+    prev_a_kv: torch.Tensor | None = None
+    prev_a_score: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+
+    def num_entries(self) -> int:
+        return 0 if self.entries is None else self.entries.shape[0]
+
+
+@dataclass
+class LayerState:
+    window: torch.Tensor | None = None          # [<= window-1, d] the last raw K=V latents
+    compressor: CompressorState | None = None   # CSA / HCA layers
+    indexer: CompressorState | None = None      # CSA layers
+
+    def nbytes(self) -> int:
+        tensors = [self.window]
+        for comp in (self.compressor, self.indexer):
+            if comp is not None:
+                tensors += [comp.pending_kv, comp.pending_score, comp.prev_a_kv, comp.prev_a_score, comp.entries]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class SequenceState:
+    """Everything a sequence carries between forward calls. `num_tokens` = tokens already processed."""
+    layers: list[LayerState]
+    mtp: list[LayerState] = field(default_factory=list)
+    num_tokens: int = 0
+    num_mtp_tokens: int = 0
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers + self.mtp)

@@ -1,0 +1,215 @@
+"""Load sharded safetensors (DeepSeek or transformers names; bf16/fp32, FP8 blocks, FP4 experts) into a model.
+
+Shards are read one at a time straight onto the target device; each tensor is dequantized to the
+compute dtype and copied into the (already materialized, empty) parameter, so the model never exists
+twice. With keep_quantized the on-disk FP8/FP4 tensors stay attached to their modules for fast kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks
+
+from ..errors import CheckpointError
+from ..models.layers import Linear, QuantizedWeight
+from .names import EXPERTS_HF, ds_to_hf, hf_to_ds, split_expert_name
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP4_BLOCK = 32
+
+
+def shard_map(ckpt_dir: Path) -> dict[str, list[str]]:
+    """shard file name -> tensor names it holds, from the index (or the single file)."""
+    index = ckpt_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (json.JSONDecodeError, KeyError, AssertionError, UnicodeDecodeError):
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map' object); "
+                                  f"re-download or re-export the checkpoint") from None
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+    elif (ckpt_dir / SINGLE_FILE).is_file():
+        shards = {SINGLE_FILE: None}
+    else:
+        raise CheckpointError(f"{ckpt_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}: not a safetensors checkpoint")
+    for shard in shards:
+        if not (ckpt_dir / shard).is_file():
+            raise CheckpointError(f"shard {ckpt_dir / shard} listed in {INDEX_FILE} is missing; "
+                                  f"download the complete checkpoint")
+    return shards
+
+
+@dataclass
+class _Pending:
+    """A quantized weight waiting for its `.scale` companion (which may live in another shard)."""
+    weight: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+
+
+class CheckpointLoader:
+    def __init__(self, model: torch.nn.Module, ckpt_dir: Path, keep_quantized: bool = False):
+        self.model, self.ckpt_dir, self.keep_quantized = model, Path(ckpt_dir), keep_quantized
+        self.dtype = model.dtype
+        self.targets = dict(model.named_parameters()) | dict(model.named_buffers())
+        self.block = model.cfg.quant.weight_block_size if model.cfg.quant else (128, 128)
+        self.expected = self._expected_names()
+        self.seen: set[str] = set()
+        self.pending: dict[str, _Pending] = {}
+
+    def _expected_names(self) -> set[str]:
+        """Every tensor (DeepSeek spelling, experts per index, no scales) the model needs."""
+        names = set()
+        for name, t in self.targets.items():
+            if name.startswith(("rope_", )) or name.endswith("inv_freq"):
+                continue
+            if ".ffn.experts.w" in name:
+                base, w = name.rsplit(".", 1)
+                names.update(f"{base}.{j}.{w}.weight" for j in range(t.shape[0]))
+            else:
+                names.add(name)
+        return names
+
+    def load(self) -> None:
+        shards = shard_map(self.ckpt_dir)
+        device = str(self.model.device)
+        hf_scheme = None
+        for shard, listed in shards.items():
+            path = self.ckpt_dir / shard
+            try:
+                with safe_open(str(path), framework="pt", device=device) as f:
+                    keys = list(f.keys())
+                    if listed is not None and set(listed) - set(keys):
+                        missing = sorted(set(listed) - set(keys))[:3]
+                        raise CheckpointError(f"shard {path} lacks tensors its index lists, e.g. {missing}; "
+                                              f"the shard is incomplete: re-download it")
+                    if hf_scheme is None and keys:
+                        hf_scheme = any(k.startswith(("model.", "lm_head.")) for k in keys)
+                    for key in keys:
+                        self._take(key, f.get_tensor(key), hf_scheme, path)
+            except SafetensorError as err:
+                raise CheckpointError(f"shard {path} is corrupt or truncated ({err}); re-download it") from None
+            except (OSError, RuntimeError) as err:
+                if isinstance(err, CheckpointError):
+                    raise
+                raise CheckpointError(f"shard {path} could not be read ({err}); re-download it") from None
+        if self.pending:
+            name = sorted(self.pending)[0]
+            part = "scale" if self.pending[name].scale is None else "weight"
+            raise CheckpointError(f"quantized tensor {name} has no {part} tensor ({name}.{part}) in the checkpoint")
+        missing = sorted(self.expected - self.seen)
+        if missing:
+            raise CheckpointError(f"checkpoint {self.ckpt_dir} is missing {len(missing)} tensor(s) the config needs, "
+                                  f"e.g. {missing[:3]}; check config.json matches the weights")
+
+    # ---- one tensor ----
+    def _take(self, key: str, tensor: torch.Tensor, hf_scheme: bool, path: Path) -> None:
+        if hf_scheme:
+            name = hf_to_ds(key)
+            if name is None:
+                raise CheckpointError(f"{path}: unexpected tensor {key} (not part of a deepseek_v4 model)")
+            stem = name.rsplit(".", 1)[-1]
+            if stem in EXPERTS_HF:
+                return self._take_hf_experts(name, key, tensor, path)
+            return self._assign(name, tensor, key, path)
+        if key.endswith(".scale"):
+            base = key[: -len(".scale")] + ".weight"
+            self.pending.setdefault(base, _Pending()).scale = tensor
+            return self._maybe_dequant(base, path)
+        if tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+            self.pending.setdefault(key, _Pending()).weight = tensor
+            return self._maybe_dequant(key, path)
+        self._assign(key, tensor, key, path)
+
+    def _maybe_dequant(self, name: str, path: Path) -> None:
+        p = self.pending[name]
+        if p.weight is None or p.scale is None:
+            return
+        del self.pending[name]
+        target = self._target_shape(name, path)
+        if p.weight.dtype == torch.float8_e4m3fn:
+            fmt, block = "fp8", self.block
+            if tuple(p.weight.shape) != target:
+                raise CheckpointError(f"{path}: {name} has shape {tuple(p.weight.shape)}, expected {target}")
+            want = (-(-target[0] // block[0]), -(-target[1] // block[1]))
+            if tuple(p.scale.shape) != want:
+                raise CheckpointError(f"{path}: {name[:-7]}.scale has shape {tuple(p.scale.shape)}, expected {want} "
+                                      f"for {block[0]}x{block[1]} blocks")
+            value = dequantize_fp8_blocks(p.weight, p.scale, block, self.dtype)
+        else:
+            fmt, block = "fp4", (1, FP4_BLOCK)
+            want_w, want_s = (target[0], target[1] // 2), (target[0], target[1] // FP4_BLOCK)
+            if tuple(p.weight.shape) != want_w or tuple(p.scale.shape) != want_s:
+                raise CheckpointError(f"{path}: FP4 tensor {name} has shapes {tuple(p.weight.shape)} / scale "
+                                      f"{tuple(p.scale.shape)}, expected {want_w} / {want_s} (packed e2m1)")
+            value = dequantize_fp4(p.weight, p.scale, FP4_BLOCK, self.dtype)
+        quantized = QuantizedWeight(p.weight, p.scale, fmt, block) if self.keep_quantized else None
+        self._assign(name, value, name, path, quantized)
+
+    def _target_shape(self, name: str, path: Path) -> tuple[int, ...]:
+        expert = split_expert_name(name)
+        param = self.targets.get(f"{expert[0]}.{expert[2]}" if expert else name)
+        if param is None:
+            raise CheckpointError(f"{path}: unexpected tensor {name} (not part of this model's config)")
+        return tuple(param.shape[1:]) if expert else tuple(param.shape)
+
+    def _assign(self, name: str, value: torch.Tensor, key: str, path: Path,
+                quantized: QuantizedWeight | None = None) -> None:
+        expert = split_expert_name(name)
+        param = self.targets.get(f"{expert[0]}.{expert[2]}" if expert else name)
+        if param is None or name not in self.expected:
+            raise CheckpointError(f"{path}: unexpected tensor {key} (not part of this model's config; "
+                                  f"check config.json matches the weights)")
+        dest = param[expert[1]] if expert else param
+        if tuple(value.shape) != tuple(dest.shape):
+            raise CheckpointError(f"{path}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
+        if param.dtype.is_floating_point != value.dtype.is_floating_point or (
+                value.dtype.is_floating_point and value.dtype not in FLOAT_DTYPES):
+            raise CheckpointError(f"{path}: tensor {key} has dtype {value.dtype}, expected a "
+                                  f"{'float' if param.dtype.is_floating_point else 'integer'} tensor")
+        if name in self.seen:
+            raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+        with torch.no_grad():
+            dest.copy_(value)
+        self.seen.add(name)
+        if quantized is not None:
+            self._attach(name, expert, quantized)
+
+    def _attach(self, name: str, expert, quantized: QuantizedWeight) -> None:
+        if expert:
+            module = self.model.get_submodule(expert[0])
+            module.quantized.setdefault(expert[2], {})[expert[1]] = quantized
+        else:
+            module = self.model.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, Linear):
+                module.quantized = quantized
+
+    def _take_hf_experts(self, name: str, key: str, tensor: torch.Tensor, path: Path) -> None:
+        """`...experts.gate_up_proj` [E, 2I, D] -> w1 (first I rows), w3; `down_proj` [E, D, I] -> w2."""
+        base, stem = name.rsplit(".", 1)
+        parts = EXPERTS_HF[stem]
+        pieces = tensor.chunk(len(parts), dim=1) if len(parts) > 1 else (tensor,)
+        param = self.targets.get(f"{base}.{parts[0]}")
+        if param is None or tensor.shape[0] != param.shape[0]:
+            raise CheckpointError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, which does not fit "
+                                  f"{'no experts' if param is None else param.shape[0]} experts of this config")
+        for part, piece in zip(parts, pieces):
+            for j in range(piece.shape[0]):
+                self._assign(f"{base}.{j}.{part}.weight", piece[j], key, path)
+
+
+def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, keep_quantized: bool = False) -> None:
+    CheckpointLoader(model, Path(ckpt_dir), keep_quantized).load()
+
+
+__all__ = ["load_checkpoint", "shard_map", "ds_to_hf"]

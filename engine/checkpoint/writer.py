@@ -1,0 +1,130 @@
+"""make-checkpoint: write a model's weights in the real on-disk layout (DeepSeek or transformers names).
+
+The DeepSeek format is quantized like the release (FP8 128x128 blocks with e8m0 scales for dense
+projections, FP4 e2m1 experts with one e8m0 scale per 32 along K); the HF format holds the same
+values dequantized. Everything is written into a temporary sibling directory that is renamed into
+place at the end, so an interrupted run never leaves a complete-looking checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from deepinfer.kernels.quant import quantize_fp4, quantize_fp8_blocks
+
+from ..errors import DeepInferError
+from .loader import INDEX_FILE
+from .names import EXPERTS_HF, ds_to_hf
+from .random_init import is_fp32_tensor, is_fp8_weight
+from .tokenizer import write_tokenizer
+
+SHARD_BYTES = 4 << 20  # small shards so tiny checkpoints exercise the multi-shard path
+
+
+def deepseek_tensors(model: torch.nn.Module):
+    """Yield (name, tensor) in DeepSeek names and release dtypes (quantized when the config says so)."""
+    quant = model.cfg.quant
+    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if ".ffn.experts.w" in name:
+            base, w = name.rsplit(".", 1)
+            for j in range(t.shape[0]):
+                yield from _stored(f"{base}.{j}.{w}.weight", t[j], quant, expert=True)
+        else:
+            yield from _stored(name, t, quant, expert=False)
+
+
+def _stored(name: str, t: torch.Tensor, quant, expert: bool):
+    if not t.dtype.is_floating_point:
+        yield name, t
+    elif quant is not None and expert and quant.expert_dtype == "fp4":
+        packed, scale = quantize_fp4(t.float())
+        yield name, packed
+        yield name[: -len(".weight")] + ".scale", scale
+    elif quant is not None and (expert or is_fp8_weight(name)):
+        w, scale = quantize_fp8_blocks(t.float(), quant.weight_block_size, quant.scale_fmt)
+        yield name, w
+        yield name[: -len(".weight")] + ".scale", scale
+    else:
+        yield name, t.float() if is_fp32_tensor(name) else t.to(torch.bfloat16)
+
+
+def hf_tensors(model: torch.nn.Module):
+    """Yield (name, tensor) in transformers' names: experts stacked as gate_up_proj / down_proj."""
+    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if ".ffn.experts.w" in name:
+            base, w = name.rsplit(".", 1)
+            if w == "w3":
+                continue
+            hf_base = ds_to_hf(base.replace(".ffn.experts", ".ffn.gate.weight")).replace("gate.weight", "experts")
+            if w == "w1":
+                yield f"{hf_base}.gate_up_proj", torch.cat([t, tensors[f"{base}.w3"]], dim=1).to(torch.bfloat16)
+            else:
+                yield f"{hf_base}.down_proj", t.to(torch.bfloat16)
+            continue
+        hf = ds_to_hf(name)
+        assert hf is not None, name
+        yield hf, t if not t.dtype.is_floating_point else (t.float() if is_fp32_tensor(name) else t.to(torch.bfloat16))
+
+
+def write_shards(tensors, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """Group tensors into shards of about `shard_bytes`; write the shards and the index."""
+    shards, current, size = [], {}, 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t.contiguous().cpu()
+        size += nbytes
+    if current:
+        shards.append(current)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrite: bool = False,
+                     shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write config.json, shards + index, tokenizer into `out` (atomically: temp dir, then rename)."""
+    if fmt not in ("deepseek", "hf"):
+        raise DeepInferError(f"--format must be 'deepseek' or 'hf', got {fmt!r}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DeepInferError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as err:
+        raise DeepInferError(f"cannot write to {out.parent} ({err.strerror}); choose a writable --out") from None
+    try:
+        cfg = model.cfg
+        config = cfg.to_deepseek_dict() if fmt == "deepseek" else cfg.to_hf_dict()
+        if fmt == "hf":
+            config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_shards(deepseek_tensors(model) if fmt == "deepseek" else hf_tensors(model), tmp, shard_bytes)
+        write_tokenizer(tmp, cfg.vocab_size, model_max_length=cfg.max_position_embeddings)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,125 @@
+"""V4 attention: low-rank query, one shared K=V latent, sliding window + compressed entries, sinks,
+inverse RoPE on the output, grouped low-rank output projection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.norm import rms_norm
+from deepinfer.kernels.rope import apply_rope
+
+from ..cache.sequence_state import CompressorState, LayerState
+from ..config.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from . import qat
+from .compressor import Compressor, Indexer, visible_entries
+from .layers import Linear, RMSNorm, fp32_param
+from .rope import RotaryEmbedding
+
+
+@dataclass
+class SeqSlice:
+    """Rows [start, end) of the flat token batch belong to one sequence whose state is `state`."""
+    start: int
+    end: int
+    layers: list[LayerState]
+    first_pos: int
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, rope: RotaryEmbedding, dtype: torch.dtype,
+                 qat_fake_quant: bool):
+        super().__init__()
+        self.layer_type = layer_type
+        self.n_heads, self.head_dim, self.rope_dim = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+        self.window, self.eps, self.o_groups = cfg.sliding_window, cfg.rms_norm_eps, cfg.o_groups
+        self.qat_fake_quant = qat_fake_quant
+        self.rope = rope
+        d = cfg.hidden_size
+        self.wq_a = Linear(d, cfg.q_lora_rank, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.wkv = Linear(d, self.head_dim, dtype)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
+        self.attn_sink = fp32_param(self.n_heads)
+        self.ratio = 0 if layer_type == SLIDING else dict(cfg.compress_rates)[layer_type]
+        self.compressor = None if layer_type == SLIDING else Compressor(
+            d, self.head_dim, self.ratio, overlap=layer_type == CSA, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.indexer = None if layer_type != CSA else Indexer(
+            d, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, self.ratio,
+            cfg.rms_norm_eps, dtype)
+
+    def new_state(self) -> LayerState:
+        return LayerState(compressor=None if self.compressor is None else CompressorState(),
+                          indexer=None if self.indexer is None else CompressorState())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice], layer: int) -> torch.Tensor:
+        """x: [N, D] normed block input of all sequences' new tokens; positions: [N]. Returns [N, D]."""
+        n = x.shape[0]
+        cos, sin = self.rope(positions)
+        qr = self.q_norm(self.wq_a(x))                                            # [N, q_lora]
+        q = self.wq_b(qr).view(n, self.n_heads, self.head_dim)
+        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)                     # [N, H, d]
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                      # [N, d]
+        if self.qat_fake_quant:
+            kv = qat.quantize_kv_latent(kv, self.rope_dim)
+        comp = idx = None
+        if self.compressor is not None:
+            comp = self.compressor.project(x)
+        if self.indexer is not None:
+            idx = (self.indexer.compressor.project(x), *self.indexer.queries(qr, x, cos, sin))
+
+        out = torch.empty_like(q)
+        for s in seqs:
+            rows = slice(s.start, s.end)
+            out[rows] = self._attend_one(q[rows], kv[rows], positions[rows], s.first_pos, s.layers[layer],
+                                         None if comp is None else (comp[0][rows], comp[1][rows]),
+                                         None if idx is None else (idx[0][0][rows], idx[0][1][rows],
+                                                                   idx[1][rows], idx[2][rows]))
+        # K=V carried each key's rotation into the values; rotate back at the query position.
+        out = apply_rope(out, cos, sin, inverse=True)
+        grouped = out.view(n, self.o_groups, -1)                                  # [N, G, H*d/G]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])           # [G, R, H*d/G]
+        low = torch.einsum("ngi,gri->ngr", grouped.to(w.dtype), w).flatten(1)     # [N, G*R]
+        return self.wo_b(low)
+
+    def _attend_one(self, q, kv, positions, first_pos: int, state: LayerState, comp, idx) -> torch.Tensor:
+        """One sequence's T new tokens: q [T, H, d], kv [T, d]; updates `state` in place."""
+        keys = kv if state.window is None else torch.cat([state.window, kv])
+        key_pos = torch.arange(first_pos + kv.shape[0] - keys.shape[0], first_pos + kv.shape[0],
+                               device=kv.device)
+        dist = positions.unsqueeze(1) - key_pos.unsqueeze(0)
+        visible = (dist >= 0) & (dist < self.window)                              # [T, K]
+        state.window = keys[max(keys.shape[0] - (self.window - 1), 0):] if self.window > 1 else keys[:0]
+
+        if self.compressor is not None:
+            entries = self._append_entries(self.compressor.pool(*comp, first_pos, state.compressor, self.rope),
+                                           state.compressor, self._quantize_entry)
+            if self.indexer is not None:
+                index_kv, index_gate, index_q, index_w = idx
+                keys_i = self._append_entries(
+                    self.indexer.compressor.pool(index_kv, index_gate, first_pos, state.indexer, self.rope),
+                    state.indexer, self._quantize_index)
+                shown = self.indexer.select(self._quantize_index(index_q), index_w, keys_i, positions)
+            else:
+                shown = visible_entries(positions, entries.shape[0], self.ratio)
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            visible = torch.cat([visible, shown], dim=1)
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
+        return sink_attention(q, keys, bias, self.attn_sink, self.head_dim ** -0.5)
+
+    def _append_entries(self, new: torch.Tensor, state: CompressorState, quantize) -> torch.Tensor:
+        new = quantize(new.to(self.wkv.weight.dtype))
+        state.entries = new if state.entries is None else torch.cat([state.entries, new])
+        return state.entries
+
+    def _quantize_entry(self, entries: torch.Tensor) -> torch.Tensor:
+        return qat.quantize_kv_latent(entries, self.rope_dim) if self.qat_fake_quant else entries
+
+    def _quantize_index(self, x: torch.Tensor) -> torch.Tensor:
+        return qat.quantize_index(x) if self.qat_fake_quant else x

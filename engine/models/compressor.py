@@ -1,0 +1,109 @@
+"""KV compressor (CSA with overlapping windows, HCA without) and the lightning indexer.
+
+Entry w of a compressor with ratio m pools the tokens of window w (positions w*m .. w*m+m-1):
+a softmax over the slots, separately per channel, of `gate + ape[slot]`, weights the projected
+`kv`; the pooled vector is RMS-normed and roped at position w*m. With overlap (CSA) every token
+projects two halves: A (first d channels) feeds the *next* window's entry, B its own, so entry w
+pools 2m slots: the A halves of window w-1 and the B halves of window w.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.kernels.rope import apply_rope
+
+from ..cache.sequence_state import CompressorState
+from .layers import Linear, RMSNorm, fp32_param
+from .rope import RotaryEmbedding
+
+
+class Compressor(nn.Module):
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.wkv = Linear(dim, width, dtype)
+        self.wgate = Linear(dim, width, dtype)
+        self.ape = fp32_param(ratio, width)
+        self.norm = RMSNorm(head_dim, eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] -> (kv, gate), each [N, c*d]. Per token, so it batches across sequences."""
+        return self.wkv(x), self.wgate(x)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, start: int, state: CompressorState,
+             rope: RotaryEmbedding) -> torch.Tensor:
+        """Feed one sequence's new tokens (absolute positions start..start+T-1); return the entries of
+        the windows they close, [n_closed, d] fp32 (normed and roped, before any QAT step)."""
+        r, d = self.ratio, self.head_dim
+        slot = torch.arange(start, start + kv.shape[0], device=kv.device) % r
+        score = gate.float() + self.ape[slot]
+        kv = kv.float()
+        if state.pending_kv is not None:
+            start -= state.pending_kv.shape[0]
+            kv, score = torch.cat([state.pending_kv, kv]), torch.cat([state.pending_score, score])
+        n_closed = kv.shape[0] // r
+        state.pending_kv, state.pending_score = kv[n_closed * r:], score[n_closed * r:]
+        if n_closed == 0:
+            return kv.new_zeros(0, d)
+        kv = kv[: n_closed * r].view(n_closed, r, -1)
+        score = score[: n_closed * r].view(n_closed, r, -1)
+        if self.overlap:
+            kv, score = self._overlap_slots(kv, score, state)
+        pooled = (kv * score.softmax(dim=1)).sum(dim=1)                  # [n_closed, d]
+        first_window = start // r
+        positions = (torch.arange(n_closed, device=kv.device) + first_window) * r
+        return apply_rope(self.norm(pooled), *rope(positions))
+
+    def _overlap_slots(self, kv: torch.Tensor, score: torch.Tensor, state: CompressorState):
+        """[n, r, 2d] halves -> [n, 2r, d] slots: the previous window's A halves, then this window's B halves."""
+        d = self.head_dim
+        a_kv, a_score, b_kv, b_score = kv[..., :d], score[..., :d], kv[..., d:], score[..., d:]
+        if state.prev_a_kv is None:  # window 0 has no predecessor: its A slots get zero weight
+            prev_kv, prev_score = torch.zeros_like(a_kv[:1]), torch.full_like(a_score[:1], float("-inf"))
+        else:
+            prev_kv, prev_score = state.prev_a_kv.unsqueeze(0), state.prev_a_score.unsqueeze(0)
+        state.prev_a_kv, state.prev_a_score = a_kv[-1], a_score[-1]
+        prev_kv, prev_score = torch.cat([prev_kv, a_kv[:-1]]), torch.cat([prev_score, a_score[:-1]])
+        return torch.cat([prev_kv, b_kv], dim=1), torch.cat([prev_score, b_score], dim=1)
+
+
+def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
+    """[T, n] bool: entry w is visible to the query at position p once its window closed, w < (p+1)//ratio."""
+    entry = torch.arange(num_entries, device=positions.device)
+    return entry.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores compressed entries by sum_h w_h * ReLU(q_h . k) and keeps the top-k."""
+
+    def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, ratio: int,
+                 eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.ratio = n_heads, head_dim, topk, ratio
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, dtype)
+        self.weights_proj = Linear(dim, n_heads, dtype)
+        self.compressor = Compressor(dim, head_dim, ratio, overlap=True, eps=eps, dtype=dtype)
+
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Batched over all tokens: q [N, h, dI] roped, head weights [N, h] fp32."""
+        q = apply_rope(self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
+        weights = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """One sequence: q [T, h, dI], weights [T, h], keys [n, dI] -> [T, n] bool of selected entries."""
+        n = keys.shape[0]
+        selected = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
+        if n == 0:
+            return selected
+        scores = torch.einsum("thd,nd->thn", q.float(), keys.float()).relu()
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)           # [T, n]
+        visible = visible_entries(positions, n, self.ratio)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.topk, n), dim=-1).indices
+        selected.scatter_(1, top, True)
+        return selected & visible

@@ -1,0 +1,166 @@
+"""DeepSeek-V4 (Flash) reference model, module and parameter names as in DeepSeek's checkpoint.
+
+Top level: embed -> copy into hc_mult streams -> blocks -> hc_head -> norm -> head. A block is
+  x, post, comb = hc_pre(h);  h = hc_post(attn(attn_norm(x)), h, post, comb)
+  x, post, comb = hc_pre(h);  h = hc_post(ffn(ffn_norm(x)), h, post, comb)
+All forwards take a flat batch of new tokens [N] from any number of sequences, each with its own
+SequenceState, so a stateless full forward, chunked prefill and decode are one code path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache.sequence_state import SequenceState
+from ..config.deepseek_v4 import MOE, SLIDING, DeepseekV4Config
+from ..errors import DeepInferError
+from .attention import Attention, SeqSlice
+from .layers import Linear, RMSNorm, fp32_param
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE
+from .rope import RotaryEmbedding
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, rope: RotaryEmbedding,
+                 dtype: torch.dtype, qat_fake_quant: bool):
+        super().__init__()
+        self.cfg = cfg
+        d, hc = cfg.hidden_size, cfg.hc_mult
+        self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_type, rope, dtype, qat_fake_quant)
+        self.ffn = MoE(cfg, mlp_type, dtype)
+        rows = (2 + hc) * hc
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
+
+    def _pre(self, h: torch.Tensor, site: str):
+        c = self.cfg
+        return hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
+                state_index: int) -> torch.Tensor:
+        """h: [N, hc, D] streams -> [N, hc, D]."""
+        x, post, comb = self._pre(h, "attn")
+        h = hc_post(self.attn(self.attn_norm(x), positions, seqs, state_index), h, post, comb)
+        x, post, comb = self._pre(h, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
+
+
+class HyperHead(nn.Module):
+    """Owner of hc_head_{fn,base,scale} + norm (the model itself and each MTP layer): streams -> hidden."""
+
+    def _init_head(self, cfg: DeepseekV4Config) -> None:
+        self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size)
+        self.hc_head_base, self.hc_head_scale = fp32_param(cfg.hc_mult), fp32_param(1)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """[N, hc, D] -> [N, D]."""
+        c = self.cfg
+        return self.norm(hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                                 c.hc_eps, c.rms_norm_eps))
+
+
+class MTPLayer(Block, HyperHead):
+    """NextN layer `mtp.{i}`: a sliding-window block fed (streams at t, token t+1); predicts t+2.
+    Embedding and lm head are the main model's."""
+
+    def __init__(self, cfg: DeepseekV4Config, rope: RotaryEmbedding, dtype: torch.dtype, qat_fake_quant: bool):
+        Block.__init__(self, cfg, SLIDING, MOE, rope, dtype, qat_fake_quant)
+        d = cfg.hidden_size
+        self.enorm, self.hnorm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.e_proj, self.h_proj = Linear(d, d, dtype), Linear(d, d, dtype)
+        self._init_head(cfg)
+
+
+class DeepseekV4ForCausalLM(HyperHead):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True):
+        super().__init__()
+        self.cfg, self.dtype, self.qat_fake_quant = cfg, dtype, qat_fake_quant
+        rd = cfg.qk_rope_head_dim
+        self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
+        self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.rope_scaling)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            Block(cfg, t, m, self.rope_main if t == SLIDING else self.rope_compress, dtype, qat_fake_quant)
+            for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
+        self._init_head(cfg)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, self.rope_main, dtype, qat_fake_quant)
+                                 for _ in range(cfg.num_nextn_predict_layers))
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(layers=[b.attn.new_state() for b in self.layers],
+                             mtp=[m.attn.new_state() for m in self.mtp])
+
+    # ---- the flat-batch forward every caller goes through ----
+    def forward(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState]):
+        """input_ids: [N] new tokens of len(states) sequences, sequence i owning rows chunks[i] = (start, end).
+        Advances each state; returns the last streams [N, hc, D] (before hc_head)."""
+        positions, seqs = self._positions(chunks, states, "layers", "num_tokens")
+        h = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, block in enumerate(self.layers):
+            h = block(h, input_ids, positions, seqs, i)
+        for (start, end), st in zip(chunks, states):
+            st.num_tokens += end - start
+        return h
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """[N, hc, D] streams -> [N, vocab] fp32 logits."""
+        return self.head(self.collapse(streams)).float()
+
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, chunks: list[tuple[int, int]],
+                    states: list[SequenceState], depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step of mtp.{depth}: streams at positions t (rows as in forward) and the tokens at t+1.
+        Returns (logits [N, vocab] for t+2, the layer's output streams)."""
+        layer = self.mtp[depth]
+        positions, seqs = self._positions(chunks, states, "mtp", "num_mtp_tokens")
+        e = layer.e_proj(layer.enorm(self.embed(next_ids)))
+        h = e.unsqueeze(1) + layer.h_proj(layer.hnorm(streams))
+        h = layer(h, next_ids, positions, seqs, depth)
+        for (start, end), st in zip(chunks, states):
+            st.num_mtp_tokens += end - start
+        return self.head(layer.collapse(h)).float(), h
+
+    def _positions(self, chunks, states, layer_attr: str, count_attr: str):
+        pos, seqs = [], []
+        for (start, end), st in zip(chunks, states):
+            first = getattr(st, count_attr)
+            pos.append(torch.arange(first, first + end - start))
+            seqs.append(SeqSlice(start, end, getattr(st, layer_attr), first))
+        return torch.cat(pos).to(self.device), seqs
+
+    # ---- conveniences on top ----
+    def check_token_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size):
+            raise DeepInferError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {int(input_ids.min())}, "
+                                 f"max {int(input_ids.max())}: check the tokenizer matches the model")
+
+    @torch.inference_mode()
+    def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Stateless full forward: input_ids [B, T] -> logits [B, T, vocab] fp32 (the parity hook)."""
+        if input_ids.dim() != 2:
+            raise DeepInferError(f"compute_logits takes input_ids of shape [B, T]; got {tuple(input_ids.shape)}")
+        self.check_token_ids(input_ids)
+        b, t = input_ids.shape
+        chunks = [(i * t, (i + 1) * t) for i in range(b)]
+        streams = self.forward(input_ids.reshape(-1).to(self.device), chunks, [self.new_state() for _ in range(b)])
+        return self.logits(streams).view(b, t, -1)
+
+    @torch.inference_mode()
+    def extend(self, token_chunks: list[torch.Tensor], states: list[SequenceState]) -> list[torch.Tensor]:
+        """Incremental forward: append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]."""
+        ids = torch.cat([c.reshape(-1) for c in token_chunks]).to(self.device)
+        self.check_token_ids(ids)
+        bounds = torch.tensor([0] + [c.numel() for c in token_chunks]).cumsum(0).tolist()
+        chunks = list(zip(bounds[:-1], bounds[1:]))
+        logits = self.logits(self.forward(ids, chunks, states))
+        return [logits[s:e] for s, e in chunks]

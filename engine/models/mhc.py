@@ -1,0 +1,41 @@
+"""Manifold-constrained hyper-connections: hc_mult residual streams mixed by Sinkhorn-projected weights."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """streams [N, hc, D] -> fn applied to the RMS-normalized flattened streams, [N, rows] fp32."""
+    flat = streams.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    return flat @ fn.float().T
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+           norm_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [N, hc, D] -> (block input [N, D], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+    hc = streams.shape[1]
+    m = _mixes(streams, fn, norm_eps)
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = torch.softmax(m[:, 2 * hc:].view(-1, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)   # columns once, then rows+columns
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return x, post, comb
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out_k = post_k * f(x) + sum_j comb[j, k] * h_j  (comb is applied transposed)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(1, 2) @ streams
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Collapse the streams to one: [N, hc, D] -> [N, D]."""
+    pre = torch.sigmoid(_mixes(streams, fn, norm_eps) * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -1,0 +1,17 @@
+"""Interleaved partial RoPE on the trailing channels: pairs (2i, 2i+1) rotate as one complex number."""
+
+import torch
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x: [N, ..., d] with the rotary slice last; cos/sin: [N, rd/2] (fp32). inverse=True applies the conjugate."""
+    half = cos.shape[-1]
+    rd = 2 * half
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    if inverse:
+        sin = -sin
+    rope = x[..., -rd:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
