@@ -25,7 +25,7 @@ from .names import EXPERTS_HF, ds_to_hf
 from .random_init import is_fp32_tensor, is_fp8_weight
 from .tokenizer import write_tokenizer
 
-SHARD_BYTES = 4 << 20  # small shards so tiny checkpoints exercise the multi-shard path
+SHARD_BYTES = 1 << 20  # small shards so tiny checkpoints exercise the multi-shard path
 
 
 def deepseek_tensors(model: torch.nn.Module):

@@ -192,7 +192,9 @@ def parse_deepseek_v4(raw: dict) -> DeepseekV4Config:
     if unknown:
         raise ConfigError(f"config.json has keys deepinfer does not know for deepseek_v4: {unknown}; "
                           f"remove them or check the model_type")
-    kw = {k: v for k, v in raw.items() if k in known and k not in ("model_type",)}
+    explicit = {"model_type", "layer_types", "mlp_layer_types", "compress_rates", "qk_rope_head_dim",
+                "rope_scaling", "quant"}
+    kw = {k: v for k, v in raw.items() if k in known and k not in explicit}
     if isinstance(kw.get("eos_token_id"), list):
         kw["eos_token_id"] = kw["eos_token_id"][0]
     for key in ("bos_token_id", "eos_token_id"):

@@ -1,0 +1,7 @@
+"""deepinfer: an inference engine and benchmark-and-eval harness for DeepSeek-V4-family models."""
+
+from .api import load_model
+from .errors import DeepInferError
+
+__version__ = "0.1.0"
+__all__ = ["load_model", "DeepInferError", "__version__"]

@@ -1,0 +1,43 @@
+"""Resolve `model=` to a local checkpoint directory: a local path, DEEPINFER_HF_MODEL_DIR, or the hub."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import ModelNotFoundError
+
+DEFAULT_MODEL_ID = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
+MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+
+
+def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
+    """An existing local directory wins; else DEEPINFER_HF_MODEL_DIR; else the hub id (default
+    DEFAULT_MODEL_ID) fetched with huggingface_hub into its cache. Failures: one clear line."""
+    if model is not None and Path(model).expanduser().is_dir():
+        return _checked(Path(model).expanduser(), "--model")
+    env = os.environ.get(MODEL_DIR_ENV)
+    if env:
+        return _checked(Path(env).expanduser(), MODEL_DIR_ENV)
+    repo_id = str(model or DEFAULT_MODEL_ID)
+    if repo_id.startswith((".", "/", "~")) or repo_id.count("/") != 1:
+        raise ModelNotFoundError(f"model {repo_id!r} is neither a local directory nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    try:
+        return Path(snapshot_download(repo_id=repo_id, allow_patterns=ALLOW_PATTERNS))
+    except GatedRepoError:
+        reason = "the repository is gated: accept its terms and log in (hf auth login)"
+    except RepositoryNotFoundError:
+        reason = "no such repository (or it is private)"
+    except Exception as err:  # offline, DNS, proxy, timeouts: huggingface_hub raises many kinds
+        reason = f"the hub is unreachable ({type(err).__name__})"
+    raise ModelNotFoundError(f"cannot fetch {repo_id!r}: {reason}; download it where the hub is reachable and "
+                             f"set {MODEL_DIR_ENV} (or --model) to the local directory")
+
+
+def _checked(path: Path, source: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} (from {source}) has no config.json: point it at a checkpoint directory")
+    return path

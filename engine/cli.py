@@ -1,0 +1,88 @@
+"""The `deepinfer` command: make-checkpoint, run."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from .errors import DeepInferError
+
+
+def run_cli(group: click.Group) -> None:
+    """Invoke a click group; a DeepInferError becomes one line on stderr and exit status 2."""
+    try:
+        group(standalone_mode=False)
+    except DeepInferError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+
+
+@click.group(help="deepinfer: run DeepSeek-V4-family models offline.")
+def cli() -> None:
+    pass
+
+
+@cli.command("make-checkpoint", help="Write a seeded random model in the real on-disk layout.")
+@click.option("--arch", default="deepseek_v4", show_default=True, help="HF model_type")
+@click.option("--preset", default="tiny", show_default=True, help="tiny (CPU seconds) or flash (released dims)")
+@click.option("--format", "fmt", type=click.Choice(["deepseek", "hf"]), default="deepseek", show_default=True)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--layers", default=None, type=int, help="reduced depth (first N layers of the preset)")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
+@click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+def make_checkpoint_cmd(arch, preset, fmt, seed, layers, out, overwrite) -> None:
+    from .checkpoint.make import make_checkpoint
+    t0 = time.perf_counter()
+    path = make_checkpoint(arch, preset, fmt, seed, out, layers, overwrite)
+    click.echo(f"wrote {arch}/{preset} seed {seed} ({fmt} format) to {path} in {time.perf_counter() - t0:.1f}s")
+
+
+@cli.command("run", help="Greedy-decode a prompt (default: the embedded tiny model on CPU).")
+@click.option("--model", default=None, help="checkpoint dir or hub id (default: the embedded tiny model)")
+@click.option("--prompt", default="The quick brown fox", show_default=True)
+@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--no-qat", is_flag=True, help="turn off the reference's QAT fake-quant steps")
+def run_cmd(model, prompt, max_tokens, device, dtype, no_qat) -> None:
+    import torch
+    from tokenizers import Tokenizer
+
+    from .api import load_model
+    from .checkpoint.make import embedded_tiny_dir
+    path = model if model is not None else embedded_tiny_dir()
+    t0 = time.perf_counter()
+    llm = load_model(path, device=device, dtype=dtype, qat_fake_quant=not no_qat)
+    tok_file = llm.checkpoint_dir / "tokenizer.json"
+    if not tok_file.is_file():
+        raise DeepInferError(f"{llm.checkpoint_dir} has no tokenizer.json; the run command needs one")
+    tokenizer = Tokenizer.from_file(str(tok_file))
+    ids = tokenizer.encode(prompt).ids
+    click.echo(f"loaded {llm.cfg.model_type} ({llm.cfg.num_hidden_layers} layers) from {llm.checkpoint_dir} "
+               f"in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens")
+    state, out = llm.new_state(), []
+    t1 = time.perf_counter()
+    logits = llm.extend([torch.tensor(ids)], [state])[0][-1]
+    t2 = time.perf_counter()
+    for _ in range(max_tokens):
+        nxt = int(logits.argmax())
+        out.append(nxt)
+        if nxt == llm.cfg.eos_token_id or len(out) == max_tokens:
+            break
+        logits = llm.extend([torch.tensor([nxt])], [state])[0][-1]
+    t3 = time.perf_counter()
+    click.echo(f"output: {tokenizer.decode(out)!r}")
+    click.echo(f"prefill {len(ids)} tok in {(t2 - t1) * 1e3:.1f} ms; decode {len(out)} tok at "
+               f"{len(out) / max(t3 - t2, 1e-9):.1f} tok/s; state {state.nbytes() / 1024:.1f} KiB")
+
+
+def main() -> None:
+    run_cli(cli)
