@@ -81,15 +81,24 @@ def ds_to_hf(name: str) -> str | None:
     return None
 
 
+# transformers (>= 5) saves with its load-time renames reversed: `model.layers.{i}.` + DeepSeek leaves,
+# `head.weight`, and the main attention's kv_norm spelled `attn.norm`.
+_SAVED_QUIRKS = {"attn.norm.weight": "attn.kv_norm.weight"}
+
+
 def hf_to_ds(name: str) -> str | None:
     """transformers name -> DeepSeek name; stacked experts map to `...ffn.experts.gate_up_proj` markers."""
     if name in _HF_TO_DS_GLOBAL:
         return _HF_TO_DS_GLOBAL[name]
+    if name == "head.weight":
+        return name
     m = _HF_LAYER.match(name)
     if m is None:
         return None
     kind, idx, leaf = m.groups()
     prefix = "layers" if kind == "model.layers" else "mtp"
+    if kind == "model.layers" and (leaf in BLOCK_LEAVES or leaf in _SAVED_QUIRKS or _DS_EXPERT.match(leaf)):
+        return f"{prefix}.{idx}.{_SAVED_QUIRKS.get(leaf, leaf)}"
     if kind == "mtp" and leaf in _HF_TO_DS_MTP:
         return f"mtp.{idx}.{_HF_TO_DS_MTP[leaf]}"
     if leaf in _HF_TO_DS_BLOCK:
