@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 
 import torch
+from safetensors import safe_open
 
 from .checkpoint.hub import resolve_model_dir
-from .checkpoint.loader import load_checkpoint
+from .checkpoint.loader import load_checkpoint, shard_map
 from .config import load_model_config
 from .errors import DeepInferError
 from .models import build_model
+
+log = logging.getLogger("deepinfer")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -34,8 +39,25 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     FP8/FP4 tensors attached to their modules (`.quantized`) beside the dequantized weights.
     """
     ckpt_dir = resolve_model_dir(path_or_id)
-    cfg = load_model_config(ckpt_dir)
+    cfg = _without_absent_mtp(load_model_config(ckpt_dir), ckpt_dir)
     model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant)
     load_checkpoint(model, ckpt_dir, keep_quantized=keep_quantized)
     model.checkpoint_dir = ckpt_dir
     return model
+
+
+def _without_absent_mtp(cfg, ckpt_dir):
+    """transformers drops mtp.* when it saves: such a checkpoint loads with its MTP layers disabled."""
+    if getattr(cfg, "num_nextn_predict_layers", 0) == 0:
+        return cfg
+    for shard, names in shard_map(ckpt_dir).items():
+        if names is None:
+            try:
+                with safe_open(str(ckpt_dir / shard), framework="pt") as f:
+                    names = list(f.keys())
+            except Exception:
+                return cfg  # the loader reports the unreadable shard with its own message
+        if any(n.startswith("mtp.") for n in names):
+            return cfg
+    log.info("%s has no mtp.* tensors: loading without the MTP layer(s)", ckpt_dir)
+    return dataclasses.replace(cfg, num_nextn_predict_layers=0)

@@ -1,6 +1,7 @@
 """Interleaved partial RoPE on the trailing channels: pairs (2i, 2i+1) rotate as one complex number."""
 
 import torch
+from .precision import upcast
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -11,7 +12,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     cos, sin = cos.view(shape), sin.view(shape)
     if inverse:
         sin = -sin
-    rope = x[..., -rd:].float()
+    rope = upcast(x[..., -rd:])
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)

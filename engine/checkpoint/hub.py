@@ -32,12 +32,33 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
     except RepositoryNotFoundError:
         reason = "no such repository (or it is private)"
     except Exception as err:  # offline, DNS, proxy, timeouts: huggingface_hub raises many kinds
-        reason = f"the hub is unreachable ({type(err).__name__})"
+        if _offline():
+            reason = "HF_HUB_OFFLINE is set and it is not in the local hub cache"
+        else:
+            reason = f"the hub is unreachable ({type(err).__name__})"
     raise ModelNotFoundError(f"cannot fetch {repo_id!r}: {reason}; download it where the hub is reachable and "
                              f"set {MODEL_DIR_ENV} (or --model) to the local directory")
 
 
+def _offline() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return True
+    try:
+        from huggingface_hub import constants
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:  # pragma: no cover - very old huggingface_hub
+        return False
+
+
 def _checked(path: Path, source: str) -> Path:
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{path} (from {source}) does not exist or is not a directory: point it at a "
+                                 f"checkpoint directory (config.json + *.safetensors)")
     if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"{path} (from {source}) has no config.json: point it at a checkpoint directory")
+        try:
+            what = "is empty" if not any(path.iterdir()) else "has no config.json"
+        except OSError:
+            what = "has no readable config.json"
+        raise ModelNotFoundError(f"{path} (from {source}) {what}: point it at a checkpoint directory "
+                                 f"(config.json + *.safetensors)")
     return path

@@ -24,6 +24,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP4_BLOCK = 32
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32, torch.bfloat16)
 
 
 def shard_map(ckpt_dir: Path) -> dict[str, list[str]]:
@@ -32,10 +34,14 @@ def shard_map(ckpt_dir: Path) -> dict[str, list[str]]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (json.JSONDecodeError, KeyError, AssertionError, UnicodeDecodeError):
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map' object); "
-                                  f"re-download or re-export the checkpoint") from None
+            assert isinstance(weight_map, dict) and weight_map
+            assert all(isinstance(shard, str) and shard for shard in weight_map.values())
+        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a non-empty 'weight_map' "
+                                  f"object of tensor name -> shard file); re-download or re-export the checkpoint"
+                                  ) from None
+        except OSError as err:
+            raise CheckpointError(f"{index} could not be read ({err.strerror or err}); check its permissions") from None
         shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             shards.setdefault(shard, []).append(name)
@@ -55,6 +61,7 @@ class _Pending:
     """A quantized weight waiting for its `.scale` companion (which may live in another shard)."""
     weight: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    path: Path | None = None     # the shard that held the first of the two
 
 
 class CheckpointLoader:
@@ -65,6 +72,7 @@ class CheckpointLoader:
         self.block = model.cfg.quant.weight_block_size if model.cfg.quant else (128, 128)
         self.expected = self._expected_names()
         self.seen: set[str] = set()
+        self._dequantized: set[str] = set()
         self.pending: dict[str, _Pending] = {}
 
     def _expected_names(self) -> set[str]:
@@ -104,13 +112,35 @@ class CheckpointLoader:
                     raise
                 raise CheckpointError(f"shard {path} could not be read ({err}); re-download it") from None
         if self.pending:
-            name = sorted(self.pending)[0]
-            part = "scale" if self.pending[name].scale is None else "weight"
-            raise CheckpointError(f"quantized tensor {name} has no {part} tensor ({name}.{part}) in the checkpoint")
+            self._report_pending()
         missing = sorted(self.expected - self.seen)
         if missing:
             raise CheckpointError(f"checkpoint {self.ckpt_dir} is missing {len(missing)} tensor(s) the config needs, "
                                   f"e.g. {missing[:3]}; check config.json matches the weights")
+
+    def _report_pending(self) -> None:
+        """A quantized weight without its scale, or a scale without its quantized weight: one line."""
+        name = sorted(self.pending)[0]
+        p = self.pending[name]
+        scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+        if not self._is_target(name):
+            raise CheckpointError(f"{p.path}: unexpected tensor {name if p.scale is None else scale_name} (not part "
+                                  f"of this model's config; check config.json matches the weights)")
+        if p.scale is None:
+            raise CheckpointError(f"{p.path}: quantized tensor {name} ({p.weight.dtype}) has no scale tensor "
+                                  f"{scale_name} in the checkpoint; re-download or re-export it")
+        if name in self.seen:
+            raise CheckpointError(f"{p.path}: {scale_name} is a quantization scale but {name} is stored unquantized "
+                                  f"(float); drop the scale or store the weight quantized")
+        raise CheckpointError(f"{p.path}: scale {scale_name} has no quantized weight {name} in the checkpoint; "
+                              f"the checkpoint is incomplete: re-download it")
+
+    def _param_for(self, name: str):
+        expert = split_expert_name(name)
+        return self.targets.get(f"{expert[0]}.{expert[2]}" if expert else name)
+
+    def _is_target(self, name: str) -> bool:
+        return name in self.expected and self._param_for(name) is not None
 
     # ---- one tensor ----
     def _take(self, key: str, tensor: torch.Tensor, hf_scheme: bool, path: Path) -> None:
@@ -124,10 +154,20 @@ class CheckpointLoader:
             return self._assign(name, tensor, key, path)
         if key.endswith(".scale"):
             base = key[: -len(".scale")] + ".weight"
-            self.pending.setdefault(base, _Pending()).scale = tensor
+            if tensor.dtype not in SCALE_DTYPES:
+                raise CheckpointError(f"{path}: scale {key} has dtype {tensor.dtype}, expected float8_e8m0fnu "
+                                      f"(e8m0) or float32")
+            pending = self.pending.setdefault(base, _Pending(path=path))
+            if pending.scale is not None or base in self._dequantized:
+                raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+            pending.scale = tensor
             return self._maybe_dequant(base, path)
-        if tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
-            self.pending.setdefault(key, _Pending()).weight = tensor
+        param = self._param_for(key)
+        if tensor.dtype in QUANT_DTYPES and (param is None or param.dtype.is_floating_point):
+            pending = self.pending.setdefault(key, _Pending(path=path))
+            if pending.weight is not None or key in self.seen:
+                raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+            pending.weight = tensor
             return self._maybe_dequant(key, path)
         self._assign(key, tensor, key, path)
 
@@ -155,6 +195,7 @@ class CheckpointLoader:
             value = dequantize_fp4(p.weight, p.scale, FP4_BLOCK, self.dtype)
         quantized = QuantizedWeight(p.weight, p.scale, fmt, block) if self.keep_quantized else None
         self._assign(name, value, name, path, quantized)
+        self._dequantized.add(name)
 
     def _target_shape(self, name: str, path: Path) -> tuple[int, ...]:
         expert = split_expert_name(name)
@@ -175,15 +216,27 @@ class CheckpointLoader:
             raise CheckpointError(f"{path}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
         if param.dtype.is_floating_point != value.dtype.is_floating_point or (
                 value.dtype.is_floating_point and value.dtype not in FLOAT_DTYPES):
-            raise CheckpointError(f"{path}: tensor {key} has dtype {value.dtype}, expected a "
-                                  f"{'float' if param.dtype.is_floating_point else 'integer'} tensor")
+            want = ("bfloat16/float16/float32 (or float8_e4m3fn / int8-packed FP4 with a .scale)"
+                    if param.dtype.is_floating_point else f"an integer dtype ({param.dtype})")
+            raise CheckpointError(f"{path}: tensor {key} has dtype {value.dtype}, expected {want}")
         if name in self.seen:
             raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+        if name.endswith("tid2eid"):
+            self._check_tid2eid(value, key, path)
         with torch.no_grad():
             dest.copy_(value)
         self.seen.add(name)
         if quantized is not None:
             self._attach(name, expert, quantized)
+
+    def _check_tid2eid(self, value: torch.Tensor, key: str, path: Path) -> None:
+        """Hash routing indexes experts with these ids: out-of-range ids would only fail (or read garbage)
+        at run time, so reject them here."""
+        n_experts = self.model.cfg.n_routed_experts
+        if value.numel() and (int(value.min()) < 0 or int(value.max()) >= n_experts):
+            raise CheckpointError(f"{path}: tensor {key} holds expert ids in {int(value.min())}..{int(value.max())}, "
+                                  f"outside 0..{n_experts - 1} (n_routed_experts); the checkpoint does not match "
+                                  f"config.json")
 
     def _attach(self, name: str, expert, quantized: QuantizedWeight) -> None:
         if expert:

@@ -106,8 +106,18 @@ def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrit
     if fmt not in ("deepseek", "hf"):
         raise DeepInferError(f"--format must be 'deepseek' or 'hf', got {fmt!r}")
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if out.exists() and not out.is_dir():
+        raise DeepInferError(f"{out} exists and is not a directory; choose another --out")
+    try:
+        non_empty = out.exists() and any(out.iterdir())
+    except OSError as err:
+        raise DeepInferError(f"cannot list {out} ({err.strerror}); choose another --out") from None
+    if non_empty and not overwrite:
         raise DeepInferError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    if non_empty and not (out / "config.json").is_file():
+        # --overwrite deletes the directory: only ever do that to something that is a checkpoint.
+        raise DeepInferError(f"{out} is not empty and holds no config.json, so it is not a checkpoint; "
+                             f"--overwrite only replaces checkpoint directories: choose another --out")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

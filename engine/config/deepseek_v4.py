@@ -179,10 +179,57 @@ _RATIO_TO_TYPE = {0: SLIDING, 4: CSA}
 
 def parse_deepseek_v4(raw: dict) -> DeepseekV4Config:
     """Read a config dict in any accepted spelling; raise ConfigError with one clear line."""
+    try:
+        return _parse(raw)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as err:  # a value of the wrong kind somewhere
+        raise ConfigError(f"config.json is malformed ({type(err).__name__}: {err}); "
+                          f"check the deepseek_v4 keys and their types") from None
+
+
+def _as_int(raw: dict, key: str, default=None) -> int:
+    v = raw.get(key, default)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"config.json: {key} must be an integer, got {v!r}")
+    return v
+
+
+def _check_types(kw: dict) -> None:
+    """Scalar fields must hold JSON values of their declared kind (int, float, bool, str)."""
+    kinds = {f.name: f.type for f in dataclasses.fields(DeepseekV4Config)}
+    for key, v in kw.items():
+        kind = kinds.get(key)
+        if kind == "int":
+            if isinstance(v, float) and v.is_integer():
+                kw[key] = v = int(v)
+            ok, what = isinstance(v, int) and not isinstance(v, bool), "an integer"
+        elif kind == "float":
+            ok, what = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+            if ok:
+                kw[key] = float(v)
+        elif kind == "bool":
+            ok, what = isinstance(v, bool), "true or false"
+        elif kind == "str":
+            ok, what = isinstance(v, str), "a string"
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"config.json: {key} must be {what}, got {v!r}")
+
+
+def _parse(raw: dict) -> DeepseekV4Config:
+    if not isinstance(raw, dict):
+        raise ConfigError("config.json must hold a JSON object")
     raw = dict(raw)
     for old, new in _INFERENCE_ALIASES.items():
         if old in raw:
-            raw.setdefault(new, raw.pop(old))
+            value = raw.pop(old)
+            if new in raw and raw[new] != value:
+                raise ConfigError(f"config.json gives both {old}={value!r} and {new}={raw[new]!r}; keep one")
+            raw.setdefault(new, value)
     yarn_inference = {new: raw.pop(old) for old, new in _INFERENCE_YARN_KEYS.items() if old in raw}
 
     known = {f.name for f in dataclasses.fields(DeepseekV4Config)}
@@ -195,23 +242,35 @@ def parse_deepseek_v4(raw: dict) -> DeepseekV4Config:
     explicit = {"model_type", "layer_types", "mlp_layer_types", "compress_rates", "qk_rope_head_dim",
                 "rope_scaling", "quant"}
     kw = {k: v for k, v in raw.items() if k in known and k not in explicit}
-    if isinstance(kw.get("eos_token_id"), list):
+    if isinstance(kw.get("eos_token_id"), list) and kw["eos_token_id"]:
         kw["eos_token_id"] = kw["eos_token_id"][0]
-    for key in ("bos_token_id", "eos_token_id"):
-        if kw.get(key) is None:
-            kw.pop(key, None)
-    n = int(raw.get("num_hidden_layers", DeepseekV4Config.num_hidden_layers))
-    n_mtp = int(raw.get("num_nextn_predict_layers", DeepseekV4Config.num_nextn_predict_layers))
+    kw = {k: v for k, v in kw.items() if v is not None}   # null means "the default"
+    _check_types(kw)
+    n = _as_int(raw, "num_hidden_layers", DeepseekV4Config.num_hidden_layers)
+    n_mtp = _as_int(raw, "num_nextn_predict_layers", DeepseekV4Config.num_nextn_predict_layers)
+    if n < 1 or n_mtp < 0:
+        raise ConfigError(f"config.json: num_hidden_layers={n} must be >= 1 and "
+                          f"num_nextn_predict_layers={n_mtp} >= 0")
 
-    rates = dict(raw.get("compress_rates") or {CSA: 4, HCA: 128})
+    given_rates = raw.get("compress_rates")
+    if given_rates is not None and not isinstance(given_rates, dict):
+        raise ConfigError(f"config.json: compress_rates must be an object {{layer type: rate}}, got {given_rates!r}")
+    rates = {CSA: 4, HCA: 128, **(given_rates or {})}
     if "compress_rate_csa" in raw:
         rates[CSA] = raw["compress_rate_csa"]
     if "compress_rate_hca" in raw:
         rates[HCA] = raw["compress_rate_hca"]
-    if raw.get("layer_types") is not None:
-        layer_types = list(raw["layer_types"])
-    elif raw.get("compress_ratios") is not None:
-        ratios = list(raw["compress_ratios"])
+    bad_rates = sorted(k for k in rates if k not in (CSA, HCA))
+    if bad_rates:
+        raise ConfigError(f"compress_rates has unknown layer types {bad_rates}; allowed: {[CSA, HCA]}")
+
+    from_ratios = None
+    if raw.get("compress_ratios") is not None:
+        ratios = raw["compress_ratios"]
+        if not isinstance(ratios, list) or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+                                               for r in ratios):
+            raise ConfigError(f"compress_ratios must be a list of integers >= 0 (0 sliding, 4 CSA, "
+                              f"else HCA), got {ratios!r}")
         if len(ratios) not in (n, n + n_mtp):
             raise ConfigError(f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {n} "
                               f"(+{n_mtp} MTP): give one ratio per layer")
@@ -220,31 +279,53 @@ def parse_deepseek_v4(raw: dict) -> DeepseekV4Config:
             raise ConfigError(f"compress_ratios mixes several HCA ratios {hca}; one is supported")
         if hca:
             rates[HCA] = hca[0]
-        layer_types = [_RATIO_TO_TYPE.get(r, HCA) for r in ratios[:n]]
+        from_ratios = [_RATIO_TO_TYPE.get(r, HCA) for r in ratios[:n]]
+    if raw.get("layer_types") is not None:
+        if not isinstance(raw["layer_types"], list):
+            raise ConfigError(f"layer_types must be a list, got {raw['layer_types']!r}")
+        layer_types = list(raw["layer_types"])
+        if from_ratios is not None and from_ratios != layer_types:
+            raise ConfigError("config.json gives both layer_types and compress_ratios and they disagree; keep one")
+    elif from_ratios is not None:
+        layer_types = from_ratios
     else:
         raise ConfigError("config.json gives neither layer_types nor compress_ratios: "
                           "the per-layer attention schedule is required")
     if len(layer_types) != n:
         raise ConfigError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
-    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
     if bad:
         raise ConfigError(f"layer_types has unknown entries {bad}; allowed: {list(LAYER_TYPES)}")
 
-    if raw.get("mlp_layer_types") is not None:
-        mlp_types = list(raw["mlp_layer_types"])
-        if len(mlp_types) != n or any(t not in (HASH_MOE, MOE) for t in mlp_types):
-            raise ConfigError(f"mlp_layer_types must hold {n} entries of 'hash_moe'/'moe'")
-    else:
-        n_hash = int(raw.get("num_hash_layers", 3))
+    if raw.get("num_hash_layers") is not None:
+        n_hash = _as_int(raw, "num_hash_layers")
         if not 0 <= n_hash <= n:
             raise ConfigError(f"num_hash_layers={n_hash} is outside 0..num_hidden_layers ({n})")
+    if raw.get("mlp_layer_types") is not None:
+        mlp_types = raw["mlp_layer_types"]
+        if not isinstance(mlp_types, list) or len(mlp_types) != n or any(t not in (HASH_MOE, MOE) for t in mlp_types):
+            raise ConfigError(f"mlp_layer_types must be a list of {n} entries (num_hidden_layers), each "
+                              f"'hash_moe' or 'moe'; got {mlp_types!r}")
+        if raw.get("num_hash_layers") is not None and mlp_types != [HASH_MOE] * n_hash + [MOE] * (n - n_hash):
+            raise ConfigError("config.json gives both mlp_layer_types and num_hash_layers and they disagree; keep one")
+    else:
+        n_hash = _as_int(raw, "num_hash_layers", 3) if raw.get("num_hash_layers") is not None else min(3, n)
         mlp_types = [HASH_MOE] * n_hash + [MOE] * (n - n_hash)
 
-    head_dim = int(raw.get("head_dim", DeepseekV4Config.head_dim))
+    head_dim = _as_int(raw, "head_dim", DeepseekV4Config.head_dim)
+    from_factor = None
+    if raw.get("partial_rotary_factor") is not None:
+        factor = raw["partial_rotary_factor"]
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise ConfigError(f"config.json: partial_rotary_factor must be a number, got {factor!r}")
+        from_factor = int(round(head_dim * float(factor)))
     if raw.get("qk_rope_head_dim") is not None:
-        rope_dim = int(raw["qk_rope_head_dim"])
-    elif raw.get("partial_rotary_factor") is not None:
-        rope_dim = int(round(head_dim * float(raw["partial_rotary_factor"])))
+        rope_dim = _as_int(raw, "qk_rope_head_dim")
+        if from_factor is not None and from_factor != rope_dim:
+            raise ConfigError(f"config.json: qk_rope_head_dim={rope_dim} disagrees with partial_rotary_factor="
+                              f"{raw['partial_rotary_factor']} x head_dim={head_dim}; keep one")
+    elif from_factor is not None:
+        rope_dim = from_factor
     else:
         rope_dim = head_dim // 8
 
@@ -264,41 +345,75 @@ def parse_deepseek_v4(raw: dict) -> DeepseekV4Config:
 def _parse_rope(raw: dict, yarn_inference: dict) -> tuple[YarnScaling | None, dict]:
     kw = {}
     params = raw.get("rope_parameters")
-    yarn = None
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"config.json: rope_parameters must be an object, got {params!r}")
+    yarn, source = None, None
     if isinstance(params, dict) and isinstance(params.get("compress"), dict):
         main, comp = params.get("main") or {}, params["compress"]
-        if "rope_theta" in main:
-            kw["rope_theta"] = float(main["rope_theta"])
-        if "rope_theta" in comp:
-            kw["compress_rope_theta"] = float(comp["rope_theta"])
-        if comp.get("rope_type") == "yarn":
-            yarn = comp
-    elif isinstance(params, dict) and params.get("rope_type", params.get("type")) == "yarn":
-        yarn = params
-    if raw.get("rope_scaling"):
-        yarn = raw["rope_scaling"]
+        if not isinstance(main, dict):
+            raise ConfigError(f"config.json: rope_parameters.main must be an object, got {main!r}")
+        for sub, key, entry in (("main", "rope_theta", main), ("compress", "compress_rope_theta", comp)):
+            if "rope_theta" in entry:
+                theta = entry["rope_theta"]
+                if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+                    raise ConfigError(f"config.json: rope_parameters.{sub}.rope_theta must be a positive number, "
+                                      f"got {theta!r}")
+                kw[key] = float(theta)
+        if comp.get("rope_type", comp.get("type", "default")) != "default":
+            yarn, source = comp, "rope_parameters.compress"
+    elif isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default":
+        yarn, source = params, "rope_parameters"
+    if raw.get("rope_scaling") is not None:
+        yarn, source = raw["rope_scaling"], "rope_scaling"
     if yarn_inference.get("factor", 1) not in (None, 1, 1.0) and yarn is None:
-        yarn = yarn_inference
+        yarn, source = {"type": "yarn", **yarn_inference}, "rope_factor/original_seq_len"
     if yarn is None:
         return None, kw
+    if not isinstance(yarn, dict):
+        raise ConfigError(f"config.json: {source} must be an object like {{\"type\": \"yarn\", \"factor\": ..., "
+                          f"\"original_max_position_embeddings\": ...}}, got {yarn!r}")
+    kind = yarn.get("rope_type", yarn.get("type", "yarn"))
+    if kind != "yarn":
+        raise ConfigError(f"config.json: {source} has type {kind!r}; deepseek_v4 supports only 'yarn' scaling")
     try:
-        return YarnScaling(factor=float(yarn["factor"]),
-                           original_max_position_embeddings=int(yarn["original_max_position_embeddings"]),
-                           beta_fast=float(yarn.get("beta_fast") or 32), beta_slow=float(yarn.get("beta_slow") or 1)), kw
-    except (KeyError, TypeError, ValueError) as err:
-        raise ConfigError(f"rope scaling (YaRN) entry is malformed: missing or bad {err}") from None
+        scaling = YarnScaling(factor=_number(yarn, "factor"),
+                              original_max_position_embeddings=int(_number(yarn, "original_max_position_embeddings")),
+                              beta_fast=_number(yarn, "beta_fast", 32.0), beta_slow=_number(yarn, "beta_slow", 1.0))
+    except KeyError as err:
+        raise ConfigError(f"config.json: {source} (YaRN) is malformed: {err.args[0]}") from None
+    if scaling.factor < 1 or scaling.original_max_position_embeddings < 1:
+        raise ConfigError(f"config.json: {source} (YaRN) needs factor >= 1 and original_max_position_embeddings "
+                          f">= 1, got {scaling.factor} and {scaling.original_max_position_embeddings}")
+    return scaling, kw
+
+
+def _number(d: dict, key: str, default: float | None = None) -> float:
+    v = d.get(key)
+    if v is None:
+        if default is None:
+            raise KeyError(f"{key} is missing")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise KeyError(f"{key} must be a number, got {v!r}")
+    return float(v)
 
 
 def _parse_quant(raw: dict) -> WeightQuant | None:
     qc = raw.get("quantization_config")
     if not qc:
-        return None
-    block = tuple(qc.get("weight_block_size", (128, 128)))
+        # DeepSeek's inference ModelArgs spell quantized weights as dtype="fp8" (+ scale_fmt, expert_dtype).
+        if raw.get("dtype") != "fp8":
+            return None
+        qc = {}
+    if not isinstance(qc, dict):
+        raise ConfigError(f"config.json: quantization_config must be an object, got {qc!r}")
+    block = qc.get("weight_block_size", (128, 128))
     scale_fmt = qc.get("scale_fmt") or raw.get("scale_fmt") or "float32"
     expert = qc.get("expert_dtype") or raw.get("expert_dtype") or "fp8"
-    if scale_fmt not in ("ue8m0", "float32") or expert not in ("fp4", "fp8") or len(block) != 2:
+    if (scale_fmt not in ("ue8m0", "float32") or expert not in ("fp4", "fp8") or not isinstance(block, (list, tuple))
+            or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ConfigError(f"quantization_config is not supported: scale_fmt={scale_fmt!r}, "
-                          f"expert_dtype={expert!r}, weight_block_size={list(block)}")
+                          f"expert_dtype={expert!r}, weight_block_size={block!r}")
     return WeightQuant(weight_block_size=(int(block[0]), int(block[1])), scale_fmt=scale_fmt, expert_dtype=expert)
 
 
@@ -307,6 +422,20 @@ def validate(cfg: DeepseekV4Config) -> None:
         if not ok:
             raise ConfigError(f"inconsistent deepseek_v4 config: {msg}")
     need(cfg.num_hidden_layers >= 1, "num_hidden_layers must be >= 1")
+    need(len(cfg.layer_types) == cfg.num_hidden_layers,
+         f"layer_types has {len(cfg.layer_types)} entries but num_hidden_layers is {cfg.num_hidden_layers}")
+    need(len(cfg.mlp_layer_types) == cfg.num_hidden_layers,
+         f"mlp_layer_types has {len(cfg.mlp_layer_types)} entries but num_hidden_layers is {cfg.num_hidden_layers}")
+    bad = sorted({str(t) for t in cfg.layer_types if t not in LAYER_TYPES})
+    need(not bad, f"layer_types has unknown entries {bad}; allowed: {list(LAYER_TYPES)}")
+    bad = sorted({str(t) for t in cfg.mlp_layer_types if t not in (HASH_MOE, MOE)})
+    need(not bad, f"mlp_layer_types has unknown entries {bad}; allowed: {[HASH_MOE, MOE]}")
+    for name in ("vocab_size", "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups",
+                 "o_lora_rank", "n_routed_experts", "moe_intermediate_size", "index_n_heads", "index_head_dim",
+                 "index_topk", "max_position_embeddings"):
+        need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
+    need(cfg.n_shared_experts >= 0 and cfg.num_nextn_predict_layers >= 0,
+         "n_shared_experts and num_nextn_predict_layers must be >= 0")
     need(cfg.head_dim % 2 == 0 and 0 < cfg.qk_rope_head_dim <= cfg.head_dim and cfg.qk_rope_head_dim % 2 == 0,
          f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even and within head_dim={cfg.head_dim}")
     need(cfg.num_attention_heads % cfg.o_groups == 0,
@@ -316,7 +445,9 @@ def validate(cfg: DeepseekV4Config) -> None:
     need(cfg.scoring_func in ("sqrtsoftplus", "sigmoid", "softmax"), f"unknown scoring_func {cfg.scoring_func!r}")
     need(cfg.sliding_window >= 1, "sliding_window must be >= 1")
     rates = dict(cfg.compress_rates)
-    need(rates.get(CSA, 4) >= 1 and rates.get(HCA, 128) >= 1, f"compress rates must be >= 1: {rates}")
+    need(set(rates) == {CSA, HCA} and all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
+                                          for r in rates.values()),
+         f"compress_rates must give an integer rate >= 1 for {CSA} and {HCA}: {rates}")
     need(cfg.hc_mult >= 1 and cfg.hc_sinkhorn_iters >= 1, "hc_mult and hc_sinkhorn_iters must be >= 1")
     need(cfg.vocab_size >= 2, "vocab_size must be >= 2")
     need(0 <= cfg.bos_token_id < cfg.vocab_size and 0 <= cfg.eos_token_id < cfg.vocab_size,

@@ -10,6 +10,7 @@ pools 2m slots: the A halves of window w-1 and the B halves of window w.
 from __future__ import annotations
 
 import torch
+from deepinfer.kernels.precision import upcast
 from torch import nn
 
 from deepinfer.kernels.rope import apply_rope
@@ -39,8 +40,8 @@ class Compressor(nn.Module):
         the windows they close, [n_closed, d] fp32 (normed and roped, before any QAT step)."""
         r, d = self.ratio, self.head_dim
         slot = torch.arange(start, start + kv.shape[0], device=kv.device) % r
-        score = gate.float() + self.ape[slot]
-        kv = kv.float()
+        score = upcast(gate) + self.ape[slot]
+        kv = upcast(kv)
         if state.pending_kv is not None:
             start -= state.pending_kv.shape[0]
             kv, score = torch.cat([state.pending_kv, kv]), torch.cat([state.pending_score, score])
@@ -90,7 +91,7 @@ class Indexer(nn.Module):
     def queries(self, qr: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Batched over all tokens: q [N, h, dI] roped, head weights [N, h] fp32."""
         q = apply_rope(self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
-        weights = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        weights = upcast(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, weights
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
@@ -100,10 +101,12 @@ class Indexer(nn.Module):
         selected = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
         if n == 0:
             return selected
-        scores = torch.einsum("thd,nd->thn", q.float(), keys.float()).relu()
+        scores = torch.einsum("thd,nd->thn", upcast(q), upcast(keys)).relu()
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)           # [T, n]
         visible = visible_entries(positions, n, self.ratio)
         scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.topk, n), dim=-1).indices
+        # NOTE: FP4-quantized q and k make exact score ties common; a stable sort breaks them toward the
+        # lower entry index, so chunked prefill, decode and the full forward select the same set.
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
         selected.scatter_(1, top, True)
         return selected & visible

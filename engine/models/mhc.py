@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
+from deepinfer.kernels.precision import upcast
 
 
 def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """streams [N, hc, D] -> fn applied to the RMS-normalized flattened streams, [N, rows] fp32."""
-    flat = streams.flatten(1).float()
+    flat = upcast(streams.flatten(1))
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
-    return flat @ fn.float().T
+    return flat @ fn.to(flat.dtype).T
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
@@ -37,5 +38,5 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """Collapse the streams to one: [N, hc, D] -> [N, D]."""
-    pre = torch.sigmoid(_mixes(streams, fn, norm_eps) * scale.float() + base.float()) + hc_eps
+    pre = torch.sigmoid(_mixes(streams, fn, norm_eps) * upcast(scale) + upcast(base)) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

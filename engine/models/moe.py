@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from deepinfer.kernels.precision import upcast
 import torch.nn.functional as F
 from torch import nn
 
@@ -34,7 +35,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
-        scores = self.score_fn(F.linear(x.float(), self.weight.float()))        # [N, E]
+        scores = self.score_fn(F.linear(upcast(x), upcast(self.weight)))        # [N, E]
         if self.is_hash:
             ids = self.tid2eid[input_ids]
         else:
@@ -56,13 +57,13 @@ class Experts(nn.Module):
         self.quantized: dict = {}   # "w1"|"w2"|"w3" -> list of per-expert QuantizedWeight
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x, dtype=torch.float32)
+        out = upcast(torch.zeros_like(x))
         x = x.to(self.w1.dtype)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             h = swiglu(x[token] @ self.w1[e].T, x[token] @ self.w3[e].T, self.limit)
             h = h * weights[token, slot].unsqueeze(-1).to(h.dtype)   # routing weight before w2, as the reference
-            out.index_add_(0, token, (h @ self.w2[e].T).float())
+            out.index_add_(0, token, upcast(h @ self.w2[e].T))
         return out.to(x.dtype)
 
 

@@ -1,0 +1,47 @@
+"""Shared test builders: random V4 configs, our model with random weights, the transformers twin."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from deepinfer.checkpoint.random_init import init_random_weights
+from deepinfer.checkpoint.writer import hf_tensors
+from deepinfer.config.deepseek_v4 import CSA, HASH_MOE, HCA, MOE, SLIDING
+from deepinfer.config.presets import TINY_V4
+from deepinfer.models import build_model
+
+# Layer schedules the parity tests cover (plus the tiny preset's own S/CSA/HCA/CSA).
+SCHEDULES = {
+    "tiny": TINY_V4,
+    "hca-first": dataclasses.replace(TINY_V4, layer_types=(HCA, HCA, CSA, SLIDING),
+                                     mlp_layer_types=(HASH_MOE, MOE, MOE, MOE)),
+    "csa-only-no-hash": dataclasses.replace(TINY_V4, num_hidden_layers=3, layer_types=(CSA, CSA, CSA),
+                                            mlp_layer_types=(MOE, MOE, MOE), num_experts_per_tok=3,
+                                            compress_rates=((CSA, 4), (HCA, 8)), sliding_window=8),
+}
+
+
+def our_model(cfg=TINY_V4, seed: int = 0, dtype=torch.float32, qat: bool = False, device: str = "cpu"):
+    model = build_model(cfg, device, dtype, qat_fake_quant=qat)
+    init_random_weights(model, seed)
+    return model
+
+
+def transformers_twin(model, dtype=torch.float32):
+    """transformers' DeepseekV4ForCausalLM holding exactly our model's weights."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    d = model.cfg.to_hf_dict()
+    d.pop("model_type"), d.pop("architectures")
+    cfg = DeepseekV4Config(**d)
+    cfg._attn_implementation = "eager"
+    with torch.device(model.device):
+        twin = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
+    state = {k: v.to(dtype) if v.dtype.is_floating_point else v for k, v in hf_tensors(model)
+             if not k.startswith("mtp.")}
+    missing, unexpected = twin.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    # transformers keeps these in fp32 whatever the model dtype; so do we.
+    return twin
