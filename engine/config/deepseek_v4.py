@@ -46,6 +46,7 @@ _IGNORED_KEYS = {
     "scale_fmt", "scale_dtype", "expert_dtype", "quantization_config", "model_type", "text_config",
     "_name_or_path", "return_dict", "tie_word_embeddings", "chunk_size_feed_forward", "is_encoder_decoder",
     "index_topk_method", "n_routed_experts_per_rank", "id2label", "label2id", "problem_type",
+    "output_attentions", "output_hidden_states",
 }
 
 
