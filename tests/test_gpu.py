@@ -18,7 +18,9 @@ def test_bf16_parity_with_transformers(name, length):
     """bf16 rounds at different places in the two implementations, so their logits cannot agree to fp32
     precision. The bound: measured against the fp32 forward (itself equal to transformers' fp32 within
     1e-4), our bf16 error must be no worse than 1.5x transformers' bf16 error (+0.02 slack), and the two
-    bf16 outputs must agree to a few percent of the logit scale (docs/model.md, bf16 tolerance)."""
+    bf16 outputs must agree on average to a few percent of the logit scale and on >= 95% of greedy tokens.
+    Max-abs between the two bf16 outputs is no bound: a bf16 rounding can flip a discrete choice (top-k
+    entry, routed expert) in either implementation and move a few logits by ~1 (docs/model.md)."""
     exact = our_model(SCHEDULES[name], seed=1, device="cuda")
     ids = torch.randint(0, exact.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
     truth = exact.compute_logits(ids)
@@ -32,10 +34,14 @@ def test_bf16_parity_with_transformers(name, length):
         ref = twin(ids).logits.float()
     err_ours, err_ref = (got - truth).abs().max().item(), (ref - truth).abs().max().item()
     scale = truth.std().item()
-    print(f"\n[bf16 parity] {name} T={length}: ours-fp32 {err_ours:.4f}, transformers-fp32 {err_ref:.4f}, "
-          f"ours-transformers {(got - ref).abs().max().item():.4f}, logit std {scale:.3f}")
+    mean_ours, mean_ref = (got - truth).abs().mean().item(), (ref - truth).abs().mean().item()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"\n[bf16 parity] {name} T={length}: max|ours-fp32| {err_ours:.4f}, max|transformers-fp32| {err_ref:.4f}, "
+          f"mean {mean_ours:.4f} vs {mean_ref:.4f}, greedy agreement {agree:.3f}, logit std {scale:.3f}")
     assert err_ours <= 1.5 * err_ref + 0.02
-    assert (got - ref).abs().max().item() <= 0.1 * scale + 0.05
+    assert mean_ours <= 1.5 * mean_ref + 1e-3
+    assert (got - ref).abs().mean().item() <= 0.05 * scale
+    assert agree >= 0.95
 
 
 @pytest.mark.parametrize("layers", (2, 4))
