@@ -24,12 +24,13 @@ from deepinfer.config import load_model_config
 from deepinfer.errors import CheckpointError, ConfigError, DeepInferError, ModelNotFoundError
 from deepinfer.models import build_model
 
-FP8_W = "layers.0.attn.wq_a.weight"            # float8_e4m3fn [48, 64], scale e8m0 [1, 1]
+# Tensors of the tiny preset used below (shapes are read from the checkpoint, not hard-coded).
+FP8_W = "layers.0.attn.wq_a.weight"            # float8_e4m3fn, scale e8m0 per 128x128 block
 FP8_S = "layers.0.attn.wq_a.scale"
-FP4_W = "layers.2.ffn.experts.3.w2.weight"     # int8-packed e2m1 [64, 32], scale e8m0 [64, 2]
+FP4_W = "layers.2.ffn.experts.3.w2.weight"     # int8-packed e2m1, scale e8m0 per 32 along K
 FP4_S = "layers.2.ffn.experts.3.w2.scale"
-BF16 = "layers.1.attn_norm.weight"             # bfloat16 [64]
-TID2EID = "layers.0.ffn.gate.tid2eid"          # int64 [512, 2]
+BF16 = "layers.1.attn_norm.weight"             # bfloat16
+TID2EID = "layers.0.ffn.gate.tid2eid"          # int64 [vocab, top-k]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -82,6 +83,14 @@ def tensor(d: Path, name: str) -> torch.Tensor:
     return load_file(str(d / shard_of(d, name)))[name]
 
 
+def config(d: Path) -> dict:
+    return json.loads((d / "config.json").read_text())
+
+
+def first_named(d: Path, suffix: str) -> str:
+    return next(n for n in sorted(read_index(d)["weight_map"]) if n.endswith(suffix))
+
+
 def load_error(exc_type, path, *fragments: str) -> str:
     """load_model(path) must raise exc_type with a one-line message containing every fragment."""
     with pytest.raises(exc_type) as info:
@@ -98,7 +107,7 @@ def load_error(exc_type, path, *fragments: str) -> str:
 
 def test_pristine_copy_loads(tiny_checkpoint_copy):
     model = deepinfer.load_model(tiny_checkpoint_copy)
-    assert model.cfg.num_hidden_layers == 4
+    assert model.cfg.num_hidden_layers == config(tiny_checkpoint_copy)["num_hidden_layers"]
     assert torch.isfinite(model.embed.weight).all()
 
 
@@ -125,12 +134,13 @@ def test_no_weights_at_all(tiny_checkpoint_copy):
     load_error(CheckpointError, tiny_checkpoint_copy, INDEX_FILE, "not a safetensors checkpoint")
 
 
-@pytest.mark.parametrize("keep", [0.5, 0.0, 4 / 1_079_880], ids=["half", "empty", "inside-header"])
+@pytest.mark.parametrize("keep", [lambda n: n // 2, lambda n: 0, lambda n: 4, lambda n: n - 1],
+                         ids=["half", "empty", "inside-header", "last-byte"])
 def test_truncated_shard(tiny_checkpoint_copy, keep):
     shard = shard_of(tiny_checkpoint_copy, "embed.weight")
     path = tiny_checkpoint_copy / shard
     data = path.read_bytes()
-    path.write_bytes(data[: int(len(data) * keep)])
+    path.write_bytes(data[: keep(len(data))])
     load_error(CheckpointError, tiny_checkpoint_copy, shard, "corrupt or truncated", "re-download")
 
 
@@ -142,8 +152,9 @@ def test_garbage_shard(tiny_checkpoint_copy):
 
 # ----------------------------------------------------------------------------- tensors
 
-@pytest.mark.parametrize("name", [BF16, TID2EID, "layers.3.attn.compressor.ape", "head.weight"])
+@pytest.mark.parametrize("name", [BF16, TID2EID, "compressor.ape", "indexer.weights_proj.weight", "head.weight"])
 def test_missing_tensor(tiny_checkpoint_copy, name):
+    name = name if name.startswith(("layers.", "head.")) else first_named(tiny_checkpoint_copy, name)
     remove_tensor(tiny_checkpoint_copy, name)
     load_error(CheckpointError, tiny_checkpoint_copy, name, "missing", str(tiny_checkpoint_copy))
 
@@ -159,13 +170,17 @@ def test_tensor_missing_from_shard_but_listed_in_index(tiny_checkpoint_copy):
     load_error(CheckpointError, tiny_checkpoint_copy, BF16, shard, "lacks")
 
 
-@pytest.mark.parametrize("name,value", [
-    ("layers.0.attn.bogus.weight", torch.zeros(4, 4, dtype=torch.bfloat16)),
-    ("layers.7.attn_norm.weight", torch.ones(64, dtype=torch.bfloat16)),       # a layer the config lacks
-    ("mtp.1.enorm.weight", torch.ones(64, dtype=torch.bfloat16)),              # a second MTP layer
-    ("layers.0.ffn.experts.8.w1.weight", torch.zeros(64, 32, dtype=torch.int8)),  # expert 8 of 8
-], ids=["bogus", "extra-layer", "extra-mtp", "extra-expert"])
-def test_extra_tensor(tiny_checkpoint_copy, name, value):
+@pytest.mark.parametrize("kind", ["bogus", "extra-layer", "extra-mtp", "extra-expert"])
+def test_extra_tensor(tiny_checkpoint_copy, kind):
+    cfg = config(tiny_checkpoint_copy)
+    norm = tensor(tiny_checkpoint_copy, BF16)
+    name, value = {
+        "bogus": ("layers.0.attn.bogus.weight", torch.zeros(4, 4, dtype=torch.bfloat16)),
+        "extra-layer": (f"layers.{cfg['num_hidden_layers']}.attn_norm.weight", norm),   # a layer the config lacks
+        "extra-mtp": (f"mtp.{cfg['num_nextn_predict_layers']}.enorm.weight", norm),      # one MTP layer too many
+        "extra-expert": (f"layers.0.ffn.experts.{cfg['n_routed_experts']}.w1.weight",   # expert E of E
+                         tensor(tiny_checkpoint_copy, "layers.0.ffn.experts.0.w1.weight")),
+    }[kind]
     shard = add_tensor(tiny_checkpoint_copy, name, value)
     load_error(CheckpointError, tiny_checkpoint_copy, name, shard, "unexpected")
 
@@ -176,29 +191,24 @@ def test_extra_scale_without_weight(tiny_checkpoint_copy):
     load_error(CheckpointError, tiny_checkpoint_copy, name, "unexpected")
 
 
-@pytest.mark.parametrize("name,value,expected", [
-    ("embed.weight", torch.zeros(256, 64, dtype=torch.bfloat16), "(512, 64)"),
-    (BF16, torch.ones(65, dtype=torch.bfloat16), "(64,)"),
-    (TID2EID, torch.zeros(512, 3, dtype=torch.int64), "(512, 2)"),
-    (FP8_W, torch.zeros(40, 64, dtype=torch.float8_e4m3fn), "(48, 64)"),
-    (FP4_W, torch.zeros(64, 16, dtype=torch.int8), "(64, 32)"),
-], ids=["embed", "norm", "tid2eid", "fp8", "fp4"])
-def test_wrong_shape(tiny_checkpoint_copy, name, value, expected):
-    shard = replace_tensor(tiny_checkpoint_copy, name, value)
-    msg = load_error(CheckpointError, tiny_checkpoint_copy, name, shard, "shape", expected)
-    assert str(tuple(value.shape)) in msg
+@pytest.mark.parametrize("name,dim", [("embed.weight", 0), (BF16, 0), (TID2EID, 1), (FP8_W, 0), (FP4_W, 1)],
+                         ids=["embed", "norm", "tid2eid", "fp8", "fp4"])
+def test_wrong_shape(tiny_checkpoint_copy, name, dim):
+    good = tensor(tiny_checkpoint_copy, name)
+    bad = good.narrow(dim, 0, good.shape[dim] - 1 if good.shape[dim] > 1 else 1)
+    bad = torch.cat([good, good.narrow(dim, 0, 1)], dim=dim) if bad.shape == good.shape else bad.contiguous()
+    shard = replace_tensor(tiny_checkpoint_copy, name, bad)
+    load_error(CheckpointError, tiny_checkpoint_copy, name, shard, "shape", tuple(bad.shape), tuple(good.shape))
 
 
-@pytest.mark.parametrize("name,value,fragment", [
-    (BF16, torch.ones(64, dtype=torch.int32), "torch.int32"),
-    ("embed.weight", torch.zeros(512, 64, dtype=torch.bool), "torch.bool"),
-    (TID2EID, torch.zeros(512, 2, dtype=torch.float32), "torch.float32"),
-    (TID2EID, torch.zeros(512, 2, dtype=torch.bfloat16), "torch.bfloat16"),
-    (BF16, torch.ones(64, dtype=torch.float8_e5m2), "torch.float8_e5m2"),
+@pytest.mark.parametrize("name,dtype", [
+    (BF16, torch.int32), ("embed.weight", torch.bool), (TID2EID, torch.float32), (TID2EID, torch.bfloat16),
+    (BF16, torch.float8_e5m2),
 ], ids=["int32-for-bf16", "bool-for-bf16", "float-for-tid2eid", "bf16-for-tid2eid", "e5m2-for-bf16"])
-def test_wrong_dtype(tiny_checkpoint_copy, name, value, fragment):
-    shard = replace_tensor(tiny_checkpoint_copy, name, value)
-    load_error(CheckpointError, tiny_checkpoint_copy, name, shard, "dtype", fragment)
+def test_wrong_dtype(tiny_checkpoint_copy, name, dtype):
+    good = tensor(tiny_checkpoint_copy, name)
+    shard = replace_tensor(tiny_checkpoint_copy, name, torch.ones(good.shape, dtype=dtype))
+    load_error(CheckpointError, tiny_checkpoint_copy, name, shard, "dtype", dtype)
 
 
 def test_int8_tid2eid_is_an_integer_tensor_not_a_quantized_weight(tiny_checkpoint_copy):
@@ -210,10 +220,10 @@ def test_int8_tid2eid_is_an_integer_tensor_not_a_quantized_weight(tiny_checkpoin
     assert loaded.dtype == torch.int64 and torch.equal(loaded, good)
 
 
-@pytest.mark.parametrize("bad", [8, -1], ids=["too-big", "negative"])
-def test_tid2eid_expert_ids_out_of_range(tiny_checkpoint_copy, bad):
+@pytest.mark.parametrize("too_big", [True, False], ids=["too-big", "negative"])
+def test_tid2eid_expert_ids_out_of_range(tiny_checkpoint_copy, too_big):
     good = tensor(tiny_checkpoint_copy, TID2EID)
-    good[5, 1] = bad
+    good[5, -1] = config(tiny_checkpoint_copy)["n_routed_experts"] if too_big else -1
     shard = replace_tensor(tiny_checkpoint_copy, TID2EID, good)
     load_error(CheckpointError, tiny_checkpoint_copy, TID2EID, shard, "n_routed_experts")
 
@@ -246,17 +256,18 @@ def test_scale_beside_an_unquantized_weight(tiny_checkpoint_copy):
     load_error(CheckpointError, tiny_checkpoint_copy, FP8_S, FP8_W, "unquantized")
 
 
-@pytest.mark.parametrize("scale,value,expected", [
-    (FP8_S, torch.ones(2, 2, dtype=torch.float32), "(1, 1)"),
-    (FP4_S, torch.ones(64, 1, dtype=torch.float32), "(64, 2)"),
-], ids=["fp8", "fp4"])
-def test_scale_wrong_shape(tiny_checkpoint_copy, scale, value, expected):
-    shard = replace_tensor(tiny_checkpoint_copy, scale, value.to(torch.float8_e8m0fnu))
-    load_error(CheckpointError, tiny_checkpoint_copy, scale.rsplit(".", 1)[0], shard, "shape", expected)
+@pytest.mark.parametrize("scale", [FP8_S, FP4_S], ids=["fp8", "fp4"])
+def test_scale_wrong_shape(tiny_checkpoint_copy, scale):
+    good = tensor(tiny_checkpoint_copy, scale)
+    bad = torch.ones(good.shape[0] + 1, good.shape[1]).to(torch.float8_e8m0fnu)
+    shard = replace_tensor(tiny_checkpoint_copy, scale, bad)
+    load_error(CheckpointError, tiny_checkpoint_copy, scale.rsplit(".", 1)[0], shard, "shape",
+               tuple(bad.shape), tuple(good.shape))
 
 
 def test_scale_wrong_dtype(tiny_checkpoint_copy):
-    shard = replace_tensor(tiny_checkpoint_copy, FP8_S, torch.ones(1, 1, dtype=torch.int32))
+    good = tensor(tiny_checkpoint_copy, FP8_S)
+    shard = replace_tensor(tiny_checkpoint_copy, FP8_S, torch.ones(good.shape, dtype=torch.int32))
     load_error(CheckpointError, tiny_checkpoint_copy, FP8_S, shard, "dtype", "torch.int32")
 
 
@@ -290,14 +301,14 @@ def test_config_not_an_object(tiny_checkpoint_copy):
 
 def test_config_with_wrong_value_type(tiny_checkpoint_copy):
     cfg = json.loads((tiny_checkpoint_copy / "config.json").read_text())
-    cfg["hidden_size"] = "64"
+    cfg["hidden_size"] = str(cfg["hidden_size"])
     (tiny_checkpoint_copy / "config.json").write_text(json.dumps(cfg))
-    load_error(ConfigError, tiny_checkpoint_copy, "hidden_size", "'64'")
+    load_error(ConfigError, tiny_checkpoint_copy, "hidden_size", repr(cfg["hidden_size"]))
 
 
 def test_config_does_not_match_weights(tiny_checkpoint_copy):
     cfg = json.loads((tiny_checkpoint_copy / "config.json").read_text())
-    cfg["moe_intermediate_size"] = 128
+    cfg["moe_intermediate_size"] *= 2
     (tiny_checkpoint_copy / "config.json").write_text(json.dumps(cfg))
     load_error(CheckpointError, tiny_checkpoint_copy, "shape", "ffn")
 

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from deepinfer.config import load_model_config, parse_model_config
-from deepinfer.config.deepseek_v4 import CSA, HASH_MOE, HCA, MOE, SLIDING
+from deepinfer.config.deepseek_v4 import (CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config, WeightQuant,
+                                          YarnScaling)
 from deepinfer.config.presets import FLASH_V4, TINY_V4
 from deepinfer.errors import ConfigError
 
@@ -100,15 +101,15 @@ def test_writers_round_trip(preset):
 def test_load_model_config_reads_a_file(tmp_path):
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_V4.to_deepseek_dict()))
-    assert load_model_config(tmp_path) == TINY_V4
-    assert load_model_config(tmp_path / "config.json") == TINY_V4
+    (tmp_path / "config.json").write_text(json.dumps(BASE.to_deepseek_dict()))
+    assert load_model_config(tmp_path) == BASE
+    assert load_model_config(tmp_path / "config.json") == BASE
 
 
 def test_nulls_mean_defaults_and_eos_lists_take_the_first():
-    d = TINY_V4.to_hf_dict() | {"bos_token_id": None, "pad_token_id": None, "eos_token_id": [1, 7],
-                                "torch_dtype": None, "rope_scaling": None}
-    assert parse_model_config(d) == dataclasses.replace(TINY_V4, quant=None)
+    d = BASE.to_hf_dict() | {"bos_token_id": None, "pad_token_id": None, "eos_token_id": [1, 7],
+                             "torch_dtype": None, "rope_scaling": None}
+    assert parse_model_config(d) == dataclasses.replace(BASE, quant=None)
 
 
 # ----------------------------------------------------------------------------- the released V4-Flash schedule
@@ -175,12 +176,30 @@ def test_transformers_reads_the_release_spelling_like_we_do():
 
 # ----------------------------------------------------------------------------- inconsistent configs
 
+# A fixed small config (independent of the presets, which may change): 4 layers S/CSA/HCA/CSA, 4 heads of 96,
+# rope 32, o_groups 2, 8 experts top-2, vocab 512.
+BASE = DeepseekV4Config(
+    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=96,
+    qk_rope_head_dim=32, q_lora_rank=48, o_groups=2, o_lora_rank=32, n_routed_experts=8,
+    n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, sliding_window=16,
+    layer_types=(SLIDING, CSA, HCA, CSA), compress_rates=((CSA, 4), (HCA, 16)),
+    mlp_layer_types=(HASH_MOE, HASH_MOE, MOE, MOE), index_n_heads=8, index_head_dim=64, index_topk=8,
+    rope_scaling=YarnScaling(factor=4, original_max_position_embeddings=256),
+    max_position_embeddings=1024, quant=WeightQuant(),
+)
+
+
 def _ds(**changes) -> dict:
-    return TINY_V4.to_deepseek_dict() | changes
+    return BASE.to_deepseek_dict() | changes
 
 
 def _hf(**changes) -> dict:
-    return TINY_V4.to_hf_dict() | changes
+    return BASE.to_hf_dict() | changes
+
+
+def test_base_is_valid():
+    assert parse_model_config(_ds()) == BASE
+    assert parse_model_config(_hf()) == dataclasses.replace(BASE, quant=None)
 
 
 BAD_CONFIGS = {
