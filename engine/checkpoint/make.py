@@ -10,7 +10,7 @@ import torch
 from ..config.presets import preset_config
 from ..models import build_model
 from .random_init import init_random_weights
-from .writer import write_checkpoint
+from .writer import check_out_dir, write_checkpoint
 
 
 def random_model(arch: str, preset: str, seed: int, layers: int | None = None, device: str = "cpu",
@@ -24,6 +24,7 @@ def random_model(arch: str, preset: str, seed: int, layers: int | None = None, d
 
 def make_checkpoint(arch: str, preset: str, fmt: str, seed: int, out: str | Path, layers: int | None = None,
                     overwrite: bool = False) -> Path:
+    check_out_dir(out, fmt, overwrite)  # fail before building a possibly huge model
     model = random_model(arch, preset, seed, layers)
     return write_checkpoint(model, out, fmt, overwrite=overwrite)
 

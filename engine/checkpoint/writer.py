@@ -100,9 +100,8 @@ def write_shards(tensors, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> None
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrite: bool = False,
-                     shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write config.json, shards + index, tokenizer into `out` (atomically: temp dir, then rename)."""
+def check_out_dir(out: str | Path, fmt: str, overwrite: bool) -> Path:
+    """Refuse a bad --format or --out before any work is done."""
     if fmt not in ("deepseek", "hf"):
         raise DeepInferError(f"--format must be 'deepseek' or 'hf', got {fmt!r}")
     out = Path(out)
@@ -118,6 +117,13 @@ def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrit
         # --overwrite deletes the directory: only ever do that to something that is a checkpoint.
         raise DeepInferError(f"{out} is not empty and holds no config.json, so it is not a checkpoint; "
                              f"--overwrite only replaces checkpoint directories: choose another --out")
+    return out
+
+
+def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrite: bool = False,
+                     shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write config.json, shards + index, tokenizer into `out` (atomically: temp dir, then rename)."""
+    out = check_out_dir(out, fmt, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -33,7 +33,10 @@ def load_model_config(path: str | Path):
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path} is not valid JSON ({err}); fix or re-download it") from None
-    return parse_model_config(raw)
+    try:
+        return parse_model_config(raw)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
 __all__ = ["DeepseekV4Config", "parse_model_config", "load_model_config", "CONFIG_PARSERS"]
