@@ -27,7 +27,7 @@ def run_cli(group: click.Group) -> None:
 
 @click.group(help="deepinfer: run DeepSeek-V4-family models offline.")
 def cli() -> None:
-    pass
+    """Command group; the subcommands below do the work."""
 
 
 @cli.command("make-checkpoint", help="Write a seeded random model in the real on-disk layout.")

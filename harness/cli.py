@@ -8,7 +8,7 @@ from deepinfer.cli import run_cli
 
 @click.group(help="deepinfer-bench: benchmark sweeps and determinism checks (no subcommands yet).")
 def cli() -> None:
-    pass
+    """Command group; the subcommands below do the work."""
 
 
 def main() -> None:
