@@ -18,7 +18,7 @@ from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks
 
 from ..errors import CheckpointError
 from ..models.layers import Linear, QuantizedWeight
-from .names import EXPERTS_HF, ds_to_hf, hf_to_ds, split_expert_name
+from .names import EXPERTS_HF, checkpoint_tensors, ds_to_hf, hf_to_ds, split_expert_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -68,7 +68,7 @@ class CheckpointLoader:
     def __init__(self, model: torch.nn.Module, ckpt_dir: Path, keep_quantized: bool = False):
         self.model, self.ckpt_dir, self.keep_quantized = model, Path(ckpt_dir), keep_quantized
         self.dtype = model.dtype
-        self.targets = dict(model.named_parameters()) | dict(model.named_buffers())
+        self.targets = checkpoint_tensors(model)
         self.block = model.cfg.quant.weight_block_size if model.cfg.quant else (128, 128)
         self.expected = self._expected_names()
         self.seen: set[str] = set()
@@ -79,8 +79,6 @@ class CheckpointLoader:
         """Every tensor (DeepSeek spelling, experts per index, no scales) the model needs."""
         names = set()
         for name, t in self.targets.items():
-            if name.startswith(("rope_", )) or name.endswith("inv_freq"):
-                continue
             if ".ffn.experts.w" in name:
                 base, w = name.rsplit(".", 1)
                 names.update(f"{base}.{j}.{w}.weight" for j in range(t.shape[0]))
@@ -108,8 +106,6 @@ class CheckpointLoader:
             except SafetensorError as err:
                 raise CheckpointError(f"shard {path} is corrupt or truncated ({err}); re-download it") from None
             except (OSError, RuntimeError) as err:
-                if isinstance(err, CheckpointError):
-                    raise
                 raise CheckpointError(f"shard {path} could not be read ({err}); re-download it") from None
         if self.pending:
             self._report_pending()

@@ -108,6 +108,18 @@ def hf_to_ds(name: str) -> str | None:
     return None
 
 
+def checkpoint_tensors(model) -> dict:
+    """Every tensor a checkpoint holds for `model` (parameters + persistent buffers, not rope caches),
+    by module name; the live tensors, so callers can fill them."""
+    return model.state_dict(keep_vars=True)
+
+
+def hf_experts_prefix(ds_experts: str) -> str:
+    """`layers.3.ffn.experts` -> `model.layers.3.mlp.experts` (`mtp.0.ffn.experts` -> `mtp.0.mlp.experts`)."""
+    kind, idx, _ = _DS_LAYER.match(ds_experts).groups()
+    return f"{'model.layers' if kind == 'layers' else 'mtp'}.{idx}.mlp.experts"
+
+
 def split_expert_name(ds_name: str) -> tuple[str, int, str, str] | None:
     """`layers.3.ffn.experts.7.w1.weight` -> ("layers.3.ffn.experts", 7, "w1", "weight")."""
     m = _DS_LAYER.match(ds_name)

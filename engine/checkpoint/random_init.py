@@ -8,6 +8,7 @@ import torch
 from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
 
 from ..config.deepseek_v4 import DeepseekV4Config
+from .names import checkpoint_tensors
 
 # Dense weights stored as FP8 blocks in the release (everything else floating stays BF16 or F32).
 FP8_WEIGHTS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
@@ -55,7 +56,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     cfg, quant = model.cfg, model.cfg.quant
     device = model.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
+    tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name]
         value = _sample(name, t.shape, cfg, gen, device)

@@ -21,7 +21,7 @@ from deepinfer.kernels.quant import quantize_fp4, quantize_fp8_blocks
 
 from ..errors import DeepInferError
 from .loader import INDEX_FILE
-from .names import EXPERTS_HF, ds_to_hf
+from .names import checkpoint_tensors, ds_to_hf, hf_experts_prefix
 from .random_init import is_fp32_tensor, is_fp8_weight
 from .tokenizer import write_tokenizer
 
@@ -31,7 +31,7 @@ SHARD_BYTES = 1 << 20  # small shards so tiny checkpoints exercise the multi-sha
 def deepseek_tensors(model: torch.nn.Module):
     """Yield (name, tensor) in DeepSeek names and release dtypes (quantized when the config says so)."""
     quant = model.cfg.quant
-    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
+    tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name].detach()
         if ".ffn.experts.w" in name:
@@ -59,14 +59,14 @@ def _stored(name: str, t: torch.Tensor, quant, expert: bool):
 
 def hf_tensors(model: torch.nn.Module):
     """Yield (name, tensor) in transformers' names: experts stacked as gate_up_proj / down_proj."""
-    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "inv_freq" not in n}
+    tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name].detach()
         if ".ffn.experts.w" in name:
             base, w = name.rsplit(".", 1)
             if w == "w3":
                 continue
-            hf_base = ds_to_hf(base.replace(".ffn.experts", ".ffn.gate.weight")).replace("gate.weight", "experts")
+            hf_base = hf_experts_prefix(base)
             if w == "w1":
                 yield f"{hf_base}.gate_up_proj", torch.cat([t, tensors[f"{base}.w3"]], dim=1).to(torch.bfloat16)
             else:

@@ -13,7 +13,7 @@ from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.rope import apply_rope
 
 from ..cache.sequence_state import CompressorState, LayerState
-from ..config.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from ..config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
 from . import qat
 from .compressor import Compressor, Indexer, visible_entries
 from .layers import Linear, RMSNorm, fp32_param
@@ -68,19 +68,18 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                      # [N, d]
         if self.qat_fake_quant:
             kv = qat.quantize_kv_latent(kv, self.rope_dim)
-        comp = idx = None
+        comp = idx = ()
         if self.compressor is not None:
-            comp = self.compressor.project(x)
+            comp = self.compressor.project(x)                                    # kv, gate: [N, c*d] each
         if self.indexer is not None:
-            idx = (self.indexer.compressor.project(x), *self.indexer.queries(qr, x, cos, sin))
+            index_q, index_w = self.indexer.queries(qr, x, cos, sin)
+            idx = (*self.indexer.compressor.project(x), self._quantize_index(index_q), index_w)
 
         out = torch.empty_like(q)
         for s in seqs:
             rows = slice(s.start, s.end)
             out[rows] = self._attend_one(q[rows], kv[rows], positions[rows], s.first_pos, s.layers[layer],
-                                         None if comp is None else (comp[0][rows], comp[1][rows]),
-                                         None if idx is None else (idx[0][0][rows], idx[0][1][rows],
-                                                                   idx[1][rows], idx[2][rows]))
+                                         [t[rows] for t in comp], [t[rows] for t in idx])
         # K=V carried each key's rotation into the values; rotate back at the query position.
         out = apply_rope(out, cos, sin, inverse=True)
         grouped = out.view(n, self.o_groups, -1)                                  # [N, G, H*d/G]
@@ -105,7 +104,7 @@ class Attention(nn.Module):
                 keys_i = self._append_entries(
                     self.indexer.compressor.pool(index_kv, index_gate, first_pos, state.indexer, self.rope),
                     state.indexer, self._quantize_index)
-                shown = self.indexer.select(self._quantize_index(index_q), index_w, keys_i, positions)
+                shown = self.indexer.select(index_q, index_w, keys_i, positions)
             else:
                 shown = visible_entries(positions, entries.shape[0], self.ratio)
             keys = torch.cat([keys, entries.to(keys.dtype)])
