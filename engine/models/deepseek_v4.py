@@ -105,12 +105,10 @@ class DeepseekV4ForCausalLM(HyperHead):
     def forward(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState]):
         """input_ids: [N] new tokens of len(states) sequences, sequence i owning rows chunks[i] = (start, end).
         Advances each state; returns the last streams [N, hc, D] (before hc_head)."""
-        positions, seqs = self._positions(chunks, states, "layers", "num_tokens")
+        positions, seqs = self._claim_positions(chunks, states, "layers", "num_tokens")
         h = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
             h = block(h, input_ids, positions, seqs, i)
-        for (start, end), st in zip(chunks, states):
-            st.num_tokens += end - start
         return h
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
@@ -122,18 +120,18 @@ class DeepseekV4ForCausalLM(HyperHead):
         """Draft step of mtp.{depth}: streams at positions t (rows as in forward) and the tokens at t+1.
         Returns (logits [N, vocab] for t+2, the layer's output streams)."""
         layer = self.mtp[depth]
-        positions, seqs = self._positions(chunks, states, "mtp", "num_mtp_tokens")
+        positions, seqs = self._claim_positions(chunks, states, "mtp", "num_mtp_tokens")
         e = layer.e_proj(layer.enorm(self.embed(next_ids)))
         h = e.unsqueeze(1) + layer.h_proj(layer.hnorm(streams))
         h = layer(h, next_ids, positions, seqs, depth)
-        for (start, end), st in zip(chunks, states):
-            st.num_mtp_tokens += end - start
         return self.head(layer.collapse(h)).float(), h
 
-    def _positions(self, chunks, states, layer_attr: str, count_attr: str):
+    def _claim_positions(self, chunks, states, layer_attr: str, count_attr: str):
+        """Positions [N] of the new rows, one SeqSlice per sequence; advances each state's token count."""
         pos, seqs = [], []
         for (start, end), st in zip(chunks, states):
             first = getattr(st, count_attr)
+            setattr(st, count_attr, first + end - start)
             pos.append(torch.arange(first, first + end - start))
             seqs.append(SeqSlice(start, end, getattr(st, layer_attr), first))
         return torch.cat(pos).to(self.device), seqs
