@@ -51,6 +51,8 @@ class SequenceState:
     mtp: list[LayerState] = field(default_factory=list)
     num_tokens: int = 0
     num_mtp_tokens: int = 0
+    engram: torch.Tensor | None = None   # V4.1: the last (max_ngram-1) compressed ids (the engram's look-back)
 
     def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.layers + self.mtp)
+        extra = 0 if self.engram is None else self.engram.numel() * self.engram.element_size()
+        return sum(s.nbytes() for s in self.layers + self.mtp) + extra

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from .deepseek_v4 import DeepseekV4ForCausalLM
+from .deepseek_v41 import DeepseekV41ForCausalLM
 from .rope import RotaryEmbedding
 
-MODEL_CLASSES = {"deepseek_v4": DeepseekV4ForCausalLM}
+MODEL_CLASSES = {"deepseek_v4": DeepseekV4ForCausalLM, "deepseek_v41": DeepseekV41ForCausalLM}
 
 
 def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -23,4 +24,4 @@ def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = to
     return model.eval()
 
 
-__all__ = ["MODEL_CLASSES", "build_model", "DeepseekV4ForCausalLM"]
+__all__ = ["MODEL_CLASSES", "build_model", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"]

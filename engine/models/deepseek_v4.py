@@ -30,7 +30,7 @@ class Block(nn.Module):
         d, hc = cfg.hidden_size, cfg.hc_mult
         self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_type, rope, dtype, qat_fake_quant)
-        self.ffn = MoE(cfg, mlp_type, dtype)
+        self.ffn = MoE.for_v4(cfg, mlp_type, dtype)
         rows = (2 + hc) * hc
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)

@@ -13,9 +13,9 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return flat @ fn.to(flat.dtype).T
 
 
-def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-           norm_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [N, hc, D] -> (block input [N, D], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+             norm_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One projection of the streams [N, hc, D] -> (pre [N, hc], post [N, hc], comb [N, hc, hc]), all >= fp32."""
     hc = streams.shape[1]
     m = _mixes(streams, fn, norm_eps)
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
@@ -25,18 +25,29 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return x, post, comb
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[N, hc, D] weighted by pre [N, hc] -> [N, D] (sum in >= fp32)."""
+    return (pre.unsqueeze(-1) * upcast(streams)).sum(dim=1).to(streams.dtype)
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+           norm_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V4 site: streams [N, hc, D] -> (block input [N, D], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+    pre, post, comb = hc_mixes(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
+    return hc_collapse(streams, pre), post, comb
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out_k = post_k * f(x) + sum_j comb[j, k] * h_j  (comb is applied transposed)."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(1, 2) @ streams
+    mixed = comb.to(upcast(streams).dtype).transpose(1, 2) @ upcast(streams)
+    return (post.unsqueeze(-1) * upcast(out).unsqueeze(1) + mixed).to(streams.dtype)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """Collapse the streams to one: [N, hc, D] -> [N, D]."""
     pre = torch.sigmoid(_mixes(streams, fn, norm_eps) * upcast(scale) + upcast(base)) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return hc_collapse(streams, pre)

@@ -18,24 +18,33 @@ SCORE_FUNCS = {
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    """In >= fp32 (the references upcast both branches), returned in >= fp32."""
+    return F.silu(upcast(gate).clamp(max=limit)) * upcast(up).clamp(min=-limit, max=limit)
 
 
 class Gate(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, is_hash: bool, dtype: torch.dtype):
-        super().__init__()
-        self.top_k, self.scale, self.is_hash = cfg.num_experts_per_tok, cfg.routed_scaling_factor, is_hash
-        self.score_fn = SCORE_FUNCS[cfg.scoring_func]
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype),
-                                   requires_grad=False)
-        if is_hash:
-            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
-        else:
-            self.bias = fp32_param(cfg.n_routed_experts)
+    """Router over `n_experts`: scores = score_fn(x W^T / temp); `bias` steers selection only.
+    Hash layers (V4) pick experts from `tid2eid[token]` instead. `bias_vl` (V4.1) is the selection
+    bias for image-span tokens; text-only runs load it and leave it unused."""
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, dim: int, n_experts: int, top_k: int, scoring_func: str, route_scale: float,
+                 dtype: torch.dtype, temp: float = 1.0, hash_vocab: int | None = None, bias_vl: bool = False):
+        super().__init__()
+        self.top_k, self.scale, self.temp, self.is_hash = top_k, route_scale, temp, hash_vocab is not None
+        self.n_experts = n_experts
+        self.score_fn = SCORE_FUNCS[scoring_func]
+        self.weight = nn.Parameter(torch.empty(n_experts, dim, dtype=dtype), requires_grad=False)
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab, top_k, dtype=torch.long))
+        else:
+            self.bias = fp32_param(n_experts)
+        if bias_vl:
+            self.bias_vl = fp32_param(n_experts)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
-        scores = self.score_fn(F.linear(upcast(x), upcast(self.weight)))        # [N, E]
+        logits = F.linear(upcast(x), upcast(self.weight))
+        scores = self.score_fn(logits if self.temp == 1.0 else logits / self.temp)   # [N, E]
         if self.is_hash:
             ids = self.tid2eid[input_ids]
         else:
@@ -63,7 +72,7 @@ class Experts(nn.Module):
             token, slot = (ids == e).nonzero(as_tuple=True)
             h = swiglu(x[token] @ self.w1[e].T, x[token] @ self.w3[e].T, self.limit)
             h = h * weights[token, slot].unsqueeze(-1).to(h.dtype)   # routing weight before w2, as the reference
-            out.index_add_(0, token, upcast(h @ self.w2[e].T))
+            out.index_add_(0, token, upcast(h.to(self.w2.dtype) @ self.w2[e].T))
         return out.to(x.dtype)
 
 
@@ -78,14 +87,18 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, mlp_type: str, dtype: torch.dtype):
+    def __init__(self, gate: Gate, dim: int, inter: int, n_shared: int, limit: float, dtype: torch.dtype):
         super().__init__()
-        self.gate = Gate(cfg, mlp_type == HASH_MOE, dtype)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                               cfg.swiglu_limit, dtype)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           cfg.swiglu_limit, dtype)
+        self.gate = gate
+        self.experts = Experts(gate.n_experts, dim, inter, limit, dtype)
+        self.shared_experts = SharedExpert(dim, inter * n_shared, limit, dtype)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def for_v4(cls, cfg: DeepseekV4Config, mlp_type: str, dtype: torch.dtype) -> "MoE":
+        gate = Gate(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.scoring_func,
+                    cfg.routed_scaling_factor, dtype, hash_vocab=cfg.vocab_size if mlp_type == HASH_MOE else None)
+        return cls(gate, cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
         return self.experts(x, weights, ids) + self.shared_experts(x)

@@ -1,0 +1,169 @@
+"""V4.1 attention: every layer has its own sliding window of K=V latents; layers with ratio > 0 also
+attend to their source group's shared compressed entries, masked to the latest index source's top-k.
+
+Differences from V4: no per-head q RMSNorm; the window latent is FP8 (ue8m0 per 32) over all
+channels, RoPE slice included; the compressed branch is produced by the group's KV source only
+(see csa2.py) and handed to the later layers of the group through `SeqRows.shared`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.quant import fake_quant_fp8
+from deepinfer.kernels.rope import apply_rope
+
+from ..cache.sequence_state import CompressorState, LayerState, SequenceState
+from ..config.deepseek_v41 import DeepseekV41Config
+from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_mask
+from .layers import Linear, RMSNorm, fp32_param
+from .rope import RotaryEmbedding
+
+WINDOW_FP8_BLOCK = 32
+
+
+@dataclass
+class SeqRows:
+    """One sequence's rows [start, end) of a layer's input; rows [q_start, end) need outputs.
+    Row i holds position pos0 + (i - start); the window state ends at position prev_tokens - 1."""
+    start: int
+    end: int
+    q_start: int
+    pos0: int
+    prev_tokens: int
+    state: SequenceState
+    shared: dict = field(default_factory=dict)   # CSA2 products of the current source group
+
+
+class AttentionV41(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, rope: RotaryEmbedding, rope_compress: RotaryEmbedding,
+                 dtype: torch.dtype, qat_fake_quant: bool, window: int | None = None):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window = cfg.sliding_window if window is None else window
+        self.o_groups, self.qat_fake_quant = cfg.o_groups, qat_fake_quant
+        self.rope, self.rope_compress = rope, rope_compress
+        d = cfg.hidden_size
+        self.wq_a = Linear(d, cfg.q_lora_rank, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.wkv = Linear(d, self.head_dim, dtype)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
+        self.attn_sink = fp32_param(self.n_heads)
+        self.ratio = cfg.compress_ratios[layer] if layer < cfg.num_hidden_layers else 0
+        self.is_kv_source = layer in cfg.kv_source_layer_ids
+        is_index_source = layer in cfg.index_source_layer_ids
+        self.compressor = Compressor(d, self.head_dim, self.ratio, cfg.rms_norm_eps, dtype) \
+            if self.is_kv_source else None
+        self.indexer = Indexer(d, cfg.q_lora_rank, self.head_dim, cfg.index_n_heads, cfg.index_head_dim,
+                               cfg.index_topk, self.is_kv_source, cfg.rms_norm_eps, dtype) \
+            if is_index_source else None
+        self.is_candidate_source = layer == cfg.candidate_source_layer_id
+        self.uses_candidates = 0 <= cfg.candidate_source_layer_id < layer
+        self.candidate_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+
+    def new_state(self) -> LayerState:
+        src = self.compressor is not None
+        return LayerState(compressor=CompressorState() if src else None,
+                          indexer=CompressorState() if src and self.indexer is not None else None)
+
+    # ---- shared projections ----
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [Q, D] -> (q [Q, H, d] roped, qr [Q, q_lora] the low-rank residual the indexer reuses)."""
+        qr = self.q_norm(self.wq_a(x))
+        return apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin), qr
+
+    def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> K=V latents [N, d] as the window stores them (roped, FP8 QAT)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return fake_quant_fp8(kv, WINDOW_FP8_BLOCK) if self.qat_fake_quant else kv
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """o [Q, H, d] -> [Q, D]: undo the query's rotation, grouped wo_a, wo_b."""
+        o = apply_rope(o, cos, sin, inverse=True)
+        grouped = o.view(o.shape[0], self.o_groups, -1)                               # [Q, G, H*d/G]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])               # [G, R, H*d/G]
+        return self.wo_b(torch.einsum("ngi,gri->ngr", grouped.to(w.dtype), w).flatten(1))
+
+    # ---- the flat-batch forward ----
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:
+        """x [I, D] normed input rows, positions [I] -> outputs [Q, D] for each sequence's query rows."""
+        qrows = torch.cat([torch.arange(s.q_start, s.end) for s in seqs]).to(x.device)
+        xq, qpos = x[qrows], positions[qrows]
+        rope = self.rope_compress if self.ratio else self.rope
+        cos_q, sin_q = rope(qpos)
+        q, qr = self.queries(xq, cos_q, sin_q)
+        kv = self.window_kv(x, *rope(positions))
+        index_q = self.indexer.queries(qr, xq, cos_q, sin_q, self.qat_fake_quant) if self.indexer else None
+        out = torch.empty_like(q)
+        done = 0
+        for s in seqs:
+            tq = s.end - s.q_start
+            rows = slice(done, done + tq)
+            iq = None if index_q is None else (index_q[0][rows], index_q[1][rows])
+            out[rows] = self._attend_one(s, q[rows], qpos[rows], x[s.start:s.end], kv[s.start:s.end],
+                                         positions[s.start:s.end], iq)
+            done += tq
+        return self.output(out, cos_q, sin_q)
+
+    def _attend_one(self, s: SeqRows, q, qpos, x, kv, kv_pos, index_q) -> torch.Tensor:
+        """One sequence: q [Tq, H, d] at qpos; kv [T, d] at kv_pos (its new rows)."""
+        st = s.state.layers[self.layer]
+        old = 0 if st.window is None else st.window.shape[0]
+        keys = kv if st.window is None else torch.cat([st.window, kv])
+        key_pos = torch.cat([torch.arange(s.prev_tokens - old, s.prev_tokens, device=kv.device), kv_pos])
+        dist = qpos.unsqueeze(1) - key_pos.unsqueeze(0)
+        visible = (dist >= 0) & (dist < self.window)                                  # [Tq, K]
+        st.window = keys[max(keys.shape[0] - (self.window - 1), 0):] if self.window > 1 else keys[:0]
+        if self.ratio:
+            sh = s.shared
+            if self.compressor is not None:
+                self._publish(st, x, sh)
+            if self.indexer is not None and sh.get("keys") is not None:
+                self._select(sh, index_q, qpos)
+            entries = sh.get("entries")
+            if entries is not None and entries.shape[0]:
+                chosen = sh.get("selected")
+                chosen = torch.zeros(q.shape[0], entries.shape[0], dtype=torch.bool, device=q.device) \
+                    if chosen is None else chosen[-q.shape[0]:]
+                keys = torch.cat([keys, entries.to(keys.dtype)])
+                visible = torch.cat([visible, chosen], dim=1)
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
+        return sink_attention(q, keys, bias, self.attn_sink, self.head_dim ** -0.5)
+
+    def _publish(self, st: LayerState, x: torch.Tensor, sh: dict) -> None:
+        """KV source: close the groups x completes, append entries (and index keys); the group's
+        products replace the previous group's."""
+        latents = self.compressor.latents(x, st.compressor)
+        n0 = st.compressor.num_entries()
+        pos = (n0 + torch.arange(latents.shape[0], device=x.device)) * self.ratio
+        entries = apply_rope(latents, *self.rope_compress(pos))
+        if self.qat_fake_quant:
+            entries = quantize_entry(entries)
+        st.compressor.entries = _append(st.compressor.entries, entries)
+        if st.indexer is not None:
+            st.indexer.entries = _append(st.indexer.entries,
+                                         self.indexer.keys(latents, pos, self.rope_compress, self.qat_fake_quant))
+        sh.clear()
+        sh["entries"], sh["keys"] = st.compressor.entries, None if st.indexer is None else st.indexer.entries
+
+    def _select(self, sh: dict, index_q, qpos: torch.Tensor) -> None:
+        """Index source: top-k of the group's keys for these queries (inside the candidates, if any)."""
+        scores = self.indexer.scores(index_q[0], index_q[1], sh["keys"], qpos, self.ratio)
+        if self.is_candidate_source:
+            sh["candidates"] = candidate_blocks(scores, qpos, self.ratio, self.candidate_blocks,
+                                                self.candidate_block_size)
+        elif self.uses_candidates and sh.get("candidates") is not None:
+            scores = scores.masked_fill(~sh["candidates"][-qpos.shape[0]:], float("-inf"))
+        sh["selected"] = top_k_mask(scores, self.indexer.topk)
+
+
+def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new])

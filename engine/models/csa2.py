@@ -1,0 +1,133 @@
+"""CSA2 of DeepSeek-V4.1: compressed KV produced once per source group, shared by the layers after it.
+
+A KV source's compressor turns its own input into pre-RoPE latents: at ratio 1 one per token,
+`norm(wkv x)`; at ratio r > 1 one per r tokens, a per-channel softmax over the r slots of the fp32
+gate pooling the fp32 `wkv x`, then `norm`. Group j stands for position j*r and is visible to the
+query at p once j < (p+1)//r. From a latent come
+  - the cache entry: RoPE at j*r (compress rope), FP4 e2m1 with one e4m3 scale per 16 (QAT);
+  - the index key:   k_norm(wk(latent)), RoPE at j*r, FP4 with one ue8m0 scale per 32 (QAT).
+An index source scores the group's keys with its own queries, sum_h relu(q_h.k) dI^-1/2 w_h, and
+keeps the top-k visible entries; the candidate source also keeps its best blocks of entries, and
+every later index source scores only inside them (two-level top-k).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.kernels.precision import upcast
+from deepinfer.kernels.quant import fake_quant_fp4
+from deepinfer.kernels.rope import apply_rope
+
+from ..cache.sequence_state import CompressorState
+from .layers import Linear, RMSNorm
+from .rope import RotaryEmbedding
+
+ENTRY_FP4_BLOCK = 16    # compressed KV: e2m1, one e4m3 scale per 16 channels
+INDEX_FP4_BLOCK = 32    # indexer q and k: e2m1, one ue8m0 scale per 32 channels
+
+
+def quantize_entry(x: torch.Tensor) -> torch.Tensor:
+    return fake_quant_fp4(x, ENTRY_FP4_BLOCK, scale_fmt="e4m3")
+
+
+def quantize_index(x: torch.Tensor) -> torch.Tensor:
+    return fake_quant_fp4(x, INDEX_FP4_BLOCK, scale_fmt="ue8m0")
+
+
+def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
+    """[T, n] bool: group j is visible to the query at position p once j < (p+1)//ratio."""
+    entry = torch.arange(num_entries, device=positions.device)
+    return entry.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1)
+
+
+class Compressor(nn.Module):
+    """`attn.compressor` of a KV source: wkv [d, D], wgate [d, D] (ratio > 1 only), norm [d]."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(dim, head_dim, dtype)
+        self.wgate = Linear(dim, head_dim, dtype) if ratio > 1 else None
+        self.norm = RMSNorm(head_dim, eps)
+
+    def latents(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """One sequence's new tokens x [T, D] (continuing `state`) -> latents of the groups they
+        close, [n_closed, d] pre-RoPE in x's dtype. Leftover tokens wait in state.pending_*."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x))
+        w_kv, w_gate = upcast(self.wkv.weight), upcast(self.wgate.weight)
+        kv, gate = upcast(x) @ w_kv.T, upcast(x) @ w_gate.T                 # [T, d] each, >= fp32
+        if state.pending_kv is not None:
+            kv, gate = torch.cat([state.pending_kv, kv]), torch.cat([state.pending_score, gate])
+        r = self.ratio
+        n = kv.shape[0] // r
+        state.pending_kv, state.pending_score = kv[n * r:], gate[n * r:]
+        kv, gate = kv[: n * r].view(n, r, kv.shape[-1]), gate[: n * r].view(n, r, gate.shape[-1])
+        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)                       # [n, d]
+        return self.norm(pooled.to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """`attn.indexer` of an index source: wq_b [H_I*dI, q_lora], weights_proj [H_I, D]; a source that
+    is also a KV source owns wk [dI, d] + k_norm and publishes the group's keys."""
+
+    def __init__(self, dim: int, q_lora_rank: int, head_dim: int, n_heads: int, index_dim: int, topk: int,
+                 owns_keys: bool, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.index_dim, self.topk = n_heads, index_dim, topk
+        self.wq_b = Linear(q_lora_rank, n_heads * index_dim, dtype)
+        self.weights_proj = Linear(dim, n_heads, dtype)
+        if owns_keys:
+            self.wk = Linear(head_dim, index_dim, dtype)
+            self.k_norm = RMSNorm(index_dim, eps)
+
+    def keys(self, latents: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+             qat_fake_quant: bool) -> torch.Tensor:
+        """Pre-RoPE latents [n, d] at `positions` [n] -> index keys [n, dI]."""
+        k = apply_rope(self.k_norm(self.wk(latents)), *rope(positions))
+        return quantize_index(k) if qat_fake_quant else k
+
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                qat_fake_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """qr [N, q_lora] (the attention's q_norm(wq_a x)), x [N, D] -> (q [N, H_I, dI], w [N, H_I] >= fp32)."""
+        q = apply_rope(self.wq_b(qr).view(qr.shape[0], self.n_heads, self.index_dim), cos, sin)
+        if qat_fake_quant:
+            q = quantize_index(q)
+        return q, upcast(self.weights_proj(x)) * self.n_heads ** -0.5
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+               ratio: int) -> torch.Tensor:
+        """One sequence: q [T, H_I, dI], weights [T, H_I], keys [n, dI] -> [T, n], -inf where not yet visible."""
+        s = torch.einsum("thd,nd->thn", upcast(q), upcast(keys)).relu() * self.index_dim ** -0.5
+        s = (s * weights.unsqueeze(-1)).sum(dim=1)
+        return s.masked_fill(~visible_entries(positions, keys.shape[0], ratio), float("-inf"))
+
+
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, n] scores -> [T, n] bool keeping the k best finite entries per row.
+    NOTE: FP4 q and k make exact ties common; a stable sort breaks them toward the lower index so
+    chunked prefill, decode and the one-shot forward select the same set."""
+    n = scores.shape[-1]
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    if n == 0 or k <= 0:
+        return keep
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : min(k, n)]
+    keep.scatter_(1, top, True)
+    return keep & (scores > float("-inf"))
+
+
+def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,
+                     block: int) -> torch.Tensor:
+    """Level one of the two-level top-k. scores [T, n] (-inf = not visible) -> [T, n] bool mask of
+    the entries in each query's `n_blocks` best blocks of `block` entries (block score = its max).
+    The block holding the query's newest visible entry is always kept."""
+    t, n = scores.shape
+    padded = torch.nn.functional.pad(scores, (0, -n % block), value=float("-inf"))
+    block_scores = padded.view(t, -1, block).amax(dim=-1)                       # [T, nb]
+    newest = ((positions + 1) // ratio - 1) // block                           # [T]; -1 when none visible
+    ids = torch.arange(block_scores.shape[1], device=scores.device)
+    block_scores = block_scores.masked_fill(ids.unsqueeze(0) == newest.unsqueeze(1), float("inf"))
+    keep = top_k_mask(block_scores, n_blocks)
+    return keep.repeat_interleave(block, dim=1)[:, :n]

@@ -1,0 +1,236 @@
+"""DeepSeek-V4.1 (Flash) text model, module and parameter names as in DeepSeek's checkpoint.
+
+Top level: embed -> hc_mult copies -> 40 blocks -> collapse with the last site's `pre` -> norm -> head.
+Single-pass mHC: one projection per site gives (pre, post, comb); post/comb act at their own site,
+`pre` collapses the streams for the *next* site (layer 0's attention collapses stream 0):
+  [h = engram(h)]                                   (engram layers)
+  pre_a, post, comb = mixes(h);  h = hc_post(attn(attn_norm(collapse(h, pre_mix))), h, post, comb)
+  pre_f, post, comb = mixes(h);  h = hc_post(ffn(ffn_norm(collapse(h, pre_a))), h, post, comb)
+  pre_mix = pre_f
+
+YOCO prefill truncation (`last_only`): from the last KV source on, a layer mixes positions only
+through its own window, so the last token's logits need layer l's outputs on the suffix
+[t - (L-1-l)(W-1), t] only (L layers, window W). Each layer therefore runs its queries, attention
+output and MoE on that shrinking suffix; its window KV comes from its (one step longer) input
+suffix, and the last KV source still compresses every token. Exact, and it leaves every window
+state as a full prefill would (docs/model-v41.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..cache.sequence_state import SequenceState
+from ..config.deepseek_v41 import DeepseekV41Config
+from ..errors import DeepInferError
+from .attention_v41 import AttentionV41, SeqRows
+from .engram import Engram, EngramHasher
+from .layers import Linear, RMSNorm, fp32_param
+from .mhc import hc_collapse, hc_mixes, hc_post
+from .moe import MoE, Gate
+from .rope import RotaryEmbedding
+
+
+class BlockV41(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, rope: RotaryEmbedding, rope_compress: RotaryEmbedding,
+                 dtype: torch.dtype, qat_fake_quant: bool, n_experts: int, top_k: int):
+        super().__init__()
+        self.cfg = cfg
+        d, hc = cfg.hidden_size, cfg.hc_mult
+        self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = AttentionV41(cfg, layer, rope, rope_compress, dtype, qat_fake_quant)
+        gate = Gate(d, n_experts, top_k, cfg.scoring_func, cfg.routed_scaling_factor, dtype, temp=cfg.gate_temp,
+                    bias_vl=True)
+        self.ffn = MoE(gate, d, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype)
+        self.engram = Engram(cfg, layer, dtype, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]) \
+            if layer in cfg.engram_layer_ids else None
+        rows = (2 + hc) * hc
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
+
+    def mixes(self, h: torch.Tensor, site: str):
+        c = self.cfg
+        return hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                        getattr(self, f"hc_{site}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows],
+                qrows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [I, hc, D] streams (after any engram), pre_mix [I, hc] -> (streams, next pre) on the query
+        rows `qrows` (None: all rows)."""
+        x = self.attn(self.attn_norm(hc_collapse(h, pre_mix)), positions, seqs)
+        if qrows is not None:
+            h = h[qrows]
+        pre_a, post, comb = self.mixes(h, "attn")
+        h = hc_post(x, h, post, comb)
+        pre_f, post, comb = self.mixes(h, "ffn")
+        h = hc_post(self.ffn(self.ffn_norm(hc_collapse(h, pre_a))), h, post, comb)
+        return h, pre_f
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor                  # [M, D] final normed hidden of the output rows
+    rows: torch.Tensor                    # [M] their indices into the input rows
+    features: torch.Tensor | None = None  # [F, n_targets*D] DSpark target features
+    feature_rows: torch.Tensor | None = None
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True):
+        super().__init__()
+        self.cfg, self.dtype, self.qat_fake_quant = cfg, dtype, qat_fake_quant
+        rd = cfg.qk_rope_head_dim
+        self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
+        self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.rope_scaling)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            BlockV41(cfg, i, self.rope_compress if cfg.compress_ratios[i] else self.rope_main, self.rope_compress,
+                     dtype, qat_fake_quant, cfg.n_routed_experts, cfg.num_experts_per_tok)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.hasher: EngramHasher | None = None   # bound from the tokenizer (bind_tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(layers=[b.attn.new_state() for b in self.layers])
+
+    def bind_tokenizer(self, tokenizer) -> None:
+        """Build the engram hash tables from the tokenizer (checks the compressed vocabulary size)."""
+        if self.cfg.engram_layer_ids:
+            self.hasher = EngramHasher.from_tokenizer(self.cfg, tokenizer)
+
+    # ---- the flat-batch forward every caller goes through ----
+    def forward(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState],
+                last_only: bool = False, feature_window: int = 0) -> ForwardOutput:
+        """input_ids [N]: new tokens of len(states) sequences, sequence i owning rows chunks[i].
+        last_only: only each chunk's last row needs an output (YOCO truncation).
+        feature_window > 0: also return DSpark features for each chunk's last `feature_window` rows."""
+        cfg = self.cfg
+        dev = self.device
+        positions, seqs = self._claim_positions(chunks, states)
+        hash_ids = self._hash(input_ids, chunks, states)
+        h = self.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre_mix = torch.zeros(h.shape[:2], dtype=torch.float32 if self.dtype != torch.float64 else self.dtype,
+                              device=dev)
+        pre_mix[:, 0] = 1
+        rows = torch.arange(input_ids.shape[0], device=dev)       # current rows -> input rows
+        targets = list(cfg.dspark_target_layer_ids) if feature_window else []
+        features = {}
+        last_pos = [s.pos0 + s.end - s.start - 1 for s in seqs]
+        for i, block in enumerate(self.layers):
+            if block.engram is not None:
+                h = block.engram(h, hash_ids[rows, block.engram.layer_index])
+            if i in targets:
+                features[i] = (rows, h.mean(dim=1))
+            qrows = None
+            if last_only and i >= cfg.truncation_start:
+                span = (cfg.num_hidden_layers - 1 - i) * (cfg.sliding_window - 1)
+                qrows = self._query_rows(seqs, [t - span for t in last_pos])
+            h, pre_mix = block(h, pre_mix, positions, seqs, qrows)
+            if qrows is not None:
+                rows, positions = rows[qrows], positions[qrows]
+                seqs = self._shrink(seqs)
+        hidden = self.norm(hc_collapse(h, pre_mix))
+        out = ForwardOutput(hidden, rows)
+        if targets:
+            out.features, out.feature_rows = self._features(features, chunks, feature_window, input_ids.shape[0])
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, D] final hidden -> [M, vocab] fp32 logits."""
+        return self.head(hidden).float()
+
+    # ---- row bookkeeping ----
+    def _claim_positions(self, chunks, states) -> tuple[torch.Tensor, list[SeqRows]]:
+        pos, seqs = [], []
+        for (start, end), st in zip(chunks, states):
+            first = st.num_tokens
+            st.num_tokens = first + end - start
+            pos.append(torch.arange(first, first + end - start))
+            seqs.append(SeqRows(start, end, start, first, first, st))
+        return torch.cat(pos).to(self.device), seqs
+
+    def _query_rows(self, seqs: list[SeqRows], cut: list[int]) -> torch.Tensor:
+        """Mark rows at or after each sequence's cut position as query rows; returns their indices."""
+        keep = []
+        for s, c in zip(seqs, cut):
+            s.q_start = s.start + min(max(c - s.pos0, 0), s.end - s.start - 1)
+            keep.append(torch.arange(s.q_start, s.end))
+        return torch.cat(keep).to(self.device)
+
+    @staticmethod
+    def _shrink(seqs: list[SeqRows]) -> list[SeqRows]:
+        """After a truncated layer the query rows become the next layer's input rows."""
+        out, start = [], 0
+        for s in seqs:
+            n = s.end - s.q_start
+            out.append(SeqRows(start, start + n, start, s.pos0 + s.q_start - s.start, s.prev_tokens, s.state,
+                               s.shared))
+            start += n
+        return out
+
+    def _features(self, features: dict, chunks, window: int, n_rows: int):
+        """DSpark input: per chunk, its last `window` rows of the streams entering each target layer,
+        averaged over the hc streams and concatenated -> ([F, n_targets*D], input row indices [F])."""
+        want = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
+        for start, end in chunks:
+            want[max(start, end - window):end] = True
+        parts = []
+        for layer in self.cfg.dspark_target_layer_ids:
+            rows, feat = features[layer]
+            parts.append(feat[want[rows]])
+        return torch.cat(parts, dim=-1), want.nonzero().squeeze(1)
+
+    def _hash(self, input_ids: torch.Tensor, chunks, states) -> torch.Tensor | None:
+        if not self.cfg.engram_layer_ids:
+            return None
+        if self.hasher is None:
+            raise DeepInferError("this model has engram layers: bind its tokenizer first "
+                                 "(model.bind_tokenizer(tokenizer)); load_model does it from the checkpoint")
+        before = [self.hasher.new_state(self.device) if st.engram is None else st.engram for st in states]
+        ids, after = self.hasher.hash_ids_flat(input_ids, chunks, before)
+        for st, new in zip(states, after):
+            st.engram = new
+        return ids
+
+    # ---- conveniences on top ----
+    def check_token_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size):
+            raise DeepInferError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {int(input_ids.min())}, "
+                                 f"max {int(input_ids.max())}: check the tokenizer matches the model")
+
+    @torch.inference_mode()
+    def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Stateless full forward: input_ids [B, T] -> logits [B, T, vocab] fp32."""
+        if input_ids.dim() != 2:
+            raise DeepInferError(f"compute_logits takes input_ids of shape [B, T]; got {tuple(input_ids.shape)}")
+        self.check_token_ids(input_ids)
+        b, t = input_ids.shape
+        chunks = [(i * t, (i + 1) * t) for i in range(b)]
+        out = self.forward(input_ids.reshape(-1).to(self.device), chunks, [self.new_state() for _ in range(b)])
+        return self.logits(out.hidden).view(b, t, -1)
+
+    @torch.inference_mode()
+    def extend(self, token_chunks: list[torch.Tensor], states: list[SequenceState],
+               last_only: bool = False) -> list[torch.Tensor]:
+        """Append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]
+        (last_only: [1, V], computed with YOCO truncation)."""
+        ids = torch.cat([c.reshape(-1) for c in token_chunks]).to(self.device)
+        self.check_token_ids(ids)
+        bounds = torch.tensor([0] + [c.numel() for c in token_chunks]).cumsum(0).tolist()
+        chunks = list(zip(bounds[:-1], bounds[1:]))
+        out = self.forward(ids, chunks, states, last_only=last_only)
+        logits = self.logits(out.hidden)
+        if last_only:
+            ends = torch.tensor([e - 1 for _, e in chunks], device=out.rows.device)
+            pick = (out.rows.unsqueeze(0) == ends.unsqueeze(1)).float().argmax(dim=1)
+            return [logits[i:i + 1] for i in pick.tolist()]
+        return [logits[s:e] for s, e in chunks]
