@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..cache.sequence_state import SequenceState
+from ..cache.sequence_state import LayerState, SequenceState
 from ..config.deepseek_v41 import DeepseekV41Config
 from ..errors import DeepInferError
 from .attention_v41 import AttentionV41, SeqRows
+from .dspark import DSpark, DraftOutput, build_stages, greedy
 from .engram import Engram, EngramHasher
 from .layers import Linear, RMSNorm, fp32_param
 from .mhc import hc_collapse, hc_mixes, hc_post
@@ -94,13 +95,17 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.hasher: EngramHasher | None = None   # bound from the tokenizer (bind_tokenizer)
+        if cfg.num_nextn_predict_layers:
+            self.mtp = build_stages(cfg, self.rope_main, dtype, qat_fake_quant)
+            self.dspark = DSpark(cfg, self.mtp)
 
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
 
     def new_state(self) -> SequenceState:
-        return SequenceState(layers=[b.attn.new_state() for b in self.layers])
+        return SequenceState(layers=[b.attn.new_state() for b in self.layers],
+                             mtp=[LayerState() for _ in getattr(self, "mtp", ())])
 
     def bind_tokenizer(self, tokenizer) -> None:
         """Build the engram hash tables from the tokenizer (checks the compressed vocabulary size)."""
@@ -217,6 +222,32 @@ class DeepseekV41ForCausalLM(nn.Module):
         chunks = [(i * t, (i + 1) * t) for i in range(b)]
         out = self.forward(input_ids.reshape(-1).to(self.device), chunks, [self.new_state() for _ in range(b)])
         return self.logits(out.hidden).view(b, t, -1)
+
+    @torch.inference_mode()
+    def extend_and_draft(self, token_chunks: list[torch.Tensor], states: list[SequenceState],
+                         sample=greedy) -> tuple[torch.Tensor, torch.Tensor, DraftOutput]:
+        """Append token_chunks[i] to sequence i (YOCO-truncated), sample the next token y_i from the
+        last position p_i, fill the DSpark rings and draft a block after y_i.
+        Returns (y [B], target logits at p [B, V], drafts for p+2 ..)."""
+        if not hasattr(self, "mtp"):
+            raise DeepInferError("this model has no DSpark draft stages (num_nextn_predict_layers = 0)")
+        ids = torch.cat([c.reshape(-1) for c in token_chunks]).to(self.device)
+        self.check_token_ids(ids)
+        bounds = torch.tensor([0] + [c.numel() for c in token_chunks]).cumsum(0).tolist()
+        chunks = list(zip(bounds[:-1], bounds[1:]))
+        out = self.forward(ids, chunks, states, last_only=True, feature_window=self.cfg.sliding_window)
+        ends = torch.tensor([e - 1 for _, e in chunks], device=self.device)
+        logits = self.logits(out.hidden[(out.rows.unsqueeze(0) == ends.unsqueeze(1)).float().argmax(dim=1)])
+        tokens = sample(logits)
+        # feature rows -> (owner sequence, absolute position)
+        owner = torch.bucketize(out.feature_rows, torch.tensor(bounds[1:], device=self.device), right=True)
+        first_pos = torch.tensor([st.num_tokens - (e - s) - s for (s, e), st in zip(chunks, states)],
+                                 device=self.device)
+        positions = out.feature_rows + first_pos[owner]
+        self.dspark.observe(out.features, positions, owner.tolist(), states)
+        last = (out.feature_rows.unsqueeze(0) == ends.unsqueeze(1)).float().argmax(dim=1)
+        drafts = self.dspark.draft(self.embed, self.head, out.features[last], positions[last], tokens, states, sample)
+        return tokens, logits, drafts
 
     @torch.inference_mode()
     def extend(self, token_chunks: list[torch.Tensor], states: list[SequenceState],

@@ -1,0 +1,179 @@
+"""DSpark draft stages of DeepSeek-V4.1 (`mtp.0` .. `mtp.{n-1}`), after DeepSeek's inference code.
+
+Target features: the streams entering each target layer (after any engram), averaged over the hc
+streams, concatenated: [S, n_targets*D]. `mtp.0` maps them to main_x = main_norm(main_proj(f)).
+Each stage is a full block (single-pass mHC, sliding attention with the main rope, its own MoE)
+whose window ring holds K=V latents of main_x (target-derived), one per target position.
+
+Drafting after the target processed position p and sampled y for p+1:
+  1. every stage writes kv(main_x_p) into its ring at p;
+  2. the block [y, noise x (B-1)] is embedded into hc copies (one-hot pre-mix) and runs through
+     the stages; its queries at p+1..p+B attend to the ring (positions <= p, at most one window)
+     and to all B block entries, with no causal mask inside the block;
+  3. after the last stage: logits = head(norm(collapse(h))); left to right, logits[i] gets the
+     Markov bias head_m . embed_m[prev_i] (prev_0 = y, then the previous draft), the token is
+     sampled, and confidence[i] = proj([x_i ; embed_m[prev_i]]) (x_i before the norm, a raw logit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.precision import upcast
+
+from ..cache.sequence_state import SequenceState
+from ..config.deepseek_v41 import DeepseekV41Config
+from ..errors import DeepInferError
+from .layers import Linear, RMSNorm
+from .mhc import hc_collapse, hc_post
+from .rope import RotaryEmbedding
+
+
+@dataclass
+class DraftOutput:
+    tokens: torch.Tensor       # [B, block] drafts for positions p+2 .. p+block+1
+    logits: torch.Tensor       # [B, block, V] fp32, Markov bias included (the draft distributions)
+    confidence: torch.Tensor   # [B, block] fp32 raw confidence logits
+
+
+class MarkovHead(nn.Module):
+    """Low-rank previous-token bias: bias(prev) = head . embed[prev] in fp32."""
+
+    def __init__(self, vocab: int, rank: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
+        self.head = Linear(rank, vocab, dtype)
+
+    def forward(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prev [B] -> (bias [B, V] fp32, embedding [B, rank])."""
+        e = self.embed(prev)
+        return upcast(e) @ upcast(self.head.weight).T, e
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.proj = Linear(dim, 1, dtype)
+
+    def forward(self, x: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+        """x [B, D], markov_embed [B, r] -> [B] fp32 raw logits."""
+        both = torch.cat([upcast(x), upcast(markov_embed)], dim=-1)
+        return (both @ upcast(self.proj.weight).T).squeeze(-1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def _stage_block(cfg: DeepseekV41Config, stage: int, rope: RotaryEmbedding, dtype, qat: bool):
+    from .deepseek_v41 import BlockV41   # the stages are backbone blocks; import late to avoid a cycle
+    return BlockV41(cfg, cfg.num_hidden_layers + stage, rope, rope, dtype, qat, cfg.dspark_n_routed_experts,
+                    cfg.dspark_num_experts_per_tok)
+
+
+def build_stages(cfg: DeepseekV41Config, rope_main: RotaryEmbedding, dtype: torch.dtype, qat: bool) -> nn.ModuleList:
+    """The checkpoint's `mtp.{i}` modules: backbone blocks, plus main_proj/main_norm on the first and
+    norm, markov_head, confidence_head on the last."""
+    stages = nn.ModuleList(_stage_block(cfg, i, rope_main, dtype, qat) for i in range(cfg.num_nextn_predict_layers))
+    first, last = stages[0], stages[-1]
+    first.main_proj = Linear(len(cfg.dspark_target_layer_ids) * cfg.hidden_size, cfg.hidden_size, dtype)
+    first.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    last.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    last.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
+    last.confidence_head = ConfidenceHead(cfg.hidden_size + cfg.dspark_markov_rank, dtype)
+    return stages
+
+
+class DSpark:
+    """The draft procedure over the stages (which the model owns as `mtp`, so they load by name)."""
+
+    def __init__(self, cfg: DeepseekV41Config, stages: nn.ModuleList):
+        self.cfg, self.stages, self.window = cfg, stages, cfg.sliding_window
+
+    def main_x(self, features: torch.Tensor) -> torch.Tensor:
+        """[S, n_targets*D] target features -> [S, D]."""
+        return self.stages[0].main_norm(self.stages[0].main_proj(features))
+
+    # ---- the rings ----
+    def observe(self, features: torch.Tensor, positions: torch.Tensor, owners: list[int],
+                states: list[SequenceState]) -> None:
+        """Write the rings from target features at `positions` [S] (rows of sequence states[owners[i]],
+        contiguous and ascending per sequence). Writing a position again replaces it (idempotent)."""
+        main_x = self.main_x(features)
+        rope = self.stages[0].attn.rope
+        cos, sin = rope(positions)
+        kv = [stage.attn.window_kv(main_x, cos, sin) for stage in self.stages]      # n x [S, d]
+        for seq in sorted(set(owners)):
+            rows = [i for i, o in enumerate(owners) if o == seq]
+            self._write(states[seq], [k[rows] for k in kv], int(positions[rows[0]]))
+
+    def _write(self, st: SequenceState, kv: list[torch.Tensor], first: int) -> None:
+        """Rows kv[i] [n, d] of positions first..first+n-1 go into stage i's ring (the last `window`)."""
+        end, n = st.num_mtp_tokens, kv[0].shape[0]
+        held = 0 if st.mtp[0].window is None else st.mtp[0].window.shape[0]
+        if first > end and n < self.window or first < end - held:
+            raise DeepInferError(f"DSpark rings hold positions {end - held}..{end - 1}; cannot write "
+                                 f"{n} rows from position {first}")
+        for layer, new in zip(st.mtp, kv):
+            old = layer.window[: held - max(end - first, 0)] if held and first <= end else new[:0]
+            layer.window = torch.cat([old, new])[-self.window:]
+        st.num_mtp_tokens = first + n
+
+    # ---- drafting ----
+    def draft(self, embed: nn.Embedding, head: Linear, features: torch.Tensor, positions: torch.Tensor,
+              tokens: torch.Tensor, states: list[SequenceState],
+              sample: Callable[[torch.Tensor], torch.Tensor] = greedy) -> DraftOutput:
+        """One draft block per sequence. features [B, n_targets*D] at target positions [B] (= p),
+        tokens [B] the target's sample for p+1. `sample` maps [B, V] fp32 logits to [B] tokens."""
+        cfg = self.cfg
+        bsz, blk = tokens.shape[0], cfg.dspark_block_size
+        self.observe(features, positions, list(range(bsz)), states)
+        ids = torch.full((bsz, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=tokens.device)
+        ids[:, 0] = tokens
+        h = embed(ids.view(-1)).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()   # [B*blk, hc, D]
+        pre = torch.zeros(h.shape[:2], dtype=upcast(h).dtype, device=h.device)
+        pre[:, 0] = 1
+        qpos = (positions.unsqueeze(1) + 1 + torch.arange(blk, device=positions.device)).reshape(-1)
+        for i, stage in enumerate(self.stages):
+            h, pre = self._stage(stage, i, h, pre, qpos, states, bsz, blk)
+        last = self.stages[-1]
+        x = hc_collapse(h, pre)                                                        # [B*blk, D]
+        logits = head(last.norm(x)).float().view(bsz, blk, -1)
+        x = x.view(bsz, blk, -1)
+        drafts, conf, prev = [], [], tokens
+        for i in range(blk):
+            bias, m_embed = last.markov_head(prev)
+            logits[:, i] += bias.to(logits.dtype)
+            conf.append(last.confidence_head(x[:, i], m_embed).float())
+            prev = sample(logits[:, i])
+            drafts.append(prev)
+        return DraftOutput(torch.stack(drafts, 1), logits, torch.stack(conf, 1))
+
+    def _stage(self, stage, index: int, h, pre, qpos, states, bsz: int, blk: int):
+        x = self._attend(stage.attn, stage.attn_norm(hc_collapse(h, pre)), qpos, [s.mtp[index] for s in states],
+                         bsz, blk)
+        pre_a, post, comb = stage.mixes(h, "attn")
+        h = hc_post(x, h, post, comb)
+        pre_f, post, comb = stage.mixes(h, "ffn")
+        h = hc_post(stage.ffn(stage.ffn_norm(hc_collapse(h, pre_a))), h, post, comb)
+        return h, pre_f
+
+    @staticmethod
+    def _attend(attn, x: torch.Tensor, qpos: torch.Tensor, rings, bsz: int, blk: int) -> torch.Tensor:
+        """x [B*blk, D]: each sequence's block attends to its ring and to the whole block."""
+        cos, sin = attn.rope(qpos)
+        q, _ = attn.queries(x, cos, sin)                                              # [B*blk, H, d]
+        kv = attn.window_kv(x, cos, sin)                                              # [B*blk, d]
+        out = torch.empty_like(q)
+        for b in range(bsz):
+            rows = slice(b * blk, (b + 1) * blk)
+            keys = torch.cat([rings[b].window, kv[rows]])
+            bias = torch.zeros(blk, keys.shape[0], dtype=torch.float32, device=x.device)
+            out[rows] = sink_attention(q[rows], keys, bias, attn.attn_sink, attn.head_dim ** -0.5)
+        return attn.output(out, cos, sin)

@@ -1,0 +1,187 @@
+"""V4.1 reference model: incremental state, YOCO truncation, batching, CSA2 sharing, DSpark drafting.
+
+float64 with the QAT quantizers on: every path must agree exactly (the quantizers are discontinuous,
+so any difference in rounding would show up as a flipped FP4/FP8 step, not as 1e-7 noise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deepinfer.errors import DeepInferError
+from deepinfer.models import build_model
+from deepinfer.checkpoint.random_init import init_random_weights
+from tests.helpers_v41 import tiny_v41_config, tiny_v41_model
+
+T = 70
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_v41_model(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 512, (T,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def full(model, ids):
+    return model.compute_logits(ids[None])[0]
+
+
+def test_token_by_token_and_chunked_match_full(model, ids, full):
+    st = model.new_state()
+    steps = torch.cat([model.extend([ids[t:t + 1]], [st])[0] for t in range(T)])
+    assert torch.equal(steps, full)
+    st = model.new_state()
+    cuts = [0, 13, 14, 40, 41, T]
+    chunked = torch.cat([model.extend([ids[a:b]], [st])[0] for a, b in zip(cuts, cuts[1:])])
+    assert torch.equal(chunked, full)
+
+
+@pytest.mark.parametrize("n", [1, 6, 33, T])
+def test_yoco_truncated_prefill_is_exact(model, ids, full, n):
+    st = model.new_state()
+    last = model.extend([ids[:n]], [st], last_only=True)[0]
+    assert torch.equal(last[0], full[n - 1])
+    rest = [model.extend([ids[t:t + 1]], [st])[0] for t in range(n, min(n + 12, T))]
+    if rest:
+        assert torch.equal(torch.cat(rest), full[n:n + 12])
+
+
+def test_yoco_runs_each_layer_on_its_suffix(model, ids):
+    """From the last KV source on, layer l's MoE sees (L-1-l)(W-1)+1 rows of a long prompt."""
+    cfg = model.cfg
+    seen = {}
+    hooks = [b.ffn.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, args[0].shape[0]))
+             for i, b in enumerate(model.layers)]
+    try:
+        model.extend([ids], [model.new_state()], last_only=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    L, W = cfg.num_hidden_layers, cfg.sliding_window
+    for i in range(L):
+        want = T if i < cfg.truncation_start else min(T, (L - 1 - i) * (W - 1) + 1)
+        assert seen[i] == want, (i, seen)
+
+
+def test_batched_sequences_match_single(model, ids, full):
+    a, b = model.new_state(), model.new_state()
+    out_a, out_b = model.extend([ids[:30], ids[:47]], [a, b])
+    assert torch.equal(out_a, full[:30]) and torch.equal(out_b, full[:47])
+    out_a, out_b = model.extend([ids[30:60], ids[47:48]], [a, b], last_only=True)
+    assert torch.equal(out_a[0], full[59]) and torch.equal(out_b[0], full[47])
+
+
+def test_source_groups_store_their_own_entries(model, ids):
+    """Compressed entries and keys live once per KV source; reuse layers keep only their window."""
+    cfg = model.cfg
+    st = model.new_state()
+    model.extend([ids[:T - 1]], [st])
+    for i, layer in enumerate(st.layers):
+        assert layer.window.shape[0] == cfg.sliding_window - 1
+        if i in cfg.kv_source_layer_ids:
+            ratio = cfg.compress_ratios[i]
+            assert layer.compressor.entries.shape == ((T - 1) // ratio, cfg.head_dim)
+            assert layer.indexer.entries.shape == ((T - 1) // ratio, cfg.index_head_dim)
+            assert (layer.compressor.pending_kv is not None and layer.compressor.pending_kv.shape[0]) == \
+                ((T - 1) % ratio if ratio > 1 else 0)
+        else:
+            assert layer.compressor is None and layer.indexer is None
+
+
+def test_second_source_replaces_first_groups_entries(ids):
+    """Zeroing source 2's compressor output changes layers 2-3 but not what source 4's group attends:
+    with layers >= 4 fed identical inputs, their compressed branch must not see group-2 entries."""
+    cfg = tiny_v41_config()
+    model = tiny_v41_model(torch.float64)
+    st = model.new_state()
+    model.extend([ids[:40]], [st])
+    g2, g4 = st.layers[2].compressor.entries, st.layers[4].compressor.entries
+    assert g2.shape == g4.shape and not torch.equal(g2, g4)
+    # layer 5 (reuse of source 4) reads group 4: its attention over the entries uses the group-4 tensor
+    assert cfg.layer_kind(5) == "reuse" and model.cfg.kv_source_of(5) == 4
+
+
+def test_engram_layers_need_a_tokenizer():
+    model = build_model(tiny_v41_config(), "cpu", torch.float32)
+    init_random_weights(model, 0)
+    with pytest.raises(DeepInferError, match="bind its tokenizer"):
+        model.compute_logits(torch.tensor([[5, 6, 7]]))
+
+
+def test_state_bytes_per_token_match_the_dense_layout(model, ids):
+    """Growth per token = sum over KV sources of (latent d + key dI) x element size / ratio."""
+    cfg = model.cfg
+    a, b = model.new_state(), model.new_state()
+    model.extend([ids[:32]], [a])
+    model.extend([ids[:64]], [b])
+    per_token = (b.nbytes() - a.nbytes()) / 32
+    want = sum((cfg.head_dim + cfg.index_head_dim) * 8 / cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
+    assert per_token == want
+
+
+# ---------------------------------------------------------------- DSpark
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    cfg = dataclasses.replace(tiny_v41_config(), num_nextn_predict_layers=3, dspark_markov_rank=16,
+                              dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
+    return tiny_v41_model(torch.float64, cfg=cfg)
+
+
+def test_draft_chunked_prefill_and_batching_agree(drafter, ids):
+    one = drafter.extend_and_draft([ids[:40]], [drafter.new_state()])
+    st = drafter.new_state()
+    drafter.extend_and_draft([ids[:25]], [st])
+    chunked = drafter.extend_and_draft([ids[25:40]], [st])
+    both = drafter.extend_and_draft([ids[:40], ids[5:30]], [drafter.new_state(), drafter.new_state()])
+    other = drafter.extend_and_draft([ids[5:30]], [drafter.new_state()])
+    assert torch.equal(one[0], chunked[0]) and torch.equal(one[2].tokens, chunked[2].tokens)
+    assert torch.equal(one[2].logits, chunked[2].logits) and torch.equal(one[2].confidence, chunked[2].confidence)
+    assert torch.equal(both[2].logits[0], one[2].logits[0]) and torch.equal(both[2].logits[1], other[2].logits[0])
+    assert one[2].tokens.shape == (1, drafter.cfg.dspark_block_size)
+    assert drafter.new_state().mtp and len(drafter.new_state().mtp) == 3
+
+
+def test_draft_target_logits_match_plain_forward(drafter, ids):
+    y, logits, _ = drafter.extend_and_draft([ids[:40]], [drafter.new_state()])
+    plain = drafter.compute_logits(ids[None, :40])[0, -1]
+    assert torch.equal(logits[0], plain) and int(y) == int(plain.argmax())
+
+
+def test_markov_bias_is_applied_left_to_right(drafter, ids):
+    """Draft logits minus the Markov bias of the previous token are the same whatever the bias is."""
+    last = drafter.mtp[-1]
+    st = drafter.new_state()
+    y, _, with_bias = drafter.extend_and_draft([ids[:40]], [st])
+    saved = last.markov_head.head.weight.clone()
+    try:
+        last.markov_head.head.weight.zero_()
+        _, _, no_bias = drafter.extend_and_draft([ids[:40]], [drafter.new_state()])
+    finally:
+        last.markov_head.head.weight.copy_(saved)
+    prev = torch.cat([y.view(1, 1), with_bias.tokens[:, :-1]], dim=1)[0]
+    bias = last.markov_head(prev)[0]                                   # [block, V]
+    assert torch.allclose(with_bias.logits[0].double() - bias, no_bias.logits[0].double(), atol=1e-5)
+    assert (bias.abs().amax(dim=-1) > 1e-3).all()
+
+
+def test_block_has_no_causal_mask(drafter, ids):
+    """The first draft position sees the noise entries after it: changing the noise token moves it."""
+    st = drafter.new_state()
+    _, _, a = drafter.extend_and_draft([ids[:40]], [st])
+    cfg = drafter.cfg
+    drafter.dspark.cfg = dataclasses.replace(cfg, dspark_noise_token_id=cfg.dspark_noise_token_id + 1)
+    try:
+        _, _, b = drafter.extend_and_draft([ids[:40]], [drafter.new_state()])
+    finally:
+        drafter.dspark.cfg = cfg
+    assert not torch.allclose(a.logits[0, 0], b.logits[0, 0])
