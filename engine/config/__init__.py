@@ -7,9 +7,11 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .deepseek_v4 import DeepseekV4Config, parse_deepseek_v4
+from .deepseek_v41 import DeepseekV41Config, parse_deepseek_v41
 
-# model_type -> parser. deepseek_v41 registers here when its model lands.
-CONFIG_PARSERS = {"deepseek_v4": parse_deepseek_v4}
+# model_type -> parser. deepseek_v41 is transformers' composite config, deepseek_v41_text its bare text config.
+CONFIG_PARSERS = {"deepseek_v4": parse_deepseek_v4, "deepseek_v41": parse_deepseek_v41,
+                  "deepseek_v41_text": parse_deepseek_v41}
 
 
 def parse_model_config(raw: dict):
@@ -39,4 +41,4 @@ def load_model_config(path: str | Path):
         raise ConfigError(f"{path}: {err}") from None
 
 
-__all__ = ["DeepseekV4Config", "parse_model_config", "load_model_config", "CONFIG_PARSERS"]
+__all__ = ["DeepseekV4Config", "DeepseekV41Config", "parse_model_config", "load_model_config", "CONFIG_PARSERS"]

@@ -198,9 +198,9 @@ def _as_int(raw: dict, key: str, default=None) -> int:
     return v
 
 
-def _check_types(kw: dict) -> None:
-    """Scalar fields must hold JSON values of their declared kind (int, float, bool, str)."""
-    kinds = {f.name: f.type for f in dataclasses.fields(DeepseekV4Config)}
+def _check_types(kw: dict, cls=DeepseekV4Config) -> None:
+    """Scalar fields of `cls` must hold JSON values of their declared kind (int, float, bool, str)."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
     for key, v in kw.items():
         kind = kinds.get(key)
         if kind == "int":

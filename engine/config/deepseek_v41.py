@@ -239,8 +239,6 @@ def _parse(raw: dict) -> DeepseekV41Config:
     yarn_inference = {new: flat.pop(old) for old, new in _INFERENCE_YARN_KEYS.items() if old in flat}
     _check_keys(flat)
     kw = {k: v for k, v in flat.items() if k in _SCALARS and v is not None}   # null means "the default"
-    if isinstance(kw.get("eos_token_id"), list) and kw["eos_token_id"]:
-        kw["eos_token_id"] = kw["eos_token_id"][0]
     _check_types(kw, DeepseekV41Config)
     n = kw.get("num_hidden_layers", DeepseekV41Config.num_hidden_layers)
     n_nextn = kw.get("num_nextn_predict_layers", DeepseekV41Config.num_nextn_predict_layers)
@@ -268,6 +266,7 @@ def _flatten(raw: dict) -> tuple[dict, bool]:
         raise ConfigError(f"config.json: vision_config must be an object, got {vision!r}")
     text = root.pop("text_config", None)
     _check_model_type(root.pop("model_type", None))
+    _first_eos(root)
     if text is None:
         flat = root
     elif not isinstance(text, dict):
@@ -275,6 +274,7 @@ def _flatten(raw: dict) -> tuple[dict, bool]:
     else:
         flat = dict(text)
         _check_model_type(flat.pop("model_type", None))
+        _first_eos(flat)
         for key, value in root.items():
             if value is None:
                 continue
@@ -287,6 +287,11 @@ def _flatten(raw: dict) -> tuple[dict, bool]:
     for key in [k for k in flat if k.startswith("vision_")]:
         flat.pop(key)
     return flat, vision is not None or (isinstance(n_vision, int) and n_vision > 0)
+
+
+def _first_eos(d: dict) -> None:
+    if isinstance(d.get("eos_token_id"), list) and d["eos_token_id"]:
+        d["eos_token_id"] = d["eos_token_id"][0]
 
 
 def _check_model_type(model_type) -> None:

@@ -12,11 +12,11 @@ MODEL_CLASSES = {"deepseek_v4": DeepseekV4ForCausalLM, "deepseek_v41": DeepseekV
 
 
 def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                qat_fake_quant: bool = True) -> torch.nn.Module:
+                qat_fake_quant: bool = True, **options) -> torch.nn.Module:
     """Allocate the model on `device` without initializing it (weights come from a checkpoint or
     init_random_weights); built on the meta device first so nothing is materialized twice."""
     with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.model_type](cfg, dtype=dtype, qat_fake_quant=qat_fake_quant)
+        model = MODEL_CLASSES[cfg.model_type](cfg, dtype=dtype, qat_fake_quant=qat_fake_quant, **options)
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

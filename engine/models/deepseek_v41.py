@@ -37,7 +37,7 @@ from .rope import RotaryEmbedding
 
 class BlockV41(nn.Module):
     def __init__(self, cfg: DeepseekV41Config, layer: int, rope: RotaryEmbedding, rope_compress: RotaryEmbedding,
-                 dtype: torch.dtype, qat_fake_quant: bool, n_experts: int, top_k: int):
+                 dtype: torch.dtype, qat_fake_quant: bool, n_experts: int, top_k: int, expert_storage: str = "dense"):
         super().__init__()
         self.cfg = cfg
         d, hc = cfg.hidden_size, cfg.hc_mult
@@ -45,7 +45,8 @@ class BlockV41(nn.Module):
         self.attn = AttentionV41(cfg, layer, rope, rope_compress, dtype, qat_fake_quant)
         gate = Gate(d, n_experts, top_k, cfg.scoring_func, cfg.routed_scaling_factor, dtype, temp=cfg.gate_temp,
                     bias_vl=True)
-        self.ffn = MoE(gate, d, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype)
+        self.ffn = MoE(gate, d, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype,
+                       expert_storage)
         self.engram = Engram(cfg, layer, dtype, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]) \
             if layer in cfg.engram_layer_ids else None
         rows = (2 + hc) * hc
@@ -80,7 +81,9 @@ class ForwardOutput:
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True):
+    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True,
+                 expert_storage: str = "dense"):
+        """expert_storage="fp4": routed experts stay FP4-packed and dequantize per use (moe.Experts)."""
         super().__init__()
         self.cfg, self.dtype, self.qat_fake_quant = cfg, dtype, qat_fake_quant
         rd = cfg.qk_rope_head_dim
@@ -90,13 +93,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.embed.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
             BlockV41(cfg, i, self.rope_compress if cfg.compress_ratios[i] else self.rope_main, self.rope_compress,
-                     dtype, qat_fake_quant, cfg.n_routed_experts, cfg.num_experts_per_tok)
+                     dtype, qat_fake_quant, cfg.n_routed_experts, cfg.num_experts_per_tok, expert_storage)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.hasher: EngramHasher | None = None   # bound from the tokenizer (bind_tokenizer)
         if cfg.num_nextn_predict_layers:
-            self.mtp = build_stages(cfg, self.rope_main, dtype, qat_fake_quant)
+            self.mtp = build_stages(cfg, self.rope_main, dtype, qat_fake_quant, expert_storage)
             self.dspark = DSpark(cfg, self.mtp)
 
     @property

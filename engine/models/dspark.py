@@ -71,16 +71,18 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _stage_block(cfg: DeepseekV41Config, stage: int, rope: RotaryEmbedding, dtype, qat: bool):
+def _stage_block(cfg: DeepseekV41Config, stage: int, rope: RotaryEmbedding, dtype, qat: bool, expert_storage: str):
     from .deepseek_v41 import BlockV41   # the stages are backbone blocks; import late to avoid a cycle
     return BlockV41(cfg, cfg.num_hidden_layers + stage, rope, rope, dtype, qat, cfg.dspark_n_routed_experts,
-                    cfg.dspark_num_experts_per_tok)
+                    cfg.dspark_num_experts_per_tok, expert_storage)
 
 
-def build_stages(cfg: DeepseekV41Config, rope_main: RotaryEmbedding, dtype: torch.dtype, qat: bool) -> nn.ModuleList:
+def build_stages(cfg: DeepseekV41Config, rope_main: RotaryEmbedding, dtype: torch.dtype, qat: bool,
+                 expert_storage: str = "dense") -> nn.ModuleList:
     """The checkpoint's `mtp.{i}` modules: backbone blocks, plus main_proj/main_norm on the first and
     norm, markov_head, confidence_head on the last."""
-    stages = nn.ModuleList(_stage_block(cfg, i, rope_main, dtype, qat) for i in range(cfg.num_nextn_predict_layers))
+    stages = nn.ModuleList(_stage_block(cfg, i, rope_main, dtype, qat, expert_storage)
+                           for i in range(cfg.num_nextn_predict_layers))
     first, last = stages[0], stages[-1]
     first.main_proj = Linear(len(cfg.dspark_target_layer_ids) * cfg.hidden_size, cfg.hidden_size, dtype)
     first.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

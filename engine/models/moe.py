@@ -8,7 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.deepseek_v4 import HASH_MOE, DeepseekV4Config
+from deepinfer.kernels.quant import dequantize_fp4
+
 from .layers import Linear, fp32_param
+
+FP4_BLOCK = 32   # routed experts on disk: e2m1, one e8m0 scale per 32 along K
 
 SCORE_FUNCS = {
     "sqrtsoftplus": lambda z: F.softplus(z).sqrt(),
@@ -55,24 +59,42 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts stacked: w1, w3 [E, I, D] and w2 [E, D, I] (checkpoint `experts.{j}.w*`)."""
+    """All routed experts stacked: w1, w3 [E, I, D] and w2 [E, D, I] (checkpoint `experts.{j}.w*`).
 
-    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype):
+    storage="fp4" keeps them as the checkpoint stores them instead (e2m1 packed `w*_fp4` uint8
+    [E, out, in/2] + e8m0 `w*_scale` uint8 [E, out, in/32]) and dequantizes each expert when it
+    runs: 0.56 bytes per weight, which is what fits a released-size layer stack on one GPU."""
+
+    SHAPES = {"w1": ("inter", "dim"), "w2": ("dim", "inter"), "w3": ("inter", "dim")}
+
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype,
+                 storage: str = "dense"):
         super().__init__()
-        self.limit = limit
-        self.w1 = nn.Parameter(torch.empty(n_experts, inter, dim, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter, dtype=dtype), requires_grad=False)
-        self.w3 = nn.Parameter(torch.empty(n_experts, inter, dim, dtype=dtype), requires_grad=False)
+        self.limit, self.dtype, self.storage = limit, dtype, storage
+        size = {"dim": dim, "inter": inter}
+        for name, (rows, cols) in self.SHAPES.items():
+            r, c = size[rows], size[cols]
+            if storage == "fp4":
+                self.register_buffer(f"{name}_fp4", torch.empty(n_experts, r, c // 2, dtype=torch.uint8))
+                self.register_buffer(f"{name}_scale", torch.empty(n_experts, r, c // FP4_BLOCK, dtype=torch.uint8))
+            else:
+                setattr(self, name, nn.Parameter(torch.empty(n_experts, r, c, dtype=dtype), requires_grad=False))
         self.quantized: dict = {}   # "w1"|"w2"|"w3" -> list of per-expert QuantizedWeight
+
+    def weight(self, name: str, e: int) -> torch.Tensor:
+        if self.storage == "fp4":
+            return dequantize_fp4(getattr(self, f"{name}_fp4")[e], getattr(self, f"{name}_scale")[e], FP4_BLOCK,
+                                  self.dtype)
+        return getattr(self, name)[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = upcast(torch.zeros_like(x))
-        x = x.to(self.w1.dtype)
+        x = x.to(self.dtype)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
-            h = swiglu(x[token] @ self.w1[e].T, x[token] @ self.w3[e].T, self.limit)
+            h = swiglu(x[token] @ self.weight("w1", e).T, x[token] @ self.weight("w3", e).T, self.limit)
             h = h * weights[token, slot].unsqueeze(-1).to(h.dtype)   # routing weight before w2, as the reference
-            out.index_add_(0, token, upcast(h.to(self.w2.dtype) @ self.w2[e].T))
+            out.index_add_(0, token, upcast(h.to(self.dtype) @ self.weight("w2", e).T))
         return out.to(x.dtype)
 
 
@@ -87,10 +109,11 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, gate: Gate, dim: int, inter: int, n_shared: int, limit: float, dtype: torch.dtype):
+    def __init__(self, gate: Gate, dim: int, inter: int, n_shared: int, limit: float, dtype: torch.dtype,
+                 expert_storage: str = "dense"):
         super().__init__()
         self.gate = gate
-        self.experts = Experts(gate.n_experts, dim, inter, limit, dtype)
+        self.experts = Experts(gate.n_experts, dim, inter, limit, dtype, expert_storage)
         self.shared_experts = SharedExpert(dim, inter * n_shared, limit, dtype)
 
     @classmethod
