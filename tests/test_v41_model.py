@@ -14,7 +14,7 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.models import build_model
 from deepinfer.checkpoint.random_init import init_random_weights
-from tests.helpers_v41 import tiny_v41_config, tiny_v41_model
+from tests.helpers_v41 import tiny_v41_config, tiny_v41_model, tiny_v41_tokenizer
 
 T = 70
 
@@ -185,3 +185,26 @@ def test_block_has_no_causal_mask(drafter, ids):
     finally:
         drafter.dspark.cfg = cfg
     assert not torch.allclose(a.logits[0, 0], b.logits[0, 0])
+
+
+def test_packed_state_layout_gives_the_published_890_bytes_per_token():
+    from deepinfer.cache.sequence_state import packed_kv_bytes_per_token
+    from deepinfer.config.presets import preset_config
+    assert packed_kv_bytes_per_token(preset_config("deepseek_v41", "flash")) == 890.0
+
+
+def test_fp4_resident_experts_match_dense_dequantized_experts(ids):
+    """expert_storage="fp4" keeps the packed e2m1 bytes + e8m0 scales and dequantizes per use."""
+    from deepinfer.kernels.quant import dequantize_fp4, quantize_fp4
+    dense = tiny_v41_model(torch.float32)
+    packed = build_model(dense.cfg, "cpu", torch.float32, expert_storage="fp4")
+    packed.load_state_dict(dense.state_dict(), strict=False)
+    packed.bind_tokenizer(tiny_v41_tokenizer())
+    for (name, mod), (_, pmod) in zip(dense.named_modules(), packed.named_modules()):
+        if name.endswith("ffn.experts"):
+            for w in ("w1", "w2", "w3"):
+                q, s = quantize_fp4(getattr(mod, w).data)
+                getattr(pmod, f"{w}_fp4").copy_(q.view(torch.uint8))
+                getattr(pmod, f"{w}_scale").copy_(s.view(torch.uint8))
+                getattr(mod, w).data.copy_(dequantize_fp4(q, s, 32, torch.float32))
+    assert torch.equal(packed.compute_logits(ids[None, :40]), dense.compute_logits(ids[None, :40]))

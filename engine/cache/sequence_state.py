@@ -56,3 +56,11 @@ class SequenceState:
     def nbytes(self) -> int:
         extra = 0 if self.engram is None else self.engram.numel() * self.engram.element_size()
         return sum(s.nbytes() for s in self.layers + self.mtp) + extra
+
+
+def packed_kv_bytes_per_token(cfg) -> float:
+    """V4.1 cached-state growth per token in the packed QAT layout (what a paged pool would store):
+    per KV source and per entry, the FP4 latent (d/2 bytes + one e4m3 scale per 16) and the FP4 index
+    key (dI/2 + one ue8m0 scale per 32), one entry every `ratio` tokens. 890 B for the release."""
+    entry = cfg.head_dim // 2 + cfg.head_dim // 16 + cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    return sum(entry / cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
