@@ -37,8 +37,9 @@ def tiny_v41_config() -> DeepseekV41Config:
     return dataclasses.replace(cfg, engram_num_embeddings=tuple(engram_num_embeddings(cfg)))
 
 
-def tiny_v41_model(dtype=torch.float32, qat: bool = True, seed: int = 0, cfg: DeepseekV41Config | None = None):
-    model = build_model(cfg or tiny_v41_config(), "cpu", dtype, qat_fake_quant=qat)
+def tiny_v41_model(dtype=torch.float32, qat: bool = True, seed: int = 0, cfg: DeepseekV41Config | None = None,
+                   device: str = "cpu"):
+    model = build_model(cfg or tiny_v41_config(), device, dtype, qat_fake_quant=qat)
     init_random_weights(model, seed)
     model.bind_tokenizer(tiny_v41_tokenizer())
     return model

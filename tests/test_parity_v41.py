@@ -56,7 +56,11 @@ def _hf_config(ref, cfg):
                       "original_max_position_embeddings": y.original_max_position_embeddings})
 
 
-def _hf_twin(ref, model, tokenizer):
+def reference_or_skip():
+    return _reference()
+
+
+def hf_twin(ref, model, tokenizer, dtype=torch.float32):
     """The reference model holding our model's weights (per-expert tensors, `model.` prefix, lm_head)."""
     hf = ref.DeepseekV41ForCausalLM(_hf_config(ref, model.cfg)).float().eval()
     state = {}
@@ -75,8 +79,12 @@ def _hf_twin(ref, model, tokenizer):
     for k in own:
         if k.endswith("engram.embed.scale"):
             state[k] = torch.ones_like(own[k])
-    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing, unexpected = hf.load_state_dict({k: v.float().cpu() for k, v in state.items()}, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
+    hf = hf.to(device=model.device, dtype=dtype)
+    for name, p in hf.named_parameters():   # the release keeps these fp32 whatever the model dtype
+        if name.rsplit(".", 1)[-1].startswith(("hc_", "attn_sink", "bias")):
+            p.data = state[name].float().to(p.device)
     from transformers import PreTrainedTokenizerFast
     hf.model.bind_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tokenizer))
     return hf
@@ -86,7 +94,7 @@ def _hf_twin(ref, model, tokenizer):
 def test_logits_match_reference_fp32(length):
     ref = _reference()
     model = tiny_v41_model(torch.float32)
-    hf = _hf_twin(ref, model, tiny_v41_tokenizer())
+    hf = hf_twin(ref, model, tiny_v41_tokenizer())
     ids = torch.randint(3, model.cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(length))
     ours = model.compute_logits(ids)
     with torch.no_grad():
@@ -98,7 +106,7 @@ def test_decode_matches_reference_cached_path():
     """Prefill 40 tokens then decode 20 one at a time, both sides with their caches."""
     ref = _reference()
     model = tiny_v41_model(torch.float32)
-    hf = _hf_twin(ref, model, tiny_v41_tokenizer())
+    hf = hf_twin(ref, model, tiny_v41_tokenizer())
     ids = torch.randint(3, model.cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(7))
     state = model.new_state()
     ours = [model.extend([ids[:40]], [state])[0]]
