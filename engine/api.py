@@ -12,7 +12,7 @@ from safetensors import safe_open
 from .checkpoint.hub import resolve_model_dir
 from .checkpoint.loader import load_checkpoint, shard_map
 from .config import load_model_config
-from .errors import DeepInferError
+from .errors import CheckpointError, DeepInferError
 from .models import build_model
 
 log = logging.getLogger("deepinfer")
@@ -32,22 +32,47 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, qat_fake_quant: bool = True,
                keep_quantized: bool = False) -> torch.nn.Module:
-    """Load a deepseek_v4 checkpoint (DeepSeek or transformers names, bf16/FP8/FP4) for inference.
+    """Load a deepseek_v4 / deepseek_v41 checkpoint (DeepSeek or transformers names, bf16/FP8/FP4) for inference.
 
     qat_fake_quant keeps DeepSeek's quantization-aware activation steps (FP8 K=V latent, FP4 indexer);
     turn it off to compare with transformers, which leaves them out. keep_quantized keeps the on-disk
     FP8/FP4 tensors attached to their modules (`.quantized`) beside the dequantized weights.
+    A V4.1 model with engram layers comes bound to the checkpoint's tokenizer.json (the engram hashes
+    compressed token ids); that is checked before any weight is read.
     """
     ckpt_dir = resolve_model_dir(path_or_id)
     cfg = _without_absent_mtp(load_model_config(ckpt_dir), ckpt_dir)
     model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant)
+    if getattr(cfg, "engram_layer_ids", ()):
+        _bind_tokenizer(model, ckpt_dir)
     load_checkpoint(model, ckpt_dir, keep_quantized=keep_quantized)
     model.checkpoint_dir = ckpt_dir
     return model
 
 
+def _bind_tokenizer(model, ckpt_dir) -> None:
+    """model.bind_tokenizer(tokenizer.json of the checkpoint); every failure is one CheckpointError line."""
+    from tokenizers import Tokenizer
+
+    tok_file = ckpt_dir / "tokenizer.json"
+    if not tok_file.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no tokenizer.json, which this model's engram layers need (they hash "
+                              f"the tokenizer's compressed token ids); copy the checkpoint's tokenizer.json there")
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_file))
+    except Exception as err:   # tokenizers raises a bare Exception for malformed files
+        raise CheckpointError(f"{tok_file} could not be read as a tokenizer "
+                              f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                              f"re-download it") from None
+    try:
+        model.bind_tokenizer(tokenizer)
+    except ValueError as err:
+        raise CheckpointError(f"{tok_file} does not fit config.json: {' '.join(str(err).split())}") from None
+
+
 def _without_absent_mtp(cfg, ckpt_dir):
-    """transformers drops mtp.* when it saves: such a checkpoint loads with its MTP layers disabled."""
+    """transformers drops mtp.* when it saves: such a checkpoint loads with its MTP layers disabled
+    (V4.1: without its DSpark draft stages, num_nextn_predict_layers=0)."""
     if getattr(cfg, "num_nextn_predict_layers", 0) == 0:
         return cfg
     for shard, names in shard_map(ckpt_dir).items():
@@ -57,7 +82,7 @@ def _without_absent_mtp(cfg, ckpt_dir):
                     names = list(f.keys())
             except Exception:
                 return cfg  # the loader reports the unreadable shard with its own message
-        if any(n.startswith("mtp.") for n in names):
+        if any(n.startswith(("mtp.", "model.mtp.")) for n in names):
             return cfg
-    log.info("%s has no mtp.* tensors: loading without the MTP layer(s)", ckpt_dir)
+    log.info("%s has no mtp.* tensors: loading without the MTP / DSpark draft layer(s)", ckpt_dir)
     return dataclasses.replace(cfg, num_nextn_predict_layers=0)

@@ -25,40 +25,44 @@ def run_cli(group: click.Group) -> None:
         sys.exit(130)
 
 
-@click.group(help="deepinfer: run DeepSeek-V4-family models offline.")
+@click.group(help="deepinfer: run DeepSeek-V4-family models (V4.1-Flash first) offline.")
 def cli() -> None:
     """Command group; the subcommands below do the work."""
 
 
 @cli.command("make-checkpoint", help="Write a seeded random model in the real on-disk layout.")
-@click.option("--arch", default="deepseek_v4", show_default=True, help="HF model_type")
+@click.option("--arch", default="deepseek_v41", show_default=True, help="HF model_type: deepseek_v41 or deepseek_v4")
 @click.option("--preset", default="tiny", show_default=True, help="tiny (CPU seconds) or flash (released dims)")
 @click.option("--format", "fmt", type=click.Choice(["deepseek", "hf"]), default="deepseek", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--layers", default=None, type=int, help="reduced depth (first N layers of the preset)")
+@click.option("--layers", default=None, type=int, help="reduced depth (N layers of the preset)")
+@click.option("--engram-vocab-size", default=None, type=int,
+              help="deepseek_v41: smaller engram tables (bucket primes start here; the release uses 16000000)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
-def make_checkpoint_cmd(arch, preset, fmt, seed, layers, out, overwrite) -> None:
+def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, out, overwrite) -> None:
     from .checkpoint.make import make_checkpoint
     t0 = time.perf_counter()
-    path = make_checkpoint(arch, preset, fmt, seed, out, layers, overwrite)
+    path = make_checkpoint(arch, preset, fmt, seed, out, layers, overwrite, engram_vocab_size=engram_vocab_size)
     click.echo(f"wrote {arch}/{preset} seed {seed} ({fmt} format) to {path} in {time.perf_counter() - t0:.1f}s")
 
 
 @cli.command("run", help="Greedy-decode a prompt (default: the embedded tiny model on CPU).")
 @click.option("--model", default=None, help="checkpoint dir or hub id (default: the embedded tiny model)")
+@click.option("--arch", default="deepseek_v41", show_default=True,
+              help="the embedded tiny model's arch when --model is not given (deepseek_v41 or deepseek_v4)")
 @click.option("--prompt", default="The quick brown fox", show_default=True)
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--no-qat", is_flag=True, help="turn off the reference's QAT fake-quant steps")
-def run_cmd(model, prompt, max_tokens, device, dtype, no_qat) -> None:
+def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat) -> None:
     import torch
     from tokenizers import Tokenizer
 
     from .api import load_model
     from .checkpoint.make import embedded_tiny_dir
-    path = model if model is not None else embedded_tiny_dir()
+    path = model if model is not None else embedded_tiny_dir(arch)
     t0 = time.perf_counter()
     llm = load_model(path, device=device, dtype=dtype, qat_fake_quant=not no_qat)
     tok_file = llm.checkpoint_dir / "tokenizer.json"

@@ -3,11 +3,17 @@
 Shards are read one at a time straight onto the target device; each tensor is dequantized to the
 compute dtype and copied into the (already materialized, empty) parameter, so the model never exists
 twice. With keep_quantized the on-disk FP8/FP4 tensors stay attached to their modules for fast kernels.
+
+DeepSeek-V4.1 adds: engram tables (`engram.embed.weight` FP8 rows + `engram.embed.scale` e8m0 per 32
+channels, folded into the module's dequantized table; a float table's scale is ignored, as transformers
+does), transformers' spelling (`model.` + DeepSeek's names, `lm_head`), and vision tensors, which the
+text model skips with one log line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +23,12 @@ from safetensors import SafetensorError, safe_open
 from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks
 
 from ..errors import CheckpointError
+from ..models.engram import dequantize_engram_rows
 from ..models.layers import Linear, QuantizedWeight
-from .names import EXPERTS_HF, checkpoint_tensors, ds_to_hf, hf_to_ds, split_expert_name
+from .names import V41, EXPERTS_HF, checkpoint_tensors, ds_to_hf, hf_to_ds, is_vision_tensor, split_expert_name
+from .random_init import ENGRAM_ROW_BLOCK, is_engram_table
+
+log = logging.getLogger("deepinfer")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -68,6 +78,8 @@ class CheckpointLoader:
     def __init__(self, model: torch.nn.Module, ckpt_dir: Path, keep_quantized: bool = False):
         self.model, self.ckpt_dir, self.keep_quantized = model, Path(ckpt_dir), keep_quantized
         self.dtype = model.dtype
+        self.family = model.cfg.model_type
+        self.vision_skipped = 0
         self.targets = checkpoint_tensors(model)
         self.block = model.cfg.quant.weight_block_size if model.cfg.quant else (128, 128)
         self.expected = self._expected_names()
@@ -102,17 +114,32 @@ class CheckpointLoader:
                     if hf_scheme is None and keys:
                         hf_scheme = any(k.startswith(("model.", "lm_head.")) for k in keys)
                     for key in keys:
-                        self._take(key, f.get_tensor(key), hf_scheme, path)
+                        if self.family == V41 and is_vision_tensor(key):
+                            self.vision_skipped += 1     # the image tower is not built: never read it
+                            continue
+                        # V4.1's two spellings differ by a prefix only: decide per tensor.
+                        hf = key.startswith(("model.", "lm_head.")) if self.family == V41 else hf_scheme
+                        self._take(key, f.get_tensor(key), hf, path)
             except SafetensorError as err:
                 raise CheckpointError(f"shard {path} is corrupt or truncated ({err}); re-download it") from None
             except (OSError, RuntimeError) as err:
                 raise CheckpointError(f"shard {path} could not be read ({err}); re-download it") from None
+        if self.vision_skipped:
+            log.info("skipped %d vision tensors (text-only model)", self.vision_skipped)
+        self._drop_float_engram_scales()
         if self.pending:
             self._report_pending()
         missing = sorted(self.expected - self.seen)
         if missing:
             raise CheckpointError(f"checkpoint {self.ckpt_dir} is missing {len(missing)} tensor(s) the config needs, "
                                   f"e.g. {missing[:3]}; check config.json matches the weights")
+
+    def _drop_float_engram_scales(self) -> None:
+        """An engram table stored in a float dtype is already dequantized: its `embed.scale` (transformers
+        keeps one, all ones in our HF export) is unused, as in transformers' engram embedding."""
+        for name in [n for n, p in self.pending.items() if is_engram_table(n) and p.weight is None
+                     and n in self.seen]:
+            del self.pending[name]
 
     def _report_pending(self) -> None:
         """A quantized weight without its scale, or a scale without its quantized weight: one line."""
@@ -141,13 +168,15 @@ class CheckpointLoader:
     # ---- one tensor ----
     def _take(self, key: str, tensor: torch.Tensor, hf_scheme: bool, path: Path) -> None:
         if hf_scheme:
-            name = hf_to_ds(key)
+            name = hf_to_ds(key, self.family)
             if name is None:
-                raise CheckpointError(f"{path}: unexpected tensor {key} (not part of a deepseek_v4 model)")
-            stem = name.rsplit(".", 1)[-1]
-            if stem in EXPERTS_HF:
-                return self._take_hf_experts(name, key, tensor, path)
-            return self._assign(name, tensor, key, path)
+                raise CheckpointError(f"{path}: unexpected tensor {key} (not part of a {self.family} model)")
+            if self.family != V41:
+                stem = name.rsplit(".", 1)[-1]
+                if stem in EXPERTS_HF:
+                    return self._take_hf_experts(name, key, tensor, path)
+                return self._assign(name, tensor, key, path)
+            key = name   # V4.1: DeepSeek's names behind the prefix; quantized tensors as below
         if key.endswith(".scale"):
             base = key[: -len(".scale")] + ".weight"
             if tensor.dtype not in SCALE_DTYPES:
@@ -173,6 +202,8 @@ class CheckpointLoader:
             return
         del self.pending[name]
         target = self._target_shape(name, path)
+        if is_engram_table(name):
+            return self._fold_engram_table(name, p, target, path)
         if p.weight.dtype == torch.float8_e4m3fn:
             fmt, block = "fp8", self.block
             if tuple(p.weight.shape) != target:
@@ -191,6 +222,18 @@ class CheckpointLoader:
             value = dequantize_fp4(p.weight, p.scale, FP4_BLOCK, self.dtype)
         quantized = QuantizedWeight(p.weight, p.scale, fmt, block) if self.keep_quantized else None
         self._assign(name, value, name, path, quantized)
+        self._dequantized.add(name)
+
+    def _fold_engram_table(self, name: str, p: _Pending, target: tuple[int, ...], path: Path) -> None:
+        """FP8 e4m3 rows [R, head_dim] x e8m0 scale [R, head_dim / 32] -> the module's dequantized table."""
+        block = ENGRAM_ROW_BLOCK[1]
+        want_s = (target[0], -(-target[1] // block))
+        if p.weight.dtype != torch.float8_e4m3fn or tuple(p.weight.shape) != target \
+                or tuple(p.scale.shape) != want_s:
+            raise CheckpointError(f"{path}: engram table {name} is {p.weight.dtype} {tuple(p.weight.shape)} with scale "
+                                  f"{tuple(p.scale.shape)}, expected float8_e4m3fn {target} with scale {want_s} "
+                                  f"(one e8m0 scale per {block} channels of a row)")
+        self._assign(name, dequantize_engram_rows(p.weight, p.scale, self.dtype, block), name, path)
         self._dequantized.add(name)
 
     def _target_shape(self, name: str, path: Path) -> tuple[int, ...]:

@@ -1,38 +1,81 @@
-"""make-checkpoint: a seeded random model of a preset, written in the real on-disk layout."""
+"""make-checkpoint: a seeded random model of a preset, written in the real on-disk layout.
+
+DeepSeek-V4.1 needs its tokenizer before its weights: the engram hashes compressed token ids, and
+`engram_compressed_vocab_size` (which every hash multiplier depends on) is a property of the tokenizer.
+So for V4.1 the tokenizer is trained first (deterministic, vocab = cfg.vocab_size), its compressed
+vocabulary is written into the config, and the model is built from that config and bound to it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import torch
 
 from ..config.presets import preset_config
+from ..errors import DeepInferError
 from ..models import build_model
 from .random_init import init_random_weights
+from .tokenizer import train_tokenizer
 from .writer import check_out_dir, write_checkpoint
 
 
-def random_model(arch: str, preset: str, seed: int, layers: int | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, qat_fake_quant: bool = True) -> torch.nn.Module:
-    """Build a preset model on `device` and fill it from `seed` (no files involved).
-    bf16 loses nothing: every stored value is bf16-representable (FP8/FP4 dequantize exactly)."""
-    model = build_model(preset_config(arch, preset, layers), device, dtype, qat_fake_quant)
+def bind_config_to_tokenizer(cfg, tokenizer):
+    """A V4.1 config with engram_compressed_vocab_size (and engram_num_embeddings) taken from `tokenizer`."""
+    from ..models.engram import compressed_token_map, engram_num_embeddings
+
+    _, size = compressed_token_map(tokenizer)
+    cfg = dataclasses.replace(cfg, engram_compressed_vocab_size=size)
+    return dataclasses.replace(cfg, engram_num_embeddings=tuple(engram_num_embeddings(cfg)))
+
+
+def preset_model_config(arch: str, preset: str, layers: int | None = None, engram_vocab_size: int | None = None):
+    """(config, tokenizer) of a preset: V4.1 gets its tokenizer trained and its compressed vocab filled in;
+    V4 returns tokenizer None (the writer trains the same deterministic one)."""
+    cfg = preset_config(arch, preset, layers, engram_vocab_size=engram_vocab_size)
+    if cfg.model_type != "deepseek_v41":
+        return cfg, None
+    tokenizer = train_tokenizer(cfg.vocab_size)
+    return bind_config_to_tokenizer(cfg, tokenizer), tokenizer
+
+
+def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool):
+    model = build_model(cfg, device, dtype, qat_fake_quant)
     init_random_weights(model, seed)
+    if tokenizer is not None and cfg.engram_layer_ids:
+        model.bind_tokenizer(tokenizer)
     return model
 
 
+def random_model(arch: str, preset: str, seed: int, layers: int | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, qat_fake_quant: bool = True,
+                 engram_vocab_size: int | None = None) -> torch.nn.Module:
+    """Build a preset model on `device` and fill it from `seed` (no files involved; a V4.1 model comes bound
+    to its tokenizer). bf16 loses nothing: every stored value is bf16-representable (FP8/FP4 dequantize
+    exactly)."""
+    cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
+    return _random_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant)
+
+
 def make_checkpoint(arch: str, preset: str, fmt: str, seed: int, out: str | Path, layers: int | None = None,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, engram_vocab_size: int | None = None) -> Path:
     check_out_dir(out, fmt, overwrite)  # fail before building a possibly huge model
-    model = random_model(arch, preset, seed, layers)
-    return write_checkpoint(model, out, fmt, overwrite=overwrite)
+    cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
+    model = _random_model(cfg, tokenizer, seed, "cpu", torch.bfloat16, True)
+    return write_checkpoint(model, out, fmt, overwrite=overwrite, tokenizer=tokenizer)
 
 
-def embedded_tiny_dir(arch: str = "deepseek_v4", seed: int = 0) -> Path:
-    """The embedded default model: the tiny preset, built once into the user cache."""
+def embedded_tiny_dir(arch: str = "deepseek_v41", seed: int = 0) -> Path:
+    """The embedded default model: the tiny preset, built once into the user cache. The directory name
+    carries the preset's config hash, so a changed preset builds afresh instead of reusing a stale copy."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepinfer" / "models"
-    out = cache / f"{arch}-tiny-seed{seed}"
+    out = cache / f"{arch}-tiny-seed{seed}-{preset_config(arch, 'tiny').config_hash()[:8]}"
     if not (out / "config.json").is_file():
-        make_checkpoint(arch, "tiny", "deepseek", seed, out, overwrite=True)
+        try:
+            make_checkpoint(arch, "tiny", "deepseek", seed, out, overwrite=True)
+        except (DeepInferError, OSError):
+            if not (out / "config.json").is_file():   # else another process finished the same build first
+                raise
     return out

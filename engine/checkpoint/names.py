@@ -1,9 +1,15 @@
 """Tensor name maps between DeepSeek's checkpoint names (= our module names) and transformers' names.
 
 DeepSeek: `layers.{i}.attn.wq_a.weight`, `layers.{i}.ffn.experts.{j}.w1.weight`, `mtp.{k}.*`, ...
-transformers: `model.layers.{i}.self_attn.q_a_proj.weight`, `model.layers.{i}.mlp.experts.gate_up_proj`
-([E, 2I, D], w1 rows then w3 rows), `lm_head.weight`, ... Our modules stack experts as
-`ffn.experts.w1` [E, I, D]; the loader scatters `experts.{j}.w1.weight` into row j.
+Our modules stack experts as `ffn.experts.w1` [E, I, D]; the loader scatters `experts.{j}.w1.weight` into row j.
+
+transformers, by model_type:
+- deepseek_v4: a rename table, `model.layers.{i}.self_attn.q_a_proj.weight`,
+  `model.layers.{i}.mlp.experts.gate_up_proj` ([E, 2I, D], w1 rows then w3 rows), `lm_head.weight`, ...
+- deepseek_v41: DeepSeek's names behind a `model.` prefix, `lm_head.weight` for `head.weight`, experts per
+  expert (`model.layers.{i}.ffn.experts.{j}.w1.weight`); `mtp.*` may carry the prefix or not (transformers
+  ignores it either way). Vision tensors (`vision.*`, `aligner.*`, `image_{start,end,newline}`) belong to
+  the image tower, which the text model does not build: the loader skips them (`is_vision_tensor`).
 """
 
 from __future__ import annotations
@@ -65,8 +71,19 @@ _HF_TO_DS_MTP = {v: k for k, v in MTP_LEAVES.items()}
 _HF_TO_DS_GLOBAL = {v: k for k, v in GLOBALS.items()}
 
 
-def ds_to_hf(name: str) -> str | None:
-    """DeepSeek name -> transformers name; None for per-expert tensors (the exporter stacks those)."""
+V41 = "deepseek_v41"
+_VISION = re.compile(r"^(model\.)?(vision\.|aligner\.|image_(start|end|newline)$)")
+
+
+def is_vision_tensor(name: str) -> bool:
+    """A tensor of the V4.1 image tower / aligner / image-span embeddings (either spelling)."""
+    return _VISION.match(name) is not None
+
+
+def ds_to_hf(name: str, model_type: str = "deepseek_v4") -> str | None:
+    """DeepSeek name -> transformers name; None for V4 per-expert tensors (the exporter stacks those)."""
+    if model_type == V41:
+        return "lm_head.weight" if name == "head.weight" else f"model.{name}"
     if name in GLOBALS:
         return GLOBALS[name]
     m = _DS_LAYER.match(name)
@@ -86,8 +103,14 @@ def ds_to_hf(name: str) -> str | None:
 _SAVED_QUIRKS = {"attn.norm.weight": "attn.kv_norm.weight"}
 
 
-def hf_to_ds(name: str) -> str | None:
-    """transformers name -> DeepSeek name; stacked experts map to `...ffn.experts.gate_up_proj` markers."""
+def hf_to_ds(name: str, model_type: str = "deepseek_v4") -> str | None:
+    """transformers name -> DeepSeek name; V4's stacked experts map to `...ffn.experts.gate_up_proj` markers."""
+    if model_type == V41:
+        if name == "lm_head.weight":
+            return "head.weight"
+        if name.startswith("model."):
+            return name[len("model."):]
+        return name if name.startswith("mtp.") else None
     if name in _HF_TO_DS_GLOBAL:
         return _HF_TO_DS_GLOBAL[name]
     if name == "head.weight":

@@ -1,5 +1,8 @@
 """Seeded random weights that look like the release's: quantized weights hold exactly what their
-FP8/FP4 export dequantizes to, bf16 tensors hold bf16-representable values, fp32 ones stay fp32."""
+FP8/FP4 export dequantizes to, bf16 tensors hold bf16-representable values, fp32 ones stay fp32.
+
+Which tensors are FP8 / F32 on disk differs per model family (design docs: V4 section 5, V4.1 section 7);
+the lists below are the one place that says so, shared with the writer."""
 
 from __future__ import annotations
 
@@ -7,27 +10,42 @@ import torch
 
 from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
 
-from ..config.deepseek_v4 import DeepseekV4Config
 from .names import checkpoint_tensors
 
-# Dense weights stored as FP8 blocks in the release (everything else floating stays BF16 or F32).
+# Dense weights stored as FP8 blocks in the release (everything else floating stays BF16 or F32), per family.
 FP8_WEIGHTS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
                "attn.indexer.wq_b.weight", "shared_experts.w1.weight", "shared_experts.w2.weight",
                "shared_experts.w3.weight", "e_proj.weight", "h_proj.weight")
+# V4.1 (design doc section 7): the attention's own wkv (never attn.compressor.wkv, which is BF16), the engram's
+# key/value projection and DSpark's main_proj; no MTP e_proj/h_proj. Engram tables are FP8 rows (ENGRAM_TABLE).
+FP8_WEIGHTS_V41 = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
+                   "attn.wo_b.weight", "attn.indexer.wq_b.weight", "shared_experts.w1.weight",
+                   "shared_experts.w2.weight", "shared_experts.w3.weight", "engram.wkv.weight", "main_proj.weight")
 # Tensors kept in F32 in the release.
 FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                  "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", "ape", "gate.bias")
+FP32_SUFFIXES_V41 = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                     "attn_sink", "gate.bias", "gate.bias_vl")
+_FP8 = {"deepseek_v4": FP8_WEIGHTS, "deepseek_v41": FP8_WEIGHTS_V41}
+_FP32 = {"deepseek_v4": FP32_SUFFIXES, "deepseek_v41": FP32_SUFFIXES_V41}
+# V4.1 engram hash tables: FP8 e4m3 rows with one e8m0 scale per 32 channels (`engram.embed.scale`).
+ENGRAM_TABLE = "engram.embed.weight"
+ENGRAM_ROW_BLOCK = (1, 32)
 
 
-def is_fp8_weight(name: str) -> bool:
-    return name.endswith(FP8_WEIGHTS)
+def is_fp8_weight(name: str, model_type: str = "deepseek_v4") -> bool:
+    return name.endswith(_FP8[model_type])
 
 
-def is_fp32_tensor(name: str) -> bool:
-    return name.endswith(FP32_SUFFIXES)
+def is_fp32_tensor(name: str, model_type: str = "deepseek_v4") -> bool:
+    return name.endswith(_FP32[model_type])
 
 
-def _sample(name: str, shape: torch.Size, cfg: DeepseekV4Config, gen: torch.Generator, device) -> torch.Tensor:
+def is_engram_table(name: str) -> bool:
+    return name.endswith(ENGRAM_TABLE)
+
+
+def _sample(name: str, shape: torch.Size, cfg, gen: torch.Generator, device) -> torch.Tensor:
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device) * std + mean
 
@@ -39,12 +57,22 @@ def _sample(name: str, shape: torch.Size, cfg: DeepseekV4Config, gen: torch.Gene
         return normal(0.5 * shape[-1] ** -0.5)
     if name.endswith(("_base", "_scale")) and "hc_" in name:
         return normal(0.3, 1.0 if leaf.endswith("scale") else 0.0)
-    if name.endswith(("attn_sink", "gate.bias")):
+    if name.endswith(("attn_sink", "gate.bias", "gate.bias_vl")):
         return normal(0.5)
     if name.endswith("ape"):
         return normal(0.3)
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "engram.q_weight", "engram.k_weight")):
         return normal(0.1, 1.0)
+    if name.endswith(ENGRAM_TABLE):
+        # Unit-variance rows: wkv (std in^-0.5) then gives unit-variance keys and values, the size of the
+        # embeddings. The gate normalizes stream and key (RMS), so its pre-activation is ~N(0, 1) for q*k
+        # weights near 1 whatever the row scale: gates spread over about 0.2..0.8, not saturated.
+        return normal(1.0)
+    if ".markov_head." in name:
+        # Markov bias = head_m . embed_m[prev] over rank r: std 0.3 r^-1/4 each gives a bias of std ~0.09.
+        return normal(0.3 * shape[-1] ** -0.25)
+    if ".confidence_head." in name:
+        return normal(0.1 * shape[-1] ** -0.5)   # a raw confidence logit of std ~0.1
     if name == "embed.weight":
         return normal(1.0)
     return normal(shape[-1] ** -0.5)   # projections and experts: unit-variance outputs
@@ -54,6 +82,7 @@ def _sample(name: str, shape: torch.Size, cfg: DeepseekV4Config, gen: torch.Gene
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter and persistent buffer from `seed`, in name order (device-independent names)."""
     cfg, quant = model.cfg, model.cfg.quant
+    family = cfg.model_type
     device = model.device
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = checkpoint_tensors(model)
@@ -63,9 +92,12 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         if not t.dtype.is_floating_point:
             t.copy_(value)
             continue
-        if quant is not None and is_fp8_weight(name):
+        if quant is not None and is_fp8_weight(name, family):
             value = dequantize_fp8_blocks(*quantize_fp8_blocks(value, quant.weight_block_size, quant.scale_fmt),
                                           quant.weight_block_size, torch.float32)
+        elif quant is not None and family == "deepseek_v41" and is_engram_table(name):
+            value = dequantize_fp8_blocks(*quantize_fp8_blocks(value, ENGRAM_ROW_BLOCK, quant.scale_fmt),
+                                          ENGRAM_ROW_BLOCK, torch.float32)
         elif quant is not None and ".ffn.experts.w" in name:
             if quant.expert_dtype == "fp4":
                 value = dequantize_fp4(*quantize_fp4(value), 32, torch.float32)
@@ -73,6 +105,6 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
                 blocks = quant.weight_block_size
                 value = torch.stack([dequantize_fp8_blocks(*quantize_fp8_blocks(v, blocks, quant.scale_fmt), blocks,
                                                            torch.float32) for v in value])
-        elif not is_fp32_tensor(name):
+        elif not is_fp32_tensor(name, family):
             value = value.to(torch.bfloat16)
         t.copy_(value.to(t.dtype))

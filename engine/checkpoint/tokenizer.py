@@ -115,11 +115,16 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int, model_max_length: int) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``."""
+def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int, model_max_length: int,
+                    tokenizer: Tokenizer | None = None) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``: ``tokenizer`` when given
+    (it must have ``vocab_size`` entries), else the one ``train_tokenizer(vocab_size)`` gives."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size)
+    tok = train_tokenizer(vocab_size) if tokenizer is None else tokenizer
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise ValueError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} entries but the model's "
+                         f"vocab_size is {vocab_size}")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,

@@ -1,8 +1,11 @@
 """make-checkpoint: write a model's weights in the real on-disk layout (DeepSeek or transformers names).
 
-The DeepSeek format is quantized like the release (FP8 128x128 blocks with e8m0 scales for dense
-projections, FP4 e2m1 experts with one e8m0 scale per 32 along K); the HF format holds the same
-values dequantized. Everything is written into a temporary sibling directory that is renamed into
+The DeepSeek format is quantized like the release (FP8 blocks of the config's weight_block_size with
+e8m0 scales for dense projections, FP4 e2m1 experts with one e8m0 scale per 32 along K; V4.1 also
+stores its engram tables as FP8 rows with one e8m0 scale per 32 channels); the HF format holds the
+same values dequantized (V4: transformers' renamed, stacked-expert names; V4.1: `model.` + DeepSeek's
+names, `lm_head`, experts per expert, and an all-ones `engram.embed.scale` so transformers' strict
+load finds every parameter; it ignores the scale of a float table, and so do we). Everything is written into a temporary sibling directory that is renamed into
 place at the end, so an interrupted run never leaves a complete-looking checkpoint.
 """
 
@@ -22,7 +25,7 @@ from deepinfer.kernels.quant import quantize_fp4, quantize_fp8_blocks
 from ..errors import DeepInferError
 from .loader import INDEX_FILE
 from .names import checkpoint_tensors, ds_to_hf, hf_experts_prefix
-from .random_init import is_fp32_tensor, is_fp8_weight
+from .random_init import ENGRAM_ROW_BLOCK, is_engram_table, is_fp32_tensor, is_fp8_weight
 from .tokenizer import write_tokenizer
 
 SHARD_BYTES = 1 << 20  # small shards so tiny checkpoints exercise the multi-shard path
@@ -30,35 +33,47 @@ SHARD_BYTES = 1 << 20  # small shards so tiny checkpoints exercise the multi-sha
 
 def deepseek_tensors(model: torch.nn.Module):
     """Yield (name, tensor) in DeepSeek names and release dtypes (quantized when the config says so)."""
-    quant = model.cfg.quant
+    quant, family = model.cfg.quant, model.cfg.model_type
     tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name].detach()
         if ".ffn.experts.w" in name:
             base, w = name.rsplit(".", 1)
             for j in range(t.shape[0]):
-                yield from _stored(f"{base}.{j}.{w}.weight", t[j], quant, expert=True)
+                yield from _stored(f"{base}.{j}.{w}.weight", t[j], quant, family, expert=True)
         else:
-            yield from _stored(name, t, quant, expert=False)
+            yield from _stored(name, t, quant, family, expert=False)
 
 
-def _stored(name: str, t: torch.Tensor, quant, expert: bool):
+def _stored(name: str, t: torch.Tensor, quant, family: str, expert: bool):
     if not t.dtype.is_floating_point:
         yield name, t
     elif quant is not None and expert and quant.expert_dtype == "fp4":
         packed, scale = quantize_fp4(t.float())
         yield name, packed
         yield name[: -len(".weight")] + ".scale", scale
-    elif quant is not None and (expert or is_fp8_weight(name)):
+    elif quant is not None and (expert or is_fp8_weight(name, family)):
         w, scale = quantize_fp8_blocks(t.float(), quant.weight_block_size, quant.scale_fmt)
         yield name, w
         yield name[: -len(".weight")] + ".scale", scale
+    elif quant is not None and family == "deepseek_v41" and is_engram_table(name):
+        w, scale = quantize_fp8_blocks(t.float(), ENGRAM_ROW_BLOCK, quant.scale_fmt)   # [rows, head_dim / 32]
+        yield name, w
+        yield name[: -len(".weight")] + ".scale", scale
     else:
-        yield name, t.float() if is_fp32_tensor(name) else t.to(torch.bfloat16)
+        yield name, _float(t, name, family)
+
+
+def _float(t: torch.Tensor, name: str, family: str) -> torch.Tensor:
+    """An unquantized floating tensor in its release dtype (F32 or BF16)."""
+    return t.float() if is_fp32_tensor(name, family) else t.to(torch.bfloat16)
 
 
 def hf_tensors(model: torch.nn.Module):
-    """Yield (name, tensor) in transformers' names: experts stacked as gate_up_proj / down_proj."""
+    """Yield (name, tensor) in transformers' names: V4 experts stacked as gate_up_proj / down_proj."""
+    if model.cfg.model_type == "deepseek_v41":
+        yield from _hf_tensors_v41(model)
+        return
     tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name].detach()
@@ -75,6 +90,24 @@ def hf_tensors(model: torch.nn.Module):
         hf = ds_to_hf(name)
         assert hf is not None, name
         yield hf, t if not t.dtype.is_floating_point else (t.float() if is_fp32_tensor(name) else t.to(torch.bfloat16))
+
+
+def _hf_tensors_v41(model: torch.nn.Module):
+    """V4.1 in transformers' names: `model.` + DeepSeek's, `lm_head`, experts per expert, dequantized."""
+    family = model.cfg.model_type
+    tensors = checkpoint_tensors(model)
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if ".ffn.experts.w" in name:
+            base, w = name.rsplit(".", 1)
+            for j in range(t.shape[0]):
+                yield ds_to_hf(f"{base}.{j}.{w}.weight", family), t[j].to(torch.bfloat16)
+            continue
+        yield ds_to_hf(name, family), t if not t.dtype.is_floating_point else _float(t, name, family)
+        if is_engram_table(name):
+            rows, dim = t.shape
+            scale = torch.ones(rows, dim // ENGRAM_ROW_BLOCK[1], dtype=torch.bfloat16, device=t.device)
+            yield ds_to_hf(name[: -len(".weight")] + ".scale", family), scale
 
 
 def write_shards(tensors, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> None:
@@ -121,8 +154,10 @@ def check_out_dir(out: str | Path, fmt: str, overwrite: bool) -> Path:
 
 
 def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrite: bool = False,
-                     shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write config.json, shards + index, tokenizer into `out` (atomically: temp dir, then rename)."""
+                     shard_bytes: int = SHARD_BYTES, tokenizer=None) -> Path:
+    """Write config.json, shards + index, tokenizer into `out` (atomically: temp dir, then rename).
+    `tokenizer` (a tokenizers.Tokenizer): the one to write; default: the deterministic one trained for the
+    config's vocab_size (the one a V4.1 model's engram hashes with, see make.random_model)."""
     out = check_out_dir(out, fmt, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -136,7 +171,7 @@ def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrit
             config.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         write_shards(deepseek_tensors(model) if fmt == "deepseek" else hf_tensors(model), tmp, shard_bytes)
-        write_tokenizer(tmp, cfg.vocab_size, model_max_length=cfg.max_position_embeddings)
+        write_tokenizer(tmp, cfg.vocab_size, model_max_length=cfg.max_position_embeddings, tokenizer=tokenizer)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
