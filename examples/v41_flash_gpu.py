@@ -9,7 +9,6 @@ Writes one JSON row (atomically) and prints a short table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -17,23 +16,8 @@ import time
 import torch
 
 from deepinfer.cache.sequence_state import packed_kv_bytes_per_token
-from deepinfer.checkpoint.random_init import init_random_weights
-from deepinfer.checkpoint.tokenizer import train_tokenizer
+from deepinfer.checkpoint.make import random_model
 from deepinfer.config.presets import preset_config
-from deepinfer.models import build_model
-from deepinfer.models.engram import compressed_token_map
-
-
-def random_fp4_experts(model: torch.nn.Module, seed: int) -> None:
-    """Packed e2m1 bytes uniform over all codes; e8m0 scales giving ~unit-variance outputs."""
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    for name, buf in model.named_buffers():
-        if name.endswith("_fp4"):
-            buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, device=buf.device, dtype=torch.uint8))
-        elif name.endswith("_scale") and ".experts." in name:
-            fan_in = buf.shape[-1] * 32          # e2m1 codes have std ~2.9 -> scale ~ fan_in^-1/2 / 2.9
-            exp = round(-0.5 * torch.log2(torch.tensor(float(fan_in))).item() - 1.5)
-            buf.fill_(127 + exp)
 
 
 def sync() -> None:
@@ -60,14 +44,10 @@ def main() -> None:
     ap.add_argument("--out", default="v41_flash_gpu.json")
     args = ap.parse_args()
 
-    cfg = preset_config("deepseek_v41", args.preset, layers=args.layers, engram_vocab_size=args.engram_vocab_size)
-    tok = train_tokenizer(cfg.vocab_size)
-    cfg = dataclasses.replace(cfg, engram_compressed_vocab_size=compressed_token_map(tok)[1])
     t0 = time.perf_counter()
-    model = build_model(cfg, args.device, torch.bfloat16, qat_fake_quant=True, expert_storage="fp4")
-    init_random_weights(model, 0)
-    random_fp4_experts(model, 1)
-    model.bind_tokenizer(tok)
+    model = random_model("deepseek_v41", args.preset, seed=0, layers=args.layers, device=args.device,
+                         engram_vocab_size=args.engram_vocab_size, expert_storage="fp4")
+    cfg = model.cfg
     build_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     packed = sum(b.numel() * 2 for n, b in model.named_buffers() if n.endswith("_fp4"))   # 2 weights per byte

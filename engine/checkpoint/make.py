@@ -41,8 +41,8 @@ def preset_model_config(arch: str, preset: str, layers: int | None = None, engra
     return bind_config_to_tokenizer(cfg, tokenizer), tokenizer
 
 
-def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool):
-    model = build_model(cfg, device, dtype, qat_fake_quant)
+def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool, **options):
+    model = build_model(cfg, device, dtype, qat_fake_quant, **options)
     init_random_weights(model, seed)
     if tokenizer is not None and cfg.engram_layer_ids:
         model.bind_tokenizer(tokenizer)
@@ -51,12 +51,12 @@ def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qa
 
 def random_model(arch: str, preset: str, seed: int, layers: int | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, qat_fake_quant: bool = True,
-                 engram_vocab_size: int | None = None) -> torch.nn.Module:
+                 engram_vocab_size: int | None = None, **options) -> torch.nn.Module:
     """Build a preset model on `device` and fill it from `seed` (no files involved; a V4.1 model comes bound
     to its tokenizer). bf16 loses nothing: every stored value is bf16-representable (FP8/FP4 dequantize
-    exactly)."""
+    exactly). `options` go to the model class (V4.1: expert_storage="fp4")."""
     cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
-    return _random_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant)
+    return _random_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant, **options)
 
 
 def make_checkpoint(arch: str, preset: str, fmt: str, seed: int, out: str | Path, layers: int | None = None,

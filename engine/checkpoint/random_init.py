@@ -6,6 +6,8 @@ the lists below are the one place that says so, shared with the writer."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
@@ -88,6 +90,9 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name]
+        if _is_resident_fp4(name):
+            _sample_resident_fp4(name, t, gen)
+            continue
         value = _sample(name, t.shape, cfg, gen, device)
         if not t.dtype.is_floating_point:
             t.copy_(value)
@@ -108,3 +113,19 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         elif not is_fp32_tensor(name, family):
             value = value.to(torch.bfloat16)
         t.copy_(value.to(t.dtype))
+
+
+def _is_resident_fp4(name: str) -> bool:
+    """Routed experts kept FP4-packed in the model (expert_storage="fp4"): `ffn.experts.w*_fp4` / `w*_scale`."""
+    return ".ffn.experts.w" in name and name.endswith(("_fp4", "_scale"))
+
+
+def _sample_resident_fp4(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    """Packed e2m1 bytes uniform over all 16 codes (std ~2.9 per element) and one e8m0 scale per 32 along
+    K chosen for unit-variance outputs, scale ~ fan_in^-1/2 / 2.9. (Not the values the dense path draws:
+    drawing a full [E, I, D] float tensor first is what this storage exists to avoid.)"""
+    if name.endswith("_fp4"):
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=t.device, dtype=torch.uint8))
+    else:
+        fan_in = t.shape[-1] * 32
+        t.fill_(127 + round(-0.5 * math.log2(fan_in) - 1.5))
