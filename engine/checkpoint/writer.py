@@ -31,18 +31,24 @@ from .tokenizer import write_tokenizer
 SHARD_BYTES = 1 << 20  # small shards so tiny checkpoints exercise the multi-shard path
 
 
-def deepseek_tensors(model: torch.nn.Module):
-    """Yield (name, tensor) in DeepSeek names and release dtypes (quantized when the config says so)."""
-    quant, family = model.cfg.quant, model.cfg.model_type
+def _per_expert(model: torch.nn.Module):
+    """(name, tensor, is_expert) in name order, stacked experts split into DeepSeek's `experts.{j}.w*.weight`."""
     tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name].detach()
         if ".ffn.experts.w" in name:
             base, w = name.rsplit(".", 1)
             for j in range(t.shape[0]):
-                yield from _stored(f"{base}.{j}.{w}.weight", t[j], quant, family, expert=True)
+                yield f"{base}.{j}.{w}.weight", t[j], True
         else:
-            yield from _stored(name, t, quant, family, expert=False)
+            yield name, t, False
+
+
+def deepseek_tensors(model: torch.nn.Module):
+    """Yield (name, tensor) in DeepSeek names and release dtypes (quantized when the config says so)."""
+    quant, family = model.cfg.quant, model.cfg.model_type
+    for name, t, expert in _per_expert(model):
+        yield from _stored(name, t, quant, family, expert=expert)
 
 
 def _stored(name: str, t: torch.Tensor, quant, family: str, expert: bool):
@@ -95,13 +101,9 @@ def hf_tensors(model: torch.nn.Module):
 def _hf_tensors_v41(model: torch.nn.Module):
     """V4.1 in transformers' names: `model.` + DeepSeek's, `lm_head`, experts per expert, dequantized."""
     family = model.cfg.model_type
-    tensors = checkpoint_tensors(model)
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        if ".ffn.experts.w" in name:
-            base, w = name.rsplit(".", 1)
-            for j in range(t.shape[0]):
-                yield ds_to_hf(f"{base}.{j}.{w}.weight", family), t[j].to(torch.bfloat16)
+    for name, t, expert in _per_expert(model):
+        if expert:
+            yield ds_to_hf(name, family), t.to(torch.bfloat16)
             continue
         yield ds_to_hf(name, family), t if not t.dtype.is_floating_point else _float(t, name, family)
         if is_engram_table(name):

@@ -29,15 +29,15 @@ class SeqSlice:
     first_pos: int
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_type: str, rope: RotaryEmbedding, dtype: torch.dtype,
-                 qat_fake_quant: bool):
+class LatentAttention(nn.Module):
+    """The projections V4 and V4.1 share: low-rank q (wq_a, q_norm, wq_b), one K=V latent (wkv, kv_norm),
+    per-head sinks, and the grouped low-rank output (wo_a per group of heads, then wo_b)."""
+
+    def __init__(self, cfg, window: int, dtype: torch.dtype, qat_fake_quant: bool):
         super().__init__()
-        self.layer_type = layer_type
         self.n_heads, self.head_dim, self.rope_dim = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
-        self.window, self.eps, self.o_groups = cfg.sliding_window, cfg.rms_norm_eps, cfg.o_groups
+        self.window, self.eps, self.o_groups = window, cfg.rms_norm_eps, cfg.o_groups
         self.qat_fake_quant = qat_fake_quant
-        self.rope = rope
         d = cfg.hidden_size
         self.wq_a = Linear(d, cfg.q_lora_rank, dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -47,6 +47,23 @@ class Attention(nn.Module):
         self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
         self.attn_sink = fp32_param(self.n_heads)
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """o [N, H, d] -> [N, D]. K=V carried each key's rotation into the values: rotate back at the query
+        position, then grouped wo_a (one [R, H*d/G] block per group of heads) and wo_b."""
+        o = apply_rope(o, cos, sin, inverse=True)
+        grouped = o.view(o.shape[0], self.o_groups, -1)                           # [N, G, H*d/G]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])           # [G, R, H*d/G]
+        return self.wo_b(torch.einsum("ngi,gri->ngr", grouped.to(w.dtype), w).flatten(1))
+
+
+class Attention(LatentAttention):
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, rope: RotaryEmbedding, dtype: torch.dtype,
+                 qat_fake_quant: bool):
+        super().__init__(cfg, cfg.sliding_window, dtype, qat_fake_quant)
+        self.layer_type = layer_type
+        self.rope = rope
+        d = cfg.hidden_size
         self.ratio = 0 if layer_type == SLIDING else dict(cfg.compress_rates)[layer_type]
         self.compressor = None if layer_type == SLIDING else Compressor(
             d, self.head_dim, self.ratio, overlap=layer_type == CSA, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -80,12 +97,7 @@ class Attention(nn.Module):
             rows = slice(s.start, s.end)
             out[rows] = self._attend_one(q[rows], kv[rows], positions[rows], s.first_pos, s.layers[layer],
                                          [t[rows] for t in comp], [t[rows] for t in idx])
-        # K=V carried each key's rotation into the values; rotate back at the query position.
-        out = apply_rope(out, cos, sin, inverse=True)
-        grouped = out.view(n, self.o_groups, -1)                                  # [N, G, H*d/G]
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])           # [G, R, H*d/G]
-        low = torch.einsum("ngi,gri->ngr", grouped.to(w.dtype), w).flatten(1)     # [N, G*R]
-        return self.wo_b(low)
+        return self.output(out, cos, sin)
 
     def _attend_one(self, q, kv, positions, first_pos: int, state: LayerState, comp, idx) -> torch.Tensor:
         """One sequence's T new tokens: q [T, H, d], kv [T, d]; updates `state` in place."""

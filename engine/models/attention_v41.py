@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from deepinfer.kernels.attention import sink_attention
 from deepinfer.kernels.quant import fake_quant_fp8
@@ -19,8 +18,8 @@ from deepinfer.kernels.rope import apply_rope
 
 from ..cache.sequence_state import CompressorState, LayerState, SequenceState
 from ..config.deepseek_v41 import DeepseekV41Config
+from .attention import LatentAttention
 from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_mask
-from .layers import Linear, RMSNorm, fp32_param
 from .rope import RotaryEmbedding
 
 WINDOW_FP8_BLOCK = 32
@@ -39,24 +38,13 @@ class SeqRows:
     shared: dict = field(default_factory=dict)   # CSA2 products of the current source group
 
 
-class AttentionV41(nn.Module):
+class AttentionV41(LatentAttention):
     def __init__(self, cfg: DeepseekV41Config, layer: int, rope: RotaryEmbedding, rope_compress: RotaryEmbedding,
-                 dtype: torch.dtype, qat_fake_quant: bool, window: int | None = None):
-        super().__init__()
+                 dtype: torch.dtype, qat_fake_quant: bool):
+        super().__init__(cfg, cfg.sliding_window, dtype, qat_fake_quant)
         self.layer = layer
-        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.window = cfg.sliding_window if window is None else window
-        self.o_groups, self.qat_fake_quant = cfg.o_groups, qat_fake_quant
         self.rope, self.rope_compress = rope, rope_compress
         d = cfg.hidden_size
-        self.wq_a = Linear(d, cfg.q_lora_rank, dtype)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
-        self.wkv = Linear(d, self.head_dim, dtype)
-        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
-        self.attn_sink = fp32_param(self.n_heads)
         self.ratio = cfg.compress_ratios[layer] if layer < cfg.num_hidden_layers else 0
         self.is_kv_source = layer in cfg.kv_source_layer_ids
         is_index_source = layer in cfg.index_source_layer_ids
@@ -84,13 +72,6 @@ class AttentionV41(nn.Module):
         """x [N, D] -> K=V latents [N, d] as the window stores them (roped, FP8 QAT)."""
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         return fake_quant_fp8(kv, WINDOW_FP8_BLOCK) if self.qat_fake_quant else kv
-
-    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """o [Q, H, d] -> [Q, D]: undo the query's rotation, grouped wo_a, wo_b."""
-        o = apply_rope(o, cos, sin, inverse=True)
-        grouped = o.view(o.shape[0], self.o_groups, -1)                               # [Q, G, H*d/G]
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])               # [G, R, H*d/G]
-        return self.wo_b(torch.einsum("ngi,gri->ngr", grouped.to(w.dtype), w).flatten(1))
 
     # ---- the flat-batch forward ----
     def forward(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:

@@ -14,8 +14,8 @@ from torch import nn
 
 from ..cache.sequence_state import SequenceState
 from ..config.deepseek_v4 import MOE, SLIDING, DeepseekV4Config
-from ..errors import DeepInferError
 from .attention import Attention, SeqSlice
+from .flat_batch import FlatBatchLM
 from .layers import Linear, RMSNorm, fp32_param
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
@@ -76,7 +76,7 @@ class MTPLayer(Block, HyperHead):
         self._init_head(cfg)
 
 
-class DeepseekV4ForCausalLM(HyperHead):
+class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
     def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True):
         super().__init__()
         self.cfg, self.dtype, self.qat_fake_quant = cfg, dtype, qat_fake_quant
@@ -92,10 +92,6 @@ class DeepseekV4ForCausalLM(HyperHead):
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.mtp = nn.ModuleList(MTPLayer(cfg, self.rope_main, dtype, qat_fake_quant)
                                  for _ in range(cfg.num_nextn_predict_layers))
-
-    @property
-    def device(self) -> torch.device:
-        return self.head.weight.device
 
     def new_state(self) -> SequenceState:
         return SequenceState(layers=[b.attn.new_state() for b in self.layers],
@@ -137,28 +133,16 @@ class DeepseekV4ForCausalLM(HyperHead):
         return torch.cat(pos).to(self.device), seqs
 
     # ---- conveniences on top ----
-    def check_token_ids(self, input_ids: torch.Tensor) -> None:
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size):
-            raise DeepInferError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {int(input_ids.min())}, "
-                                 f"max {int(input_ids.max())}: check the tokenizer matches the model")
-
     @torch.inference_mode()
     def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Stateless full forward: input_ids [B, T] -> logits [B, T, vocab] fp32 (the parity hook)."""
-        if input_ids.dim() != 2:
-            raise DeepInferError(f"compute_logits takes input_ids of shape [B, T]; got {tuple(input_ids.shape)}")
-        self.check_token_ids(input_ids)
-        b, t = input_ids.shape
-        chunks = [(i * t, (i + 1) * t) for i in range(b)]
-        streams = self.forward(input_ids.reshape(-1).to(self.device), chunks, [self.new_state() for _ in range(b)])
-        return self.logits(streams).view(b, t, -1)
+        ids, chunks = self.batch_chunks(input_ids)
+        streams = self.forward(ids, chunks, [self.new_state() for _ in chunks])
+        return self.logits(streams).view(*input_ids.shape, -1)
 
     @torch.inference_mode()
     def extend(self, token_chunks: list[torch.Tensor], states: list[SequenceState]) -> list[torch.Tensor]:
         """Incremental forward: append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]."""
-        ids = torch.cat([c.reshape(-1) for c in token_chunks]).to(self.device)
-        self.check_token_ids(ids)
-        bounds = torch.tensor([0] + [c.numel() for c in token_chunks]).cumsum(0).tolist()
-        chunks = list(zip(bounds[:-1], bounds[1:]))
+        ids, chunks = self.flat_chunks(token_chunks)
         logits = self.logits(self.forward(ids, chunks, states))
         return [logits[s:e] for s, e in chunks]

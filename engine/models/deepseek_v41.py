@@ -28,6 +28,7 @@ from ..config.deepseek_v41 import DeepseekV41Config
 from ..errors import DeepInferError
 from .attention_v41 import AttentionV41, SeqRows
 from .dspark import DSpark, DraftOutput, build_stages, greedy
+from .flat_batch import FlatBatchLM
 from .engram import Engram, EngramHasher
 from .layers import Linear, RMSNorm, fp32_param
 from .mhc import hc_collapse, hc_mixes, hc_post
@@ -58,11 +59,11 @@ class BlockV41(nn.Module):
         return hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                         getattr(self, f"hc_{site}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
 
-    def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows],
-                qrows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [I, hc, D] streams (after any engram), pre_mix [I, hc] -> (streams, next pre) on the query
-        rows `qrows` (None: all rows)."""
-        x = self.attn(self.attn_norm(hc_collapse(h, pre_mix)), positions, seqs)
+    def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, qrows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [I, hc, D] streams (after any engram), pre_mix [I, hc]; attend(x [I, D] normed) -> [Q, D] runs the
+        attention. Returns (streams, next pre) on the query rows `qrows` (None: all rows)."""
+        x = attend(self.attn_norm(hc_collapse(h, pre_mix)))
         if qrows is not None:
             h = h[qrows]
         pre_a, post, comb = self.mixes(h, "attn")
@@ -80,7 +81,7 @@ class ForwardOutput:
     feature_rows: torch.Tensor | None = None
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(FlatBatchLM):
     def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True,
                  expert_storage: str = "dense"):
         """expert_storage="fp4": routed experts stay FP4-packed and dequantize per use (moe.Experts)."""
@@ -101,10 +102,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         if cfg.num_nextn_predict_layers:
             self.mtp = build_stages(cfg, self.rope_main, dtype, qat_fake_quant, expert_storage)
             self.dspark = DSpark(cfg, self.mtp)
-
-    @property
-    def device(self) -> torch.device:
-        return self.head.weight.device
 
     def new_state(self) -> SequenceState:
         return SequenceState(layers=[b.attn.new_state() for b in self.layers],
@@ -142,7 +139,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if last_only and i >= cfg.truncation_start:
                 span = (cfg.num_hidden_layers - 1 - i) * (cfg.sliding_window - 1)
                 qrows = self._query_rows(seqs, [t - span for t in last_pos])
-            h, pre_mix = block(h, pre_mix, positions, seqs, qrows)
+            h, pre_mix = block(h, pre_mix, lambda x: block.attn(x, positions, seqs), qrows)
             if qrows is not None:
                 rows, positions = rows[qrows], positions[qrows]
                 seqs = self._shrink(seqs)
@@ -210,21 +207,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         return ids
 
     # ---- conveniences on top ----
-    def check_token_ids(self, input_ids: torch.Tensor) -> None:
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size):
-            raise DeepInferError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {int(input_ids.min())}, "
-                                 f"max {int(input_ids.max())}: check the tokenizer matches the model")
-
     @torch.inference_mode()
     def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Stateless full forward: input_ids [B, T] -> logits [B, T, vocab] fp32."""
-        if input_ids.dim() != 2:
-            raise DeepInferError(f"compute_logits takes input_ids of shape [B, T]; got {tuple(input_ids.shape)}")
-        self.check_token_ids(input_ids)
-        b, t = input_ids.shape
-        chunks = [(i * t, (i + 1) * t) for i in range(b)]
-        out = self.forward(input_ids.reshape(-1).to(self.device), chunks, [self.new_state() for _ in range(b)])
-        return self.logits(out.hidden).view(b, t, -1)
+        ids, chunks = self.batch_chunks(input_ids)
+        out = self.forward(ids, chunks, [self.new_state() for _ in chunks])
+        return self.logits(out.hidden).view(*input_ids.shape, -1)
+
+    @staticmethod
+    def _last_rows(rows: torch.Tensor, chunks) -> torch.Tensor:
+        """Index of each chunk's last input row within `rows` (output or feature row indices)."""
+        ends = torch.tensor([e - 1 for _, e in chunks], device=rows.device)
+        return (rows.unsqueeze(0) == ends.unsqueeze(1)).float().argmax(dim=1)
 
     @torch.inference_mode()
     def extend_and_draft(self, token_chunks: list[torch.Tensor], states: list[SequenceState],
@@ -234,21 +228,17 @@ class DeepseekV41ForCausalLM(nn.Module):
         Returns (y [B], target logits at p [B, V], drafts for p+2 ..)."""
         if not hasattr(self, "mtp"):
             raise DeepInferError("this model has no DSpark draft stages (num_nextn_predict_layers = 0)")
-        ids = torch.cat([c.reshape(-1) for c in token_chunks]).to(self.device)
-        self.check_token_ids(ids)
-        bounds = torch.tensor([0] + [c.numel() for c in token_chunks]).cumsum(0).tolist()
-        chunks = list(zip(bounds[:-1], bounds[1:]))
+        ids, chunks = self.flat_chunks(token_chunks)
         out = self.forward(ids, chunks, states, last_only=True, feature_window=self.cfg.sliding_window)
-        ends = torch.tensor([e - 1 for _, e in chunks], device=self.device)
-        logits = self.logits(out.hidden[(out.rows.unsqueeze(0) == ends.unsqueeze(1)).float().argmax(dim=1)])
+        logits = self.logits(out.hidden[self._last_rows(out.rows, chunks)])
         tokens = sample(logits)
         # feature rows -> (owner sequence, absolute position)
-        owner = torch.bucketize(out.feature_rows, torch.tensor(bounds[1:], device=self.device), right=True)
+        owner = torch.bucketize(out.feature_rows, torch.tensor([e for _, e in chunks], device=self.device), right=True)
         first_pos = torch.tensor([st.num_tokens - (e - s) - s for (s, e), st in zip(chunks, states)],
                                  device=self.device)
         positions = out.feature_rows + first_pos[owner]
         self.dspark.observe(out.features, positions, owner.tolist(), states)
-        last = (out.feature_rows.unsqueeze(0) == ends.unsqueeze(1)).float().argmax(dim=1)
+        last = self._last_rows(out.feature_rows, chunks)
         drafts = self.dspark.draft(self.embed, self.head, out.features[last], positions[last], tokens, states, sample)
         return tokens, logits, drafts
 
@@ -257,14 +247,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                last_only: bool = False) -> list[torch.Tensor]:
         """Append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]
         (last_only: [1, V], computed with YOCO truncation)."""
-        ids = torch.cat([c.reshape(-1) for c in token_chunks]).to(self.device)
-        self.check_token_ids(ids)
-        bounds = torch.tensor([0] + [c.numel() for c in token_chunks]).cumsum(0).tolist()
-        chunks = list(zip(bounds[:-1], bounds[1:]))
+        ids, chunks = self.flat_chunks(token_chunks)
         out = self.forward(ids, chunks, states, last_only=last_only)
         logits = self.logits(out.hidden)
         if last_only:
-            ends = torch.tensor([e - 1 for _, e in chunks], device=out.rows.device)
-            pick = (out.rows.unsqueeze(0) == ends.unsqueeze(1)).float().argmax(dim=1)
-            return [logits[i:i + 1] for i in pick.tolist()]
+            return [logits[i:i + 1] for i in self._last_rows(out.rows, chunks).tolist()]
         return [logits[s:e] for s, e in chunks]

@@ -30,7 +30,7 @@ from ..cache.sequence_state import SequenceState
 from ..config.deepseek_v41 import DeepseekV41Config
 from ..errors import DeepInferError
 from .layers import Linear, RMSNorm
-from .mhc import hc_collapse, hc_post
+from .mhc import hc_collapse
 from .rope import RotaryEmbedding
 
 
@@ -143,7 +143,8 @@ class DSpark:
         pre[:, 0] = 1
         qpos = (positions.unsqueeze(1) + 1 + torch.arange(blk, device=positions.device)).reshape(-1)
         for i, stage in enumerate(self.stages):
-            h, pre = self._stage(stage, i, h, pre, qpos, states, bsz, blk)
+            rings = [s.mtp[i] for s in states]
+            h, pre = stage(h, pre, lambda x: self._attend(stage.attn, x, qpos, rings, bsz, blk))
         last = self.stages[-1]
         x = hc_collapse(h, pre)                                                        # [B*blk, D]
         logits = head(last.norm(x)).float().view(bsz, blk, -1)
@@ -156,15 +157,6 @@ class DSpark:
             prev = sample(logits[:, i])
             drafts.append(prev)
         return DraftOutput(torch.stack(drafts, 1), logits, torch.stack(conf, 1))
-
-    def _stage(self, stage, index: int, h, pre, qpos, states, bsz: int, blk: int):
-        x = self._attend(stage.attn, stage.attn_norm(hc_collapse(h, pre)), qpos, [s.mtp[index] for s in states],
-                         bsz, blk)
-        pre_a, post, comb = stage.mixes(h, "attn")
-        h = hc_post(x, h, post, comb)
-        pre_f, post, comb = stage.mixes(h, "ffn")
-        h = hc_post(stage.ffn(stage.ffn_norm(hc_collapse(h, pre_a))), h, post, comb)
-        return h, pre_f
 
     @staticmethod
     def _attend(attn, x: torch.Tensor, qpos: torch.Tensor, rings, bsz: int, blk: int) -> torch.Tensor:
