@@ -521,3 +521,15 @@ def test_released_engram_rows_are_the_prime_sums():
     start = time.perf_counter()
     assert engram_table_rows(16000000, 2, 4, 8) == (384006168, 384016682)
     assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"head_dim": 80, "qk_rope_head_dim": 16}, "head_dim=80 must be a multiple of 32"),
+    ({"index_head_dim": 48}, "index_head_dim=48 must be a multiple of 32"),
+    ({"dspark_target_layer_ids": ()}, "DSpark stages need dspark_target_layer_ids"),
+    ({"candidate_source_layer_id": 4}, "come after candidate_source_layer_id=4"),
+])
+def test_schedule_rules_added_after_review(change, match):
+    from deepinfer.config.deepseek_v41 import validate
+    with pytest.raises(ConfigError, match=match):
+        validate(dataclasses.replace(TINY_V41, **change))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.checkpoint.names import checkpoint_tensors
+from deepinfer.checkpoint.writer import hf_tensors
 from tests.helpers_v41 import tiny_v41_config, tiny_v41_model, tiny_v41_tokenizer
 
 
@@ -61,24 +61,9 @@ def reference_or_skip():
 
 
 def hf_twin(ref, model, tokenizer, dtype=torch.float32):
-    """The reference model holding our model's weights (per-expert tensors, `model.` prefix, lm_head)."""
+    """The reference model holding our model's weights, through our own transformers-format export."""
     hf = ref.DeepseekV41ForCausalLM(_hf_config(ref, model.cfg)).float().eval()
-    state = {}
-    for name, t in checkpoint_tensors(model).items():
-        if name.startswith("mtp."):
-            continue
-        if ".ffn.experts.w" in name:
-            base, w = name.rsplit(".", 1)
-            for j in range(t.shape[0]):
-                state[f"model.{base}.{j}.{w}.weight"] = t[j]
-        elif name == "head.weight":
-            state["lm_head.weight"] = t
-        else:
-            state[f"model.{name}"] = t
-    own = hf.state_dict()
-    for k in own:
-        if k.endswith("engram.embed.scale"):
-            state[k] = torch.ones_like(own[k])
+    state = {name: t for name, t in hf_tensors(model) if ".mtp." not in name}   # the reference has no DSpark
     missing, unexpected = hf.load_state_dict({k: v.float().cpu() for k, v in state.items()}, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     hf = hf.to(device=model.device, dtype=dtype)

@@ -1,7 +1,8 @@
 """V4.1 reference model: incremental state, YOCO truncation, batching, CSA2 sharing, DSpark drafting.
 
-float64 with the QAT quantizers on: every path must agree exactly (the quantizers are discontinuous,
-so any difference in rounding would show up as a flipped FP4/FP8 step, not as 1e-7 noise).
+float64 with the QAT quantizers on: every path must agree to 1e-9. Reduction order may differ in the last
+bits between paths (measured up to 1.5e-11), but the quantizers are discontinuous, so a path that computed
+anything differently would flip an FP4/FP8 step or a top-k pick and miss by far more than 1e-9.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from deepinfer.checkpoint.random_init import init_random_weights
 from tests.helpers_v41 import tiny_v41_config, tiny_v41_model, tiny_v41_tokenizer
 
 T = 70
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and (a.double() - b.double()).abs().max().item() <= 1e-9
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +42,21 @@ def full(model, ids):
 def test_token_by_token_and_chunked_match_full(model, ids, full):
     st = model.new_state()
     steps = torch.cat([model.extend([ids[t:t + 1]], [st])[0] for t in range(T)])
-    assert torch.equal(steps, full)
+    assert same(steps, full)
     st = model.new_state()
     cuts = [0, 13, 14, 40, 41, T]
     chunked = torch.cat([model.extend([ids[a:b]], [st])[0] for a, b in zip(cuts, cuts[1:])])
-    assert torch.equal(chunked, full)
+    assert same(chunked, full)
 
 
 @pytest.mark.parametrize("n", [1, 6, 33, T])
 def test_yoco_truncated_prefill_is_exact(model, ids, full, n):
     st = model.new_state()
     last = model.extend([ids[:n]], [st], last_only=True)[0]
-    assert torch.equal(last[0], full[n - 1])
+    assert same(last[0], full[n - 1])
     rest = [model.extend([ids[t:t + 1]], [st])[0] for t in range(n, min(n + 12, T))]
     if rest:
-        assert torch.equal(torch.cat(rest), full[n:n + 12])
+        assert same(torch.cat(rest), full[n:n + 12])
 
 
 def test_yoco_runs_each_layer_on_its_suffix(model, ids):
@@ -74,9 +79,9 @@ def test_yoco_runs_each_layer_on_its_suffix(model, ids):
 def test_batched_sequences_match_single(model, ids, full):
     a, b = model.new_state(), model.new_state()
     out_a, out_b = model.extend([ids[:30], ids[:47]], [a, b])
-    assert torch.equal(out_a, full[:30]) and torch.equal(out_b, full[:47])
+    assert same(out_a, full[:30]) and same(out_b, full[:47])
     out_a, out_b = model.extend([ids[30:60], ids[47:48]], [a, b], last_only=True)
-    assert torch.equal(out_a[0], full[59]) and torch.equal(out_b[0], full[47])
+    assert same(out_a[0], full[59]) and same(out_b[0], full[47])
 
 
 def test_source_groups_store_their_own_entries(model, ids):
@@ -104,7 +109,7 @@ def test_second_source_replaces_first_groups_entries(ids):
     st = model.new_state()
     model.extend([ids[:40]], [st])
     g2, g4 = st.layers[2].compressor.entries, st.layers[4].compressor.entries
-    assert g2.shape == g4.shape and not torch.equal(g2, g4)
+    assert g2.shape == g4.shape and not same(g2, g4)
     # layer 5 (reuse of source 4) reads group 4: its attention over the entries uses the group-4 tensor
     assert cfg.layer_kind(5) == "reuse" and model.cfg.kv_source_of(5) == 4
 
@@ -131,10 +136,8 @@ def test_state_bytes_per_token_match_the_dense_layout(model, ids):
 
 
 @pytest.fixture(scope="module")
-def drafter():
-    cfg = dataclasses.replace(tiny_v41_config(), num_nextn_predict_layers=3, dspark_markov_rank=16,
-                              dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
-    return tiny_v41_model(torch.float64, cfg=cfg)
+def drafter(model):
+    return model
 
 
 def test_draft_chunked_prefill_and_batching_agree(drafter, ids):
@@ -144,9 +147,9 @@ def test_draft_chunked_prefill_and_batching_agree(drafter, ids):
     chunked = drafter.extend_and_draft([ids[25:40]], [st])
     both = drafter.extend_and_draft([ids[:40], ids[5:30]], [drafter.new_state(), drafter.new_state()])
     other = drafter.extend_and_draft([ids[5:30]], [drafter.new_state()])
-    assert torch.equal(one[0], chunked[0]) and torch.equal(one[2].tokens, chunked[2].tokens)
-    assert torch.equal(one[2].logits, chunked[2].logits) and torch.equal(one[2].confidence, chunked[2].confidence)
-    assert torch.equal(both[2].logits[0], one[2].logits[0]) and torch.equal(both[2].logits[1], other[2].logits[0])
+    assert same(one[0], chunked[0]) and same(one[2].tokens, chunked[2].tokens)
+    assert same(one[2].logits, chunked[2].logits) and same(one[2].confidence, chunked[2].confidence)
+    assert same(both[2].logits[0], one[2].logits[0]) and same(both[2].logits[1], other[2].logits[0])
     assert one[2].tokens.shape == (1, drafter.cfg.dspark_block_size)
     assert drafter.new_state().mtp and len(drafter.new_state().mtp) == 3
 
@@ -154,7 +157,7 @@ def test_draft_chunked_prefill_and_batching_agree(drafter, ids):
 def test_draft_target_logits_match_plain_forward(drafter, ids):
     y, logits, _ = drafter.extend_and_draft([ids[:40]], [drafter.new_state()])
     plain = drafter.compute_logits(ids[None, :40])[0, -1]
-    assert torch.equal(logits[0], plain) and int(y) == int(plain.argmax())
+    assert same(logits[0], plain) and int(y) == int(plain.argmax())
 
 
 def test_markov_bias_is_applied_left_to_right(drafter, ids):
@@ -207,4 +210,46 @@ def test_fp4_resident_experts_match_dense_dequantized_experts(ids):
                 getattr(pmod, f"{w}_fp4").copy_(q.view(torch.uint8))
                 getattr(pmod, f"{w}_scale").copy_(s.view(torch.uint8))
                 getattr(mod, w).data.copy_(dequantize_fp4(q, s, 32, torch.float32))
-    assert torch.equal(packed.compute_logits(ids[None, :40]), dense.compute_logits(ids[None, :40]))
+    assert same(packed.compute_logits(ids[None, :40]), dense.compute_logits(ids[None, :40]))
+
+
+# ---------------------------------------------------------------- bad input: one clear line, state untouched
+
+
+@pytest.mark.parametrize("chunks, states, match", [
+    ([], 0, "no token chunks"),
+    ([torch.tensor([5, 6]), torch.tensor([7])], 1, "2 token chunks for 1 sequence states"),
+    ([torch.tensor([], dtype=torch.long)], 1, "non-empty 1-D"),
+    ([torch.tensor([[5, 6]])], 1, "non-empty 1-D"),
+    ([torch.tensor([5.0, 6.0])], 1, "must be integers"),
+    ([torch.tensor([5, 600])], 1, r"token ids must lie in \[0, 512\)"),
+])
+def test_bad_chunks_get_one_line(model, chunks, states, match):
+    sts = [model.new_state() for _ in range(states)]
+    with pytest.raises(DeepInferError, match=match):
+        model.extend(chunks, sts)
+    assert all(st.num_tokens == 0 for st in sts)
+
+
+def test_one_state_twice_in_a_batch_is_refused(model):
+    st = model.new_state()
+    with pytest.raises(DeepInferError, match="appears twice"):
+        model.extend([torch.tensor([5, 6]), torch.tensor([7])], [st, st])
+    with pytest.raises(DeepInferError, match=r"shape \[B, T\] with T >= 1"):
+        model.compute_logits(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_draft_on_a_sequence_without_rings_is_refused_before_running(drafter, ids):
+    st = drafter.new_state()
+    drafter.extend([ids[:10]], [st])
+    windows = [layer.window.clone() for layer in st.layers]
+    with pytest.raises(DeepInferError, match="DSpark rings of this sequence are empty"):
+        drafter.extend_and_draft([ids[10:12]], [st])
+    assert st.num_tokens == 10 and all(torch.equal(a, b.window) for a, b in zip(windows, st.layers))
+
+
+def test_swiglu_limit_zero_means_no_clamp():
+    from deepinfer.models.moe import swiglu
+    g, u = torch.tensor([20.0, -3.0]), torch.tensor([30.0, 2.0])
+    assert torch.equal(swiglu(g, u, 0.0), torch.nn.functional.silu(g) * u)
+    assert torch.equal(swiglu(g, u, 10.0), torch.nn.functional.silu(g.clamp(max=10)) * u.clamp(-10, 10))

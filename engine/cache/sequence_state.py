@@ -32,7 +32,7 @@ class CompressorState:
 
 @dataclass
 class LayerState:
-    window: torch.Tensor | None = None          # [<= window-1, d] the last raw K=V latents
+    window: torch.Tensor | None = None          # [<= window-1, d] the last K=V latents (DSpark rings: <= window)
     compressor: CompressorState | None = None   # CSA / HCA layers
     indexer: CompressorState | None = None      # CSA layers
 

@@ -490,6 +490,11 @@ def _validate_dims(cfg: DeepseekV41Config, need) -> None:
          f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even and within head_dim={cfg.head_dim}")
     need(cfg.num_attention_heads % cfg.o_groups == 0,
          f"num_attention_heads={cfg.num_attention_heads} is not divisible by o_groups={cfg.o_groups}")
+    need(cfg.head_dim % 32 == 0, f"head_dim={cfg.head_dim} must be a multiple of 32 (the window K=V latent is "
+         f"FP8 in blocks of 32, the compressed entries FP4 in blocks of 16)")
+    need(cfg.index_head_dim % 32 == 0 and cfg.qk_rope_head_dim <= cfg.index_head_dim,
+         f"index_head_dim={cfg.index_head_dim} must be a multiple of 32 (FP4 blocks of 32) and hold the "
+         f"qk_rope_head_dim={cfg.qk_rope_head_dim} RoPE channels")
     need(cfg.num_experts_per_tok <= cfg.n_routed_experts,
          f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds n_routed_experts={cfg.n_routed_experts}")
     need(cfg.dspark_num_experts_per_tok <= cfg.dspark_n_routed_experts,
@@ -527,6 +532,9 @@ def _validate_sources(cfg: DeepseekV41Config, need) -> None:
     need(not lone, f"KV sources {lone} are not index sources; their group would read another group's top-k")
     c = cfg.candidate_source_layer_id
     need(c < 0 or c in index, f"candidate_source_layer_id={c} is not among index_source_layer_ids {list(index)}")
+    later = [s for s in kv if c >= 0 and s > c]
+    need(not later, f"KV sources {later} come after candidate_source_layer_id={c}; its candidate blocks index "
+         f"its own group's entries, so it must be in the last group")
 
 
 def _validate_engram_dspark(cfg: DeepseekV41Config, need) -> None:
@@ -539,6 +547,8 @@ def _validate_engram_dspark(cfg: DeepseekV41Config, need) -> None:
     targets = cfg.dspark_target_layer_ids
     need(all(0 <= t < n for t in targets), f"dspark_target_layer_ids {list(targets)} has layers outside 0..{n - 1}")
     need(len(set(targets)) == len(targets), f"dspark_target_layer_ids {list(targets)} repeats a layer")
+    need(not cfg.num_nextn_predict_layers or targets, f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} "
+         f"DSpark stages need dspark_target_layer_ids (the layers whose streams feed them)")
 
 
 # ============================================================================ writers

@@ -15,7 +15,8 @@ from deepinfer.kernels.rope import apply_rope
 from ..cache.sequence_state import CompressorState, LayerState
 from ..config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
 from . import qat
-from .compressor import Compressor, Indexer, visible_entries
+from .compressor import Compressor, Indexer
+from .selection import visible_entries
 from .layers import Linear, RMSNorm, fp32_param
 from .rope import RotaryEmbedding
 

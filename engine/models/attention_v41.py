@@ -23,6 +23,7 @@ from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_m
 from .rope import RotaryEmbedding
 
 WINDOW_FP8_BLOCK = 32
+QUERY_BLOCK = 1024   # indexer queries scored at a time
 
 
 @dataclass
@@ -78,7 +79,7 @@ class AttentionV41(LatentAttention):
         """x [I, D] normed input rows, positions [I] -> outputs [Q, D] for each sequence's query rows."""
         qrows = torch.cat([torch.arange(s.q_start, s.end) for s in seqs]).to(x.device)
         xq, qpos = x[qrows], positions[qrows]
-        rope = self.rope_compress if self.ratio else self.rope
+        rope = self.rope            # the block passes the compress rope to layers with ratio > 0
         cos_q, sin_q = rope(qpos)
         q, qr = self.queries(xq, cos_q, sin_q)
         kv = self.window_kv(x, *rope(positions))
@@ -136,14 +137,24 @@ class AttentionV41(LatentAttention):
         sh["entries"], sh["keys"] = st.compressor.entries, None if st.indexer is None else st.indexer.entries
 
     def _select(self, sh: dict, index_q, qpos: torch.Tensor) -> None:
-        """Index source: top-k of the group's keys for these queries (inside the candidates, if any)."""
-        scores = self.indexer.scores(index_q[0], index_q[1], sh["keys"], qpos, self.ratio)
+        """Index source: top-k of the group's keys for these queries (inside the candidates, if any). Scored in
+        blocks of queries so the [queries, heads, entries] scores stay bounded on long prefills."""
+        t = qpos.shape[0]
+        inside = sh.get("candidates") if self.uses_candidates and not self.is_candidate_source else None
+        inside = None if inside is None else inside[-t:]
+        chosen, candidates = [], []
+        for a in range(0, t, QUERY_BLOCK):
+            rows = slice(a, a + QUERY_BLOCK)
+            scores = self.indexer.scores(index_q[0][rows], index_q[1][rows], sh["keys"], qpos[rows], self.ratio)
+            if self.is_candidate_source:
+                candidates.append(candidate_blocks(scores, qpos[rows], self.ratio, self.candidate_blocks,
+                                                   self.candidate_block_size))
+            elif inside is not None:
+                scores = scores.masked_fill(~inside[rows], float("-inf"))
+            chosen.append(top_k_mask(scores, self.indexer.topk))
         if self.is_candidate_source:
-            sh["candidates"] = candidate_blocks(scores, qpos, self.ratio, self.candidate_blocks,
-                                                self.candidate_block_size)
-        elif self.uses_candidates and sh.get("candidates") is not None:
-            scores = scores.masked_fill(~sh["candidates"][-qpos.shape[0]:], float("-inf"))
-        sh["selected"] = top_k_mask(scores, self.indexer.topk)
+            sh["candidates"] = torch.cat(candidates)
+        sh["selected"] = torch.cat(chosen)
 
 
 def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

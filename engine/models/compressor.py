@@ -18,6 +18,7 @@ from deepinfer.kernels.rope import apply_rope
 from ..cache.sequence_state import CompressorState
 from .layers import Linear, RMSNorm, fp32_param
 from .rope import RotaryEmbedding
+from .selection import top_k_mask, visible_entries
 
 
 class Compressor(nn.Module):
@@ -71,12 +72,6 @@ class Compressor(nn.Module):
         return torch.cat([prev_kv, b_kv], dim=1), torch.cat([prev_score, b_score], dim=1)
 
 
-def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
-    """[T, n] bool: entry w is visible to the query at position p once its window closed, w < (p+1)//ratio."""
-    entry = torch.arange(num_entries, device=positions.device)
-    return entry.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1)
-
-
 class Indexer(nn.Module):
     """Lightning indexer: scores compressed entries by sum_h w_h * ReLU(q_h . k) and keeps the top-k."""
 
@@ -104,9 +99,4 @@ class Indexer(nn.Module):
         scores = torch.einsum("thd,nd->thn", upcast(q), upcast(keys)).relu()
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)           # [T, n]
         visible = visible_entries(positions, n, self.ratio)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        # NOTE: FP4-quantized q and k make exact score ties common; a stable sort breaks them toward the
-        # lower entry index, so chunked prefill, decode and the full forward select the same set.
-        top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
-        selected.scatter_(1, top, True)
-        return selected & visible
+        return top_k_mask(scores.masked_fill(~visible, float("-inf")), self.topk)

@@ -23,6 +23,7 @@ from deepinfer.kernels.rope import apply_rope
 from ..cache.sequence_state import CompressorState
 from .layers import Linear, RMSNorm
 from .rope import RotaryEmbedding
+from .selection import top_k_mask, visible_entries
 
 ENTRY_FP4_BLOCK = 16    # compressed KV: e2m1, one e4m3 scale per 16 channels
 INDEX_FP4_BLOCK = 32    # indexer q and k: e2m1, one ue8m0 scale per 32 channels
@@ -34,12 +35,6 @@ def quantize_entry(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_index(x: torch.Tensor) -> torch.Tensor:
     return fake_quant_fp4(x, INDEX_FP4_BLOCK, scale_fmt="ue8m0")
-
-
-def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
-    """[T, n] bool: group j is visible to the query at position p once j < (p+1)//ratio."""
-    entry = torch.arange(num_entries, device=positions.device)
-    return entry.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1)
 
 
 class Compressor(nn.Module):
@@ -103,19 +98,6 @@ class Indexer(nn.Module):
         s = torch.einsum("thd,nd->thn", upcast(q), upcast(keys)).relu() * self.index_dim ** -0.5
         s = (s * weights.unsqueeze(-1)).sum(dim=1)
         return s.masked_fill(~visible_entries(positions, keys.shape[0], ratio), float("-inf"))
-
-
-def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, n] scores -> [T, n] bool keeping the k best finite entries per row.
-    NOTE: FP4 q and k make exact ties common; a stable sort breaks them toward the lower index so
-    chunked prefill, decode and the one-shot forward select the same set."""
-    n = scores.shape[-1]
-    keep = torch.zeros_like(scores, dtype=torch.bool)
-    if n == 0 or k <= 0:
-        return keep
-    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : min(k, n)]
-    keep.scatter_(1, top, True)
-    return keep & (scores > float("-inf"))
 
 
 def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,

@@ -143,6 +143,6 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
     @torch.inference_mode()
     def extend(self, token_chunks: list[torch.Tensor], states: list[SequenceState]) -> list[torch.Tensor]:
         """Incremental forward: append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]."""
-        ids, chunks = self.flat_chunks(token_chunks)
+        ids, chunks = self.flat_chunks(token_chunks, states)
         logits = self.logits(self.forward(ids, chunks, states))
         return [logits[s:e] for s, e in chunks]

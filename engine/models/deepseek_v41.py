@@ -45,7 +45,7 @@ class BlockV41(nn.Module):
         self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.attn = AttentionV41(cfg, layer, rope, rope_compress, dtype, qat_fake_quant)
         gate = Gate(d, n_experts, top_k, cfg.scoring_func, cfg.routed_scaling_factor, dtype, temp=cfg.gate_temp,
-                    bias_vl=True)
+                    bias_vl=True, normalize=cfg.norm_topk_prob)
         self.ffn = MoE(gate, d, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype,
                        expert_storage)
         self.engram = Engram(cfg, layer, dtype, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]) \
@@ -228,8 +228,11 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         Returns (y [B], target logits at p [B, V], drafts for p+2 ..)."""
         if not hasattr(self, "mtp"):
             raise DeepInferError("this model has no DSpark draft stages (num_nextn_predict_layers = 0)")
-        ids, chunks = self.flat_chunks(token_chunks)
-        out = self.forward(ids, chunks, states, last_only=True, feature_window=self.cfg.sliding_window)
+        ids, chunks = self.flat_chunks(token_chunks, states)
+        w = self.cfg.sliding_window
+        for (s, e), st in zip(chunks, states):
+            self.dspark.check_write(st, st.num_tokens + max(0, e - s - w), min(e - s, w))
+        out = self.forward(ids, chunks, states, last_only=True, feature_window=w)
         logits = self.logits(out.hidden[self._last_rows(out.rows, chunks)])
         tokens = sample(logits)
         # feature rows -> (owner sequence, absolute position)
@@ -239,7 +242,8 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         positions = out.feature_rows + first_pos[owner]
         self.dspark.observe(out.features, positions, owner.tolist(), states)
         last = self._last_rows(out.feature_rows, chunks)
-        drafts = self.dspark.draft(self.embed, self.head, out.features[last], positions[last], tokens, states, sample)
+        drafts = self.dspark.draft(self.embed, self.head, out.features[last], positions[last], tokens, states, sample,
+                                   write=False)
         return tokens, logits, drafts
 
     @torch.inference_mode()
@@ -247,7 +251,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
                last_only: bool = False) -> list[torch.Tensor]:
         """Append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]
         (last_only: [1, V], computed with YOCO truncation)."""
-        ids, chunks = self.flat_chunks(token_chunks)
+        ids, chunks = self.flat_chunks(token_chunks, states)
         out = self.forward(ids, chunks, states, last_only=last_only)
         logits = self.logits(out.hidden)
         if last_only:

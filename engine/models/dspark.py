@@ -115,13 +115,22 @@ class DSpark:
             rows = [i for i, o in enumerate(owners) if o == seq]
             self._write(states[seq], [k[rows] for k in kv], int(positions[rows[0]]))
 
+    def check_write(self, st: SequenceState, first: int, n: int) -> None:
+        """Rings must stay contiguous: a write starts inside or right after what they hold, or refills a whole
+        window. Checked before the target forward runs, so a refused call leaves the state untouched."""
+        end = st.num_mtp_tokens
+        held = 0 if st.mtp[0].window is None else st.mtp[0].window.shape[0]
+        if (first > end and n < self.window) or first < end - held:
+            have = "are empty" if not held else f"hold positions {end - held}..{end - 1}"
+            raise DeepInferError(f"the DSpark rings of this sequence {have}; cannot write {n} rows from position "
+                                 f"{first}: send every token of a sequence through extend_and_draft (the rings "
+                                 f"are filled from the target's features)")
+
     def _write(self, st: SequenceState, kv: list[torch.Tensor], first: int) -> None:
         """Rows kv[i] [n, d] of positions first..first+n-1 go into stage i's ring (the last `window`)."""
-        end, n = st.num_mtp_tokens, kv[0].shape[0]
-        held = 0 if st.mtp[0].window is None else st.mtp[0].window.shape[0]
-        if first > end and n < self.window or first < end - held:
-            raise DeepInferError(f"DSpark rings hold positions {end - held}..{end - 1}; cannot write "
-                                 f"{n} rows from position {first}")
+        n = kv[0].shape[0]
+        self.check_write(st, first, n)
+        end, held = st.num_mtp_tokens, 0 if st.mtp[0].window is None else st.mtp[0].window.shape[0]
         for layer, new in zip(st.mtp, kv):
             old = layer.window[: held - max(end - first, 0)] if held and first <= end else new[:0]
             layer.window = torch.cat([old, new])[-self.window:]
@@ -130,12 +139,14 @@ class DSpark:
     # ---- drafting ----
     def draft(self, embed: nn.Embedding, head: Linear, features: torch.Tensor, positions: torch.Tensor,
               tokens: torch.Tensor, states: list[SequenceState],
-              sample: Callable[[torch.Tensor], torch.Tensor] = greedy) -> DraftOutput:
+              sample: Callable[[torch.Tensor], torch.Tensor] = greedy, write: bool = True) -> DraftOutput:
         """One draft block per sequence. features [B, n_targets*D] at target positions [B] (= p),
-        tokens [B] the target's sample for p+1. `sample` maps [B, V] fp32 logits to [B] tokens."""
+        tokens [B] the target's sample for p+1. `sample` maps [B, V] fp32 logits to [B] tokens.
+        write=False: the rings already hold position p (observe ran on the target's features)."""
         cfg = self.cfg
         bsz, blk = tokens.shape[0], cfg.dspark_block_size
-        self.observe(features, positions, list(range(bsz)), states)
+        if write:
+            self.observe(features, positions, list(range(bsz)), states)
         ids = torch.full((bsz, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=tokens.device)
         ids[:, 0] = tokens
         h = embed(ids.view(-1)).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()   # [B*blk, hc, D]

@@ -22,8 +22,11 @@ SCORE_FUNCS = {
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """In >= fp32 (the references upcast both branches), returned in >= fp32."""
-    return F.silu(upcast(gate).clamp(max=limit)) * upcast(up).clamp(min=-limit, max=limit)
+    """In >= fp32 (the references upcast both branches), returned in >= fp32. limit <= 0: no clamp."""
+    gate, up = upcast(gate), upcast(up)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
 
 class Gate(nn.Module):
@@ -32,9 +35,11 @@ class Gate(nn.Module):
     bias for image-span tokens; text-only runs load it and leave it unused."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, scoring_func: str, route_scale: float,
-                 dtype: torch.dtype, temp: float = 1.0, hash_vocab: int | None = None, bias_vl: bool = False):
+                 dtype: torch.dtype, temp: float = 1.0, hash_vocab: int | None = None, bias_vl: bool = False,
+                 normalize: bool = True):
         super().__init__()
         self.top_k, self.scale, self.temp, self.is_hash = top_k, route_scale, temp, hash_vocab is not None
+        self.normalize = normalize and top_k > 1   # norm_topk_prob, as transformers applies it
         self.n_experts = n_experts
         self.score_fn = SCORE_FUNCS[scoring_func]
         self.weight = nn.Parameter(torch.empty(n_experts, dim, dtype=dtype), requires_grad=False)
@@ -54,7 +59,8 @@ class Gate(nn.Module):
         else:
             ids = (scores + self.bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, ids
 
 
@@ -95,7 +101,7 @@ class Experts(nn.Module):
             h = swiglu(x[token] @ self.weight("w1", e).T, x[token] @ self.weight("w3", e).T, self.limit)
             h = h * weights[token, slot].unsqueeze(-1).to(h.dtype)   # routing weight before w2, as the reference
             out.index_add_(0, token, upcast(h.to(self.dtype) @ self.weight("w2", e).T))
-        return out.to(x.dtype)
+        return out   # >= fp32: the MoE adds the shared expert before the one cast back
 
 
 class SharedExpert(nn.Module):
@@ -119,9 +125,10 @@ class MoE(nn.Module):
     @classmethod
     def for_v4(cls, cfg: DeepseekV4Config, mlp_type: str, dtype: torch.dtype) -> "MoE":
         gate = Gate(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.scoring_func,
-                    cfg.routed_scaling_factor, dtype, hash_vocab=cfg.vocab_size if mlp_type == HASH_MOE else None)
+                    cfg.routed_scaling_factor, dtype, hash_vocab=cfg.vocab_size if mlp_type == HASH_MOE else None,
+                    normalize=cfg.norm_topk_prob)
         return cls(gate, cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return (self.experts(x, weights, ids) + upcast(self.shared_experts(x))).to(x.dtype)
