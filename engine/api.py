@@ -31,7 +31,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, qat_fake_quant: bool = True,
-               keep_quantized: bool = False) -> torch.nn.Module:
+               keep_quantized: bool = False, expert_storage: str = "dense") -> torch.nn.Module:
     """Load a deepseek_v4 / deepseek_v41 checkpoint (DeepSeek or transformers names, bf16/FP8/FP4) for inference.
 
     qat_fake_quant keeps DeepSeek's quantization-aware activation steps (FP8 K=V latent, FP4 indexer);
@@ -39,10 +39,18 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     FP8/FP4 tensors attached to their modules (`.quantized`) beside the dequantized weights.
     A V4.1 model with engram layers comes bound to the checkpoint's tokenizer.json (the engram hashes
     compressed token ids); that is checked before any weight is read.
+    expert_storage="fp4" (V4.1) keeps the routed experts as the checkpoint stores them (packed e2m1 + e8m0
+    scales, 0.56 bytes per weight) and dequantizes each when it runs.
     """
     ckpt_dir = resolve_model_dir(path_or_id)
     cfg = _without_absent_mtp(load_model_config(ckpt_dir), ckpt_dir)
-    model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant)
+    options = {}
+    if expert_storage != "dense":
+        if expert_storage != "fp4" or cfg.model_type != "deepseek_v41":
+            raise DeepInferError(f"expert_storage={expert_storage!r} is not supported for {cfg.model_type}; "
+                                 f"use 'dense'" + (" or 'fp4'" if cfg.model_type == "deepseek_v41" else ""))
+        options["expert_storage"] = expert_storage
+    model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant, **options)
     if getattr(cfg, "engram_layer_ids", ()):
         _bind_tokenizer(model, ckpt_dir)
     load_checkpoint(model, ckpt_dir, keep_quantized=keep_quantized)

@@ -24,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 import deepinfer
 from deepinfer.checkpoint.loader import INDEX_FILE, shard_map
+from deepinfer.checkpoint.writer import write_checkpoint
 from deepinfer.checkpoint.make import embedded_tiny_dir, make_checkpoint, preset_model_config, random_model
-from deepinfer.errors import CheckpointError, ConfigError
+from deepinfer.errors import CheckpointError, ConfigError, DeepInferError
 from deepinfer.kernels.quant import (dequantize_fp4, dequantize_fp8_blocks, e8m0_to_float, quantize_fp4,
                                      quantize_fp8_blocks)
 
@@ -379,3 +380,19 @@ def test_cli_run_defaults_to_the_v41_tiny_model(monkeypatch, capsys, v41):
     assert code == 0, err
     assert "loaded deepseek_v41 (10 layers)" in out and "output: " in out
 
+
+
+def test_fp4_resident_experts_load_and_write_the_release_bytes(v41, tmp_path):
+    """expert_storage="fp4": the packed e2m1 bytes and e8m0 scales go into the model as stored, give the
+    dense model's logits, and write back byte for byte; a bf16 (HF) checkpoint is refused in one line."""
+    resident = deepinfer.load_model(v41["deepseek"], expert_storage="fp4")
+    assert torch.equal(resident.compute_logits(v41["ids"]), v41["logits"])
+    write_checkpoint(resident, tmp_path / "again", "deepseek")
+    before, after = tensors(v41["deepseek"]), tensors(tmp_path / "again")
+    experts = [k for k in before if ".ffn.experts." in k]
+    assert experts and all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in experts)
+    with pytest.raises(CheckpointError, match="FP4-resident.*expert_storage='dense'") as info:
+        deepinfer.load_model(v41["hf"], expert_storage="fp4")
+    assert "\n" not in str(info.value)
+    with pytest.raises(DeepInferError, match="'fp8' is not supported for deepseek_v41; use 'dense' or 'fp4'"):
+        deepinfer.load_model(v41["deepseek"], expert_storage="fp8")

@@ -88,12 +88,19 @@ class CheckpointLoader:
         self.pending: dict[str, _Pending] = {}
 
     def _expected_names(self) -> set[str]:
-        """Every tensor (DeepSeek spelling, experts per index, no scales) the model needs."""
+        """Every tensor (DeepSeek spelling, experts per index, no scales except FP4-resident experts') the
+        model needs."""
         names = set()
         for name, t in self.targets.items():
             if ".ffn.experts.w" in name:
                 base, w = name.rsplit(".", 1)
-                names.update(f"{base}.{j}.{w}.weight" for j in range(t.shape[0]))
+                for suffix, leaf in (("_fp4", "weight"), ("_scale", "scale")):   # FP4-resident experts
+                    if w.endswith(suffix):
+                        w = w[: -len(suffix)]
+                        break
+                else:
+                    leaf = "weight"
+                names.update(f"{base}.{j}.{w}.{leaf}" for j in range(t.shape[0]))
             else:
                 names.add(name)
         return names
@@ -177,6 +184,9 @@ class CheckpointLoader:
                     return self._take_hf_experts(name, key, tensor, path)
                 return self._assign(name, tensor, key, path)
             key = name   # V4.1: DeepSeek's names behind the prefix; quantized tensors as below
+        resident = self._resident_target(key)
+        if resident is not None:
+            return self._take_resident(key, tensor, path, *resident)
         if key.endswith(".scale"):
             base = key[: -len(".scale")] + ".weight"
             if tensor.dtype not in SCALE_DTYPES:
@@ -195,6 +205,32 @@ class CheckpointLoader:
             pending.weight = tensor
             return self._maybe_dequant(key, path)
         self._assign(key, tensor, key, path)
+
+    def _resident_target(self, key: str):
+        """(buffer, expert index) when `key` is a routed expert's FP4 weight or scale and the model keeps
+        experts FP4-resident (expert_storage="fp4"); else None."""
+        expert = split_expert_name(key)
+        if expert is None or expert[3] not in ("weight", "scale"):
+            return None
+        buf = self.targets.get(f"{expert[0]}.{expert[2]}_{'fp4' if expert[3] == 'weight' else 'scale'}")
+        return None if buf is None else (buf, expert[1])
+
+    def _take_resident(self, key: str, tensor: torch.Tensor, path: Path, buf: torch.Tensor, j: int) -> None:
+        """Copy the on-disk bytes as they are: packed e2m1 (int8) weights, e8m0 scales."""
+        is_scale = key.endswith(".scale")
+        ok = (tensor.dtype in (torch.float8_e8m0fnu, torch.uint8)) if is_scale else (tensor.dtype in (torch.int8, torch.uint8))
+        if not ok:
+            raise CheckpointError(f"{path}: {key} is {tensor.dtype}, but the model keeps routed experts FP4-resident "
+                                  f"(expert_storage='fp4'), which needs them stored as packed e2m1 with e8m0 scales "
+                                  f"(DeepSeek format, expert_dtype fp4); load with expert_storage='dense'")
+        if tuple(tensor.shape) != tuple(buf.shape[1:]):
+            raise CheckpointError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected "
+                                  f"{tuple(buf.shape[1:])} (packed FP4 expert)")
+        if key in self.seen:
+            raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+        with torch.no_grad():
+            buf[j].copy_(tensor.view(torch.uint8))
+        self.seen.add(key)
 
     def _maybe_dequant(self, name: str, path: Path) -> None:
         p = self.pending[name]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.kernels.quant import quantize_fp4, quantize_fp8_blocks
+from deepinfer.kernels.quant import dequantize_fp4, quantize_fp4, quantize_fp8_blocks
 
 from ..errors import DeepInferError
 from .loader import INDEX_FILE
@@ -31,24 +31,42 @@ from .tokenizer import write_tokenizer
 SHARD_BYTES = 1 << 20  # small shards so tiny checkpoints exercise the multi-shard path
 
 
-def _per_expert(model: torch.nn.Module):
-    """(name, tensor, is_expert) in name order, stacked experts split into DeepSeek's `experts.{j}.w*.weight`."""
+def _per_expert(model: torch.nn.Module, keep_fp4: bool = False):
+    """(name, tensor, kind) in name order, stacked experts split into DeepSeek's `experts.{j}.w*.weight`.
+    kind: "expert", "plain", or "raw" (FP4-resident expert bytes passed through as stored, keep_fp4=True;
+    without it they are dequantized and yielded as "expert")."""
     tensors = checkpoint_tensors(model)
     for name in sorted(tensors):
         t = tensors[name].detach()
-        if ".ffn.experts.w" in name:
-            base, w = name.rsplit(".", 1)
+        if ".ffn.experts.w" not in name:
+            yield name, t, "plain"
+            continue
+        base, w = name.rsplit(".", 1)
+        if w.endswith("_scale"):
+            continue                                   # written with its packed weights below
+        if w.endswith("_fp4"):
+            w = w[: -len("_fp4")]
+            scale = tensors[f"{base}.{w}_scale"].detach()
             for j in range(t.shape[0]):
-                yield f"{base}.{j}.{w}.weight", t[j], True
-        else:
-            yield name, t, False
+                if keep_fp4:
+                    yield f"{base}.{j}.{w}.weight", t[j].view(torch.int8), "raw"
+                    yield f"{base}.{j}.{w}.scale", scale[j].view(torch.float8_e8m0fnu), "raw"
+                else:
+                    yield f"{base}.{j}.{w}.weight", dequantize_fp4(t[j], scale[j], 32, torch.float32), "expert"
+            continue
+        for j in range(t.shape[0]):
+            yield f"{base}.{j}.{w}.weight", t[j], "expert"
 
 
 def deepseek_tensors(model: torch.nn.Module):
     """Yield (name, tensor) in DeepSeek names and release dtypes (quantized when the config says so)."""
     quant, family = model.cfg.quant, model.cfg.model_type
-    for name, t, expert in _per_expert(model):
-        yield from _stored(name, t, quant, family, expert=expert)
+    keep_fp4 = quant is not None and quant.expert_dtype == "fp4"
+    for name, t, kind in _per_expert(model, keep_fp4):
+        if kind == "raw":
+            yield name, t
+        else:
+            yield from _stored(name, t, quant, family, expert=kind == "expert")
 
 
 def _stored(name: str, t: torch.Tensor, quant, family: str, expert: bool):
@@ -101,8 +119,8 @@ def hf_tensors(model: torch.nn.Module):
 def _hf_tensors_v41(model: torch.nn.Module):
     """V4.1 in transformers' names: `model.` + DeepSeek's, `lm_head`, experts per expert, dequantized."""
     family = model.cfg.model_type
-    for name, t, expert in _per_expert(model):
-        if expert:
+    for name, t, kind in _per_expert(model):
+        if kind == "expert":
             yield ds_to_hf(name, family), t.to(torch.bfloat16)
             continue
         yield ds_to_hf(name, family), t if not t.dtype.is_floating_point else _float(t, name, family)
