@@ -56,7 +56,9 @@ def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, out,
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--no-qat", is_flag=True, help="turn off the reference's QAT fake-quant steps")
-def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat) -> None:
+@click.option("--expert-storage", type=click.Choice(["dense", "fp4"]), default="dense", show_default=True,
+              help="fp4: keep V4.1 routed experts packed as stored (0.56 B/weight), dequantized per use")
+def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_storage) -> None:
     import torch
     from tokenizers import Tokenizer
 
@@ -64,7 +66,7 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat) -> None:
     from .checkpoint.make import embedded_tiny_dir
     path = model if model is not None else embedded_tiny_dir(arch)
     t0 = time.perf_counter()
-    llm = load_model(path, device=device, dtype=dtype, qat_fake_quant=not no_qat)
+    llm = load_model(path, device=device, dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage)
     tok_file = llm.checkpoint_dir / "tokenizer.json"
     if not tok_file.is_file():
         raise DeepInferError(f"{llm.checkpoint_dir} has no tokenizer.json; the run command needs one")

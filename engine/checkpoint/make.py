@@ -19,7 +19,9 @@ from ..errors import DeepInferError
 from ..models import build_model
 from .random_init import init_random_weights
 from .tokenizer import train_tokenizer
-from .writer import check_out_dir, write_checkpoint
+from .writer import SHARD_BYTES, check_out_dir, write_checkpoint
+
+LARGE_SHARD_BYTES = 4 << 30
 
 
 def bind_config_to_tokenizer(cfg, tokenizer):
@@ -63,8 +65,16 @@ def make_checkpoint(arch: str, preset: str, fmt: str, seed: int, out: str | Path
                     overwrite: bool = False, engram_vocab_size: int | None = None) -> Path:
     check_out_dir(out, fmt, overwrite)  # fail before building a possibly huge model
     cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
-    model = _random_model(cfg, tokenizer, seed, "cpu", torch.bfloat16, True)
-    return write_checkpoint(model, out, fmt, overwrite=overwrite, tokenizer=tokenizer)
+    options, shard_bytes = {}, SHARD_BYTES
+    if preset != "tiny":
+        # Released dims: V4.1's routed experts stay FP4-packed in memory (27 GB per layer dense in bf16, 7.6 GB
+        # packed) and shards are release-sized. The tiny preset keeps dense experts and 1 MiB shards, so the
+        # multi-shard path is exercised and its values match random_model's exactly.
+        shard_bytes = LARGE_SHARD_BYTES
+        if cfg.model_type == "deepseek_v41" and cfg.quant is not None and cfg.quant.expert_dtype == "fp4":
+            options["expert_storage"] = "fp4"
+    model = _random_model(cfg, tokenizer, seed, "cpu", torch.bfloat16, True, **options)
+    return write_checkpoint(model, out, fmt, overwrite=overwrite, tokenizer=tokenizer, shard_bytes=shard_bytes)
 
 
 def embedded_tiny_dir(arch: str = "deepseek_v41", seed: int = 0) -> Path:

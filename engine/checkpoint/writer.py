@@ -131,24 +131,31 @@ def _hf_tensors_v41(model: torch.nn.Module):
 
 
 def write_shards(tensors, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> None:
-    """Group tensors into shards of about `shard_bytes`; write the shards and the index."""
-    shards, current, size = [], {}, 0
+    """Group tensors into shards of about `shard_bytes`, writing each as soon as it is full (a large model
+    is never held twice); then name them `model-i-of-n` and write the index."""
+    written, current, size = [], {}, 0
+
+    def flush():
+        tmp_name = f".shard-{len(written):05d}.safetensors"
+        save_file(current, str(out_dir / tmp_name), metadata={"format": "pt"})
+        written.append((tmp_name, {k: v.numel() * v.element_size() for k, v in current.items()}))
+
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         if current and size + nbytes > shard_bytes:
-            shards.append(current)
+            flush()
             current, size = {}, 0
         current[name] = t.contiguous().cpu()
         size += nbytes
     if current:
-        shards.append(current)
+        flush()
     weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        for name, t in shard.items():
+    for i, (tmp_name, sizes) in enumerate(written):
+        fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(out_dir / tmp_name, out_dir / fname)
+        for name, nbytes in sizes.items():
             weight_map[name] = fname
-            total += t.numel() * t.element_size()
+            total += nbytes
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
