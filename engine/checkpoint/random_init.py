@@ -20,14 +20,12 @@ FP8_WEIGHTS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.
                "shared_experts.w3.weight", "e_proj.weight", "h_proj.weight")
 # V4.1 (design doc section 7): the attention's own wkv (never attn.compressor.wkv, which is BF16), the engram's
 # key/value projection and DSpark's main_proj; no MTP e_proj/h_proj. Engram tables are FP8 rows (ENGRAM_TABLE).
-FP8_WEIGHTS_V41 = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
-                   "attn.wo_b.weight", "attn.indexer.wq_b.weight", "shared_experts.w1.weight",
-                   "shared_experts.w2.weight", "shared_experts.w3.weight", "engram.wkv.weight", "main_proj.weight")
+FP8_WEIGHTS_V41 = tuple(w for w in FP8_WEIGHTS if not w.startswith(("e_proj", "h_proj"))) + (
+    "engram.wkv.weight", "main_proj.weight")
 # Tensors kept in F32 in the release.
 FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                  "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", "ape", "gate.bias")
-FP32_SUFFIXES_V41 = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-                     "attn_sink", "gate.bias", "gate.bias_vl")
+FP32_SUFFIXES_V41 = tuple(s for s in FP32_SUFFIXES if not s.startswith(("hc_head", "ape"))) + ("gate.bias_vl",)
 _FP8 = {"deepseek_v4": FP8_WEIGHTS, "deepseek_v41": FP8_WEIGHTS_V41}
 _FP32 = {"deepseek_v4": FP32_SUFFIXES, "deepseek_v41": FP32_SUFFIXES_V41}
 # V4.1 engram hash tables: FP8 e4m3 rows with one e8m0 scale per 32 channels (`engram.embed.scale`).
