@@ -1,8 +1,8 @@
 """DeepSeek-V4 (Flash) reference model, module and parameter names as in DeepSeek's checkpoint.
 
 Top level: embed -> copy into hc_mult streams -> blocks -> hc_head -> norm -> head. A block is
-  x, post, comb = hc_pre(h);  h = hc_post(attn(attn_norm(x)), h, post, comb)
-  x, post, comb = hc_pre(h);  h = hc_post(ffn(ffn_norm(x)), h, post, comb)
+  pre, post, comb = mixes(h);  h = hc_post(attn(attn_norm(collapse(h, pre))), h, post, comb)
+  pre, post, comb = mixes(h);  h = hc_post(ffn(ffn_norm(collapse(h, pre))), h, post, comb)
 All forwards take a flat batch of new tokens [N] from any number of sequences, each with its own
 SequenceState, so a stateless full forward, chunked prefill and decode are one code path.
 """
@@ -17,28 +17,26 @@ from ..config.deepseek_v4 import MOE, SLIDING, DeepseekV4Config
 from .attention import Attention, SeqSlice
 from .flat_batch import FlatBatchLM
 from .layers import Linear, RMSNorm, fp32_param
-from .mhc import hc_head, hc_post, hc_pre
+from .mhc import HyperConnectionSites, hc_collapse, hc_head, hc_post
 from .moe import MoE
 from .rope import RotaryEmbedding
 
 
-class Block(nn.Module):
+class Block(HyperConnectionSites):
     def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, rope: RotaryEmbedding,
                  dtype: torch.dtype, qat_fake_quant: bool):
         super().__init__()
         self.cfg = cfg
-        d, hc = cfg.hidden_size, cfg.hc_mult
+        d = cfg.hidden_size
         self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_type, rope, dtype, qat_fake_quant)
         self.ffn = MoE.for_v4(cfg, mlp_type, dtype)
-        rows = (2 + hc) * hc
-        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
-        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
+        self.init_sites(cfg)
 
     def _pre(self, h: torch.Tensor, site: str):
-        c = self.cfg
-        return hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+        """V4: a site collapses the streams with its own pre -> (block input, post, comb)."""
+        pre, post, comb = self.mixes(h, site)
+        return hc_collapse(h, pre), post, comb
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
                 state_index: int) -> torch.Tensor:

@@ -30,18 +30,18 @@ from .attention_v41 import AttentionV41, SeqRows
 from .dspark import DSpark, DraftOutput, build_stages, greedy
 from .flat_batch import FlatBatchLM
 from .engram import Engram, EngramHasher
-from .layers import Linear, RMSNorm, fp32_param
-from .mhc import hc_collapse, hc_mixes, hc_post
+from .layers import Linear, RMSNorm
+from .mhc import HyperConnectionSites, hc_collapse, hc_post
 from .moe import MoE, Gate
 from .rope import RotaryEmbedding
 
 
-class BlockV41(nn.Module):
+class BlockV41(HyperConnectionSites):
     def __init__(self, cfg: DeepseekV41Config, layer: int, rope: RotaryEmbedding, rope_compress: RotaryEmbedding,
                  dtype: torch.dtype, qat_fake_quant: bool, n_experts: int, top_k: int, expert_storage: str = "dense"):
         super().__init__()
         self.cfg = cfg
-        d, hc = cfg.hidden_size, cfg.hc_mult
+        d = cfg.hidden_size
         self.attn_norm, self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.attn = AttentionV41(cfg, layer, rope, rope_compress, dtype, qat_fake_quant)
         gate = Gate(d, n_experts, top_k, cfg.scoring_func, cfg.routed_scaling_factor, dtype, temp=cfg.gate_temp,
@@ -50,14 +50,7 @@ class BlockV41(nn.Module):
                        expert_storage)
         self.engram = Engram(cfg, layer, dtype, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]) \
             if layer in cfg.engram_layer_ids else None
-        rows = (2 + hc) * hc
-        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
-        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = fp32_param(rows, hc * d), fp32_param(rows), fp32_param(3)
-
-    def mixes(self, h: torch.Tensor, site: str):
-        c = self.cfg
-        return hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                        getattr(self, f"hc_{site}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+        self.init_sites(cfg)
 
     def forward(self, h: torch.Tensor, pre_mix: torch.Tensor, attend, qrows: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

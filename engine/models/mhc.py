@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from deepinfer.kernels.precision import upcast
+
+from .layers import fp32_param
 
 
 def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,13 +37,6 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * upcast(streams)).sum(dim=1).to(streams.dtype)
 
 
-def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-           norm_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """V4 site: streams [N, hc, D] -> (block input [N, D], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
-    pre, post, comb = hc_mixes(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
-    return hc_collapse(streams, pre), post, comb
-
-
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out_k = post_k * f(x) + sum_j comb[j, k] * h_j  (comb is applied transposed)."""
     mixed = comb.to(upcast(streams).dtype).transpose(1, 2) @ upcast(streams)
@@ -51,3 +48,21 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """Collapse the streams to one: [N, hc, D] -> [N, D]."""
     pre = torch.sigmoid(_mixes(streams, fn, norm_eps) * upcast(scale) + upcast(base)) + hc_eps
     return hc_collapse(streams, pre)
+
+
+class HyperConnectionSites(nn.Module):
+    """A block's two mHC sites: hc_{attn,ffn}_{fn [(2+hc)*hc, hc*D], base [(2+hc)*hc], scale [3]} in fp32."""
+
+    def init_sites(self, cfg) -> None:
+        d, hc = cfg.hidden_size, cfg.hc_mult
+        rows = (2 + hc) * hc
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", fp32_param(rows, hc * d))
+            setattr(self, f"hc_{site}_base", fp32_param(rows))
+            setattr(self, f"hc_{site}_scale", fp32_param(3))
+
+    def mixes(self, h: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre, post, comb) of `site` for streams h [N, hc, D]."""
+        c = self.cfg
+        return hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                        getattr(self, f"hc_{site}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
