@@ -253,3 +253,13 @@ def test_swiglu_limit_zero_means_no_clamp():
     g, u = torch.tensor([20.0, -3.0]), torch.tensor([30.0, 2.0])
     assert torch.equal(swiglu(g, u, 0.0), torch.nn.functional.silu(g) * u)
     assert torch.equal(swiglu(g, u, 10.0), torch.nn.functional.silu(g.clamp(max=10)) * u.clamp(-10, 10))
+
+
+def test_draft_distributions(drafter, ids):
+    _, _, d = drafter.extend_and_draft([ids[:30]], [drafter.new_state()])
+    p = d.probs()
+    assert torch.allclose(p.sum(-1), torch.ones(1, drafter.cfg.dspark_block_size, dtype=p.dtype))
+    assert torch.equal(p.argmax(-1), d.tokens)          # greedy drafts are the modes of their distributions
+    assert ((d.acceptance_confidence() > 0) & (d.acceptance_confidence() < 1)).all()
+    with pytest.raises(DeepInferError, match="temperature must be > 0"):
+        d.probs(0)

@@ -40,6 +40,16 @@ class DraftOutput:
     logits: torch.Tensor       # [B, block, V] fp32, Markov bias included (the draft distributions)
     confidence: torch.Tensor   # [B, block] fp32 raw confidence logits
 
+    def probs(self, temperature: float = 1.0) -> torch.Tensor:
+        """[B, block, V] draft distributions at `temperature` (> 0)."""
+        if temperature <= 0:
+            raise DeepInferError(f"temperature must be > 0 for a distribution, got {temperature}")
+        return torch.softmax(self.logits / temperature, dim=-1)
+
+    def acceptance_confidence(self) -> torch.Tensor:
+        """[B, block] sigmoid of the confidence logits."""
+        return torch.sigmoid(self.confidence)
+
 
 class MarkovHead(nn.Module):
     """Low-rank previous-token bias: bias(prev) = head . embed[prev] in fp32."""
