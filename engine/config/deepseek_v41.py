@@ -546,7 +546,8 @@ def _validate_engram_dspark(cfg: DeepseekV41Config, need) -> None:
     need(all(r >= 1 for r in rows), f"engram_num_embeddings {list(rows)} must all be >= 1")
     targets = cfg.dspark_target_layer_ids
     need(all(0 <= t < n for t in targets), f"dspark_target_layer_ids {list(targets)} has layers outside 0..{n - 1}")
-    need(len(set(targets)) == len(targets), f"dspark_target_layer_ids {list(targets)} repeats a layer")
+    need(list(targets) == sorted(set(targets)), f"dspark_target_layer_ids {list(targets)} must be strictly "
+         f"increasing (the features concatenate in layer order)")
     need(not cfg.num_nextn_predict_layers or targets, f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} "
          f"DSpark stages need dspark_target_layer_ids (the layers whose streams feed them)")
 

@@ -107,7 +107,7 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """[N, hc, D] streams -> [N, vocab] fp32 logits."""
-        return self.head(self.collapse(streams)).float()
+        return self.head.fp32(self.collapse(streams)).float()
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, chunks: list[tuple[int, int]],
                     states: list[SequenceState], depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         e = layer.e_proj(layer.enorm(self.embed(next_ids)))
         h = e.unsqueeze(1) + layer.h_proj(layer.hnorm(streams))
         h = layer(h, next_ids, positions, seqs, depth)
-        return self.head(layer.collapse(h)).float(), h
+        return self.head.fp32(layer.collapse(h)).float(), h
 
     def _claim_positions(self, chunks, states, layer_attr: str, count_attr: str):
         """Positions [N] of the new rows, one SeqSlice per sequence; advances each state's token count."""

@@ -144,7 +144,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, D] final hidden -> [M, vocab] fp32 logits."""
-        return self.head(hidden).float()
+        return self.head.fp32(hidden).float()
 
     # ---- row bookkeeping ----
     def _claim_positions(self, chunks, states) -> tuple[torch.Tensor, list[SeqRows]]:

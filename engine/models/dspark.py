@@ -168,7 +168,7 @@ class DSpark:
             h, pre = stage(h, pre, lambda x: self._attend(stage.attn, x, qpos, rings, bsz, blk))
         last = self.stages[-1]
         x = hc_collapse(h, pre)                                                        # [B*blk, D]
-        logits = head(last.norm(x)).float().view(bsz, blk, -1)
+        logits = head.fp32(last.norm(x)).float().view(bsz, blk, -1)
         x = x.view(bsz, blk, -1)
         drafts, conf, prev = [], [], tokens
         for i in range(blk):

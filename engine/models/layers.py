@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.norm import rms_norm
+from deepinfer.kernels.precision import upcast
 
 
 @dataclass
@@ -30,6 +31,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x.to(self.weight.dtype), self.weight)
+
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """In >= fp32 whatever the weight dtype: the LM heads (DeepSeek's reference computes logits in fp32)."""
+        return nn.functional.linear(upcast(x), upcast(self.weight))
 
 
 class RMSNorm(nn.Module):
