@@ -77,12 +77,7 @@ class MTPLayer(Block, HyperHead):
 class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
     def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True):
         super().__init__()
-        self.cfg, self.dtype, self.qat_fake_quant = cfg, dtype, qat_fake_quant
-        rd = cfg.qk_rope_head_dim
-        self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
-        self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.rope_scaling)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed.weight.requires_grad_(False)
+        self.init_common(cfg, dtype, qat_fake_quant)
         self.layers = nn.ModuleList(
             Block(cfg, t, m, self.rope_main if t == SLIDING else self.rope_compress, dtype, qat_fake_quant)
             for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))

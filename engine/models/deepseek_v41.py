@@ -79,12 +79,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
                  expert_storage: str = "dense"):
         """expert_storage="fp4": routed experts stay FP4-packed and dequantize per use (moe.Experts)."""
         super().__init__()
-        self.cfg, self.dtype, self.qat_fake_quant = cfg, dtype, qat_fake_quant
-        rd = cfg.qk_rope_head_dim
-        self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
-        self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.rope_scaling)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed.weight.requires_grad_(False)
+        self.init_common(cfg, dtype, qat_fake_quant)
         self.layers = nn.ModuleList(
             BlockV41(cfg, i, self.rope_compress if cfg.compress_ratios[i] else self.rope_main, self.rope_compress,
                      dtype, qat_fake_quant, cfg.n_routed_experts, cfg.num_experts_per_tok, expert_storage)

@@ -9,10 +9,21 @@ import torch
 from torch import nn
 
 from ..errors import DeepInferError
+from .rope import RotaryEmbedding
 
 
 class FlatBatchLM(nn.Module):
     cfg: object
+
+    def init_common(self, cfg, dtype: torch.dtype, qat_fake_quant: bool) -> None:
+        """Config, the two ropes (main: sliding-only layers; compress: YaRN, layers with a compressed branch)
+        and the token embedding, which both families build alike."""
+        self.cfg, self.dtype, self.qat_fake_quant = cfg, dtype, qat_fake_quant
+        rd = cfg.qk_rope_head_dim
+        self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
+        self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.rope_scaling)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
 
     @property
     def device(self) -> torch.device:
