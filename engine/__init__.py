@@ -2,6 +2,7 @@
 
 from .api import load_model
 from .errors import DeepInferError
+from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["load_model", "DeepInferError", "__version__"]
+__all__ = ["load_model", "DeepInferError", "SamplingParams", "__version__"]

@@ -1,0 +1,180 @@
+"""Batched sampling on the device: penalties, temperature, top-k / top-p / min-p, and seeded Gumbel-max.
+
+Seeded noise is counter-based: the Gumbel variable of vocabulary id v for the token at absolute position p
+of a request with seed s is a pure function of (s, p, v, salt), a SplitMix64 hash turned into a uniform in
+(0, 1). So a seeded request draws the same tokens whatever batch row it occupies, whoever shares the batch,
+and after preemption and recompute (design notes, techniques §4). Distinct salts keep target sampling,
+draft sampling and acceptance uniforms independent. Greedy rows take the argmax, ties to the lowest id.
+
+Order (as vLLM): penalties on the raw logits -> temperature -> min-p, top-k, top-p filters -> sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SALT_TARGET, SALT_DRAFT, SALT_ACCEPT = 0, 1, 2
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+_POS_MUL, _ID_MUL, _SALT_MUL = _i64(0xD6E8FEB86659FD93), _i64(0xA0761D6478BD642F), _i64(0xE7037ED1A0B428DB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 tensors (two's-complement wraparound multiplies)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, salt: int = SALT_TARGET,
+                    token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """seeds [B], positions [B] (int64) -> float64 uniforms in (0, 1), [B, vocab] (or [B, K] for the given
+    token_ids [B, K]): a pure function of (seed, position, token id, salt)."""
+    dev = seeds.device
+    ids = torch.arange(vocab, device=dev).unsqueeze(0) if token_ids is None else token_ids.to(dev)
+    row = _splitmix64(seeds.long() * _GOLDEN + positions.long().to(dev) * _POS_MUL + salt * _SALT_MUL)
+    bits = _splitmix64(row.unsqueeze(1) ^ (ids.long() * _ID_MUL))
+    return (_shr(bits, 11).double() + 0.5) * 2.0 ** -53
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, salt: int = SALT_TARGET) -> torch.Tensor:
+    """[B, vocab] float64 Gumbel(0, 1) noise, counter-based."""
+    return -torch.log(-torch.log(counter_uniform(seeds, positions, vocab, salt)))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step, on the logits' device. Rows with temperature 0 are greedy."""
+    temperature: torch.Tensor         # [B] float32
+    top_k: torch.Tensor               # [B] int64, <= 0: off
+    top_p: torch.Tensor               # [B] float32, 1: off
+    min_p: torch.Tensor               # [B] float32, 0: off
+    seeds: torch.Tensor               # [B] int64
+    positions: torch.Tensor           # [B] int64: absolute position of the token being sampled
+    repetition_penalty: torch.Tensor | None = None   # [B] float32, 1: off
+    presence_penalty: torch.Tensor | None = None     # [B] float32
+    frequency_penalty: torch.Tensor | None = None    # [B] float32
+    prompt_mask: torch.Tensor | None = None          # [B, V] bool: ids in the prompt (repetition penalty)
+    output_counts: torch.Tensor | None = None        # [B, V] int: counts of generated ids
+    banned: torch.Tensor | None = None               # [B, V] bool: ids that must not be drawn (min_tokens)
+
+
+def build_sampling_tensors(params: list, seeds: list[int], positions: list[int], vocab: int, device,
+                           prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None,
+                           eos_token_id: int | None = None) -> SamplingTensors:
+    """One step's SamplingTensors from each row's SamplingParams. seeds: the request seed (params.seed, else
+    the one the engine drew for the request at admission); positions: the absolute position being sampled;
+    prompt_ids / output_ids: for the penalties and min_tokens (rows still below min_tokens may not draw EOS
+    or a stop token id)."""
+    b = len(params)
+    as_t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=device)  # noqa: E731
+    t = SamplingTensors(
+        temperature=as_t([p.temperature for p in params], torch.float32),
+        top_k=as_t([p.top_k for p in params], torch.long), top_p=as_t([p.top_p for p in params], torch.float32),
+        min_p=as_t([p.min_p for p in params], torch.float32), seeds=as_t(seeds, torch.long),
+        positions=as_t(positions, torch.long))
+    outputs = output_ids or [[] for _ in range(b)]
+    if any(p.repetition_penalty != 1 for p in params):
+        t.repetition_penalty = as_t([p.repetition_penalty for p in params], torch.float32)
+        t.prompt_mask = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+        for i, ids in enumerate(prompt_ids or []):
+            t.prompt_mask[i, as_t(ids, torch.long)] = True
+    if t.repetition_penalty is not None or any(p.presence_penalty or p.frequency_penalty for p in params):
+        t.presence_penalty = as_t([p.presence_penalty for p in params], torch.float32)
+        t.frequency_penalty = as_t([p.frequency_penalty for p in params], torch.float32)
+        t.output_counts = torch.stack([torch.bincount(as_t(ids, torch.long), minlength=vocab)[:vocab]
+                                       for ids in outputs])
+    early = [i for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens]
+    if early:
+        t.banned = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+        for i in early:
+            stops = list(params[i].stop_token_ids) + ([] if eos_token_id is None or params[i].ignore_eos
+                                                      else [eos_token_id])
+            t.banned[i, as_t(stops, torch.long)] = True
+    return t
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Repetition penalty over prompt and output ids (positive logits divided, negative multiplied);
+    frequency and presence penalties over output ids, subtracted (as vLLM / OpenAI)."""
+    counts = t.output_counts
+    if t.repetition_penalty is not None:
+        seen = counts > 0 if counts is not None else torch.zeros_like(logits, dtype=torch.bool)
+        if t.prompt_mask is not None:
+            seen = seen | t.prompt_mask
+        rep = t.repetition_penalty.unsqueeze(1).to(logits.dtype)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if counts is not None:
+        if t.frequency_penalty is not None:
+            logits = logits - t.frequency_penalty.unsqueeze(1).to(logits.dtype) * counts.to(logits.dtype)
+        if t.presence_penalty is not None:
+            logits = logits - t.presence_penalty.unsqueeze(1).to(logits.dtype) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature-scaled logits [B, V] -> the same with filtered-out ids at -inf (min-p, top-k, top-p).
+    Ties at a top-k / top-p boundary keep every tied id (a value threshold, independent of id order)."""
+    neg = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if t.banned is not None:
+        logits = logits.masked_fill(t.banned, neg)
+    probs = torch.softmax(logits, dim=-1)
+    if bool((t.min_p > 0).any()):
+        floor = t.min_p.unsqueeze(1).to(probs.dtype) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, neg)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    if bool((t.top_k > 0).any()):
+        k = torch.where(t.top_k > 0, t.top_k, torch.full_like(t.top_k, logits.shape[-1])).clamp(max=logits.shape[-1])
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, neg)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg)
+    if bool((t.top_p < 1).any()):
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs          # mass strictly above each sorted id
+        keep = before < t.top_p.unsqueeze(1).to(before.dtype)       # the smallest prefix reaching top_p
+        keep[:, 0] = True
+        cutoff = sorted_logits.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+        logits = logits.masked_fill(logits < cutoff, neg)
+    return logits
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, salt: int = SALT_TARGET) -> torch.Tensor:
+    """logits [B, V] (fp32 model output) -> token ids [B]."""
+    logits = apply_penalties(logits.float(), t)
+    greedy = t.temperature <= 0
+    if t.banned is not None:
+        logits = logits.masked_fill(t.banned, float("-inf"))
+    if bool(greedy.all()):
+        return logits.argmax(dim=-1)                  # the first (lowest) id among equal maxima
+    temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature).unsqueeze(1)
+    scaled = apply_filters(logits / temp, t)
+    noisy = scaled.double() + gumbel_noise(t.seeds, t.positions, logits.shape[-1], salt)
+    drawn = noisy.argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0):
+    """Raw-model log-probabilities (as vLLM returns by default): (logprob of `tokens` [B], top-k ids [B, k],
+    top-k logprobs [B, k])."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
+    if k <= 0:
+        return chosen, None, None
+    top = lp.topk(k, dim=-1)
+    return chosen, top.indices, top.values

@@ -1,0 +1,156 @@
+"""The batched sampler: counter-based seeded noise, filters, penalties, greedy ties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.sampling.sampler import (SALT_DRAFT, SALT_TARGET, SamplingTensors, apply_filters, apply_penalties,
+                                        counter_uniform, logprobs, sample)
+
+
+def tensors(b: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seeds=None, positions=None, **kw):
+    full = lambda v, dt: torch.full((b,), v, dtype=dt)  # noqa: E731
+    return SamplingTensors(temperature=full(temperature, torch.float32), top_k=full(top_k, torch.long),
+                           top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
+                           seeds=torch.arange(b) if seeds is None else seeds,
+                           positions=torch.zeros(b, dtype=torch.long) if positions is None else positions, **kw)
+
+
+def test_noise_is_a_pure_function_of_seed_position_and_id():
+    seeds, pos = torch.tensor([7, 7, 9]), torch.tensor([3, 4, 3])
+    u = counter_uniform(seeds, pos, 50)
+    assert u.dtype == torch.float64 and (u > 0).all() and (u < 1).all()
+    again = counter_uniform(seeds.flip(0), pos.flip(0), 50).flip(0)
+    assert torch.equal(u, again)
+    assert torch.equal(counter_uniform(seeds, pos, 50, token_ids=torch.tensor([[5, 6]] * 3)), u[:, 5:7])
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert not torch.equal(u, counter_uniform(seeds, pos, 50, salt=SALT_DRAFT))
+    big = counter_uniform(torch.tensor([1]), torch.tensor([0]), 200_000)[0]
+    assert abs(big.mean().item() - 0.5) < 0.005 and abs(big.var().item() - 1 / 12) < 0.002
+
+
+def test_seeded_draw_does_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64)
+    t = tensors(4, temperature=0.9, top_p=0.9, seeds=torch.tensor([11, 12, 13, 14]), positions=torch.tensor([5, 9, 2, 7]))
+    together = sample(logits, t)
+    for i in range(4):
+        alone = tensors(1, temperature=0.9, top_p=0.9, seeds=t.seeds[i:i + 1], positions=t.positions[i:i + 1])
+        assert sample(logits[i:i + 1], alone).item() == together[i].item()
+    other = tensors(4, temperature=0.9, top_p=0.9, seeds=torch.tensor([21, 22, 23, 24]), positions=t.positions)
+    draws = torch.stack([sample(logits, tensors(4, temperature=0.9, seeds=t.seeds, positions=t.positions + k))
+                         for k in range(20)])
+    draws_other = torch.stack([sample(logits, tensors(4, temperature=0.9, seeds=other.seeds, positions=t.positions + k))
+                               for k in range(20)])
+    assert not torch.equal(draws, draws_other)
+
+
+CHI2_DF7_P001 = 24.32   # chi-square critical value, 7 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, -1), (0.7, -1), (1.3, 4)])
+def test_draws_follow_the_target_distribution(temperature, top_k):
+    """20000 seeded draws (one per position) over 8 ids: chi-square against softmax(logits / T), renormalized
+    over the top-k ids; ids outside the top-k never drawn."""
+    logits = torch.tensor([[1.5, 0.2, -0.3, 0.9, -1.0, 0.0, 0.4, -0.6]])
+    n = 20000
+    t = tensors(n, temperature=temperature, top_k=top_k, seeds=torch.full((n,), 1234), positions=torch.arange(n))
+    got = torch.bincount(sample(logits.expand(n, -1), t), minlength=8).double()
+    p = torch.softmax(logits[0].double() / temperature, dim=-1)
+    if top_k > 0:
+        keep = p >= p.topk(top_k).values[-1]
+        assert got[~keep].sum() == 0
+        p = torch.where(keep, p, torch.zeros_like(p))
+        p = p / p.sum()
+    expected = p * n
+    mask = expected > 0
+    chi2 = (((got - expected) ** 2)[mask] / expected[mask]).sum().item()
+    assert chi2 < CHI2_DF7_P001, (chi2, got.tolist(), expected.tolist())
+
+
+def test_greedy_ties_go_to_the_lowest_id_and_greedy_rows_ignore_noise():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, -1.0, 0.0]])
+    t = tensors(2, temperature=0.0)
+    assert sample(logits, t).tolist() == [1, 0]
+    mixed = tensors(2, temperature=1.0)
+    mixed.temperature[0] = 0.0
+    assert sample(logits, mixed)[0].item() == 1
+
+
+def test_penalties_match_a_plain_loop():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 10)
+    prompt = torch.zeros(2, 10, dtype=torch.bool)
+    prompt[0, [1, 2]] = True
+    counts = torch.zeros(2, 10, dtype=torch.long)
+    counts[0, 2], counts[0, 5], counts[1, 7] = 2, 1, 3
+    t = tensors(2, prompt_mask=prompt, output_counts=counts, repetition_penalty=torch.tensor([1.3, 0.8]),
+                presence_penalty=torch.tensor([0.5, -0.2]), frequency_penalty=torch.tensor([0.25, 0.1]))
+    got = apply_penalties(logits, t)
+    want = logits.clone()
+    for b in range(2):
+        for v in range(10):
+            x = want[b, v].item()
+            if prompt[b, v] or counts[b, v] > 0:
+                rep = t.repetition_penalty[b].item()
+                x = x / rep if x > 0 else x * rep
+            x -= t.frequency_penalty[b].item() * counts[b, v].item()
+            x -= t.presence_penalty[b].item() * float(counts[b, v] > 0)
+            want[b, v] = x
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_filters_keep_exactly_what_the_definitions_say():
+    logits = torch.log(torch.tensor([[0.4, 0.25, 0.2, 0.1, 0.05]]))
+    kept = lambda **kw: (apply_filters(logits, tensors(1, **kw)) > float("-inf"))[0].tolist()  # noqa: E731
+    assert kept(top_k=2) == [True, True, False, False, False]
+    assert kept(top_p=0.6) == [True, True, False, False, False]      # 0.4 < 0.6, 0.4 + 0.25 >= 0.6
+    assert kept(top_p=0.64) == [True, True, False, False, False]
+    assert kept(top_p=0.66) == [True, True, True, False, False]
+    assert kept(min_p=0.45) == [True, True, True, False, False]      # p >= 0.45 * 0.4
+    assert kept(top_p=0.01) == [True, False, False, False, False]    # the best id always stays
+
+
+def test_banned_ids_are_never_drawn():
+    n = 500
+    banned = torch.zeros(n, 4, dtype=torch.bool)
+    banned[:, 0] = True
+    t = tensors(n, seeds=torch.full((n,), 5), positions=torch.arange(n), banned=banned)
+    assert (sample(torch.tensor([[5.0, 0.0, 0.0, 0.0]]).expand(n, -1), t) != 0).all()
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    chosen, ids, values = logprobs(logits, torch.tensor([1]), k=2)
+    ref = torch.log_softmax(logits, -1)
+    assert math.isclose(chosen.item(), ref[0, 1].item(), rel_tol=1e-6)
+    assert ids.tolist() == [[2, 1]] and torch.allclose(values, ref[:, [2, 1]])
+    assert SALT_TARGET != SALT_DRAFT
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_noise_and_draws_are_the_same_on_the_gpu():
+    seeds, pos = torch.tensor([3, 2**40 + 5, -7]), torch.tensor([0, 123456, 2**31])
+    assert torch.equal(counter_uniform(seeds, pos, 1000), counter_uniform(seeds.cuda(), pos.cuda(), 1000).cpu())
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    t = tensors(3, temperature=0.8, top_p=0.95, seeds=seeds, positions=pos)
+    t_gpu = SamplingTensors(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in vars(t).items()})
+    assert torch.equal(sample(logits, t), sample(logits.cuda(), t_gpu).cpu())
+
+
+def test_tensors_built_from_sampling_params():
+    from deepinfer.sampling import SamplingParams, build_sampling_tensors
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, seed=3, min_tokens=2,
+                                                              stop_token_ids=[4]),
+              SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)]
+    t = build_sampling_tensors(params, seeds=[10, 3, 12], positions=[4, 9, 6], vocab=8, device="cpu",
+                               prompt_ids=[[1], [2], [3, 3]], output_ids=[[], [6], [5, 5]], eos_token_id=1)
+    assert t.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0]) and t.top_k.tolist() == [-1, 5, -1]
+    assert t.seeds.tolist() == [10, 3, 12] and t.positions.tolist() == [4, 9, 6]
+    assert t.prompt_mask[2].nonzero().flatten().tolist() == [3] and t.output_counts[2, 5].item() == 2
+    assert t.banned[1].nonzero().flatten().tolist() == [1, 4] and not t.banned[0].any()   # min_tokens: no EOS/stop yet
+    assert sample(torch.zeros(3, 8), t)[0].item() == 0
