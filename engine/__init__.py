@@ -2,7 +2,10 @@
 
 from .api import load_model
 from .errors import DeepInferError
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["load_model", "DeepInferError", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model", "DeepInferError",
+           "__version__"]

@@ -32,7 +32,7 @@ log = logging.getLogger("deepinfer")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 FP4_BLOCK = 32
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32, torch.bfloat16)

@@ -1,0 +1,218 @@
+"""`LLM`: the offline entry point, vLLM-shaped (`from deepinfer import LLM, SamplingParams`).
+
+    llm = LLM(model="path/or/hub-id", device="cuda", dtype="bfloat16", seed=0)
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+Requests are validated up front (one clear error, before any work); then a scheduler / runner loop runs
+them with continuous batching (engine/scheduler, engine/runner)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .api import load_model, parse_dtype
+from .errors import DeepInferError
+from .outputs import CompletionOutput, RequestOutput
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Request, Scheduler
+
+_ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
+                "state_memory_bytes": None, "expert_storage": "dense", "keep_quantized": False}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                 seed: int = 0, qat_fake_quant: bool = True, **engine_args):
+        unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
+        if unknown:
+            raise DeepInferError(f"LLM() got unknown arguments {unknown}; known engine arguments: "
+                                 f"{sorted(_ENGINE_ARGS)}")
+        args = {**_ENGINE_ARGS, **engine_args}
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if isinstance(args[name], bool) or not isinstance(args[name], int) or args[name] < 1:
+                raise DeepInferError(f"{name}={args[name]!r} must be an integer >= 1")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise DeepInferError(f"seed={seed!r} must be an integer")
+        if model is None:
+            from .checkpoint.make import embedded_tiny_dir
+            model = embedded_tiny_dir()
+        self.model = load_model(model, device=device, dtype=parse_dtype(dtype), qat_fake_quant=qat_fake_quant,
+                                keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
+        self.tokenizer = self._load_tokenizer()
+        limit = self.model.cfg.max_position_embeddings
+        self.max_model_len = args["max_model_len"] or limit
+        if not 1 <= self.max_model_len <= limit:
+            raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
+        self.args = args
+        self.rng = np.random.default_rng(seed)
+        self.runner = ModelRunner(self.model)
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (a `tokenizers.Tokenizer`)."""
+        return self.tokenizer
+
+    # ---- generation ----
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these.
+        One SamplingParams for all prompts or one per prompt. Returns one RequestOutput per prompt, in order."""
+        prompts = self._as_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]   # every prompt checked before any work
+        groups = []
+        for (text, ids), sp in zip(encoded, params):
+            rid = str(self._next_id)
+            self._next_id += 1
+            groups.append((rid, text, ids, [self._request(rid, ids, sp, j) for j in range(sp.n)]))
+        self._run([r for *_, reqs in groups for r in reqs], use_tqdm)
+        return [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in groups]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation ([{"role", "content"}, ...]) or a list of them, rendered with the
+        checkpoint's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [{"prompt_token_ids": self._render_chat(c, add_generation_prompt)} for c in conversations]
+        return self.generate(ids, sampling_params, use_tqdm)
+
+    # ---- the loop ----
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        sched = Scheduler(self.args["max_num_seqs"], self.args["max_num_batched_tokens"],
+                          self.args["state_memory_bytes"], self.model.new_state)
+        for r in requests:
+            sched.add(r)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(requests), desc="generate", unit="seq")
+        while sched.has_unfinished():
+            scheduled = sched.schedule()
+            now = time.perf_counter()
+            for r, _ in scheduled:
+                r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
+            sampled = self.runner.execute(scheduled)
+            now = time.perf_counter()
+            for r, _ in scheduled:
+                if r.request_id in sampled and self._append(r, sampled[r.request_id], now):
+                    sched.finish(r)
+                    if bar is not None:
+                        bar.update(1)
+            sched.enforce_budget()
+        if bar is not None:
+            bar.close()
+        self.last_run = {"preemptions": sched.num_preemptions}
+
+    def _append(self, r: Request, tok: int, now: float) -> bool:
+        """Record a sampled token; True when the sequence is finished."""
+        r.output_ids.append(tok)
+        r.metrics.first_token_time = r.metrics.first_token_time or now
+        r.metrics.token_times.append(now)
+        p, n_out = r.params, len(r.output_ids)
+        if n_out >= p.min_tokens:
+            if tok == self.model.cfg.eos_token_id and not p.ignore_eos:
+                r.finish_reason = "stop"
+            elif tok in p.stop_token_ids:
+                r.finish_reason, r.stop_reason = "stop", tok
+            elif p.stop:
+                text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+                hit = [s for s in p.stop if s in text]
+                if hit:
+                    r.finish_reason, r.stop_reason = "stop", hit[0]
+        if r.finish_reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                                        or r.num_tokens >= self.max_model_len):
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            r.metrics.finished_time = now
+            return True
+        return False
+
+    # ---- inputs ----
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise DeepInferError("prompts must be a string, a list of token ids, a {'prompt_token_ids': [...]} "
+                                 "dict, or a non-empty list of these")
+        return list(prompts)
+
+    @staticmethod
+    def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
+            raise DeepInferError(f"give one SamplingParams, or one per prompt ({n}); got {len(sp)}")
+        return sp
+
+    def _encode(self, i: int, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+            text, ids = None, prompt["prompt_token_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise DeepInferError(f"prompt {i} is a {type(prompt).__name__}; give a string, a list of token ids or "
+                                 f"{{'prompt_token_ids': [...]}}")
+        ids = list(ids)
+        vocab = self.model.cfg.vocab_size
+        if not ids or (isinstance(prompt, str) and not prompt):
+            raise DeepInferError(f"prompt {i} is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise DeepInferError(f"prompt {i} holds token ids outside 0..{vocab - 1} (or non-integers)")
+        if len(ids) >= self.max_model_len:
+            raise DeepInferError(f"prompt {i} has {len(ids)} tokens; max_model_len is {self.max_model_len}, which "
+                                 f"must leave room for at least one generated token")
+        return text, ids
+
+    def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int) -> Request:
+        """Sample j of a prompt; its draws use seed + j (seeded) or a seed drawn from the engine's generator."""
+        seed = sp.seed + j if sp.seed is not None else int(self.rng.integers(0, 2**62))
+        return Request(f"{rid}-{j}" if sp.n > 1 else rid, list(ids), sp, seed, index=j)
+
+    def _output(self, rid: str, text, ids, reqs: list[Request]) -> RequestOutput:
+        outs = [CompletionOutput(r.index, self._text(r), list(r.output_ids), r.logprobs, r.finish_reason,
+                                 r.stop_reason) for r in reqs]
+        return RequestOutput(rid, text, list(ids), reqs[0].prompt_logprobs, outs,
+                             all(r.finish_reason for r in reqs), [r.metrics for r in reqs])
+
+    def _text(self, r: Request) -> str:
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        if isinstance(r.stop_reason, str):
+            text = text[:text.index(r.stop_reason)]           # the stop string is not part of the output
+        return text
+
+    def _load_tokenizer(self):
+        from tokenizers import Tokenizer
+        path = self.model.checkpoint_dir / "tokenizer.json"
+        if not path.is_file():
+            raise DeepInferError(f"{self.model.checkpoint_dir} has no tokenizer.json; LLM needs the checkpoint's "
+                                 f"tokenizer")
+        return Tokenizer.from_file(str(path))
+
+    def _render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
+        import json
+
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        cfg_path = self.model.checkpoint_dir / "tokenizer_config.json"
+        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = config.get("chat_template")
+        if not template:
+            raise DeepInferError(f"{self.model.checkpoint_dir} has no chat_template in tokenizer_config.json")
+
+        def raise_exception(msg):
+            raise DeepInferError(f"chat template: {msg}")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        text = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=config.get("bos_token", ""),
+                                                eos_token=config.get("eos_token", ""))
+        return self.tokenizer.encode(text, add_special_tokens=False).ids

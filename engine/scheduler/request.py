@@ -1,0 +1,49 @@
+"""One sequence being generated: its tokens, its sampling settings, its model state and its timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from ..outputs import RequestMetrics
+from ..sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A sequence (one of the n samples of a prompt). `all_ids` = prompt + generated tokens; the model has
+    processed `num_computed` of them (after a preemption that restarts at 0: recompute)."""
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int                        # the seed its draws use: params.seed (+ sample index) or drawn at admission
+    index: int = 0                   # which of the n samples
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    state: object = None             # the model's SequenceState while running
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token still to feed (prompt, or prompt + outputs after a recompute)."""
+        return self.num_tokens - self.num_computed > 1
