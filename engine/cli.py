@@ -10,10 +10,11 @@ import click
 from .errors import DeepInferError
 
 
-def run_cli(group: click.Group) -> None:
-    """Invoke a click group; a DeepInferError becomes one line on stderr and exit status 2."""
+def run_cli(entry) -> None:
+    """Invoke a click group (or a plain function, e.g. an example's main); a DeepInferError (bad
+    SamplingParams included) becomes one line on stderr and exit status 2."""
     try:
-        group(standalone_mode=False)
+        entry(standalone_mode=False) if isinstance(entry, click.Command) else entry()
     except DeepInferError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
@@ -88,6 +89,35 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
     click.echo(f"output: {tokenizer.decode(out)!r}")
     click.echo(f"prefill {len(ids)} tok in {(t2 - t1) * 1e3:.1f} ms; decode {len(out)} tok at "
                f"{len(out) / max(t3 - t2, 1e-9):.1f} tok/s; state {state.nbytes() / 1024:.1f} KiB")
+
+
+@cli.command("generate", help="Generate with continuous batching (the LLM API) for one or more prompts.")
+@click.option("--model", default=None, help="checkpoint dir or hub id (default: the embedded tiny model)")
+@click.option("--prompt", "prompts", multiple=True, required=True, help="a prompt (repeat for several)")
+@click.option("--max-tokens", default=32, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=-1, show_default=True, type=int)
+@click.option("--n", default=1, show_default=True, type=int)
+@click.option("--seed", default=None, type=int, help="per-request seed (reproducible draws)")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON line per prompt")
+def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed, device, dtype, as_json) -> None:
+    import json
+
+    from .llm import LLM
+    from .sampling import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed)
+    llm = LLM(model=model, device=device, dtype=dtype)
+    for out in llm.generate(list(prompts), sp, use_tqdm=False):
+        if as_json:
+            click.echo(json.dumps({"prompt": out.prompt, "outputs": [
+                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in out.outputs],
+                "ttft_s": out.metrics[0].ttft}))
+        else:
+            for o in out.outputs:
+                click.echo(f"{out.prompt!r} -> {o.text!r} ({o.finish_reason})")
 
 
 def main() -> None:

@@ -130,3 +130,18 @@ def test_v4_greedy_and_prompt_logprobs_match_transformers():
         for j, entry in enumerate(out.prompt_logprobs[1:], start=1):
             tok = out.prompt_token_ids[j]
             assert abs(entry[tok] - lp[j - 1, tok].item()) <= 1e-4
+
+
+def test_generate_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+    base = [sys.executable, "-c", "from deepinfer.cli import main; main()", "generate", "--model",
+            str(embedded_tiny_dir("deepseek_v41"))]
+    ok = subprocess.run(base + ["--prompt", "The cat", "--prompt", "Hi", "--max-tokens", "3", "--json"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    rows = [json.loads(line) for line in ok.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["The cat", "Hi"] and all(len(r["outputs"][0]["token_ids"]) == 3 for r in rows)
+    bad = subprocess.run(base + ["--prompt", "x", "--temperature", "-1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "temperature=-1.0" in bad.stderr
