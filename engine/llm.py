@@ -22,6 +22,14 @@ from .scheduler import Request, Scheduler
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "expert_storage": "dense", "keep_quantized": False}
+MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
+
+
+def _positive_int(name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DeepInferError(f"{name}={value!r} must be an integer >= 1" + (" or None" if optional else ""))
 
 
 class LLM:
@@ -32,11 +40,10 @@ class LLM:
             raise DeepInferError(f"LLM() got unknown arguments {unknown}; known engine arguments: "
                                  f"{sorted(_ENGINE_ARGS)}")
         args = {**_ENGINE_ARGS, **engine_args}
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if isinstance(args[name], bool) or not isinstance(args[name], int) or args[name] < 1:
-                raise DeepInferError(f"{name}={args[name]!r} must be an integer >= 1")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise DeepInferError(f"seed={seed!r} must be an integer")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "state_memory_bytes"):
+            _positive_int(name, args[name], optional=name in ("max_model_len", "state_memory_bytes"))
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
         if model is None:
             from .checkpoint.make import embedded_tiny_dir
             model = embedded_tiny_dir()
@@ -44,7 +51,7 @@ class LLM:
                                 keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
         self.tokenizer = self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
-        self.max_model_len = args["max_model_len"] or limit
+        self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
         if not 1 <= self.max_model_len <= limit:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self.args = args
@@ -63,7 +70,9 @@ class LLM:
         One SamplingParams for all prompts or one per prompt. Returns one RequestOutput per prompt, in order."""
         prompts = self._as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]   # every prompt checked before any work
+        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]   # every request checked before any work
+        for i, sp in enumerate(params):
+            self._check_params(i, sp)
         groups = []
         for (text, ids), sp in zip(encoded, params):
             rid = str(self._next_id)
@@ -76,7 +85,14 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them, rendered with the
         checkpoint's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise DeepInferError("chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for c in conversations:
+            if not isinstance(c, (list, tuple)) or not c or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in c):
+                raise DeepInferError("every chat message must be a dict with string 'role' and 'content'")
         ids = [{"prompt_token_ids": self._render_chat(c, add_generation_prompt)} for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
@@ -108,28 +124,38 @@ class LLM:
         self.last_run = {"preemptions": sched.num_preemptions}
 
     def _append(self, r: Request, tok: int, now: float) -> bool:
-        """Record a sampled token; True when the sequence is finished."""
+        """Record a sampled token; True when the sequence is finished. Order as vLLM: length limits, then (from
+        min_tokens on) EOS, stop token ids, stop strings."""
         r.output_ids.append(tok)
         r.metrics.first_token_time = r.metrics.first_token_time or now
         r.metrics.token_times.append(now)
         p, n_out = r.params, len(r.output_ids)
-        if n_out >= p.min_tokens:
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or r.num_tokens >= self.max_model_len:
+            r.finish_reason = "length"
+        elif n_out >= p.min_tokens:
             if tok == self.model.cfg.eos_token_id and not p.ignore_eos:
                 r.finish_reason = "stop"
             elif tok in p.stop_token_ids:
                 r.finish_reason, r.stop_reason = "stop", tok
-            elif p.stop:
-                text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-                hit = [s for s in p.stop if s in text]
-                if hit:
-                    r.finish_reason, r.stop_reason = "stop", hit[0]
-        if r.finish_reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
-                                        or r.num_tokens >= self.max_model_len):
-            r.finish_reason = "length"
+        if p.stop:
+            self._check_stop_strings(r, n_out >= p.min_tokens and r.finish_reason != "stop")
         if r.finish_reason is not None:
             r.metrics.finished_time = now
             return True
         return False
+
+    def _check_stop_strings(self, r: Request, active: bool) -> None:
+        """Find the earliest stop string in the text the new token added (a match may start up to
+        len(stop) - 1 characters earlier); text produced before min_tokens is never matched."""
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        if active:
+            longest = max(len(s) for s in r.params.stop)
+            start = max(0, r.stop_checked - longest + 1)
+            hits = [(i, s) for s in r.params.stop if (i := text.find(s, start)) >= 0]
+            if hits:
+                r.stop_at, r.stop_reason = min(hits)
+                r.finish_reason = "stop"
+        r.stop_checked = len(text)
 
     # ---- inputs ----
     @staticmethod
@@ -173,9 +199,21 @@ class LLM:
                                  f"must leave room for at least one generated token")
         return text, ids
 
+    def _check_params(self, i: int, sp: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: ids against the vocabulary, logprob counts."""
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise DeepInferError(f"request {i}: stop_token_ids {bad} are outside the vocabulary (0..{vocab - 1})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sp, name)
+            if k is not None and k > min(MAX_LOGPROBS, vocab):
+                raise DeepInferError(f"request {i}: {name}={k} exceeds the maximum {min(MAX_LOGPROBS, vocab)}")
+
     def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int) -> Request:
-        """Sample j of a prompt; its draws use seed + j (seeded) or a seed drawn from the engine's generator."""
-        seed = sp.seed + j if sp.seed is not None else int(self.rng.integers(0, 2**62))
+        """Sample j of a prompt; its draws use seed + j (mod 2^63; seeded) or a seed drawn from the engine's
+        generator."""
+        seed = (sp.seed + j) % 2**63 if sp.seed is not None else int(self.rng.integers(0, 2**62))
         return Request(f"{rid}-{j}" if sp.n > 1 else rid, list(ids), sp, seed, index=j)
 
     def _output(self, rid: str, text, ids, reqs: list[Request]) -> RequestOutput:
@@ -186,9 +224,7 @@ class LLM:
 
     def _text(self, r: Request) -> str:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        if isinstance(r.stop_reason, str):
-            text = text[:text.index(r.stop_reason)]           # the stop string is not part of the output
-        return text
+        return text if r.stop_at is None else text[:r.stop_at]   # the stop string is not part of the output
 
     def _load_tokenizer(self):
         from tokenizers import Tokenizer
@@ -212,7 +248,8 @@ class LLM:
             raise DeepInferError(f"chat template: {msg}")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        special = lambda v: v.get("content", "") if isinstance(v, dict) else (v or "")  # noqa: E731  AddedToken dicts
         text = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=config.get("bos_token", ""),
-                                                eos_token=config.get("eos_token", ""))
+                                                bos_token=special(config.get("bos_token")),
+                                                eos_token=special(config.get("eos_token")))
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -36,11 +36,15 @@ def one_at_a_time(llm, ids: list[int], n: int) -> list[int]:
 def test_batched_chunked_preempted_greedy_equals_one_at_a_time(llm):
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     llm.args.update(max_num_batched_tokens=16, max_num_seqs=6, state_memory_bytes=150_000)
+    steps, execute = [], llm.runner.execute
+    llm.runner.execute = lambda scheduled: steps.append([n for _, n in scheduled]) or execute(scheduled)
     try:
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
         assert llm.last_run["preemptions"] > 0          # the small state budget forced recomputes
     finally:
         llm.args.update(max_num_batched_tokens=8192, max_num_seqs=256, state_memory_bytes=None)
+        llm.runner.execute = execute
+    assert all(sum(s) <= 16 and len(s) <= 6 for s in steps) and any(max(s) > 1 and len(s) > 1 for s in steps)
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt).ids
         assert out.prompt_token_ids == ids
@@ -72,12 +76,26 @@ def test_stops_and_lengths(llm):
     banned = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, min_tokens=6,
                                                      stop_token_ids=[toks[0]]), use_tqdm=False)[0].outputs[0]
     assert toks[0] not in banned.token_ids and len(banned.token_ids) == 6
-    text = greedy[0].outputs[0].text
-    if len(text.strip()) > 2:
-        cut = text.strip()[1:3]
-        s = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[cut]),
-                         use_tqdm=False)[0].outputs[0]
-        assert s.finish_reason == "stop" and s.stop_reason == cut and cut not in s.text
+    long = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    early = decode(long.token_ids[:2])
+    stop = next(early[i:i + 1] for i in range(len(early)) if not early[i:i + 1].isspace())
+    for min_tokens in (0, 4):
+        s = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                    min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+        assert long.token_ids[:len(s.token_ids)] == s.token_ids
+        before = len(decode(long.token_ids[:max(min_tokens - 1, 0)]))    # text no match may start in
+        full = decode(s.token_ids)
+        if s.finish_reason == "stop":
+            assert s.stop_reason == stop and s.text == full[:len(s.text)] and full[len(s.text):].startswith(stop)
+            assert min_tokens == 0 or len(s.token_ids) >= min_tokens
+        else:
+            assert s.finish_reason == "length" and s.text == full
+        if min_tokens:
+            assert len(s.text) >= before                   # a match inside the first min_tokens does not cut
+        else:
+            assert s.finish_reason == "stop" and len(s.token_ids) <= 2
 
 
 def test_inputs_in_every_shape_and_chat(llm):
@@ -106,11 +124,38 @@ def test_bad_requests_fail_before_any_work(llm, prompts, params, match):
         llm.generate(prompts, params, use_tqdm=False)
 
 
-def test_bad_engine_arguments():
-    with pytest.raises(DeepInferError, match="unknown arguments"):
-        LLM(embedded_tiny_dir("deepseek_v41"), max_num_seq=4)
-    with pytest.raises(DeepInferError, match="max_num_seqs=0"):
-        LLM(embedded_tiny_dir("deepseek_v41"), max_num_seqs=0)
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(stop_token_ids=[10**6], min_tokens=1), "stop_token_ids .* outside the vocabulary"),
+    (SamplingParams(logprobs=21), "logprobs=21 exceeds the maximum 20"),
+    (SamplingParams(prompt_logprobs=50), "prompt_logprobs=50 exceeds"),
+])
+def test_bad_sampling_params_for_this_model_fail_before_any_work(llm, params, match):
+    with pytest.raises(DeepInferError, match=match):
+        llm.generate(["fine", "also fine"], [SamplingParams(), params], use_tqdm=False)
+
+
+def test_extreme_seeds_and_temperatures(llm):
+    out = llm.generate("The cat", SamplingParams(seed=2**63 - 1, n=2, max_tokens=3), use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and all(len(o.token_ids) == 3 for o in out.outputs)
+    cold = llm.generate("The cat", SamplingParams(temperature=1e-30, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    greedy = llm.generate("The cat", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert cold[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_num_seq": 4}, "unknown arguments"), ({"max_num_seqs": 0}, "max_num_seqs=0"),
+    ({"state_memory_bytes": -1}, "state_memory_bytes=-1"), ({"state_memory_bytes": "1e5"}, "state_memory_bytes"),
+    ({"max_model_len": 0}, "max_model_len=0"), ({"seed": -1}, "seed=-1"),
+])
+def test_bad_engine_arguments(kwargs, match):
+    with pytest.raises(DeepInferError, match=match):
+        LLM(embedded_tiny_dir("deepseek_v41"), **kwargs)
+
+
+def test_chat_input_errors(llm):
+    for bad in ("hello", [], [{"content": "no role"}]):
+        with pytest.raises(DeepInferError, match="chat"):
+            llm.chat(bad, use_tqdm=False)
 
 
 def test_v4_greedy_and_prompt_logprobs_match_transformers():

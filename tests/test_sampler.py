@@ -154,3 +154,18 @@ def test_tensors_built_from_sampling_params():
     assert t.prompt_mask[2].nonzero().flatten().tolist() == [3] and t.output_counts[2, 5].item() == 2
     assert t.banned[1].nonzero().flatten().tolist() == [1, 4] and not t.banned[0].any()   # min_tokens: no EOS/stop yet
     assert sample(torch.zeros(3, 8), t)[0].item() == 0
+
+
+def test_top_p_one_is_off_next_to_other_rows():
+    """A top_p = 1 row keeps the whole vocabulary even when another row of the batch filters (float rounding
+    of the cumulative mass must not drop its tail)."""
+    logits = torch.randn(2, 129280, generator=torch.Generator().manual_seed(0)) * 3
+    t = tensors(2, top_p=1.0)
+    t.top_p[1] = 0.5
+    kept = apply_filters(logits, t) > float("-inf")
+    assert kept[0].all() and kept[1].sum() < 129280
+
+
+def test_tiny_temperature_is_finite_and_picks_the_mode():
+    t = tensors(1, temperature=1e-38)
+    assert sample(torch.tensor([[4.0, 10.0, -1.0]]), t).item() == 1

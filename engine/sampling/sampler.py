@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.precision import upcast
+
 SALT_TARGET, SALT_DRAFT, SALT_ACCEPT = 0, 1, 2
+MIN_TEMPERATURE = 0.01
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,9 +51,10 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, sa
     token_ids [B, K]): a pure function of (seed, position, token id, salt)."""
     dev = seeds.device
     ids = torch.arange(vocab, device=dev).unsqueeze(0) if token_ids is None else token_ids.to(dev)
-    row = _splitmix64(seeds.long() * _GOLDEN + positions.long().to(dev) * _POS_MUL + salt * _SALT_MUL)
+    salted = _i64((salt * _SALT_MUL) & _MASK64)
+    row = _splitmix64(seeds.long() * _GOLDEN + positions.long().to(dev) * _POS_MUL + salted)
     bits = _splitmix64(row.unsqueeze(1) ^ (ids.long() * _ID_MUL))
-    return (_shr(bits, 11).double() + 0.5) * 2.0 ** -53
+    return (_shr(bits, 12).double() + 0.5) * 2.0 ** -52          # 52 bits: strictly inside (0, 1)
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, salt: int = SALT_TARGET) -> torch.Tensor:
@@ -145,9 +149,10 @@ def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, neg)
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg)
     if bool((t.top_p < 1).any()):
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        sorted_probs = torch.softmax(sorted_logits.double(), dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs          # mass strictly above each sorted id
         keep = before < t.top_p.unsqueeze(1).to(before.dtype)       # the smallest prefix reaching top_p
+        keep |= (t.top_p >= 1).unsqueeze(1)                           # top_p = 1 is off, whatever the rounding
         keep[:, 0] = True
         cutoff = sorted_logits.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
         logits = logits.masked_fill(logits < cutoff, neg)
@@ -155,14 +160,15 @@ def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, salt: int = SALT_TARGET) -> torch.Tensor:
-    """logits [B, V] (fp32 model output) -> token ids [B]."""
-    logits = apply_penalties(logits.float(), t)
+    """logits [B, V] (>= fp32 model output) -> token ids [B]. Temperatures below MIN_TEMPERATURE are raised to
+    it (as vLLM), so logits / T stays finite; 0 means greedy."""
+    logits = apply_penalties(upcast(logits), t)
     greedy = t.temperature <= 0
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, float("-inf"))
     if bool(greedy.all()):
         return logits.argmax(dim=-1)                  # the first (lowest) id among equal maxima
-    temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature).unsqueeze(1)
+    temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(1)
     scaled = apply_filters(logits / temp, t)
     noisy = scaled.double() + gumbel_noise(t.seeds, t.positions, logits.shape[-1], salt)
     drawn = noisy.argmax(dim=-1)
@@ -172,7 +178,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, salt: int = SALT_TARGET) ->
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0):
     """Raw-model log-probabilities (as vLLM returns by default): (logprob of `tokens` [B], top-k ids [B, k],
     top-k logprobs [B, k])."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = torch.log_softmax(upcast(logits), dim=-1)
     chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
     if k <= 0:
         return chosen, None, None
