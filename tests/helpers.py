@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from deepinfer.checkpoint.random_init import init_random_weights
@@ -45,3 +49,26 @@ def transformers_twin(model, dtype=torch.float32):
     assert not missing and not unexpected, (missing, unexpected)
     # transformers keeps these in fp32 whatever the model dtype; so do we.
     return twin
+
+
+def config_error(raw: dict, *fragments: str) -> str:
+    """parse_model_config(raw) must fail with one ConfigError line holding every fragment; returns it."""
+    from deepinfer.config import parse_model_config
+    from deepinfer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_model_config(raw)
+    msg = str(info.value)
+    assert msg and "\n" not in msg, f"message is not one line: {msg!r}"
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+    return msg
+
+
+def deepinfer_exe() -> str:
+    """The installed `deepinfer` console script (skips the test when it is not installed)."""
+    exe = Path(sys.executable).parent / "deepinfer"
+    found = str(exe) if exe.is_file() else shutil.which("deepinfer")
+    if found is None:
+        pytest.skip("the deepinfer console script is not installed")
+    return found

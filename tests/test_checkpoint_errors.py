@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from deepinfer.checkpoint.make import make_checkpoint
 from deepinfer.config import load_model_config
 from deepinfer.errors import CheckpointError, ConfigError, DeepInferError, ModelNotFoundError
 from deepinfer.models import build_model
+from tests.helpers import deepinfer_exe
 
 # Tensors of the tiny preset used below (shapes are read from the checkpoint, not hard-coded).
 FP8_W = "layers.0.attn.wq_a.weight"            # float8_e4m3fn, scale e8m0 per 128x128 block
@@ -384,17 +383,9 @@ def test_make_checkpoint_onto_a_file(tmp_path):
 
 # ----------------------------------------------------------------------------- the CLI
 
-def _deepinfer_exe() -> str:
-    exe = Path(sys.executable).parent / "deepinfer"
-    found = str(exe) if exe.is_file() else shutil.which("deepinfer")
-    if found is None:
-        pytest.skip("the deepinfer console script is not installed")
-    return found
-
-
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "DEEPINFER_HF_MODEL_DIR"} | env
-    return subprocess.run([_deepinfer_exe(), *args], capture_output=True, text=True, env=full_env, timeout=120)
+    return subprocess.run([deepinfer_exe(), *args], capture_output=True, text=True, env=full_env, timeout=120)
 
 
 def _assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:

@@ -29,6 +29,7 @@ from deepinfer.checkpoint.make import embedded_tiny_dir, make_checkpoint, preset
 from deepinfer.errors import CheckpointError, ConfigError, DeepInferError
 from deepinfer.kernels.quant import (dequantize_fp4, dequantize_fp8_blocks, e8m0_to_float, quantize_fp4,
                                      quantize_fp8_blocks)
+from tests.helpers import deepinfer_exe
 
 SEED = 0
 FP8_W, FP8_S = "layers.0.attn.wq_b.weight", "layers.0.attn.wq_b.scale"     # [384, 48]: a ragged 32x32 block
@@ -328,18 +329,10 @@ def test_layers_and_engram_vocab_size_pass_through():
         preset_model_config("deepseek_v4", "tiny", engram_vocab_size=70)
 
 
-def _deepinfer_exe() -> str:
-    exe = Path(sys.executable).parent / "deepinfer"
-    found = str(exe) if exe.is_file() else shutil.which("deepinfer")
-    if found is None:
-        pytest.skip("the deepinfer console script is not installed")
-    return found
-
-
 def test_cli_make_checkpoint_v41(tmp_path, v41):
     env = {k: v for k, v in os.environ.items() if k != "DEEPINFER_HF_MODEL_DIR"}
     out = tmp_path / "ck"
-    proc = subprocess.run([_deepinfer_exe(), "make-checkpoint", "--arch", "deepseek_v41", "--preset", "tiny",
+    proc = subprocess.run([deepinfer_exe(), "make-checkpoint", "--arch", "deepseek_v41", "--preset", "tiny",
                            "--format", "deepseek", "--seed", str(SEED), "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr

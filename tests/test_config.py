@@ -12,7 +12,7 @@ from deepinfer.config import load_model_config, parse_model_config
 from deepinfer.config.deepseek_v4 import (CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config, WeightQuant,
                                           YarnScaling)
 from deepinfer.config.presets import FLASH_V4, TINY_V4
-from deepinfer.errors import ConfigError
+from tests.helpers import config_error
 
 # DeepSeek's inference ModelArgs spelling, written out by hand key by key (not by our writers), so a preset
 # change is followed automatically while the spelling itself stays independent of deepseek_v4.py.
@@ -58,16 +58,6 @@ FLASH_INFERENCE_ARGS = {
 }
 
 PRESETS = {"tiny": TINY_V4, "flash": FLASH_V4}
-
-
-def config_error(raw: dict, *fragments: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        parse_model_config(raw)
-    msg = str(info.value)
-    assert msg and "\n" not in msg, f"message is not one line: {msg!r}"
-    for fragment in fragments:
-        assert fragment in msg, f"{fragment!r} not in {msg!r}"
-    return msg
 
 
 # ----------------------------------------------------------------------------- spellings

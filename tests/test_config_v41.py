@@ -17,6 +17,7 @@ from deepinfer.config.deepseek_v41 import (INDEX_SOURCE, KV_SOURCE, REUSE, SLIDI
 from deepinfer.config.deepseek_v4 import WeightQuant, YarnScaling
 from deepinfer.config.presets import FLASH_V41, TINY_V41, preset_config, v41_layer_priority
 from deepinfer.errors import ConfigError
+from tests.helpers import config_error
 
 PRESETS = {"tiny": TINY_V41, "flash": FLASH_V41}
 RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
@@ -102,16 +103,6 @@ def inference_args(cfg: DeepseekV41Config) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings, "max_seq_len": 4096, "max_batch_size": 4,
         "dtype": "fp8", "expert_dtype": cfg.quant.expert_dtype,
     }
-
-
-def config_error(raw: dict, *fragments: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        parse_model_config(raw)
-    msg = str(info.value)
-    assert msg and "\n" not in msg, f"message is not one line: {msg!r}"
-    for fragment in fragments:
-        assert fragment in msg, f"{fragment!r} not in {msg!r}"
-    return msg
 
 
 def _hf(cfg=TINY_V41, **text_changes) -> dict:

@@ -49,6 +49,19 @@ class LatentAttention(nn.Module):
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
         self.attn_sink = fp32_param(self.n_heads)
 
+    def window_keys(self, state: LayerState, kv: torch.Tensor, kv_pos: torch.Tensor, prev_tokens: int,
+                    qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's sliding window: its stored latents (the positions just before `prev_tokens`) followed
+        by the new ones kv [T, d] at kv_pos -> (keys [K, d], visible [Tq, K] for queries at qpos: 0 <= p - k <
+        window). Keeps the last window - 1 latents in `state`."""
+        old = 0 if state.window is None else state.window.shape[0]
+        keys = kv if state.window is None else torch.cat([state.window, kv])
+        key_pos = torch.cat([torch.arange(prev_tokens - old, prev_tokens, device=kv.device), kv_pos])
+        dist = qpos.unsqueeze(1) - key_pos.unsqueeze(0)
+        visible = (dist >= 0) & (dist < self.window)
+        state.window = keys[max(keys.shape[0] - (self.window - 1), 0):] if self.window > 1 else keys[:0]
+        return keys, visible
+
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """o [N, H, d] -> [N, D]. K=V carried each key's rotation into the values: rotate back at the query
         position, then grouped wo_a (one [R, H*d/G] block per group of heads) and wo_b."""
@@ -102,12 +115,7 @@ class Attention(LatentAttention):
 
     def _attend_one(self, q, kv, positions, first_pos: int, state: LayerState, comp, idx) -> torch.Tensor:
         """One sequence's T new tokens: q [T, H, d], kv [T, d]; updates `state` in place."""
-        keys = kv if state.window is None else torch.cat([state.window, kv])
-        key_pos = torch.arange(first_pos + kv.shape[0] - keys.shape[0], first_pos + kv.shape[0],
-                               device=kv.device)
-        dist = positions.unsqueeze(1) - key_pos.unsqueeze(0)
-        visible = (dist >= 0) & (dist < self.window)                              # [T, K]
-        state.window = keys[max(keys.shape[0] - (self.window - 1), 0):] if self.window > 1 else keys[:0]
+        keys, visible = self.window_keys(state, kv, positions, first_pos, positions)   # [K, d], [T, K]
 
         if self.compressor is not None:
             entries = self._append_entries(self.compressor.pool(*comp, first_pos, state.compressor, self.rope),

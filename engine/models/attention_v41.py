@@ -98,12 +98,7 @@ class AttentionV41(LatentAttention):
     def _attend_one(self, s: SeqRows, q, qpos, x, kv, kv_pos, index_q) -> torch.Tensor:
         """One sequence: q [Tq, H, d] at qpos; kv [T, d] at kv_pos (its new rows)."""
         st = s.state.layers[self.layer]
-        old = 0 if st.window is None else st.window.shape[0]
-        keys = kv if st.window is None else torch.cat([st.window, kv])
-        key_pos = torch.cat([torch.arange(s.prev_tokens - old, s.prev_tokens, device=kv.device), kv_pos])
-        dist = qpos.unsqueeze(1) - key_pos.unsqueeze(0)
-        visible = (dist >= 0) & (dist < self.window)                                  # [Tq, K]
-        st.window = keys[max(keys.shape[0] - (self.window - 1), 0):] if self.window > 1 else keys[:0]
+        keys, visible = self.window_keys(st, kv, kv_pos, s.prev_tokens, qpos)          # [K, d], [Tq, K]
         if self.ratio:
             sh = s.shared
             if self.compressor is not None:

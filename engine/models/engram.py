@@ -25,7 +25,7 @@ from torch import nn
 
 from deepinfer.config.deepseek_v41 import engram_prime_layout
 from deepinfer.kernels.precision import upcast
-from deepinfer.kernels.quant import e8m0_to_float
+from deepinfer.kernels.quant import dequantize_fp8_blocks
 
 from .layers import Linear
 
@@ -264,8 +264,7 @@ def dequantize_engram_rows(weight: torch.Tensor, scale: torch.Tensor, dtype: tor
     so a loader can fold a large table chunk by chunk."""
     if weight.dtype != torch.float8_e4m3fn:
         return weight.to(dtype)
-    s = e8m0_to_float(scale) if scale.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale.float()
-    return (weight.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(dtype)
+    return dequantize_fp8_blocks(weight, scale, (1, block), dtype)      # FP8 blocks of one row x `block`
 
 
 class EngramEmbedding(nn.Module):
