@@ -15,3 +15,16 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: 
     logits = torch.cat([scores, upcast(sink).view(1, -1, 1).expand(scores.shape[0], -1, 1)], dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum("shk,kd->shd", probs, upcast(kv)).to(q.dtype)
+
+
+def sink_attention_rows(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """A batch of single queries, each with its own keys (decode over the state pools).
+
+    q: [B, H, d]; kv: [B, K, d]; bias: [B, K] (0 visible, -inf hidden; a row may hide every key,
+    then only the sink remains and the output is 0). Returns [B, H, d].
+    """
+    scores = torch.einsum("bhd,bkd->bhk", upcast(q), upcast(kv)) * scale + upcast(bias).unsqueeze(1)
+    logits = torch.cat([scores, upcast(sink).view(1, -1, 1).expand(scores.shape[0], -1, 1)], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("bhk,bkd->bhd", probs, upcast(kv)).to(q.dtype)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from deepinfer.kernels.precision import upcast
 import torch.nn.functional as F
@@ -64,6 +67,23 @@ class Gate(nn.Module):
         return weights * self.scale, ids
 
 
+class _Routing(threading.local):
+    all_experts = False
+
+
+_ROUTING = _Routing()
+
+
+@contextlib.contextmanager
+def all_experts_routing():
+    """Inside: Experts run every expert on every row (Experts.forward_all), as graph-captured decode needs."""
+    before, _ROUTING.all_experts = _ROUTING.all_experts, True
+    try:
+        yield
+    finally:
+        _ROUTING.all_experts = before
+
+
 class Experts(nn.Module):
     """All routed experts stacked: w1, w3 [E, I, D] and w2 [E, D, I] (checkpoint `experts.{j}.w*`).
 
@@ -94,6 +114,8 @@ class Experts(nn.Module):
         return getattr(self, name)[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if _ROUTING.all_experts:
+            return self.forward_all(x, weights, ids)
         out = upcast(torch.zeros_like(x))
         x = x.to(self.dtype)
         for e in ids.unique().tolist():
@@ -102,6 +124,27 @@ class Experts(nn.Module):
             h = h * weights[token, slot].unsqueeze(-1).to(h.dtype)   # routing weight before w2, as the reference
             out.index_add_(0, token, upcast(h.to(self.dtype) @ self.weight("w2", e).T))
         return out   # >= fp32: the MoE adds the shared expert before the one cast back
+
+    def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, unrouted rows weighted 0: static shapes and no host sync (CUDA graphs),
+        and each row's expert sum in expert-id order whatever the batch. x [N, D] -> [N, D] >= fp32.
+        At decode batch sizes nearly every expert is routed anyway, so it reads the same weights."""
+        n_experts = self.w1.shape[0] if self.storage != "fp4" else self.w1_fp4.shape[0]
+        dense = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype, device=x.device)
+        dense = dense.scatter(1, ids, weights)                                      # [N, E]
+        x = x.to(self.dtype)
+        out = upcast(torch.zeros_like(x))
+        if self.storage == "fp4":
+            for e in range(n_experts):
+                h = swiglu(x @ self.weight("w1", e).T, x @ self.weight("w3", e).T, self.limit)
+                out += upcast((h * dense[:, e:e + 1].to(h.dtype)).to(self.dtype) @ self.weight("w2", e).T)
+            return out
+        h = swiglu(torch.matmul(x, self.w1.transpose(1, 2)), torch.matmul(x, self.w3.transpose(1, 2)), self.limit)
+        h = h * dense.T.unsqueeze(-1).to(h.dtype)                                  # [E, N, I]
+        y = upcast(torch.matmul(h.to(self.dtype), self.w2.transpose(1, 2)))       # [E, N, D]
+        for e in range(n_experts):                                                 # fixed order
+            out += y[e]
+        return out
 
 
 class SharedExpert(nn.Module):
