@@ -15,13 +15,18 @@ import torch
 
 from .api import load_model, parse_dtype
 from .errors import DeepInferError
+from .cache.manager import StateManager
+from .env import accelerator, async_scheduling_default
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, Status
+from deepinfer.kernels.matmul import is_batch_invariant
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
-                "state_memory_bytes": None, "expert_storage": "dense", "keep_quantized": False}
+                "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
+                "async_scheduling": None, "max_graph_batch": 512, "expert_storage": "dense",
+                "keep_quantized": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 
 
@@ -33,17 +38,25 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: str | torch.dtype = "float32",
                  seed: int = 0, qat_fake_quant: bool = True, **engine_args):
         unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
         if unknown:
             raise DeepInferError(f"LLM() got unknown arguments {unknown}; known engine arguments: "
                                  f"{sorted(_ENGINE_ARGS)}")
         args = {**_ENGINE_ARGS, **engine_args}
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "state_memory_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "state_memory_bytes",
+                     "max_graph_batch"):
             _positive_int(name, args[name], optional=name in ("max_model_len", "state_memory_bytes"))
+        util = args["gpu_memory_utilization"]
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
+        for name in ("enforce_eager", "async_scheduling"):
+            if args[name] is not None and not isinstance(args[name], bool):
+                raise DeepInferError(f"{name}={args[name]!r} must be True or False")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
+        device = accelerator() if device is None else device
         if model is None:
             from .checkpoint.make import embedded_tiny_dir
             model = embedded_tiny_dir()
@@ -56,7 +69,13 @@ class LLM:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self.args = args
         self.rng = np.random.default_rng(seed)
-        self.runner = ModelRunner(self.model)
+        self.batch_invariant = is_batch_invariant()
+        self.async_scheduling = async_scheduling_default() if args["async_scheduling"] is None \
+            else args["async_scheduling"]
+        self.manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget())
+        self.runner = ModelRunner(self.model, self.manager, cuda_graphs=not args["enforce_eager"],
+                                  max_graph_batch=min(args["max_graph_batch"], self.manager.num_slots),
+                                  fixed_context=self.batch_invariant)
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -98,30 +117,83 @@ class LLM:
 
     # ---- the loop ----
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        sched = Scheduler(self.args["max_num_seqs"], self.args["max_num_batched_tokens"],
-                          self.args["state_memory_bytes"], self.model.new_state)
+        """Plan, launch, then read the previous step's tokens: with asynchronous scheduling the host plans and
+        launches step N+1 before it waits for step N's tokens (steps whose rows need host-side outputs, the
+        penalties, wait first)."""
+        align = self.args["max_num_batched_tokens"] if self.batch_invariant else None
+        sched = Scheduler(min(self.args["max_num_seqs"], self.manager.num_slots), self.args["max_num_batched_tokens"],
+                          self.manager, self.max_model_len, align)
         for r in requests:
             sched.add(r)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(requests), desc="generate", unit="seq")
+        prev, steps = None, 0
         while sched.has_unfinished():
-            scheduled = sched.schedule()
+            if prev is not None and (not self.async_scheduling or _needs_host_outputs(sched)):
+                self._process(prev, sched, bar)
+                prev = None
+                continue
+            batch = sched.schedule()
+            if not batch:
+                if prev is None:
+                    raise DeepInferError("internal: the scheduler planned nothing with nothing in flight")
+                self._process(prev, sched, bar)
+                prev = None
+                continue
             now = time.perf_counter()
-            for r, _ in scheduled:
-                r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
-            sampled = self.runner.execute(scheduled)
-            now = time.perf_counter()
-            for r, _ in scheduled:
-                if r.request_id in sampled and self._append(r, sampled[r.request_id], now):
-                    sched.finish(r)
-                    if bar is not None:
-                        bar.update(1)
-            sched.enforce_budget()
+            for s in batch:
+                s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
+            out = self.runner.execute(batch, prev)
+            steps += 1
+            for s in out.sampled:
+                s.req.num_inflight += 1
+            if prev is not None:
+                self._process(prev, sched, bar)
+            prev = out
         if bar is not None:
             bar.close()
-        self.last_run = {"preemptions": sched.num_preemptions}
+        self.last_run = {"preemptions": sched.num_preemptions, "steps": steps}
+
+    def _process(self, out, sched: Scheduler, bar) -> None:
+        """The host side of a finished step: append its tokens, finish sequences (their slots go back)."""
+        results = out.resolve()
+        now = time.perf_counter()
+        for s, tok, lp in results:
+            r = s.req
+            r.num_inflight -= 1
+            if r.status is Status.FINISHED:           # planned once more before its end was seen: dropped
+                continue
+            if lp is not None:
+                r.logprobs = (r.logprobs or []) + [lp]
+            if self._append(r, tok, now):
+                sched.finish(r)
+                if bar is not None:
+                    bar.update(1)
+
+    def _state_budget(self) -> int | None:
+        """Bytes for the state pools: explicit, else (GPU) gpu_memory_utilization of the device minus the peak
+        a profiled prefill of max_num_batched_tokens reaches, else None (the manager's CPU default)."""
+        if self.args["state_memory_bytes"] is not None:
+            return self.args["state_memory_bytes"]
+        dev = self.model.device
+        if dev.type != "cuda":
+            return None
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        n = min(self.args["max_num_batched_tokens"], self.max_model_len - 1)
+        ids = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+        self.model.extend([ids], [self.model.new_state()])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        budget = int(self.args["gpu_memory_utilization"] * total) - peak
+        if budget <= 0:
+            raise DeepInferError(f"no memory left for the state pools: the model and a {n}-token prefill peak at "
+                                 f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization "
+                                 f"or lower max_num_batched_tokens")
+        return budget
 
     def _append(self, r: Request, tok: int, now: float) -> bool:
         """Record a sampled token; True when the sequence is finished. Order as vLLM: length limits, then (from
@@ -253,3 +325,10 @@ class LLM:
                                                 bos_token=special(config.get("bos_token")),
                                                 eos_token=special(config.get("eos_token")))
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _needs_host_outputs(sched: Scheduler) -> bool:
+    """Penalties count the generated ids on the host: a running sequence that uses them cannot be planned
+    while its last token is in flight."""
+    return any(r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
+               for r in sched.running)

@@ -33,26 +33,30 @@ def one_at_a_time(llm, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def test_batched_chunked_preempted_greedy_equals_one_at_a_time(llm):
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    llm.args.update(max_num_batched_tokens=16, max_num_seqs=6, state_memory_bytes=150_000)
-    steps, execute = [], llm.runner.execute
-    llm.runner.execute = lambda scheduled: steps.append([n for _, n in scheduled]) or execute(scheduled)
-    try:
-        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
-        assert llm.last_run["preemptions"] > 0          # the small state budget forced recomputes
-    finally:
-        llm.args.update(max_num_batched_tokens=8192, max_num_seqs=256, state_memory_bytes=None)
-        llm.runner.execute = execute
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_batched_chunked_preempted_greedy_equals_one_at_a_time(llm, async_scheduling):
+    """16 prompts, 6 seats, a 16-token step budget and state pools with room for 7 blocks: sequences of
+    ~70 tokens need 2 blocks each, so the pools run out and the newest sequences are preempted and recomputed."""
+    from deepinfer.cache.pools import PoolLayout
+    lay = PoolLayout.for_model(llm.model)
+    small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=16, max_num_seqs=6,
+                max_model_len=2 * lay.block_tokens, async_scheduling=async_scheduling,
+                state_memory_bytes=6 * lay.bytes_per_slot() + 7 * lay.bytes_per_block())
+    n = lay.block_tokens - 4
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    steps, execute = [], small.runner.execute
+    small.runner.execute = lambda batch, prev: steps.append([s.n for s in batch]) or execute(batch, prev)
+    outs = small.generate(PROMPTS, sp, use_tqdm=False)
+    assert small.last_run["preemptions"] > 0          # the small pools forced recomputes
     assert all(sum(s) <= 16 and len(s) <= 6 for s in steps) and any(max(s) > 1 and len(s) > 1 for s in steps)
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt).ids
         assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == one_at_a_time(llm, ids, 10), prompt
+        assert out.outputs[0].token_ids == one_at_a_time(llm, ids, n), prompt
         assert out.outputs[0].finish_reason == "length" and out.finished
         m = out.metrics[0]
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
-        assert len(m.token_times) == 10
+        assert len(m.token_times) == n
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm):

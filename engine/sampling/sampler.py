@@ -77,15 +77,20 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None = None          # [B, V] bool: ids in the prompt (repetition penalty)
     output_counts: torch.Tensor | None = None        # [B, V] int: counts of generated ids
     banned: torch.Tensor | None = None               # [B, V] bool: ids that must not be drawn (min_tokens)
+    host_flags: dict | None = None                   # which filters any row uses, known on the host (no sync)
+
+    def uses(self, name: str, tensor_check) -> bool:
+        return self.host_flags[name] if self.host_flags is not None else bool(tensor_check())
 
 
 def build_sampling_tensors(params: list, seeds: list[int], positions: list[int], vocab: int, device,
                            prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None,
-                           eos_token_id: int | None = None) -> SamplingTensors:
+                           eos_token_id: int | None = None, num_outputs: list[int] | None = None) -> SamplingTensors:
     """One step's SamplingTensors from each row's SamplingParams. seeds: the request seed (params.seed, else
     the one the engine drew for the request at admission); positions: the absolute position being sampled;
     prompt_ids / output_ids: for the penalties and min_tokens (rows still below min_tokens may not draw EOS
-    or a stop token id)."""
+    or a stop token id); num_outputs: output lengths when they include tokens still in flight (default: the
+    lengths of output_ids)."""
     b = len(params)
     as_t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=device)  # noqa: E731
     t = SamplingTensors(
@@ -104,13 +109,16 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
         t.frequency_penalty = as_t([p.frequency_penalty for p in params], torch.float32)
         t.output_counts = torch.stack([torch.bincount(as_t(ids, torch.long), minlength=vocab)[:vocab]
                                        for ids in outputs])
-    early = [i for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens]
+    lengths = num_outputs if num_outputs is not None else [len(o) for o in outputs]
+    early = [i for i, p in enumerate(params) if lengths[i] < p.min_tokens]
     if early:
         t.banned = torch.zeros(b, vocab, dtype=torch.bool, device=device)
         for i in early:
             stops = list(params[i].stop_token_ids) + ([] if eos_token_id is None or params[i].ignore_eos
                                                       else [eos_token_id])
             t.banned[i, as_t(stops, torch.long)] = True
+    t.host_flags = {"greedy": all(p.temperature <= 0 for p in params), "min_p": any(p.min_p > 0 for p in params),
+                    "top_k": any(p.top_k > 0 for p in params), "top_p": any(p.top_p < 1 for p in params)}
     return t
 
 
@@ -139,16 +147,16 @@ def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, neg)
     probs = torch.softmax(logits, dim=-1)
-    if bool((t.min_p > 0).any()):
+    if t.uses("min_p", lambda: (t.min_p > 0).any()):
         floor = t.min_p.unsqueeze(1).to(probs.dtype) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, neg)
     sorted_logits = logits.sort(dim=-1, descending=True).values
-    if bool((t.top_k > 0).any()):
+    if t.uses("top_k", lambda: (t.top_k > 0).any()):
         k = torch.where(t.top_k > 0, t.top_k, torch.full_like(t.top_k, logits.shape[-1])).clamp(max=logits.shape[-1])
         kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, neg)
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg)
-    if bool((t.top_p < 1).any()):
+    if t.uses("top_p", lambda: (t.top_p < 1).any()):
         sorted_probs = torch.softmax(sorted_logits.double(), dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs          # mass strictly above each sorted id
         keep = before < t.top_p.unsqueeze(1).to(before.dtype)       # the smallest prefix reaching top_p
@@ -166,7 +174,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, salt: int = SALT_TARGET) ->
     greedy = t.temperature <= 0
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, float("-inf"))
-    if bool(greedy.all()):
+    if t.uses("greedy", lambda: greedy.all()):
         return logits.argmax(dim=-1)                  # the first (lowest) id among equal maxima
     temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(1)
     scaled = apply_filters(logits / temp, t)

@@ -1,6 +1,6 @@
 """Requests and continuous batching."""
 
 from .request import Request, Status
-from .scheduler import Scheduler
+from .scheduler import Scheduled, Scheduler
 
-__all__ = ["Request", "Scheduler", "Status"]
+__all__ = ["Request", "Scheduled", "Scheduler", "Status"]

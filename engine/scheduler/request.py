@@ -16,19 +16,19 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """A sequence (one of the n samples of a prompt). `all_ids` = prompt + generated tokens; the model has
-    processed `num_computed` of them (after a preemption that restarts at 0: recompute)."""
+    """A sequence (one of the n samples of a prompt). `all_ids` = prompt + generated tokens the host has seen;
+    `num_computed` of them are planned into steps (after a preemption that restarts at 0: recompute)."""
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     seed: int                        # the seed its draws use: params.seed (+ sample index) or drawn at admission
     index: int = 0                   # which of the n samples
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0            # positions planned into steps (advanced when a step is planned)
+    num_inflight: int = 0            # sampled tokens of planned steps not yet seen by the host
     status: Status = Status.WAITING
-    state: object = None             # the model's SequenceState while running
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_at: int | None = None       # where the matched stop string starts in the output text
@@ -45,7 +45,3 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def in_prefill(self) -> bool:
-        """More than one token still to feed (prompt, or prompt + outputs after a recompute)."""
-        return self.num_tokens - self.num_computed > 1

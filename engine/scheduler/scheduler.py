@@ -1,24 +1,39 @@
 """Continuous batching: FCFS admission, decode and chunked prefill under one token budget per step, and
-preemption by recompute when the sequences' state outgrows its memory budget.
+preemption by recompute when the state pools run out of blocks.
 
 Each step: running sequences first (in admission order; a decode feeds 1 token, a prefill the rest of its
-known tokens, cut to what the budget leaves), then waiting sequences while seats and budget remain. After the
-model ran, if the running sequences' state bytes exceed the budget, the most recently admitted ones are
-preempted: their state is dropped and they go back to the front of the queue, to be recomputed from their
-tokens (prompt + what they generated so far) when there is room. The budget is soft for a lone sequence
-(it runs rather than never finishing)."""
+known tokens, cut to what the budget leaves), then waiting sequences while seats, budget and blocks remain.
+A sequence's blocks are reserved before the step that needs them; when none are free the most recently
+admitted sequences are preempted (slot and blocks freed, back to the front of the queue, recomputed later
+from prompt + outputs). `num_computed` advances when a step is planned: with asynchronous scheduling the next
+step is planned while this one runs, its sampled tokens still in flight (Request.num_inflight).
+
+`chunk_align` (batch-invariant mode): prefill chunks are the pieces [k*a, (k+1)*a) of a sequence's tokens,
+never cut by what else shares the step (a piece that does not fit waits), so a sequence's computation does
+not depend on its neighbours."""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
+from ..cache.manager import StateManager
 from .request import Request, Status
 
 
+@dataclass(eq=False)
+class Scheduled:
+    req: Request
+    start: int      # first position fed
+    n: int          # tokens fed
+    sample: bool    # this step reaches the end of the sequence's tokens: sample the next one
+
+
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, state_budget_bytes: int | None, new_state):
-        self.max_num_seqs, self.max_tokens, self.budget = max_num_seqs, max_num_batched_tokens, state_budget_bytes
-        self.new_state = new_state
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, manager: StateManager, max_model_len: int,
+                 chunk_align: int | None = None):
+        self.max_num_seqs, self.max_tokens, self.manager = max_num_seqs, max_num_batched_tokens, manager
+        self.max_model_len, self.chunk_align = max_model_len, chunk_align
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -29,41 +44,69 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """[(sequence, number of its next tokens to feed)] for one step."""
+    def schedule(self) -> list[Scheduled]:
         budget, out = self.max_tokens, []
-        for req in self.running:
+        for req in list(self.running):
             if budget == 0:
                 break
-            n = min(req.num_tokens - req.num_computed, budget)
-            out.append((req, n))
-            budget -= n
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0 and not self._full():
-            req = self.waiting.popleft()
-            req.status, req.state = Status.RUNNING, self.new_state()
+            if req.status is not Status.RUNNING or self._done_in_flight(req):
+                continue
+            n = self._chunk(req, budget)
+            if n == 0:
+                continue
+            while not self.manager.reserve(req.request_id, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                out.append(self._plan(req, n))
+                budget -= n
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            n = self._chunk(req, budget) if req.num_inflight == 0 else 0
+            if n == 0 or not self.manager.reserve(req.request_id, n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_tokens - req.num_computed, budget)
-            out.append((req, n))
+            out.append(self._plan(req, n))
             budget -= n
         return out
 
     def finish(self, req: Request) -> None:
-        req.status, req.state = Status.FINISHED, None
+        req.status = Status.FINISHED
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:          # preempted while its last token was in flight
+            self.waiting.remove(req)
+        self.manager.release(req.request_id)
+
+    # ---- helpers ----
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens to feed this step: all it has (known + in flight) not yet computed, within the budget."""
+        left = req.num_tokens + req.num_inflight - req.num_computed
+        if self.chunk_align is None:
+            return min(left, budget)
+        a = self.chunk_align
+        n = min(left, a - req.num_computed % a)
+        return n if n <= budget else 0
+
+    def _done_in_flight(self, req: Request) -> bool:
+        """Its in-flight token already ends it by length: nothing more to plan."""
+        p = req.params
+        n_out = len(req.output_ids) + req.num_inflight
+        return req.num_inflight > 0 and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                                         or req.num_tokens + req.num_inflight >= self.max_model_len)
+
+    def _plan(self, req: Request, n: int) -> Scheduled:
+        start = req.num_computed
+        req.num_computed += n
+        return Scheduled(req, start, n, req.num_computed == req.num_tokens + req.num_inflight)
+
+    def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-
-    def enforce_budget(self) -> list[Request]:
-        """Preempt (recompute later) the newest running sequences while the state is over budget."""
-        preempted = []
-        while self.budget is not None and len(self.running) > 1 and self._full():
-            req = self.running.pop()
-            req.status, req.state, req.num_computed = Status.WAITING, None, 0
-            self.waiting.appendleft(req)
-            preempted.append(req)
-            self.num_preemptions += 1
-        return preempted
-
-    def state_bytes(self) -> int:
-        return sum(r.state.nbytes() for r in self.running if r.state is not None)
-
-    def _full(self) -> bool:
-        return self.budget is not None and self.state_bytes() > self.budget
+        self.manager.release(req.request_id)
+        req.status, req.num_computed = Status.WAITING, 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1

@@ -1,0 +1,92 @@
+"""The state manager: sizes the pools from a memory budget once, then hands out sequence slots and entry blocks.
+
+Budget: explicit `state_memory_bytes`, else on a GPU `gpu_memory_utilization` x total memory minus what the
+model and a profiled forward already use (LLM does the profiling), else on a CPU enough for every seat at
+`max_model_len` capped at DEFAULT_CPU_BYTES. The pools must hold at least one sequence of max_model_len;
+seats (slots) are cut to what the budget leaves after that. A sequence owns one slot while it runs and
+ceil(tokens / block_tokens) blocks; when a step needs blocks none are free, the scheduler preempts."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import DeepInferError
+from .pools import PoolLayout, StatePools
+
+log = logging.getLogger("deepinfer")
+DEFAULT_CPU_BYTES = 4 << 30
+
+
+class StateManager:
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None):
+        layout = PoolLayout.for_model(model)
+        self.layout, self.max_model_len = layout, max_model_len
+        per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
+        full_seq = layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block()
+        if memory_bytes is None:
+            memory_bytes = min(max_num_seqs * full_seq, DEFAULT_CPU_BYTES)
+        if memory_bytes < full_seq:
+            raise DeepInferError(
+                f"the state budget ({memory_bytes / 2**20:.1f} MiB) cannot hold one sequence of max_model_len="
+                f"{max_model_len} ({full_seq / 2**20:.1f} MiB): raise state_memory_bytes / gpu_memory_utilization "
+                f"or lower max_model_len")
+        spare = memory_bytes - full_seq
+        slots = min(max_num_seqs, 1 + spare // max(layout.bytes_per_slot(), 1))
+        blocks = (memory_bytes - slots * layout.bytes_per_slot()) // max(layout.bytes_per_block(), 1)
+        blocks = int(min(blocks, slots * per_seq_blocks)) if layout.streams else 0
+        self.pools = StatePools(layout, int(slots), blocks, max_model_len, model.device)
+        self.free_slots = list(range(int(slots), 0, -1))       # pop() hands out slot 1 first
+        self.free_blocks = list(range(blocks, 0, -1))
+        self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
+        self.engram_blank = None
+        if layout.engram_lookback:
+            self.engram_blank = model.hasher.new_state(model.device) if model.hasher is not None else None
+        self.summary = (
+            f"state pools: {layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
+            f"tokens), {layout.bytes_per_slot() / 2**20:.2f} MiB fixed per sequence, "
+            f"{full_seq / 2**20:.1f} MiB per max_model_len={max_model_len} sequence; {int(slots)} seats, "
+            f"{blocks} blocks ({blocks * layout.block_tokens} tokens), {self.pools.nbytes() / 2**30:.3f} GiB")
+        log.info(self.summary)
+
+    @property
+    def num_slots(self) -> int:
+        return self.pools.num_slots
+
+    def slot(self, rid: str) -> int:
+        return self.owned[rid][0]
+
+    def has_slot(self) -> bool:
+        return bool(self.free_slots)
+
+    def reserve(self, rid: str, num_tokens: int) -> bool:
+        """Make `rid` own a slot and the blocks for num_tokens positions; False (nothing taken) if they
+        are not free."""
+        slot, blocks = self.owned.get(rid, (None, []))
+        need = self.layout.blocks_for(num_tokens) - len(blocks)
+        if (slot is None and not self.free_slots) or need > len(self.free_blocks):
+            return False
+        if slot is None:
+            slot = self.free_slots.pop()
+            if self.engram_blank is not None:
+                self.pools.engram[slot] = self.engram_blank
+        if need > 0:
+            new = [self.free_blocks.pop() for _ in range(need)]
+            self.pools.block_table[slot, len(blocks):len(blocks) + need] = torch.tensor(
+                new, dtype=torch.int32).to(self.pools.device, non_blocking=True)
+            blocks = blocks + new
+        self.owned[rid] = (slot, blocks)
+        return True
+
+    def release(self, rid: str) -> None:
+        slot, blocks = self.owned.pop(rid, (None, []))
+        if slot is None:
+            return
+        self.free_blocks.extend(reversed(blocks))
+        self.free_slots.append(slot)
+        # The table row keeps stale ids: the next owner overwrites the columns it uses, and reads are
+        # bounded by its own entry count, so stale columns are never visible.
+
+    def blocks_of(self, rid: str) -> int:
+        return len(self.owned.get(rid, (None, []))[1])

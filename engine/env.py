@@ -1,0 +1,63 @@
+"""Every DEEPINFER_* environment variable the engine reads, in one place (README lists them).
+
+DEEPINFER_BATCH_INVARIANT is read by the kernels' dispatch (deepinfer.kernels.matmul), which the model calls
+without an engine in between; DEEPINFER_HF_MODEL_DIR by checkpoint/hub.py."""
+
+from __future__ import annotations
+
+import os
+
+from .errors import DeepInferError
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v not in _TRUE | _FALSE:
+        raise DeepInferError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+    return v in _TRUE
+
+
+def env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise DeepInferError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise DeepInferError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def async_scheduling_default() -> bool:
+    """DEEPINFER_ASYNC_SCHEDULING (default 1): plan step N+1 while the device runs step N."""
+    return env_flag("DEEPINFER_ASYNC_SCHEDULING", True)
+
+
+def accelerator() -> str:
+    """DEEPINFER_ACCELERATOR: the device used when none is given (cpu | cuda | cuda:N | auto; default cpu).
+    auto = cuda when a GPU is visible, else cpu."""
+    raw = os.environ.get("DEEPINFER_ACCELERATOR", "cpu").strip() or "cpu"
+    if raw == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if raw != "cpu" and raw != "cuda" and not (raw.startswith("cuda:") and raw[5:].isdigit()):
+        raise DeepInferError(f"DEEPINFER_ACCELERATOR={raw!r}: use cpu, cuda, cuda:N or auto")
+    return raw
+
+
+def yoco_prefill() -> bool:
+    """DEEPINFER_YOCO_PREFILL (default 1): V4.1 prefill pieces that need only their last logits run with YOCO
+    truncation (exact; docs/model-v41.md). 0 runs every layer on every row."""
+    return env_flag("DEEPINFER_YOCO_PREFILL", True)
+
+
+def yoco_prefill_min_tokens() -> int:
+    """DEEPINFER_YOCO_PREFILL_MIN_TOKENS (default 2): pieces shorter than this run untruncated."""
+    return env_int("DEEPINFER_YOCO_PREFILL_MIN_TOKENS", 2, 1)
