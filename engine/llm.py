@@ -60,8 +60,14 @@ class LLM:
         if model is None:
             from .checkpoint.make import embedded_tiny_dir
             model = embedded_tiny_dir()
-        self.model = load_model(model, device=device, dtype=parse_dtype(dtype), qat_fake_quant=qat_fake_quant,
-                                keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
+        if isinstance(model, torch.nn.Module):      # an already built model (load_model / random_model)
+            if not hasattr(model, "checkpoint_dir"):
+                raise DeepInferError("a model object passed to LLM needs .checkpoint_dir (a directory holding its "
+                                     "tokenizer.json)")
+            self.model = model
+        else:
+            self.model = load_model(model, device=device, dtype=parse_dtype(dtype), qat_fake_quant=qat_fake_quant,
+                                    keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
         self.tokenizer = self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]

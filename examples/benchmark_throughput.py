@@ -1,7 +1,11 @@
 """Offline throughput of LLM.generate: random-token prompts, fixed output lengths, one JSON result row.
 
     python examples/benchmark_throughput.py --model tiny --num-prompts 64 --input-len 128 --output-len 32
-Row: output and total tokens/s, TTFT and TPOT (mean, median, p99), the engine arguments, the environment.
+    python examples/benchmark_throughput.py --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16 \
+        --vs-transformers      # a flash-width 4-layer V4 built in memory; transformers' generate on it too
+Row: output and total tokens/s, TTFT and TPOT (mean, median, p99), the engine arguments, the environment;
+with --vs-transformers (V4 only) also transformers' greedy generate on the same weights, prompts and GPU in
+the same run, its tokens/s, the speed ratio and how many generated tokens agree.
 Written atomically to --out (default: print only)."""
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ def git_sha() -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="checkpoint dir, hub id, or 'tiny'")
+    ap.add_argument("--model", default="tiny", help="checkpoint dir, hub id, 'tiny', or random:ARCH:PRESET:LAYERS "
+                    "(random weights built in memory)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -46,11 +51,17 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--expert-storage", default="dense")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--no-qat", action="store_true", help="leave out the QAT activation steps (as transformers)")
+    ap.add_argument("--vs-transformers", action="store_true", help="also time transformers' generate (V4)")
     ap.add_argument("--out", default=None, help="write the JSON row here (atomically)")
     args = ap.parse_args()
     model = embedded_tiny_dir() if args.model == "tiny" else args.model
-    llm = LLM(model=model, device=args.device, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, expert_storage=args.expert_storage)
+    if args.model.startswith("random:"):
+        model = random_preset(args.model, args.device, args.dtype, args.expert_storage, not args.no_qat)
+    llm = LLM(model=model, device=args.device, dtype=args.dtype, seed=args.seed, qat_fake_quant=not args.no_qat, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, expert_storage=args.expert_storage,
+              max_model_len=args.max_model_len or args.input_len + args.output_len + 1)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = llm.model.cfg.vocab_size
     prompts = [torch.randint(10, vocab, (args.input_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
@@ -74,9 +85,14 @@ def main() -> None:
         "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_out + args.num_prompts * args.input_len) / elapsed,
         "ttft_s": stats(ttft), "tpot_s": stats(tpot) if tpot else None, "measured": True,
+        "async_scheduling": llm.async_scheduling, "cuda_graphs": llm.runner.graphs is not None,
+        "batch_invariant": llm.batch_invariant, "state_pools": llm.manager.summary,
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "git_sha": git_sha()},
     }
+    if args.vs_transformers:
+        row["transformers"] = transformers_generate(llm, prompts, args.output_len, outs)
+        row["speedup_vs_transformers"] = row["output_tokens_per_s"] / row["transformers"]["output_tokens_per_s"]
     text = json.dumps(row, indent=1)
     if args.out:
         tmp = f"{args.out}.tmp"
@@ -84,6 +100,64 @@ def main() -> None:
             f.write(text)
         os.replace(tmp, args.out)
     print(text)
+
+
+def random_preset(spec: str, device: str, dtype: str, expert_storage: str, qat: bool):
+    """random:ARCH:PRESET:LAYERS -> a model with seeded random weights built on the device, its tokenizer
+    written to a temporary directory (LLM reads tokenizer.json from model.checkpoint_dir)."""
+    import tempfile
+
+    from deepinfer.api import parse_dtype
+    from deepinfer.checkpoint.make import preset_model_config, random_model
+    from deepinfer.checkpoint.tokenizer import write_tokenizer
+    _, arch, preset, layers = spec.split(":")
+    options = {"expert_storage": expert_storage} if arch == "deepseek_v41" else {}
+    engram = {"engram_vocab_size": 1000} if arch == "deepseek_v41" else {}
+    model = random_model(arch, preset, 0, int(layers), device, parse_dtype(dtype), qat, **engram, **options)
+    cfg, tokenizer = preset_model_config(arch, preset, int(layers), **engram)
+    model.checkpoint_dir = __import__("pathlib").Path(tempfile.mkdtemp(prefix="deepinfer-tok-"))
+    write_tokenizer(model.checkpoint_dir, cfg.vocab_size, cfg.max_position_embeddings, tokenizer=tokenizer)
+    return model
+
+
+def transformers_generate(llm, prompts: list[list[int]], output_len: int, ours) -> dict:
+    """transformers' DeepseekV4ForCausalLM on our weights (our model is moved off the GPU first), greedy
+    generate on the same prompts as one batch (equal lengths: no padding)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from deepinfer.checkpoint.writer import hf_tensors
+    model = llm.model
+    if model.cfg.model_type != "deepseek_v4":
+        raise SystemExit("--vs-transformers needs a deepseek_v4 model (transformers has no deepseek_v41 release)")
+    device, dtype = model.device, model.dtype
+    d = model.cfg.to_hf_dict()
+    d.pop("model_type"), d.pop("architectures")
+    cfg = DeepseekV4Config(**d)
+    state = {k: v.to("cpu") for k, v in hf_tensors(model) if not k.startswith("mtp.")}
+    del llm.model, llm.runner, llm.manager, model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    with torch.device(device):
+        twin = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
+    missing, unexpected = twin.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"transformers twin: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    del state
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+              attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        twin.generate(ids[:1], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})    # warm-up
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t0 = time.perf_counter()
+        gen = twin.generate(ids, **kw)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    elapsed = time.perf_counter() - t0
+    new = gen[:, ids.shape[1]:].tolist()
+    agree = sum(a == b for o, row in zip(ours, new) for a, b in zip(o.outputs[0].token_ids, row))
+    first = sum(o.outputs[0].token_ids[0] == row[0] for o, row in zip(ours, new))
+    return {"elapsed_s": elapsed, "output_tokens_per_s": len(prompts) * output_len / elapsed,
+            "tokens_agreeing": agree, "tokens_compared": len(prompts) * output_len, "first_tokens_agreeing": first,
+            "transformers": __import__("transformers").__version__}
 
 
 if __name__ == "__main__":
