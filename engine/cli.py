@@ -7,6 +7,7 @@ import time
 
 import click
 
+from .env import accelerator
 from .errors import DeepInferError
 
 
@@ -54,7 +55,7 @@ def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, out,
               help="the embedded tiny model's arch when --model is not given (deepseek_v41 or deepseek_v4)")
 @click.option("--prompt", default="The quick brown fox", show_default=True)
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: $DEEPINFER_ACCELERATOR, else cpu)")
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--no-qat", is_flag=True, help="turn off the reference's QAT fake-quant steps")
 @click.option("--expert-storage", type=click.Choice(["dense", "fp4"]), default="dense", show_default=True,
@@ -67,7 +68,7 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
     from .checkpoint.make import embedded_tiny_dir
     path = model if model is not None else embedded_tiny_dir(arch)
     t0 = time.perf_counter()
-    llm = load_model(path, device=device, dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage)
+    llm = load_model(path, device=device or accelerator(), dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage)
     tok_file = llm.checkpoint_dir / "tokenizer.json"
     if not tok_file.is_file():
         raise DeepInferError(f"{llm.checkpoint_dir} has no tokenizer.json; the run command needs one")
@@ -100,7 +101,7 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
 @click.option("--top-k", default=-1, show_default=True, type=int)
 @click.option("--n", default=1, show_default=True, type=int)
 @click.option("--seed", default=None, type=int, help="per-request seed (reproducible draws)")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: $DEEPINFER_ACCELERATOR, else cpu)")
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON line per prompt")
 def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed, device, dtype, as_json) -> None:

@@ -41,14 +41,16 @@ def async_scheduling_default() -> bool:
 
 
 def accelerator() -> str:
-    """DEEPINFER_ACCELERATOR: the device used when none is given (cpu | cuda | cuda:N | auto; default cpu).
-    auto = cuda when a GPU is visible, else cpu."""
-    raw = os.environ.get("DEEPINFER_ACCELERATOR", "cpu").strip() or "cpu"
+    """DEEPINFER_ACCELERATOR (also build.sh's wheel choice): the device used when none is given.
+    nvidia | cuda | cuda:N -> that GPU, cpu -> cpu, auto -> cuda when a GPU is visible; unset -> cpu."""
+    raw = os.environ.get("DEEPINFER_ACCELERATOR", "cpu").strip().lower() or "cpu"
     if raw == "auto":
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if raw == "nvidia":
+        return "cuda"
     if raw != "cpu" and raw != "cuda" and not (raw.startswith("cuda:") and raw[5:].isdigit()):
-        raise DeepInferError(f"DEEPINFER_ACCELERATOR={raw!r}: use cpu, cuda, cuda:N or auto")
+        raise DeepInferError(f"DEEPINFER_ACCELERATOR={raw!r}: use cpu, nvidia, cuda, cuda:N or auto")
     return raw
 
 
