@@ -112,44 +112,69 @@ class AttentionV41(LatentAttention):
                     if chosen is None else chosen[-q.shape[0]:]
                 keys = torch.cat([keys, entries.to(keys.dtype)])
                 visible = torch.cat([visible, chosen], dim=1)
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
-        return sink_attention(q, keys, bias, self.attn_sink, self.head_dim ** -0.5)
+        return sink_attention(q, keys, visibility_bias(visible), self.attn_sink, self.head_dim ** -0.5)
 
     def _publish(self, st: LayerState, x: torch.Tensor, sh: dict) -> None:
         """KV source: close the groups x completes, append entries (and index keys); the group's
         products replace the previous group's."""
         latents = self.compressor.latents(x, st.compressor)
         n0 = st.compressor.num_entries()
-        pos = (n0 + torch.arange(latents.shape[0], device=x.device)) * self.ratio
+        entries, keys = self.compress(latents, n0 + torch.arange(latents.shape[0], device=x.device))
+        st.compressor.entries = _append(st.compressor.entries, entries)
+        if st.indexer is not None:
+            st.indexer.entries = _append(st.indexer.entries, keys)
+        sh.clear()
+        sh["entries"], sh["keys"] = st.compressor.entries, None if st.indexer is None else st.indexer.entries
+
+    def compress(self, latents: torch.Tensor, entry_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """KV source: pre-RoPE latents [n, d] of groups entry_ids [n] -> (cache entries [n, d], index keys
+        [n, dI] or None without an indexer); group j is roped at position j*ratio."""
+        pos = entry_ids * self.ratio
         entries = apply_rope(latents, *self.rope_compress(pos))
         if self.qat_fake_quant:
             entries = quantize_entry(entries)
-        st.compressor.entries = _append(st.compressor.entries, entries)
-        if st.indexer is not None:
-            st.indexer.entries = _append(st.indexer.entries,
-                                         self.indexer.keys(latents, pos, self.rope_compress, self.qat_fake_quant))
-        sh.clear()
-        sh["entries"], sh["keys"] = st.compressor.entries, None if st.indexer is None else st.indexer.entries
+        keys = None if self.indexer is None else self.indexer.keys(latents, pos, self.rope_compress,
+                                                                   self.qat_fake_quant)
+        return entries, keys
 
     def _select(self, sh: dict, index_q, qpos: torch.Tensor) -> None:
         """Index source: top-k of the group's keys for these queries (inside the candidates, if any). Scored in
         blocks of queries so the [queries, heads, entries] scores stay bounded on long prefills."""
         t = qpos.shape[0]
-        inside = sh.get("candidates") if self.uses_candidates and not self.is_candidate_source else None
-        inside = None if inside is None else inside[-t:]
+        inside = self.inside(sh, t)
         chosen, candidates = [], []
         for a in range(0, t, QUERY_BLOCK):
             rows = slice(a, a + QUERY_BLOCK)
             scores = self.indexer.scores(index_q[0][rows], index_q[1][rows], sh["keys"], qpos[rows], self.ratio)
-            if self.is_candidate_source:
-                candidates.append(candidate_blocks(scores, qpos[rows], self.ratio, self.candidate_blocks,
-                                                   self.candidate_block_size))
-            elif inside is not None:
-                scores = scores.masked_fill(~inside[rows], float("-inf"))
-            chosen.append(top_k_mask(scores, self.indexer.topk))
+            keep, cand = self.pick(scores, qpos[rows], None if inside is None else inside[rows])
+            chosen.append(keep)
+            candidates.append(cand)
         if self.is_candidate_source:
             sh["candidates"] = torch.cat(candidates)
         sh["selected"] = torch.cat(chosen)
+
+    def inside(self, sh: dict, t: int) -> torch.Tensor | None:
+        """The candidate mask [t, n] this index source selects inside, for the group's last t queries (None:
+        no candidates apply: the candidate source itself, an index source before it, or none published)."""
+        inside = sh.get("candidates") if self.uses_candidates and not self.is_candidate_source else None
+        return None if inside is None else inside[-t:]
+
+    def pick(self, scores: torch.Tensor, qpos: torch.Tensor, inside: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Index source: scores [T, n] (-inf: not visible) of queries at qpos [T] -> (top-k mask [T, n],
+        the candidate source's candidate mask [T, n], else None)."""
+        candidates = None
+        if self.is_candidate_source:
+            candidates = candidate_blocks(scores, qpos, self.ratio, self.candidate_blocks, self.candidate_block_size)
+        elif inside is not None:
+            scores = scores.masked_fill(~inside, float("-inf"))
+        return top_k_mask(scores, self.indexer.topk), candidates
+
+
+def visibility_bias(visible: torch.Tensor) -> torch.Tensor:
+    """[..., K] bool -> fp32 additive attention bias (0 visible, -inf hidden)."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible,
+                                                                                              float("-inf"))
 
 
 def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

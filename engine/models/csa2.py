@@ -52,16 +52,24 @@ class Compressor(nn.Module):
         close, [n_closed, d] pre-RoPE in x's dtype. Leftover tokens wait in state.pending_*."""
         if self.wgate is None:
             return self.norm(self.wkv(x))
-        w_kv, w_gate = upcast(self.wkv.weight), upcast(self.wgate.weight)
-        kv, gate = upcast(x) @ w_kv.T, upcast(x) @ w_gate.T                 # [T, d] each, >= fp32
+        kv, gate = self.project(x)                                           # [T, d] each, >= fp32
         if state.pending_kv is not None:
             kv, gate = torch.cat([state.pending_kv, kv]), torch.cat([state.pending_score, gate])
         r = self.ratio
         n = kv.shape[0] // r
         state.pending_kv, state.pending_score = kv[n * r:], gate[n * r:]
         kv, gate = kv[: n * r].view(n, r, kv.shape[-1]), gate[: n * r].view(n, r, gate.shape[-1])
+        return self.pool(kv, gate, x.dtype)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ratio > 1: x [T, D] -> (kv, gate) [T, d] each in >= fp32, what the open window buffers."""
+        w_kv, w_gate = upcast(self.wkv.weight), upcast(self.wgate.weight)
+        return upcast(x) @ w_kv.T, upcast(x) @ w_gate.T
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Closed groups kv, gate [n, r, d] (slots in position order) -> latents [n, d] in `dtype`."""
         pooled = (kv * gate.softmax(dim=1)).sum(dim=1)                       # [n, d]
-        return self.norm(pooled.to(x.dtype))
+        return self.norm(pooled.to(dtype))
 
 
 class Indexer(nn.Module):
@@ -94,10 +102,12 @@ class Indexer(nn.Module):
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                ratio: int) -> torch.Tensor:
-        """One sequence: q [T, H_I, dI], weights [T, H_I], keys [n, dI] -> [T, n], -inf where not yet visible."""
-        s = torch.einsum("thd,nd->thn", upcast(q), upcast(keys)).relu() * self.index_dim ** -0.5
-        s = (s * weights.unsqueeze(-1)).sum(dim=1)
-        return s.masked_fill(~visible_entries(positions, keys.shape[0], ratio), float("-inf"))
+        """One sequence: q [T, H_I, dI], weights [T, H_I], keys [n, dI], positions [T] -> [T, n], -inf where not
+        yet visible. Leading batch dims broadcast: q [B, 1, H_I, dI], weights [B, 1, H_I], keys [B, n, dI],
+        positions [B, 1] -> [B, 1, n] (one query per row, each with its own keys: the paged decode)."""
+        s = torch.einsum("...thd,...nd->...thn", upcast(q), upcast(keys)).relu() * self.index_dim ** -0.5
+        s = (s * weights.unsqueeze(-1)).sum(dim=-2)
+        return s.masked_fill(~visible_entries(positions, keys.shape[-2], ratio), float("-inf"))
 
 
 def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,

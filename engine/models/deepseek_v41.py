@@ -110,10 +110,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         dev = self.device
         positions, seqs = self._claim_positions(chunks, states)
         hash_ids = self._hash(input_ids, chunks, states)
-        h = self.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        pre_mix = torch.zeros(h.shape[:2], dtype=torch.float32 if self.dtype != torch.float64 else self.dtype,
-                              device=dev)
-        pre_mix[:, 0] = 1
+        h, pre_mix = self.embed_streams(input_ids)
         rows = torch.arange(input_ids.shape[0], device=dev)       # current rows -> input rows
         targets = list(cfg.dspark_target_layer_ids) if feature_window else []
         features = {}
@@ -136,6 +133,14 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         if targets:
             out.features, out.feature_rows = self._features(features, chunks, feature_window, input_ids.shape[0])
         return out
+
+    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [N] -> (hc copies of the embedding [N, hc, D], the one-hot first pre-mix [N, hc])."""
+        h = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        pre_mix = torch.zeros(h.shape[:2], dtype=torch.float32 if self.dtype != torch.float64 else self.dtype,
+                              device=h.device)
+        pre_mix[:, 0] = 1
+        return h, pre_mix
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, D] final hidden -> [M, vocab] fp32 logits."""

@@ -230,9 +230,8 @@ class EngramHasher:
         text only). Returns hash ids int64 [N, L, C] (columns order-major then head, each already offset
         into its layer's table) and the new states. The given states are not modified."""
         device = input_ids.device
-        t = self.tables(device)
         k, m = self.max_ngram - 1, self.max_ngram
-        comp = t.token_map[input_ids.long()]
+        comp = self.compressed(input_ids)
         if dead is not None:
             comp = comp.masked_fill(dead.to(device=device, dtype=torch.bool), BLOCKED)
         # ext = [state_0, new_0, state_1, new_1, ...]; new row r sits at ext[where[r]].
@@ -245,6 +244,23 @@ class EngramHasher:
         ext = torch.cat(pieces)
         new_states = [ext[end - k:end].clone() for end in new_ends]
         window = ext[where.to(device).unsqueeze(1) - torch.arange(m, device=device)]          # [N, M]: t, t-1, ...
+        return self.hash_window(window), new_states
+
+    def hash_next(self, token_ids: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row: token_ids [B] after states [B, max_ngram-1] (oldest first) -> (hash ids
+        [B, L, C], the new states [B, max_ngram-1]). Text only, fixed shapes, no host synchronisation."""
+        ext = torch.cat([states, self.compressed(token_ids).unsqueeze(1)], dim=1)               # [B, M] oldest first
+        return self.hash_window(ext.flip(1)), ext[:, 1:]
+
+    def compressed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] -> compressed ids [...] (int64; BLOCKED past the tokenizer's ids)."""
+        return self.tables(token_ids.device).token_map[token_ids.long()]
+
+    def hash_window(self, window: torch.Tensor) -> torch.Tensor:
+        """Compressed ids [N, M] of each new token and its look-back, newest first (t, t-1, ..., BLOCKED where
+        none) -> hash ids int64 [N, L, C]. No host synchronisation (the paged decode calls it directly)."""
+        t = self.tables(window.device)
+        m = self.max_ngram
         blocked = (window == BLOCKED).cumsum(dim=1) > 0          # a gap blocks its slot and every farther one
         tokens = window.masked_fill(blocked, self.pad)
         products = tokens.unsqueeze(1) * t.multipliers                                          # [N, L, M]
@@ -252,7 +268,7 @@ class EngramHasher:
         for n in range(1, m):
             rolling = rolling ^ products[..., n]                                               # the (n+1)-gram
             cols.append(rolling.unsqueeze(-1) % t.primes[:, n - 1])                            # [N, L, H]
-        return torch.cat(cols, dim=-1) + t.offsets, new_states
+        return torch.cat(cols, dim=-1) + t.offsets
 
 
 # --------------------------------------------------------------------------- the module
