@@ -104,7 +104,7 @@ def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 def _mul_f32(x: torch.Tensor, c: float) -> torch.Tensor:
     """x * float32(c), the way a kernel multiplies by a float32 constant."""
-    return x * torch.tensor(c, dtype=torch.float32, device=x.device)
+    return x * torch.full((), c, dtype=torch.float32, device=x.device)   # a fill, not a host copy (graphs)
 
 
 def _e8m0_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
@@ -190,9 +190,10 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (integer tensor, low 4 bits used) -> float32 values (code 8 is -0.0)."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
-    table = torch.cat([grid, -grid])                                  # [16]
-    return table[(codes.to(torch.int64) & 0xF)]
+    c = codes.to(torch.int64) & 0xF
+    exp, man = (c & 7) >> 1, (c & 1).to(torch.float32)
+    mag = torch.where(exp == 0, 0.5 * man, torch.exp2((exp - 1).to(torch.float32)) * (1 + 0.5 * man))
+    return torch.where(c >= 8, -mag, mag)      # computed, not looked up: no host constant (CUDA graphs)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
