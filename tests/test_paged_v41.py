@@ -92,15 +92,9 @@ def test_decode_step_matches_reference(qat):
         assert err <= TOL, (slot, err)
 
 
-# NOTE: kernels/quant.py makes two constants with torch.tensor(..., device=x.device) (_mul_f32, e2m1_decode), a
-# copy from pageable host memory that graph capture refuses; with torch.full / a device-side table it passes.
-_QAT_CAPTURE = pytest.mark.xfail(raises=RuntimeError, strict=False,
-                                 reason="kernels/quant.py: host-built constants are not capturable")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("qat", [False, pytest.param(True, marks=_QAT_CAPTURE)])
+@pytest.mark.parametrize("qat", [False, True])
 def test_decode_step_cuda_graph(qat):
     """Captured once with every row on scratch, then replayed with the real rows written into its inputs: the
     same logits as the eager step (run with host synchronisation made an error) and the reference decode."""
