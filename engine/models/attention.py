@@ -30,6 +30,11 @@ class SeqSlice:
     first_pos: int
 
 
+def visibility_bias(visible: torch.Tensor) -> torch.Tensor:
+    """[..., K] bool -> the attention bias [..., K] fp32: 0 where visible, -inf where hidden."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
 class LatentAttention(nn.Module):
     """The projections V4 and V4.1 share: low-rank q (wq_a, q_norm, wq_b), one K=V latent (wkv, kv_norm),
     per-head sinks, and the grouped low-rank output (wo_a per group of heads, then wo_b)."""
@@ -91,6 +96,18 @@ class Attention(LatentAttention):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice], layer: int) -> torch.Tensor:
         """x: [N, D] normed block input of all sequences' new tokens; positions: [N]. Returns [N, D]."""
+        q, kv, comp, idx, (cos, sin) = self.project(x, positions)
+        out = torch.empty_like(q)
+        for s in seqs:
+            rows = slice(s.start, s.end)
+            out[rows] = self._attend_one(q[rows], kv[rows], positions[rows], s.first_pos, s.layers[layer],
+                                         [t[rows] for t in comp], [t[rows] for t in idx])
+        return self.output(out, cos, sin)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """The per-token part, batched over every row: x [N, D], positions [N] -> (q [N, H, d] roped,
+        kv [N, d] roped (+ QAT), comp = compressor (kv, gate) [N, c*d] each or (), idx = (index kv, index gate,
+        index q [N, h, dI] (+ QAT), index weights [N, h]) or (), (cos, sin) [N, rd/2])."""
         n = x.shape[0]
         cos, sin = self.rope(positions)
         qr = self.q_norm(self.wq_a(x))                                            # [N, q_lora]
@@ -105,13 +122,7 @@ class Attention(LatentAttention):
         if self.indexer is not None:
             index_q, index_w = self.indexer.queries(qr, x, cos, sin)
             idx = (*self.indexer.compressor.project(x), self._quantize_index(index_q), index_w)
-
-        out = torch.empty_like(q)
-        for s in seqs:
-            rows = slice(s.start, s.end)
-            out[rows] = self._attend_one(q[rows], kv[rows], positions[rows], s.first_pos, s.layers[layer],
-                                         [t[rows] for t in comp], [t[rows] for t in idx])
-        return self.output(out, cos, sin)
+        return q, kv, comp, idx, (cos, sin)
 
     def _attend_one(self, q, kv, positions, first_pos: int, state: LayerState, comp, idx) -> torch.Tensor:
         """One sequence's T new tokens: q [T, H, d], kv [T, d]; updates `state` in place."""
@@ -130,13 +141,17 @@ class Attention(LatentAttention):
                 shown = visible_entries(positions, entries.shape[0], self.ratio)
             keys = torch.cat([keys, entries.to(keys.dtype)])
             visible = torch.cat([visible, shown], dim=1)
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
-        return sink_attention(q, keys, bias, self.attn_sink, self.head_dim ** -0.5)
+        return sink_attention(q, keys, visibility_bias(visible), self.attn_sink, self.head_dim ** -0.5)
 
     def _append_entries(self, new: torch.Tensor, state: CompressorState, quantize) -> torch.Tensor:
-        new = quantize(new.to(self.wkv.weight.dtype))
+        new = self.final_entries(new, quantize)
         state.entries = new if state.entries is None else torch.cat([state.entries, new])
         return state.entries
+
+    def final_entries(self, new: torch.Tensor, quantize) -> torch.Tensor:
+        """Pooled entries [n, dim] (Compressor.entries) -> their stored form: compute dtype, then `quantize`
+        (_quantize_entry for the KV stream, _quantize_index for the indexer keys)."""
+        return quantize(new.to(self.wkv.weight.dtype))
 
     def _quantize_entry(self, entries: torch.Tensor) -> torch.Tensor:
         return qat.quantize_kv_latent(entries, self.rope_dim) if self.qat_fake_quant else entries

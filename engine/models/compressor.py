@@ -35,13 +35,16 @@ class Compressor(nn.Module):
         """x: [N, D] -> (kv, gate), each [N, c*d]. Per token, so it batches across sequences."""
         return self.wkv(x), self.wgate(x)
 
+    def scores(self, gate: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """gate [N, c*d] of tokens at positions [N] -> their pooling scores gate + ape[slot], >= fp32."""
+        return upcast(gate) + self.ape[positions % self.ratio]
+
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, start: int, state: CompressorState,
              rope: RotaryEmbedding) -> torch.Tensor:
         """Feed one sequence's new tokens (absolute positions start..start+T-1); return the entries of
         the windows they close, [n_closed, d] fp32 (normed and roped, before any QAT step)."""
         r, d = self.ratio, self.head_dim
-        slot = torch.arange(start, start + kv.shape[0], device=kv.device) % r
-        score = upcast(gate) + self.ape[slot]
+        score = self.scores(gate, torch.arange(start, start + kv.shape[0], device=kv.device))
         kv = upcast(kv)
         if state.pending_kv is not None:
             start -= state.pending_kv.shape[0]
@@ -52,24 +55,43 @@ class Compressor(nn.Module):
             return kv.new_zeros(0, d)
         kv = kv[: n_closed * r].view(n_closed, r, -1)
         score = score[: n_closed * r].view(n_closed, r, -1)
-        if self.overlap:
-            kv, score = self._overlap_slots(kv, score, state)
-        pooled = (kv * score.softmax(dim=1)).sum(dim=1)                  # [n_closed, d]
-        first_window = start // r
-        positions = (torch.arange(n_closed, device=kv.device) + first_window) * r
-        return apply_rope(self.norm(pooled), *rope(positions))
+        prev_a = self._predecessors(kv, score, state) if self.overlap else None
+        return self.entries(kv, score, prev_a, torch.arange(n_closed, device=kv.device) + start // r, rope)
 
-    def _overlap_slots(self, kv: torch.Tensor, score: torch.Tensor, state: CompressorState):
-        """[n, r, 2d] halves -> [n, 2r, d] slots: the previous window's A halves, then this window's B halves."""
+    def entries(self, kv: torch.Tensor, score: torch.Tensor, prev_a: tuple[torch.Tensor, torch.Tensor] | None,
+                windows: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        """Closed windows kv, score [n, r, c*d] with window indices `windows` [n] -> entries [n, d] fp32 (normed
+        and roped at windows * r). With overlap, prev_a = (kv, score) [n, r, d]: the A halves each window pools
+        from its predecessor (no_predecessor for window 0); they come first, then this window's B halves."""
+        if self.overlap:
+            d = self.head_dim
+            kv, score = torch.cat([prev_a[0], kv[..., d:]], dim=1), torch.cat([prev_a[1], score[..., d:]], dim=1)
+        pooled = (kv * score.softmax(dim=1)).sum(dim=1)                  # [n, d]
+        return apply_rope(self.norm(pooled), *rope(windows * self.ratio))
+
+    def _predecessors(self, kv: torch.Tensor, score: torch.Tensor, state: CompressorState):
+        """[n, r, 2d] closed windows -> the A halves [n, r, d] (kv, score) of each one's predecessor; keeps the
+        last window's A halves in `state`."""
         d = self.head_dim
-        a_kv, a_score, b_kv, b_score = kv[..., :d], score[..., :d], kv[..., d:], score[..., d:]
-        if state.prev_a_kv is None:  # window 0 has no predecessor: its A slots get zero weight
-            prev_kv, prev_score = torch.zeros_like(a_kv[:1]), torch.full_like(a_score[:1], float("-inf"))
+        a_kv, a_score = kv[..., :d], score[..., :d]
+        if state.prev_a_kv is None:
+            prev_kv, prev_score = no_predecessor(a_kv[:1], a_score[:1])
         else:
             prev_kv, prev_score = state.prev_a_kv.unsqueeze(0), state.prev_a_score.unsqueeze(0)
         state.prev_a_kv, state.prev_a_score = a_kv[-1], a_score[-1]
-        prev_kv, prev_score = torch.cat([prev_kv, a_kv[:-1]]), torch.cat([prev_score, a_score[:-1]])
-        return torch.cat([prev_kv, b_kv], dim=1), torch.cat([prev_score, b_score], dim=1)
+        return torch.cat([prev_kv, a_kv[:-1]]), torch.cat([prev_score, a_score[:-1]])
+
+
+def no_predecessor(a_kv: torch.Tensor, a_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A halves window 0 pools from its missing predecessor: zero weight (kv 0, score -inf), shaped like these."""
+    return torch.zeros_like(a_kv), torch.full_like(a_score, float("-inf"))
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """sum_h w_h * ReLU(q_h . k): q [..., h, dI], weights [..., h], keys [..., n, dI] (leading dims broadcast)
+    -> [..., n] >= fp32."""
+    scores = torch.einsum("...hd,...nd->...hn", upcast(q), upcast(keys)).relu()
+    return (scores * weights.unsqueeze(-1)).sum(dim=-2)
 
 
 class Indexer(nn.Module):
@@ -91,12 +113,10 @@ class Indexer(nn.Module):
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-        """One sequence: q [T, h, dI], weights [T, h], keys [n, dI] -> [T, n] bool of selected entries."""
-        n = keys.shape[0]
-        selected = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
+        """q [T, h, dI], weights [T, h] of queries at positions [T]; keys [n, dI] (one sequence) or [T, n, dI]
+        (each query its own) -> [T, n] bool of selected entries: the top-k visible by index_scores."""
+        n = keys.shape[-2]
         if n == 0:
-            return selected
-        scores = torch.einsum("thd,nd->thn", upcast(q), upcast(keys)).relu()
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)           # [T, n]
+            return torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
         visible = visible_entries(positions, n, self.ratio)
-        return top_k_mask(scores.masked_fill(~visible, float("-inf")), self.topk)
+        return top_k_mask(index_scores(q, weights, keys).masked_fill(~visible, float("-inf")), self.topk)

@@ -41,8 +41,13 @@ class Block(HyperConnectionSites):
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
                 state_index: int) -> torch.Tensor:
         """h: [N, hc, D] streams -> [N, hc, D]."""
+        return self.forward_with(h, input_ids, lambda x: self.attn(x, positions, seqs, state_index))
+
+    def forward_with(self, h: torch.Tensor, input_ids: torch.Tensor, attend) -> torch.Tensor:
+        """The block around its attention: h [N, hc, D] -> [N, hc, D]; attend maps the normed attention
+        input [N, D] to the attention output [N, D] (the reference per-sequence path or the paged decode)."""
         x, post, comb = self._pre(h, "attn")
-        h = hc_post(self.attn(self.attn_norm(x), positions, seqs, state_index), h, post, comb)
+        h = hc_post(attend(self.attn_norm(x)), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
 
@@ -95,10 +100,14 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         """input_ids: [N] new tokens of len(states) sequences, sequence i owning rows chunks[i] = (start, end).
         Advances each state; returns the last streams [N, hc, D] (before hc_head)."""
         positions, seqs = self._claim_positions(chunks, states, "layers", "num_tokens")
-        h = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        h = self.embed_streams(input_ids)
         for i, block in enumerate(self.layers):
             h = block(h, input_ids, positions, seqs, i)
         return h
+
+    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[N] token ids -> [N, hc, D]: the embedding copied into every residual stream."""
+        return self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """[N, hc, D] streams -> [N, vocab] fp32 logits."""
