@@ -25,7 +25,7 @@ from deepinfer.kernels.matmul import is_batch_invariant
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
-                "async_scheduling": None, "max_graph_batch": 512, "expert_storage": "dense",
+                "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
                 "keep_quantized": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 
@@ -46,8 +46,8 @@ class LLM:
                                  f"{sorted(_ENGINE_ARGS)}")
         args = {**_ENGINE_ARGS, **engine_args}
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "state_memory_bytes",
-                     "max_graph_batch"):
-            _positive_int(name, args[name], optional=name in ("max_model_len", "state_memory_bytes"))
+                     "max_graph_batch", "block_size"):
+            _positive_int(name, args[name], optional=name in ("max_model_len", "state_memory_bytes", "block_size"))
         util = args["gpu_memory_utilization"]
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
@@ -78,7 +78,8 @@ class LLM:
         self.batch_invariant = is_batch_invariant()
         self.async_scheduling = async_scheduling_default() if args["async_scheduling"] is None \
             else args["async_scheduling"]
-        self.manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget())
+        self.manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(),
+                                    args["block_size"])
         self.runner = ModelRunner(self.model, self.manager, cuda_graphs=not args["enforce_eager"],
                                   max_graph_batch=min(args["max_graph_batch"], self.manager.num_slots),
                                   fixed_context=self.batch_invariant)

@@ -24,7 +24,18 @@ def llm(request):
     return LLM(embedded_tiny_dir(request.param), dtype="float64")
 
 
+_ONE_AT_A_TIME: dict = {}
+
+
 def one_at_a_time(llm, ids: list[int], n: int) -> list[int]:
+    """Greedy reference decoding of one sequence (cached: several tests compare against it)."""
+    key = (llm.model.cfg.model_type, tuple(ids), n)
+    if key not in _ONE_AT_A_TIME:
+        _ONE_AT_A_TIME[key] = _decode_alone(llm, ids, n)
+    return _ONE_AT_A_TIME[key]
+
+
+def _decode_alone(llm, ids: list[int], n: int) -> list[int]:
     m, st, out = llm.model, llm.model.new_state(), []
     logits = m.extend([torch.tensor(ids)], [st])[0][-1]
     for _ in range(n):
@@ -35,14 +46,14 @@ def one_at_a_time(llm, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_batched_chunked_preempted_greedy_equals_one_at_a_time(llm, async_scheduling):
-    """16 prompts, 6 seats, a 16-token step budget and state pools with room for 7 blocks: sequences of
-    ~70 tokens need 2 blocks each, so the pools run out and the newest sequences are preempted and recomputed."""
+    """16 prompts, 6 seats, a 16-token step budget and state pools with room for 7 blocks of 16 tokens: sequences
+    of 22-49 tokens need 2-4 blocks each, so the pools run out and the newest sequences are preempted and recomputed."""
     from deepinfer.cache.pools import PoolLayout
-    lay = PoolLayout.for_model(llm.model)
-    small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=16, max_num_seqs=6,
-                max_model_len=2 * lay.block_tokens, async_scheduling=async_scheduling,
+    lay = PoolLayout.for_model(llm.model, 16)
+    small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=16, max_num_seqs=6, block_size=16,
+                max_model_len=64, async_scheduling=async_scheduling,
                 state_memory_bytes=6 * lay.bytes_per_slot() + 7 * lay.bytes_per_block())
-    n = lay.block_tokens - 4
+    n = 20
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     steps, execute = [], small.runner.execute
     small.runner.execute = lambda batch, prev: steps.append([s.n for s in batch]) or execute(batch, prev)
@@ -150,6 +161,10 @@ def test_extreme_seeds_and_temperatures(llm):
     ({"max_num_seq": 4}, "unknown arguments"), ({"max_num_seqs": 0}, "max_num_seqs=0"),
     ({"state_memory_bytes": -1}, "state_memory_bytes=-1"), ({"state_memory_bytes": "1e5"}, "state_memory_bytes"),
     ({"max_model_len": 0}, "max_model_len=0"), ({"seed": -1}, "seed=-1"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization=1.5"), ({"enforce_eager": "yes"}, "enforce_eager"),
+    ({"async_scheduling": 1}, "async_scheduling=1"), ({"max_graph_batch": 0}, "max_graph_batch=0"),
+    ({"state_memory_bytes": 1000}, "cannot hold one sequence of max_model_len"),
+    ({"block_size": 3}, "block_size=3 must be a positive multiple of"),
 ])
 def test_bad_engine_arguments(kwargs, match):
     with pytest.raises(DeepInferError, match=match):
@@ -194,3 +209,27 @@ def test_generate_cli(tmp_path):
     assert [r["prompt"] for r in rows] == ["The cat", "Hi"] and all(len(r["outputs"][0]["token_ids"]) == 3 for r in rows)
     bad = subprocess.run(base + ["--prompt", "x", "--temperature", "-1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "temperature=-1.0" in bad.stderr
+
+
+def test_state_pools_are_sized_from_the_budget_and_logged(caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="deepinfer"):
+        small = LLM(embedded_tiny_dir("deepseek_v41"), max_model_len=256, max_num_seqs=8)
+    lay = small.manager.layout
+    assert small.manager.num_slots == 8 and small.manager.pools.num_blocks == 8 * lay.blocks_for(256)
+    assert "B/token" in caplog.text and "seats" in caplog.text
+    budget = lay.bytes_per_slot() * 3 + lay.bytes_per_block() * 5
+    tight = LLM(embedded_tiny_dir("deepseek_v41"), max_model_len=256, max_num_seqs=8, state_memory_bytes=budget)
+    m = tight.manager
+    assert m.num_slots * lay.bytes_per_slot() + m.pools.num_blocks * lay.bytes_per_block() <= budget
+    assert m.pools.num_blocks >= lay.blocks_for(256) and 1 <= m.num_slots < 8   # one full sequence fits; seats cut
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "DEEPINFER_ASYNC_SCHEDULING='maybe' is not a boolean"),
+    ("DEEPINFER_ACCELERATOR", "tpu", "DEEPINFER_ACCELERATOR='tpu'"),
+])
+def test_bad_environment(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(DeepInferError, match=match):
+        LLM(embedded_tiny_dir("deepseek_v41"))

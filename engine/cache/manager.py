@@ -20,8 +20,9 @@ DEFAULT_CPU_BYTES = 4 << 30
 
 
 class StateManager:
-    def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None):
-        layout = PoolLayout.for_model(model)
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None,
+                 block_size: int | None = None):
+        layout = PoolLayout.for_model(model, block_size)
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
         full_seq = layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block()

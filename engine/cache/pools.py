@@ -58,7 +58,9 @@ class PoolLayout:
     pending_dtype: torch.dtype    # compressor buffers (>= fp32)
 
     @classmethod
-    def for_model(cls, model) -> "PoolLayout":
+    def for_model(cls, model, block_tokens: int | None = None) -> "PoolLayout":
+        """block_tokens: positions per entry block (default: MIN_BLOCK_TOKENS rounded up to a multiple of every
+        compress ratio); a given value must be such a multiple."""
         cfg, dtype = model.cfg, model.dtype
         pending_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         d, di = cfg.head_dim, cfg.index_head_dim
@@ -81,7 +83,11 @@ class PoolLayout:
             lookback = 0
         ratios = [s.ratio for s in streams] or [1]
         lcm = math.lcm(*ratios)
-        block_tokens = lcm * math.ceil(MIN_BLOCK_TOKENS / lcm)
+        if block_tokens is None:
+            block_tokens = lcm * math.ceil(MIN_BLOCK_TOKENS / lcm)
+        elif block_tokens < 1 or block_tokens % lcm:
+            raise DeepInferError(f"block_size={block_tokens} must be a positive multiple of {lcm} (every compress "
+                                 f"ratio of this model divides a block)")
         return cls(cfg.num_hidden_layers, cfg.sliding_window, d, tuple(streams), block_tokens, lookback, dtype,
                    pending_dtype)
 
