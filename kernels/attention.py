@@ -1,6 +1,7 @@
 """Sink attention over one shared K=V latent (MQA, one KV head): the torch reference."""
 
 import torch
+from .matmul import is_batch_invariant, row_tiles
 from .precision import upcast
 
 
@@ -23,7 +24,14 @@ def sink_attention_rows(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, s
 
     q: [B, H, d]; kv: [B, K, d]; bias: [B, K] (0 visible, -inf hidden; a row may hide every key,
     then only the sink remains and the output is 0). Returns [B, H, d].
+    Batch-invariant mode: fixed tiles of rows, so B cannot change a row's batched-GEMM blocking.
     """
+    if is_batch_invariant():
+        return row_tiles(lambda q, kv, bias: _sink_attention_rows(q, kv, bias, sink, scale), q, kv, bias)
+    return _sink_attention_rows(q, kv, bias, sink, scale)
+
+
+def _sink_attention_rows(q, kv, bias, sink, scale):
     scores = torch.einsum("bhd,bkd->bhk", upcast(q), upcast(kv)) * scale + upcast(bias).unsqueeze(1)
     logits = torch.cat([scores, upcast(sink).view(1, -1, 1).expand(scores.shape[0], -1, 1)], dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]

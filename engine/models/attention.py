@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.matmul import grouped_linear
 from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.rope import apply_rope
 
@@ -73,7 +74,7 @@ class LatentAttention(nn.Module):
         o = apply_rope(o, cos, sin, inverse=True)
         grouped = o.view(o.shape[0], self.o_groups, -1)                           # [N, G, H*d/G]
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])           # [G, R, H*d/G]
-        return self.wo_b(torch.einsum("ngi,gri->ngr", grouped.to(w.dtype), w).flatten(1))
+        return self.wo_b(grouped_linear(grouped.to(w.dtype), w).flatten(1))
 
 
 class Attention(LatentAttention):

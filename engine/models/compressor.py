@@ -10,6 +10,7 @@ pools 2m slots: the A halves of window w-1 and the B halves of window w.
 from __future__ import annotations
 
 import torch
+from deepinfer.kernels.matmul import is_batch_invariant, row_tiles
 from deepinfer.kernels.precision import upcast
 from torch import nn
 
@@ -89,7 +90,13 @@ def no_predecessor(a_kv: torch.Tensor, a_score: torch.Tensor) -> tuple[torch.Ten
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """sum_h w_h * ReLU(q_h . k): q [..., h, dI], weights [..., h], keys [..., n, dI] (leading dims broadcast)
-    -> [..., n] >= fp32."""
+    -> [..., n] >= fp32. Rows of several sequences (keys with a batch dim): fixed row tiles in batch-invariant mode."""
+    if is_batch_invariant() and keys.dim() > 2:
+        return row_tiles(_index_scores, q, weights, keys)
+    return _index_scores(q, weights, keys)
+
+
+def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     scores = torch.einsum("...hd,...nd->...hn", upcast(q), upcast(keys)).relu()
     return (scores * weights.unsqueeze(-1)).sum(dim=-2)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.kernels.matmul import is_batch_invariant, linear, row_tiles
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import fake_quant_fp4
 from deepinfer.kernels.rope import apply_rope
@@ -64,7 +65,7 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio > 1: x [T, D] -> (kv, gate) [T, d] each in >= fp32, what the open window buffers."""
         w_kv, w_gate = upcast(self.wkv.weight), upcast(self.wgate.weight)
-        return upcast(x) @ w_kv.T, upcast(x) @ w_gate.T
+        return linear(upcast(x), w_kv), linear(upcast(x), w_gate)
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Closed groups kv, gate [n, r, d] (slots in position order) -> latents [n, d] in `dtype`."""
@@ -104,7 +105,13 @@ class Indexer(nn.Module):
                ratio: int) -> torch.Tensor:
         """One sequence: q [T, H_I, dI], weights [T, H_I], keys [n, dI], positions [T] -> [T, n], -inf where not
         yet visible. Leading batch dims broadcast: q [B, 1, H_I, dI], weights [B, 1, H_I], keys [B, n, dI],
-        positions [B, 1] -> [B, 1, n] (one query per row, each with its own keys: the paged decode)."""
+        positions [B, 1] -> [B, 1, n] (one query per row, each with its own keys: the paged decode; fixed row
+        tiles in batch-invariant mode)."""
+        if is_batch_invariant() and keys.dim() > 2:
+            return row_tiles(lambda q, w, k, p: self._scores(q, w, k, p, ratio), q, weights, keys, positions)
+        return self._scores(q, weights, keys, positions, ratio)
+
+    def _scores(self, q, weights, keys, positions, ratio: int) -> torch.Tensor:
         s = torch.einsum("...thd,...nd->...thn", upcast(q), upcast(keys)).relu() * self.index_dim ** -0.5
         s = (s * weights.unsqueeze(-1)).sum(dim=-2)
         return s.masked_fill(~visible_entries(positions, keys.shape[-2], ratio), float("-inf"))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.matmul import linear
 from deepinfer.kernels.precision import upcast
 
 from ..cache.sequence_state import SequenceState
@@ -63,7 +64,7 @@ class MarkovHead(nn.Module):
     def forward(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """prev [B] -> (bias [B, V] fp32, embedding [B, rank])."""
         e = self.embed(prev)
-        return upcast(e) @ upcast(self.head.weight).T, e
+        return linear(upcast(e), upcast(self.head.weight)), e
 
 
 class ConfidenceHead(nn.Module):
@@ -74,7 +75,7 @@ class ConfidenceHead(nn.Module):
     def forward(self, x: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
         """x [B, D], markov_embed [B, r] -> [B] fp32 raw logits."""
         both = torch.cat([upcast(x), upcast(markov_embed)], dim=-1)
-        return (both @ upcast(self.proj.weight).T).squeeze(-1)
+        return linear(both, upcast(self.proj.weight)).squeeze(-1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

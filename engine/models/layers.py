@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.kernels.matmul import linear
 from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.precision import upcast
 
@@ -30,11 +31,11 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        return linear(x.to(self.weight.dtype), self.weight)
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """In >= fp32 whatever the weight dtype: the LM heads (DeepSeek's reference computes logits in fp32)."""
-        return nn.functional.linear(upcast(x), upcast(self.weight))
+        return linear(upcast(x), upcast(self.weight))
 
 
 class RMSNorm(nn.Module):

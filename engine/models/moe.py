@@ -6,6 +6,7 @@ import contextlib
 import threading
 
 import torch
+from deepinfer.kernels.matmul import is_batch_invariant, linear, row_tiles
 from deepinfer.kernels.precision import upcast
 import torch.nn.functional as F
 from torch import nn
@@ -55,7 +56,12 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
-        logits = F.linear(upcast(x), upcast(self.weight))
+        if is_batch_invariant():   # row-local: fixed tiles also fix the CPU vector tails of score_fn on [N, E]
+            return row_tiles(self._route, x, input_ids)
+        return self._route(x, input_ids)
+
+    def _route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = linear(upcast(x), upcast(self.weight))
         scores = self.score_fn(logits if self.temp == 1.0 else logits / self.temp)   # [N, E]
         if self.is_hash:
             ids = self.tid2eid[input_ids]
@@ -118,12 +124,21 @@ class Experts(nn.Module):
             return self.forward_all(x, weights, ids)
         out = upcast(torch.zeros_like(x))
         x = x.to(self.dtype)
-        for e in ids.unique().tolist():
+        for e in ids.unique().tolist():          # ascending ids: each row adds its experts in expert-id order
             token, slot = (ids == e).nonzero(as_tuple=True)
-            h = swiglu(x[token] @ self.weight("w1", e).T, x[token] @ self.weight("w3", e).T, self.limit)
-            h = h * weights[token, slot].unsqueeze(-1).to(h.dtype)   # routing weight before w2, as the reference
-            out.index_add_(0, token, upcast(h.to(self.dtype) @ self.weight("w2", e).T))
+            out.index_add_(0, token, self._expert(e, x[token], weights[token, slot]))
         return out   # >= fp32: the MoE adds the shared expert before the one cast back
+
+    def _expert(self, e: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Rows x [M, D] through expert e, scaled by their routing weights w [M] before w2 (as the reference)
+        -> [M, D] >= fp32. Batch-invariant mode: in fixed row tiles, so M (the rows routed to e) cannot matter."""
+        w1, w2, w3 = self.weight("w1", e), self.weight("w2", e), self.weight("w3", e)
+
+        def mlp(x, w):
+            h = swiglu(linear(x, w1), linear(x, w3), self.limit)
+            h = h * w.unsqueeze(-1).to(h.dtype)
+            return upcast(linear(h.to(self.dtype), w2))
+        return row_tiles(mlp, x, w) if is_batch_invariant() else mlp(x, w)
 
     def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, unrouted rows weighted 0: static shapes and no host sync (CUDA graphs),
@@ -134,6 +149,10 @@ class Experts(nn.Module):
         dense = dense.scatter(1, ids, weights)                                      # [N, E]
         x = x.to(self.dtype)
         out = upcast(torch.zeros_like(x))
+        if is_batch_invariant():   # per expert in fixed row tiles: bit for bit what forward gives
+            for e in range(n_experts):
+                out += self._expert(e, x, dense[:, e])
+            return out
         if self.storage == "fp4":
             for e in range(n_experts):
                 h = swiglu(x @ self.weight("w1", e).T, x @ self.weight("w3", e).T, self.limit)
@@ -154,6 +173,11 @@ class SharedExpert(nn.Module):
         self.w1, self.w2, self.w3 = Linear(dim, inter, dtype), Linear(inter, dim, dtype), Linear(dim, inter, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_batch_invariant():
+            return row_tiles(self._mlp, x)
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 

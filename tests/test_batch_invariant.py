@@ -1,0 +1,250 @@
+"""Batch-invariant mode (kernels/matmul.py): a sequence's logits are bitwise the same alone or in any batch.
+
+Model tests run the tiny V4 (fp32, no QAT) and V4.1 (fp32, QAT) models: one target sequence is prefilled and
+then decoded alone, and again inside batches of 2, 5 and 9 other sequences of different lengths (first, middle
+and last in the batch; the others keep prefilling in chunks of varying size while the target decodes). With the
+mode on every logit is torch.equal; the control shows the same comparisons differ with the mode off.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.errors import DeepInferError
+from deepinfer.kernels import matmul
+from deepinfer.kernels.attention import sink_attention_rows
+from deepinfer.kernels.matmul import (TILE, batch_invariant, env_batch_invariant, grouped_linear,
+                                      is_batch_invariant, linear, row_tiles, set_batch_invariant)
+from deepinfer.models.moe import all_experts_routing
+
+from .helpers import our_model
+from .helpers_v41 import tiny_v41_model
+
+OTHER_LENGTHS = (5, 24, 17, 1, 33, 9, 20, 12, 28)   # the other sequences' prompt lengths
+TARGET_LENGTH = 23
+DECODE_STEPS = 3
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- the switch
+
+def test_switch_and_env(monkeypatch):
+    before = is_batch_invariant()
+    with batch_invariant():
+        assert is_batch_invariant()
+        with batch_invariant(False):
+            assert not is_batch_invariant()
+        assert is_batch_invariant()
+    assert is_batch_invariant() == before
+    prev = set_batch_invariant(True)
+    assert prev == before and set_batch_invariant(prev) is True
+    for raw, want in (("1", True), ("true", True), (" ON ", True), ("0", False), ("", False), ("off", False)):
+        monkeypatch.setenv(matmul.ENV, raw)
+        assert env_batch_invariant() is want
+    monkeypatch.delenv(matmul.ENV)
+    assert env_batch_invariant() is False
+    monkeypatch.setenv(matmul.ENV, "sometimes")
+    with pytest.raises(DeepInferError, match="DEEPINFER_BATCH_INVARIANT='sometimes'"):
+        env_batch_invariant()
+
+
+def test_row_tiles_structure():
+    x, y = torch.randn(37, 3), torch.arange(37)
+    calls = []
+
+    def fn(a, none, b):
+        calls.append(a.shape[0])
+        assert none is None
+        return a * 2, None, b + 1
+    a, none, b = row_tiles(fn, x, None, y)
+    assert calls == [TILE] * 3 and none is None
+    assert torch.equal(a, x * 2) and torch.equal(b, y + 1)
+    assert row_tiles(lambda t: t + 1, x[:0]).shape == (0, 3)
+    assert torch.equal(row_tiles(lambda t: t + 1, x[:TILE]), x[:TILE] + 1)
+
+
+# ---------------------------------------------------------------------------------------------- the ops
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_matches_torch(dtype):
+    g = _gen(0)
+    for shape, n in (((1, 64), 96), ((37, 64), 96), ((5, 3, 48), 130), ((64,), 7), ((200, 256), 33)):
+        x, w = torch.randn(*shape, generator=g, dtype=dtype), torch.randn(n, shape[-1], generator=g, dtype=dtype)
+        with batch_invariant(False):
+            assert torch.equal(linear(x, w), F.linear(x, w))          # normal mode: the torch op itself
+        with batch_invariant():
+            got = linear(x, w)
+        assert got.shape == F.linear(x, w).shape
+        torch.testing.assert_close(got, F.linear(x, w))
+    x, w = torch.randn(45, 2, 192, generator=g, dtype=dtype), torch.randn(2, 32, 192, generator=g, dtype=dtype)
+    want = torch.einsum("ngi,gri->ngr", x, w)
+    with batch_invariant(False):
+        assert torch.equal(grouped_linear(x, w), want)
+    with batch_invariant():
+        torch.testing.assert_close(grouped_linear(x, w), want)
+
+
+def _assert_rows_invariant(fn, rows: int, *inputs):
+    """fn(*inputs[a:b]) must give bitwise the rows of fn(*inputs) for every window [a, b)."""
+    full = fn(*inputs)
+    for m in (1, 2, 7, 15, 16, 17, 33, 50):
+        for start in (0, 1, 13, 21):
+            if start + m <= rows:
+                part = fn(*(t[start:start + m] for t in inputs))
+                assert torch.equal(part, full[start:start + m]), (m, start)
+
+
+def test_ops_are_tile_invariant():
+    g = _gen(1)
+    x, w = torch.randn(80, 256, generator=g), torch.randn(96, 256, generator=g)
+    xg, wg = torch.randn(80, 2, 192, generator=g), torch.randn(2, 32, 192, generator=g)
+    q, kv = torch.randn(80, 4, 96, generator=g), torch.randn(80, 24, 96, generator=g)
+    bias = torch.zeros(80, 24).masked_fill(torch.rand(80, 24, generator=g) < 0.3, float("-inf"))
+    sink = torch.randn(4, generator=g)
+    with batch_invariant():
+        _assert_rows_invariant(lambda t: linear(t, w), 80, x)
+        _assert_rows_invariant(lambda t: grouped_linear(t, wg), 80, xg)
+        _assert_rows_invariant(lambda a, b, c: sink_attention_rows(a, b, c, sink, 0.1), 80, q, kv, bias)
+
+
+def test_plain_linear_is_not_row_invariant_here():
+    """Measured fact the mode exists for: the plain op gives a row different bits in a batch of another size."""
+    g = _gen(2)
+    x, w = torch.randn(80, 256, generator=g), torch.randn(96, 256, generator=g)
+    full = F.linear(x, w)
+    if all(torch.equal(F.linear(x[:m], w), full[:m]) for m in range(1, 80)):
+        pytest.skip("this CPU's BLAS gives every row the same bits at every M (nothing for the mode to fix)")
+
+
+# ---------------------------------------------------------------------------------------------- the models
+
+@pytest.fixture
+def one_thread():
+    """The model tests run single-threaded: the mode's many small kernel calls make a 2-thread OpenMP pool spin
+    at every call when other processes share the cores (minutes instead of seconds). The same comparisons pass
+    with the default thread count too; the op tests above keep it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def model(request):
+    if request.param == "v4":
+        return our_model(dtype=torch.float32)
+    return tiny_v41_model(dtype=torch.float32)
+
+
+def _prompts(vocab: int):
+    g = _gen(3)
+    return torch.randint(0, vocab, (TARGET_LENGTH,), generator=g), \
+        [torch.randint(0, vocab, (n,), generator=g) for n in OTHER_LENGTHS]
+
+
+def _run(model, target, others, slot: int, **extend) -> list[torch.Tensor]:
+    """Prefill the target (at batch position `slot`) with the others, then decode it while the others keep
+    extending by 1..5 tokens a step. Returns the target's logits: prefill, then each decode step."""
+    vocab = model.cfg.vocab_size
+    seqs = others[:slot] + [target] + others[slot:]
+    states = [model.new_state() for _ in seqs]
+    got = [model.extend(seqs, states, **extend)[slot]]
+    for step in range(DECODE_STEPS):
+        g = _gen(100 + step)
+        chunks = [torch.randint(0, vocab, (1 if i == slot else int(torch.randint(1, 6, (1,), generator=g)),),
+                                generator=g) for i in range(len(seqs))]
+        chunks[slot] = torch.randint(0, vocab, (1,), generator=_gen(200 + step))   # the target's own tokens
+        got.append(model.extend(chunks, states)[slot])
+    return got
+
+
+BATCHES = [(n_others, slot) for n_others in (2, 5, 9) for slot in sorted({0, n_others // 2, n_others})]
+
+
+def _differences(model, batches=BATCHES, **extend) -> list[tuple[int, int, int]]:
+    """(others, slot, step) of every target logit that is not bitwise its value alone."""
+    target, others = _prompts(model.cfg.vocab_size)
+    alone = _run(model, target, [], 0, **extend)
+    bad = []
+    for n_others, slot in batches:
+        got = _run(model, target, others[:n_others], slot, **extend)
+        bad += [(n_others, slot, step) for step, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
+    return bad
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_logits_independent_of_batch(model):
+    with batch_invariant():
+        assert _differences(model) == []
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_yoco_prefill_independent_of_batch():
+    """V4.1's truncated prefill (last_only) too."""
+    with batch_invariant():
+        assert _differences(tiny_v41_model(dtype=torch.float32), [(2, 2), (9, 4)], last_only=True) == []
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_control_mode_off_differs(model):
+    """Without the mode the same comparisons are not bitwise equal on this CPU (so the test above can fail)."""
+    with batch_invariant(False):
+        target, others = _prompts(model.cfg.vocab_size)
+        alone = _run(model, target, [], 0)
+        got = _run(model, target, others[:5], 2)
+    assert any(not torch.equal(a, b) for a, b in zip(alone, got))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_all_experts_routing_gives_routed_bits(model):
+    """In this mode Experts.forward_all (every expert on every row, for graph capture) sums each row's experts in
+    the same order and tiles as the routed forward, so decode logits agree bitwise across the two paths."""
+    target, others = _prompts(model.cfg.vocab_size)
+    seqs = [target] + others
+    with batch_invariant():
+        states = [model.new_state() for _ in seqs]
+        model.extend(seqs, states)
+        twin = copy.deepcopy(states)
+        step = [s[:1] for s in seqs]
+        routed = torch.cat(model.extend(step, states))
+        with all_experts_routing():
+            dense = torch.cat(model.extend(step, twin))
+    assert torch.equal(routed, dense)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_v41_drafts_independent_of_batch():
+    """extend_and_draft: target logits, DSpark draft logits and confidences of a sequence alone = in a batch."""
+    model = tiny_v41_model(dtype=torch.float32)
+    target, others = _prompts(model.cfg.vocab_size)
+    with batch_invariant():
+        _, logits, drafts = model.extend_and_draft([target], [model.new_state()])
+        seqs = others[:3] + [target] + others[3:6]
+        _, logits_b, drafts_b = model.extend_and_draft(seqs, [model.new_state() for _ in seqs])
+    assert torch.equal(logits[0], logits_b[3])
+    assert torch.equal(drafts.logits[0], drafts_b.logits[3])
+    assert torch.equal(drafts.confidence[0], drafts_b.confidence[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_cuda_logits_independent_of_batch(arch, dtype):
+    """The same on a GPU (cuBLAS GEMMs of one tile shape, torch reductions on fixed tiles), fp32 and bf16."""
+    model = our_model(dtype=dtype, device="cuda") if arch == "v4" else tiny_v41_model(dtype=dtype, device="cuda")
+    with batch_invariant():
+        assert _differences(model) == []
+    with batch_invariant(False):
+        off = _differences(model)
+    print(f"\n[batch invariance, cuda {arch} {dtype}] mode off: {len(off)} of {len(BATCHES) * (DECODE_STEPS + 1)} "
+          f"target logits differ from alone")
