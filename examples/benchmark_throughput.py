@@ -86,6 +86,7 @@ def main() -> None:
         "total_tokens_per_s": (n_out + args.num_prompts * args.input_len) / elapsed,
         "ttft_s": stats(ttft), "tpot_s": stats(tpot) if tpot else None, "measured": True,
         "async_scheduling": llm.async_scheduling, "cuda_graphs": llm.runner.graphs is not None,
+        "graphs_captured": sorted(llm.runner.graphs.graphs) if llm.runner.graphs is not None else [],
         "batch_invariant": llm.batch_invariant, "state_pools": llm.manager.summary,
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "git_sha": git_sha()},

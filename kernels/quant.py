@@ -190,10 +190,11 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (integer tensor, low 4 bits used) -> float32 values (code 8 is -0.0)."""
-    c = codes.to(torch.int64) & 0xF
-    exp, man = (c & 7) >> 1, (c & 1).to(torch.float32)
+    c = torch.arange(16, device=codes.device)          # the 16-entry table, computed on the device: no host
+    exp, man = (c & 7) >> 1, (c & 1).to(torch.float32)  # constant, so CUDA graphs can capture it
     mag = torch.where(exp == 0, 0.5 * man, torch.exp2((exp - 1).to(torch.float32)) * (1 + 0.5 * man))
-    return torch.where(c >= 8, -mag, mag)      # computed, not looked up: no host constant (CUDA graphs)
+    table = torch.where(c >= 8, -mag, mag)
+    return table[(codes & 0xF).to(torch.int32)]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
