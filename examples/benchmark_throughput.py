@@ -78,7 +78,7 @@ def main() -> None:
             for o in outs if len(o.outputs[0].token_ids) > 1]
     stats = lambda xs: {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": percentile(xs, 0.99)}  # noqa: E731
     row = {
-        "schema": "deepinfer.throughput/1", "model": str(model), "model_type": llm.model.cfg.model_type,
+        "schema": "deepinfer.throughput/1", "model": args.model if args.model.startswith("random:") else str(model), "model_type": llm.model.cfg.model_type,
         "layers": llm.model.cfg.num_hidden_layers, "device": args.device, "dtype": args.dtype,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -92,6 +92,8 @@ def main() -> None:
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "git_sha": git_sha()},
     }
     if args.vs_transformers:
+        print(json.dumps({k: row[k] for k in ("output_tokens_per_s", "tpot_s", "graphs_captured")}), flush=True)
+        model = None                                  # only llm holds the model now; transformers_generate frees it
         row["transformers"] = transformers_generate(llm, prompts, args.output_len, outs)
         row["speedup_vs_transformers"] = row["output_tokens_per_s"] / row["transformers"]["output_tokens_per_s"]
     text = json.dumps(row, indent=1)
@@ -136,6 +138,8 @@ def transformers_generate(llm, prompts: list[list[int]], output_len: int, ours) 
     cfg = DeepseekV4Config(**d)
     state = {k: v.to("cpu") for k, v in hf_tensors(model) if not k.startswith("mtp.")}
     del llm.model, llm.runner, llm.manager, model
+    import gc
+    gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     with torch.device(device):
         twin = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
