@@ -233,3 +233,29 @@ def test_bad_environment(monkeypatch, name, value, match):
     monkeypatch.setenv(name, value)
     with pytest.raises(DeepInferError, match=match):
         LLM(embedded_tiny_dir("deepseek_v41"))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v41", "deepseek_v4"])
+def test_batch_invariant_mode_seeded_sampling_is_bitwise_batch_independent(arch):
+    """fp32, DEEPINFER_BATCH_INVARIANT on: a seeded request's tokens and logprobs are bitwise the same alone and
+    inside batches of other compositions (chunked prefill pieces on fixed boundaries, paged decode of fixed
+    shape); with the engine's chunk boundaries fixed, a 16-token step budget cannot change them."""
+    from deepinfer.kernels.matmul import batch_invariant
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)                # small tiled calls; spinning OpenMP threads only slow them down
+    try:
+        with batch_invariant(True):
+            llm = LLM(embedded_tiny_dir(arch), max_model_len=96, max_num_batched_tokens=16)
+            assert llm.batch_invariant and llm.runner.fixed_context
+            sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=6, logprobs=2, ignore_eos=True)
+            other = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+            target = PROMPTS[2]
+            alone = llm.generate(target, sp, use_tqdm=False)[0].outputs[0]
+            for mates in (PROMPTS[3:5], PROMPTS[5:11]):
+                batch = mates[:1] + [target] + mates[1:]
+                outs = llm.generate(batch, [other] + [sp] + [other] * (len(batch) - 2), use_tqdm=False)
+                got = outs[1].outputs[0]
+                assert got.token_ids == alone.token_ids
+                assert got.logprobs == alone.logprobs           # float equality: bitwise
+    finally:
+        torch.set_num_threads(before)
