@@ -46,12 +46,26 @@ def _decode_alone(llm, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_batched_chunked_preempted_greedy_equals_one_at_a_time(llm, async_scheduling):
+    check_preempted_run(llm, "cpu", async_scheduling)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_graphs_async_preempted_greedy_equals_one_at_a_time(llm):
+    """The same on the GPU: decode through CUDA graphs, asynchronous scheduling, slots reused after preemption
+    while the previous step may still run; tokens equal the CPU reference decoding."""
+    small = check_preempted_run(llm, "cuda", True)
+    assert small.runner.graphs is not None and small.runner.graphs.graphs
+
+
+def check_preempted_run(llm, device: str, async_scheduling: bool):
     """16 prompts, 6 seats, a 16-token step budget and state pools with room for 7 blocks of 16 tokens: sequences
-    of 22-49 tokens need 2-4 blocks each, so the pools run out and the newest sequences are preempted and recomputed."""
+    of 22-49 tokens need 2-4 blocks each, so the pools run out and the newest sequences are preempted and
+    recomputed. Every output equals greedy one-at-a-time reference decoding (float64)."""
     from deepinfer.cache.pools import PoolLayout
     lay = PoolLayout.for_model(llm.model, 16)
-    small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=16, max_num_seqs=6, block_size=16,
-                max_model_len=64, async_scheduling=async_scheduling,
+    small = LLM(llm.model.checkpoint_dir, device=device, dtype="float64", max_num_batched_tokens=16, max_num_seqs=6,
+                block_size=16, max_model_len=64, async_scheduling=async_scheduling,
                 state_memory_bytes=6 * lay.bytes_per_slot() + 7 * lay.bytes_per_block())
     n = 20
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -68,6 +82,7 @@ def test_batched_chunked_preempted_greedy_equals_one_at_a_time(llm, async_schedu
         m = out.metrics[0]
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
         assert len(m.token_times) == n
+    return small
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm):

@@ -78,6 +78,7 @@ class StateManager:
                 new, dtype=torch.int32).to(self.pools.device, non_blocking=True)
             blocks = blocks + new
         self.owned[rid] = (slot, blocks)
+        self.pools.slot_blocks[slot] = len(blocks)
         return True
 
     def release(self, rid: str) -> None:
@@ -86,6 +87,7 @@ class StateManager:
             return
         self.free_blocks.extend(reversed(blocks))
         self.free_slots.append(slot)
+        self.pools.slot_blocks[slot] = 0
         # The table row keeps stale ids: the next owner overwrites the columns it uses, and reads are
         # bounded by its own entry count, so stale columns are never visible.
 

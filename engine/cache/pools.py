@@ -141,6 +141,8 @@ class StatePools:
                                                device=device)
         self.engram = torch.zeros(S, max(layout.engram_lookback, 1), dtype=torch.int64, device=device)
         self.block_table = torch.zeros(S, self.max_blocks, dtype=torch.int32, device=device)
+        # Host copy of how many table columns each slot owns (None: not tracked, e.g. tables filled by hand).
+        self.slot_blocks: list[int | None] = [None] * S
 
     def nbytes(self) -> int:
         tensors = [*self.window, *self.pending_kv.values(), *self.pending_score.values(), *self.prev_a_kv.values(),
@@ -217,8 +219,10 @@ class StatePools:
         return self.entries[s.name][blocks, rows].clone()
 
     def _scatter_entries(self, s: EntryStream, slot: int, first: int, new: torch.Tensor) -> None:
+        owned = self.slot_blocks[slot]
+        last_block = ((first + new.shape[0]) * s.ratio - 1) // self.layout.block_tokens
+        if owned is not None and last_block >= owned:
+            raise DeepInferError(f"internal: slot {slot} writes block {last_block} but owns {owned} blocks")
         blocks, rows = self.entry_location(s, slot, first, new.shape[0])
-        if bool((blocks == SCRATCH).any()):
-            raise DeepInferError("internal: entries written past a sequence's allocated blocks")
         self.entries[s.name][blocks, rows] = new.to(self.layout.dtype)
 
