@@ -274,3 +274,20 @@ def test_batch_invariant_mode_seeded_sampling_is_bitwise_batch_independent(arch)
                 assert got.logprobs == alone.logprobs           # float equality: bitwise
     finally:
         torch.set_num_threads(before)
+
+
+def test_prompt_logprobs_survive_one_token_pieces(llm):
+    """A 2-token step budget shared with another sequence's decode feeds 1-token prompt pieces mid-prompt (which
+    must still record their prompt logprobs): every prompt position gets its entry, equal to an unchunked run's."""
+    sp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1, ignore_eos=True)
+    small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=2)
+    steps, execute = [], small.runner.execute
+    small.runner.execute = lambda batch, prev: steps.append([(s.n, s.start) for s in batch]) or execute(batch, prev)
+    chunked = small.generate([PROMPTS[1], PROMPTS[2]], sp, use_tqdm=False)
+    assert any(len(st) == 2 and st[1] == (1, st[1][1]) and st[1][1] > 0 for st in steps)   # 1-token pieces
+    for out in chunked:
+        whole = llm.generate({"prompt_token_ids": out.prompt_token_ids}, sp, use_tqdm=False)[0]
+        assert len(whole.prompt_logprobs) == len(whole.prompt_token_ids) == len(out.prompt_logprobs)
+        for a, b in zip(whole.prompt_logprobs[1:], out.prompt_logprobs[1:]):
+            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-9 for k in a)
+        assert whole.outputs[0].token_ids == out.outputs[0].token_ids

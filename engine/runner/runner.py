@@ -62,8 +62,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], prev: StepOutput | None) -> StepOutput:
         rows: dict[int, torch.Tensor] = {}                  # id(scheduled) -> logits of its last fed position
-        decode = [s for s in batch if s.n == 1 and s.start > 0]
-        prefill = [s for s in batch if not (s.n == 1 and s.start > 0)]
+        decode = [s for s in batch if s.n == 1 and s.start > 0 and not _wants_prompt_logprob(s)]
+        prefill = [s for s in batch if s not in decode]
         if prefill:
             self._prefill(prefill, rows)
         if decode:
@@ -72,8 +72,7 @@ class ModelRunner:
 
     # ---- prefill: the reference forward on states loaded from the pools ----
     def _prefill(self, batch: list[Scheduled], rows: dict) -> None:
-        full = [s for s in batch if (s.req.params.prompt_logprobs is not None and s.start < len(s.req.prompt_ids))
-                or not self.yoco or s.n < self.yoco_min_tokens]
+        full = [s for s in batch if _wants_prompt_logprob(s) or not self.yoco or s.n < self.yoco_min_tokens]
         truncated = [s for s in batch if s not in full]
         for group, last_only in ((full, False), (truncated, True)):
             if not group:
@@ -85,7 +84,7 @@ class ModelRunner:
             logits = self.model.extend(chunks, states, **kwargs)
             for slot, s, st, lg in zip(slots, group, states, logits):
                 self.pools.store_state(slot, st, s.start)
-                if s.req.params.prompt_logprobs is not None and s.start < len(s.req.prompt_ids):
+                if _wants_prompt_logprob(s):
                     record_prompt_logprobs(s, lg)
                 rows[id(s)] = lg[-1]
 
@@ -138,6 +137,11 @@ class ModelRunner:
             chosen, ids, vals = logprobs(logits[idx], tokens[idx], k)
             out.lp = (idx, chosen, ids, vals)
         return out
+
+
+def _wants_prompt_logprob(s: Scheduled) -> bool:
+    """A fed position that predicts a prompt token whose logprob was asked for (only the prefill path records)."""
+    return s.req.params.prompt_logprobs is not None and s.start + 1 < len(s.req.prompt_ids)
 
 
 def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor) -> None:
