@@ -63,3 +63,22 @@ def yoco_prefill() -> bool:
 def yoco_prefill_min_tokens() -> int:
     """DEEPINFER_YOCO_PREFILL_MIN_TOKENS (default 2): pieces shorter than this run untruncated."""
     return env_int("DEEPINFER_YOCO_PREFILL_MIN_TOKENS", 2, 1)
+
+
+def configure_logging() -> None:
+    """DEEPINFER_CONFIGURE_LOGGING (default 1): give the `deepinfer` logger an INFO handler on stderr (as vLLM
+    does), so start-up lines such as the state-pool sizes are seen; 0 leaves logging to the application."""
+    import logging
+    import sys
+    logger = logging.getLogger("deepinfer")
+    try:
+        wanted = env_flag("DEEPINFER_CONFIGURE_LOGGING", True)
+    except DeepInferError as e:          # at import: say it, keep the default, never a traceback
+        print(f"deepinfer: {e}; configuring logging as by default", file=sys.stderr)
+        wanted = True
+    if not wanted or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s deepinfer: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
