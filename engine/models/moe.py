@@ -73,6 +73,9 @@ class Gate(nn.Module):
         return weights * self.scale, ids
 
 
+GATHER_FRACTION = 4   # all-experts routing gathers the routed experts instead when rows * k * 4 <= experts
+
+
 class _Routing(threading.local):
     all_experts = False
 
@@ -113,7 +116,8 @@ class Experts(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(n_experts, r, c, dtype=dtype), requires_grad=False))
         self.quantized: dict = {}   # "w1"|"w2"|"w3" -> list of per-expert QuantizedWeight
 
-    def weight(self, name: str, e: int) -> torch.Tensor:
+    def weight(self, name: str, e: int | torch.Tensor) -> torch.Tensor:
+        """Expert e's weight (e a tensor of ids: stacked [len(e), rows, cols]) in the compute dtype."""
         if self.storage == "fp4":
             return dequantize_fp4(getattr(self, f"{name}_fp4")[e], getattr(self, f"{name}_scale")[e], FP4_BLOCK,
                                   self.dtype)
@@ -153,6 +157,8 @@ class Experts(nn.Module):
             for e in range(n_experts):
                 out += self._expert(e, x, dense[:, e])
             return out
+        if x.shape[0] * ids.shape[1] * GATHER_FRACTION <= n_experts:
+            return self._forward_gathered(x, weights, ids)
         if self.storage == "fp4":
             for e in range(n_experts):
                 h = swiglu(x @ self.weight("w1", e).T, x @ self.weight("w3", e).T, self.limit)
@@ -163,6 +169,24 @@ class Experts(nn.Module):
         y = upcast(torch.matmul(h.to(self.dtype), self.w2.transpose(1, 2)))       # [E, N, D]
         for e in range(n_experts):                                                 # fixed order
             out += y[e]
+        return out
+
+    def _forward_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Few rows (N*k well below E): each row's k experts' weights gathered ([N*k] slices, static shapes, no
+        host sync) instead of reading every expert; each row still sums its experts in expert-id order.
+        x [N, D] (compute dtype), weights/ids [N, k] -> [N, D] >= fp32."""
+        n, k = ids.shape
+        ids, perm = ids.sort(dim=1)
+        weights = weights.gather(1, perm)
+        flat = ids.reshape(-1)                                                     # [N*k]
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)                            # [N*k, 1, D]
+        w1, w3, w2 = (self.weight(name, flat) for name in ("w1", "w3", "w2"))      # [N*k, I, D] / [N*k, D, I]
+        h = swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), self.limit)
+        h = h * weights.reshape(-1, 1, 1).to(h.dtype)                              # [N*k, 1, I]
+        y = upcast(torch.bmm(h.to(self.dtype), w2.transpose(1, 2))).view(n, k, -1)
+        out = torch.zeros_like(y[:, 0])
+        for j in range(k):                                                         # ascending expert id
+            out += y[:, j]
         return out
 
 
