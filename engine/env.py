@@ -54,6 +54,33 @@ def accelerator() -> str:
     return raw
 
 
+def check_device(device) -> str:
+    """A device string LLM can use, or one error line (unknown name, no CUDA build / GPU, index out of range)."""
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeepInferError(f"device={device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeepInferError(f"device={device!r}: no CUDA GPU is visible to this torch build "
+                                 f"(torch {torch.__version__}); use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeepInferError(f"device={device!r}: only {torch.cuda.device_count()} GPU(s) are visible")
+    elif dev.type != "cpu":
+        raise DeepInferError(f"device={device!r}: deepinfer runs on cpu or cuda")
+    return str(dev)
+
+
+def check_environment() -> None:
+    """Read every DEEPINFER_* setting once, before any work, so a bad value is one error line up front."""
+    from deepinfer.kernels.matmul import is_batch_invariant
+    is_batch_invariant()
+    async_scheduling_default()
+    yoco_prefill()
+    yoco_prefill_min_tokens()
+
+
 def yoco_prefill() -> bool:
     """DEEPINFER_YOCO_PREFILL (default 1): V4.1 prefill pieces that need only their last logits run with YOCO
     truncation (exact; docs/model-v41.md). 0 runs every layer on every row."""

@@ -16,7 +16,7 @@ import torch
 from .api import load_model, parse_dtype
 from .errors import DeepInferError
 from .cache.manager import StateManager
-from .env import accelerator, async_scheduling_default
+from .env import accelerator, async_scheduling_default, check_device, check_environment
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -51,12 +51,16 @@ class LLM:
         util = args["gpu_memory_utilization"]
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
-        for name in ("enforce_eager", "async_scheduling"):
+        for name in ("enforce_eager", "async_scheduling", "keep_quantized"):
             if args[name] is not None and not isinstance(args[name], bool):
                 raise DeepInferError(f"{name}={args[name]!r} must be True or False")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
-        device = accelerator() if device is None else device
+        device = check_device(accelerator() if device is None else device)
+        check_environment()
+        if args["max_num_batched_tokens"] < args["max_num_seqs"]:
+            raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
+                                 f"{args['max_num_seqs']}: every running sequence needs a token of each step's budget")
         if model is None:
             from .checkpoint.make import embedded_tiny_dir
             model = embedded_tiny_dir()
@@ -127,7 +131,7 @@ class LLM:
         """Plan, launch, then read the previous step's tokens: with asynchronous scheduling the host plans and
         launches step N+1 before it waits for step N's tokens (steps whose rows need host-side outputs, the
         penalties, wait first)."""
-        align = self.args["max_num_batched_tokens"] if self.batch_invariant else None
+        align = invariant_chunk(self.args["max_num_batched_tokens"]) if self.batch_invariant else None
         sched = Scheduler(min(self.args["max_num_seqs"], self.manager.num_slots), self.args["max_num_batched_tokens"],
                           self.manager, self.max_model_len, align)
         for r in requests:
@@ -136,6 +140,17 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(requests), desc="generate", unit="seq")
+        steps = 0
+        try:
+            steps = self._loop(sched, bar)
+        finally:                      # an error or interrupt mid-run: give every seat and block back
+            for r in requests:
+                self.manager.release(r.request_id)
+            if bar is not None:
+                bar.close()
+        self.last_run = {"preemptions": sched.num_preemptions, "steps": steps}
+
+    def _loop(self, sched: Scheduler, bar) -> int:
         prev, steps = None, 0
         while sched.has_unfinished():
             if prev is not None and (not self.async_scheduling or _needs_host_outputs(sched)):
@@ -159,9 +174,7 @@ class LLM:
             if prev is not None:
                 self._process(prev, sched, bar)
             prev = out
-        if bar is not None:
-            bar.close()
-        self.last_run = {"preemptions": sched.num_preemptions, "steps": steps}
+        return steps
 
     def _process(self, out, sched: Scheduler, bar) -> None:
         """The host side of a finished step: append its tokens, finish sequences (their slots go back)."""
@@ -173,7 +186,8 @@ class LLM:
             if r.status is Status.FINISHED:           # planned once more before its end was seen: dropped
                 continue
             if lp is not None:
-                r.logprobs = (r.logprobs or []) + [lp]
+                r.logprobs = r.logprobs if r.logprobs is not None else []
+                r.logprobs.append(lp)
             if self._append(r, tok, now):
                 sched.finish(r)
                 if bar is not None:
@@ -227,10 +241,8 @@ class LLM:
         """Find the earliest stop string in the text the new token added (a match may start up to
         len(stop) - 1 characters earlier); text produced before min_tokens is never matched."""
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        if active:
-            longest = max(len(s) for s in r.params.stop)
-            start = max(0, r.stop_checked - longest + 1)
-            hits = [(i, s) for s in r.params.stop if (i := text.find(s, start)) >= 0]
+        if active:      # a match may start up to len(s) - 1 characters before the new text, never earlier
+            hits = [(i, s) for s in r.params.stop if (i := text.find(s, max(0, r.stop_checked - len(s) + 1))) >= 0]
             if hits:
                 r.stop_at, r.stop_reason = min(hits)
                 r.finish_reason = "stop"
@@ -298,7 +310,10 @@ class LLM:
     def _output(self, rid: str, text, ids, reqs: list[Request]) -> RequestOutput:
         outs = [CompletionOutput(r.index, self._text(r), list(r.output_ids), r.logprobs, r.finish_reason,
                                  r.stop_reason) for r in reqs]
-        return RequestOutput(rid, text, list(ids), reqs[0].prompt_logprobs, outs,
+        prompt_lp = reqs[0].prompt_logprobs
+        if prompt_lp is None and reqs[0].params.prompt_logprobs is not None:
+            prompt_lp = [None]                   # a 1-token prompt: its only token has no logprob (as vLLM)
+        return RequestOutput(rid, text, list(ids), prompt_lp, outs,
                              all(r.finish_reason for r in reqs), [r.metrics for r in reqs])
 
     def _text(self, r: Request) -> str:
@@ -339,3 +354,9 @@ def _needs_host_outputs(sched: Scheduler) -> bool:
     while its last token is in flight."""
     return any(r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
                for r in sched.running)
+
+
+def invariant_chunk(budget: int) -> int:
+    """Batch-invariant mode's prefill piece grid: a quarter of the step budget (at most 512), so decodes sharing
+    a step rarely leave too little room for a whole piece (which then waits a step)."""
+    return max(1, min(512, budget // 4))

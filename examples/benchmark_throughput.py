@@ -66,7 +66,9 @@ def main() -> None:
     vocab = llm.model.cfg.vocab_size
     prompts = [torch.randint(10, vocab, (args.input_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)    # warm-up: captures the graphs the
+    llm.generate(prompts[:1], warm, use_tqdm=False)                         # timed run uses (batch 1 and the
+    llm.generate(prompts, warm, use_tqdm=False)                             # full batch at this context)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     if torch.cuda.is_available():

@@ -6,7 +6,7 @@ row-local function (mHC mixes, MoE experts, router, batched attention rows).
 
 Normal mode: each helper is the plain torch op, bit for bit what the models computed before.
 
-Batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1, read once at import; `set_batch_invariant` and the
+Batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1, read once on first use; `set_batch_invariant` and the
 `batch_invariant()` context manager switch it at run time): the rows are cut into fixed tiles of TILE rows,
 the last tile zero-padded, and the op runs once per tile. Every kernel call then has the same shape whatever
 the batch, so a row's reduction order (BLAS blocking, split reductions, vector tails of elementwise loops)
@@ -17,13 +17,11 @@ expected of cuBLAS: a GEMM of one fixed shape gives each row the same bits at ev
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer.errors import DeepInferError
 
 TILE = 16        # rows per kernel call in batch-invariant mode
 WIDE_TILE = 64   # for row-local work without a GEMM (fewer calls; elementwise loops stay vector-aligned)
@@ -32,25 +30,24 @@ ENV = "DEEPINFER_BATCH_INVARIANT"
 
 def env_batch_invariant() -> bool:
     """DEEPINFER_BATCH_INVARIANT (default 0): 1/true/yes/on turns batch-invariant mode on."""
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise DeepInferError(f"{ENV}={os.environ[ENV]!r} is not a boolean; use 1 or 0")
+    from deepinfer.env import env_flag
+    return env_flag(ENV, False)
 
 
-_enabled = env_batch_invariant()
+_enabled: bool | None = None     # read from the environment on first use (a bad value: one error line there)
 
 
 def is_batch_invariant() -> bool:
+    global _enabled
+    if _enabled is None:
+        _enabled = env_batch_invariant()
     return _enabled
 
 
 def set_batch_invariant(on: bool) -> bool:
     """Switch batch-invariant mode for the whole process; returns the previous setting."""
     global _enabled
-    before, _enabled = _enabled, bool(on)
+    before, _enabled = is_batch_invariant(), bool(on)
     return before
 
 

@@ -180,6 +180,8 @@ def test_extreme_seeds_and_temperatures(llm):
     ({"async_scheduling": 1}, "async_scheduling=1"), ({"max_graph_batch": 0}, "max_graph_batch=0"),
     ({"state_memory_bytes": 1000}, "cannot hold one sequence of max_model_len"),
     ({"block_size": 3}, "block_size=3 must be a positive multiple of"),
+    ({"device": "gpu"}, "device='gpu' is not a device"), ({"keep_quantized": "yes"}, "keep_quantized"),
+    ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens=4 is below max_num_seqs=8"),
 ])
 def test_bad_engine_arguments(kwargs, match):
     with pytest.raises(DeepInferError, match=match):
@@ -243,8 +245,12 @@ def test_state_pools_are_sized_from_the_budget_and_logged(caplog):
 @pytest.mark.parametrize("name, value, match", [
     ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "DEEPINFER_ASYNC_SCHEDULING='maybe' is not a boolean"),
     ("DEEPINFER_ACCELERATOR", "tpu", "DEEPINFER_ACCELERATOR='tpu'"),
+    ("DEEPINFER_BATCH_INVARIANT", "sometimes", "DEEPINFER_BATCH_INVARIANT='sometimes'"),
+    ("DEEPINFER_YOCO_PREFILL_MIN_TOKENS", "0", "DEEPINFER_YOCO_PREFILL_MIN_TOKENS=0 must be >= 1"),
 ])
 def test_bad_environment(monkeypatch, name, value, match):
+    from deepinfer.kernels import matmul
+    monkeypatch.setattr(matmul, "_enabled", None)        # read the environment again
     monkeypatch.setenv(name, value)
     with pytest.raises(DeepInferError, match=match):
         LLM(embedded_tiny_dir("deepseek_v41"))
@@ -260,7 +266,7 @@ def test_batch_invariant_mode_seeded_sampling_is_bitwise_batch_independent(arch)
     torch.set_num_threads(1)                # small tiled calls; spinning OpenMP threads only slow them down
     try:
         with batch_invariant(True):
-            llm = LLM(embedded_tiny_dir(arch), max_model_len=96, max_num_batched_tokens=16)
+            llm = LLM(embedded_tiny_dir(arch), max_model_len=96, max_num_batched_tokens=16, max_num_seqs=16)
             assert llm.batch_invariant and llm.runner.fixed_context
             sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=6, logprobs=2, ignore_eos=True)
             other = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
@@ -280,7 +286,7 @@ def test_prompt_logprobs_survive_one_token_pieces(llm):
     """A 2-token step budget shared with another sequence's decode feeds 1-token prompt pieces mid-prompt (which
     must still record their prompt logprobs): every prompt position gets its entry, equal to an unchunked run's."""
     sp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1, ignore_eos=True)
-    small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=2)
+    small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=2, max_num_seqs=2)
     steps, execute = [], small.runner.execute
     small.runner.execute = lambda batch, prev: steps.append([(s.n, s.start) for s in batch]) or execute(batch, prev)
     chunked = small.generate([PROMPTS[1], PROMPTS[2]], sp, use_tqdm=False)
@@ -291,3 +297,45 @@ def test_prompt_logprobs_survive_one_token_pieces(llm):
         for a, b in zip(whole.prompt_logprobs[1:], out.prompt_logprobs[1:]):
             assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-9 for k in a)
         assert whole.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_cuda_device_without_a_gpu_is_one_error_line():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(DeepInferError, match="no CUDA GPU is visible"):
+        LLM(embedded_tiny_dir("deepseek_v41"), device="cuda")
+
+
+def test_an_interrupted_run_gives_its_seats_back(llm):
+    """An error or Ctrl-C inside a step must not leak slots and blocks: the next generate still runs."""
+    free = len(llm.manager.free_slots), len(llm.manager.free_blocks)
+    execute, calls = llm.runner.execute, []
+
+    def failing(batch, prev):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return execute(batch, prev)
+    llm.runner.execute = failing
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    finally:
+        llm.runner.execute = execute
+    assert (len(llm.manager.free_slots), len(llm.manager.free_blocks)) == free
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_stop_strings_ignore_text_before_min_tokens(llm):
+    """A stop string already present in text produced before min_tokens does not end the sequence later."""
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    text = greedy[0].outputs[0].text
+    ids = greedy[0].outputs[0].token_ids
+    early = llm.tokenizer.decode(ids[:1], skip_special_tokens=True)
+    stop = next((c for c in early if c.strip() and c not in text[len(early):]), None)
+    if stop is None:
+        pytest.skip("the first token's text repeats later")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, min_tokens=3, stop=[stop, "x" * 40])
+    out = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids and out.finish_reason == "length"

@@ -26,24 +26,25 @@ class StateManager:
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
         full_seq = layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block()
-        if memory_bytes is None:
-            memory_bytes = min(max_num_seqs * full_seq, DEFAULT_CPU_BYTES)
+        table_bytes = 4 * per_seq_blocks + 8 * max(layout.engram_lookback, 1)     # block table + engram, per slot
+        full_seq += table_bytes
+        scratch = layout.bytes_per_slot() + layout.bytes_per_block() + table_bytes     # slot 0 and block 0
+        given = min(max_num_seqs * full_seq + scratch, DEFAULT_CPU_BYTES) if memory_bytes is None else memory_bytes
+        memory_bytes = given - scratch
         if memory_bytes < full_seq:
             raise DeepInferError(
-                f"the state budget ({memory_bytes / 2**20:.1f} MiB) cannot hold one sequence of max_model_len="
+                f"the state budget ({given / 2**20:.1f} MiB) cannot hold one sequence of max_model_len="
                 f"{max_model_len} ({full_seq / 2**20:.1f} MiB): raise state_memory_bytes / gpu_memory_utilization "
                 f"or lower max_model_len")
         spare = memory_bytes - full_seq
-        slots = min(max_num_seqs, 1 + spare // max(layout.bytes_per_slot(), 1))
-        blocks = (memory_bytes - slots * layout.bytes_per_slot()) // max(layout.bytes_per_block(), 1)
+        slot_bytes = layout.bytes_per_slot() + table_bytes
+        slots = min(max_num_seqs, 1 + spare // slot_bytes)
+        blocks = (memory_bytes - slots * slot_bytes) // max(layout.bytes_per_block(), 1)
         blocks = int(min(blocks, slots * per_seq_blocks)) if layout.streams else 0
         self.pools = StatePools(layout, int(slots), blocks, max_model_len, model.device)
         self.free_slots = list(range(int(slots), 0, -1))       # pop() hands out slot 1 first
         self.free_blocks = list(range(blocks, 0, -1))
         self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
-        self.engram_blank = None
-        if layout.engram_lookback:
-            self.engram_blank = model.hasher.new_state(model.device) if model.hasher is not None else None
         self.summary = (
             f"state pools: {layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
             f"tokens), {layout.bytes_per_slot() / 2**20:.2f} MiB fixed per sequence, "
@@ -58,9 +59,6 @@ class StateManager:
     def slot(self, rid: str) -> int:
         return self.owned[rid][0]
 
-    def has_slot(self) -> bool:
-        return bool(self.free_slots)
-
     def reserve(self, rid: str, num_tokens: int) -> bool:
         """Make `rid` own a slot and the blocks for num_tokens positions; False (nothing taken) if they
         are not free."""
@@ -70,8 +68,6 @@ class StateManager:
             return False
         if slot is None:
             slot = self.free_slots.pop()
-            if self.engram_blank is not None:
-                self.pools.engram[slot] = self.engram_blank
         if need > 0:
             new = [self.free_blocks.pop() for _ in range(need)]
             self.pools.block_table[slot, len(blocks):len(blocks) + need] = torch.tensor(
@@ -88,8 +84,5 @@ class StateManager:
         self.free_blocks.extend(reversed(blocks))
         self.free_slots.append(slot)
         self.pools.slot_blocks[slot] = 0
-        # The table row keeps stale ids: the next owner overwrites the columns it uses, and reads are
-        # bounded by its own entry count, so stale columns are never visible.
-
-    def blocks_of(self, rid: str) -> int:
-        return len(self.owned.get(rid, (None, []))[1])
+        # The table row keeps stale ids: the next owner overwrites the columns it writes; a decode reads up to
+        # ctx_blocks columns, but entries past a row's own count are masked, so stale ids are never attended.

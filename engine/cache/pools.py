@@ -149,9 +149,6 @@ class StatePools:
                    *self.prev_a_score.values(), *self.entries.values(), self.engram, self.block_table]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def stream(self, name: str) -> EntryStream:
-        return next(s for s in self.layout.streams if s.name == name)
-
     # ---- between the pools and the reference path's SequenceState ----
     def load_state(self, slot: int, num_tokens: int, state: SequenceState) -> SequenceState:
         """Fill a fresh `state` (model.new_state()) with what the pools hold for a sequence of num_tokens
@@ -226,3 +223,12 @@ class StatePools:
         blocks, rows = self.entry_location(s, slot, first, new.shape[0])
         self.entries[s.name][blocks, rows] = new.to(self.layout.dtype)
 
+
+def ring_window(ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per row: write kv [B, d] at ring row p % W of ring [S, W, d]; return the keys [B, W, d]
+    at positions p-W+1 .. p (oldest first) and which of them exist [B, W] (position >= 0)."""
+    width = ring.shape[1]
+    ring[slots, positions % width] = kv.to(ring.dtype)
+    key_pos = positions.unsqueeze(1) - (width - 1) + torch.arange(width, device=kv.device)     # [B, W]
+    return ring[slots.unsqueeze(1), key_pos % width], key_pos >= 0

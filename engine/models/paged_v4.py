@@ -28,7 +28,7 @@ import torch
 from deepinfer.kernels.attention import sink_attention_rows
 from deepinfer.kernels.precision import upcast
 
-from ..cache.pools import SCRATCH, StatePools
+from ..cache.pools import SCRATCH, StatePools, ring_window
 from .attention import Attention, visibility_bias
 from .compressor import Compressor, no_predecessor
 from .moe import all_experts_routing
@@ -68,7 +68,7 @@ def decode_step(model, pools: StatePools, slots: torch.Tensor, positions: torch.
 def _attention(attn: Attention, x: torch.Tensor, pools: StatePools, rows: Rows, layer: int) -> torch.Tensor:
     """x [B, D] normed attention input -> [B, D]; updates the layer's pool state."""
     q, kv, comp, idx, (cos, sin) = attn.project(x, rows.positions)                    # q [B, H, d], kv [B, d]
-    keys, visible = _window(pools.window[layer], kv, rows)                            # [B, W, d], [B, W]
+    keys, visible = ring_window(pools.window[layer], rows.slots, rows.positions, kv)                            # [B, W, d], [B, W]
     if attn.compressor is not None:
         entries = _compress(attn, attn.compressor, *comp, pools, f"{layer}.kv", rows,
                             attn._quantize_entry)                                     # [B, n, d]
@@ -84,15 +84,6 @@ def _attention(attn: Attention, x: torch.Tensor, pools: StatePools, rows: Rows, 
     keys = torch.where(visible.unsqueeze(-1), keys, 0)   # hidden rows may hold anything (stale, scratch)
     out = sink_attention_rows(q, keys, visibility_bias(visible), attn.attn_sink, attn.head_dim ** -0.5)
     return attn.output(out, cos, sin)                                                 # [B, D]
-
-
-def _window(ring: torch.Tensor, kv: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """ring [S, W, d] of one layer; kv [B, d] -> this token stored at row p % W; returns the keys [B, W, d] at
-    positions p-W+1 .. p (in that order) and which of them exist [B, W] (position >= 0)."""
-    width = ring.shape[1]
-    ring[rows.slots, rows.positions % width] = kv.to(ring.dtype)
-    key_pos = rows.positions.unsqueeze(1) - (width - 1) + torch.arange(width, device=kv.device)   # [B, W]
-    return ring[rows.slots.unsqueeze(1), key_pos % width], key_pos >= 0
 
 
 def _compress(attn: Attention, comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, pools: StatePools,

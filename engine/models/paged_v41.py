@@ -32,7 +32,7 @@ import torch
 
 from deepinfer.kernels.attention import sink_attention_rows
 
-from ..cache.pools import SCRATCH, StatePools
+from ..cache.pools import SCRATCH, StatePools, ring_window
 from ..cache.sequence_state import CompressorState
 from ..errors import DeepInferError
 from .attention_v41 import AttentionV41, visibility_bias
@@ -84,7 +84,7 @@ def _attend(attn: AttentionV41, x: torch.Tensor, step: _Step) -> torch.Tensor:
     """x [B, D] (normed) -> [B, D]: AttentionV41._attend_one for one token per row."""
     cos, sin = attn.rope(step.pos)
     q, qr = attn.queries(x, cos, sin)                                      # [B, H, d], [B, q_lora]
-    keys, visible = _window(step, step.pools.window[attn.layer], attn.window_kv(x, cos, sin))  # [B, W, d], [B, W]
+    keys, visible = ring_window(step.pools.window[attn.layer], step.slots, step.pos, attn.window_kv(x, cos, sin))  # [B, W, d], [B, W]
     if attn.ratio:
         sh = step.shared
         if attn.compressor is not None:
@@ -100,14 +100,6 @@ def _attend(attn: AttentionV41, x: torch.Tensor, step: _Step) -> torch.Tensor:
             visible = torch.cat([visible, chosen], dim=1)
     out = sink_attention_rows(q, keys, visibility_bias(visible), attn.attn_sink, attn.head_dim ** -0.5)
     return attn.output(out, cos, sin)
-
-
-def _window(step: _Step, ring: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write kv [B, d] at ring row pos % W of ring [S, W, d]; -> (keys [B, W, d] oldest first, visible [B, W])."""
-    w = ring.shape[1]
-    ring[step.slots, step.pos % w] = kv.to(ring.dtype)
-    key_pos = step.pos.unsqueeze(1) - (w - 1) + torch.arange(w, device=kv.device)       # [B, W]
-    return ring[step.slots.unsqueeze(1), key_pos % w], key_pos >= 0
 
 
 def _publish(attn: AttentionV41, x: torch.Tensor, step: _Step) -> None:

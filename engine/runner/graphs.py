@@ -35,6 +35,10 @@ class DecodeGraphs:
         size = next((s for s in self.sizes if s >= b), None)
         if size is None:
             return None
+        with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
+            return self._replay(b, size, slots, positions, tokens, ctx_blocks)
+
+    def _replay(self, b: int, size: int, slots, positions, tokens, ctx_blocks: int) -> torch.Tensor:
         key = (size, ctx_blocks)
         if key not in self.graphs:
             self.graphs[key] = self._capture(size, ctx_blocks)

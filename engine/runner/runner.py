@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.kernels.precision import upcast
+
 from ..env import yoco_prefill, yoco_prefill_min_tokens
 from ..sampling.sampler import build_sampling_tensors, logprobs, sample
 from ..scheduler.scheduler import Scheduled
@@ -79,7 +81,7 @@ class ModelRunner:
                 continue
             slots = [self.manager.slot(s.req.request_id) for s in group]
             states = [self.pools.load_state(slot, s.start, self.model.new_state()) for slot, s in zip(slots, group)]
-            chunks = [torch.tensor(s.req.all_ids[s.start:s.start + s.n]) for s in group]
+            chunks = [torch.tensor(s.req.tokens(s.start, s.start + s.n)) for s in group]
             kwargs = {"last_only": True} if last_only else {}
             logits = self.model.extend(chunks, states, **kwargs)
             for slot, s, st, lg in zip(slots, group, states, logits):
@@ -94,7 +96,7 @@ class ModelRunner:
         host_tok, prev_idx = [], []
         for s in batch:
             known = s.start < s.req.num_tokens
-            host_tok.append(s.req.all_ids[s.start] if known else 0)
+            host_tok.append(s.req.token_at(s.start) if known else 0)
             prev_idx.append(-1 if known else prev.index[s.req.request_id])
         as_t = lambda v: torch.tensor(v, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
         tokens = as_t(host_tok)
@@ -150,7 +152,7 @@ def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor) -> None:
     req, a = s.req, s.start
     if req.prompt_logprobs is None:
         req.prompt_logprobs = [None]
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = torch.log_softmax(upcast(logits), dim=-1)
     k = req.params.prompt_logprobs
     for i in range(s.n):
         j = a + i + 1                                   # the prompt token row i predicts

@@ -143,9 +143,11 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Temperature-scaled logits [B, V] -> the same with filtered-out ids at -inf (min-p, top-k, top-p).
     Ties at a top-k / top-p boundary keep every tied id (a value threshold, independent of id order)."""
-    neg = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    neg = float("-inf")
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, neg)
+    if t.host_flags is not None and not (t.host_flags["min_p"] or t.host_flags["top_k"] or t.host_flags["top_p"]):
+        return logits                             # no filter on: skip the softmax and the vocabulary sort
     probs = torch.softmax(logits, dim=-1)
     if t.uses("min_p", lambda: (t.min_p > 0).any()):
         floor = t.min_p.unsqueeze(1).to(probs.dtype) * probs.amax(dim=-1, keepdim=True)
