@@ -87,7 +87,7 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
                            prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None,
                            eos_token_id: int | None = None, num_outputs: list[int] | None = None) -> SamplingTensors:
     """One step's SamplingTensors from each row's SamplingParams. seeds: the request seed (params.seed, else
-    the one the engine drew for the request at admission); positions: the absolute position being sampled;
+    the one the engine drew when the request was created); positions: the absolute position being sampled;
     prompt_ids / output_ids: for the penalties and min_tokens (rows still below min_tokens may not draw EOS
     or a stop token id); num_outputs: output lengths when they include tokens still in flight (default: the
     lengths of output_ids)."""

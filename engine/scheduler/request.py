@@ -23,7 +23,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int                        # the seed its draws use: params.seed (+ sample index) or drawn at admission
+    seed: int                        # the seed its draws use: params.seed (+ sample index) or drawn when generate() creates it
     index: int = 0                   # which of the n samples
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0            # positions planned into steps (advanced when a step is planned)
