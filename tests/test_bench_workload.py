@@ -1,0 +1,33 @@
+"""Random workloads (InferenceX lengths) and one measured point on the tiny engine at a fixed concurrency."""
+
+import pytest
+
+from deepinfer import LLM
+from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.harness.workload import random_workload, run_workload
+
+
+def test_random_workload_lengths_and_seed():
+    w = random_workload(200, 100, 20, 0.8, vocab_size=512, seed=3)
+    assert all(80 <= len(p) <= 100 for p in w.prompts) and all(16 <= k <= 20 for k in w.output_lens)
+    assert all(16 <= t < 512 for p in w.prompts for t in p)
+    assert {len(p) for p in w.prompts} >= {80, 100}                 # both ends are drawn
+    assert random_workload(200, 100, 20, 0.8, 512, seed=3) == w and random_workload(200, 100, 20, 0.8, 512, 4) != w
+    with pytest.raises(ValueError, match="range_ratio"):
+        random_workload(1, 10, 10, 0.0, 512, 0)
+
+
+def test_run_workload_respects_concurrency():
+    llm = LLM(embedded_tiny_dir("deepseek_v41"), max_model_len=128)
+    w = random_workload(6, 24, 6, 0.8, llm.model.cfg.vocab_size, seed=1)
+    records, duration = run_workload(llm, w, concurrency=2, seed=0)
+    assert duration > 0 and llm.args["max_num_seqs"] == 256          # restored
+    for r, k in zip(records, w.output_lens):
+        assert r.success and r.output_len == k == len(r.token_times)
+        assert r.start <= r.token_times[0] and r.token_times == sorted(r.token_times)
+    events = sorted([(r.start, 1) for r in records] + [(r.token_times[-1], -1) for r in records])
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    assert peak <= 2
