@@ -1,0 +1,358 @@
+"""Sweep definitions for `deepinfer-bench sweep`: a YAML file -> a validated, frozen `SweepConfig`.
+
+    cfg = load_sweep("sweeps/tiny-cpu.yaml")
+    for point in cfg.points():          # mode x scenario x concurrency, in run order
+        print(point.key)                # e.g. decode/isl1024-osl1024/c32 (stable: used to resume)
+
+Every problem is one `SweepConfigError` line naming the file, the key path (`scenarios[1].osl`) and what
+is allowed. The schema is documented in sweeps/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from deepinfer.errors import DeepInferError
+
+# dtype names LLM(dtype=...) accepts (deepinfer.api.DTYPES); kept here so loading a sweep needs no torch.
+DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64")
+DEVICES = ("cpu", "cuda")
+MODES = ("prefill", "decode", "both")
+RANDOM_ARCHS = ("deepseek_v4", "deepseek_v41")
+RANDOM_PRESETS = ("tiny", "flash")
+EXPERT_STORAGE = ("dense", "fp4")
+MIN_PROMPTS_PER_CONCURRENCY = 5
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+TOP_KEYS = ("name", "model", "device", "dtype", "engine_args", "mode", "scenarios", "range_ratio", "topology",
+            "concurrency", "num_prompts_per_concurrency", "warmup", "seed")
+REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
+# engine argument -> kind: "int" (>= 1), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE)
+ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max_model_len": "int",
+                    "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
+                    "block_size": "int"}
+SCENARIO_KEYS = ("isl", "osl")
+TOPOLOGY_KEYS = ("prefill_ranks", "decode_ranks", "ep", "dp")
+LADDER_KEYS = ("start", "stop")
+
+
+class SweepConfigError(DeepInferError, ValueError):
+    """A sweep file is missing, malformed or out of range (one line: file, key path, what is allowed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    isl: int            # nominal input length; each prompt is range_ratio..1 x isl tokens
+    osl: int            # output length (ignore_eos)
+
+    @property
+    def label(self) -> str:
+        return f"isl{self.isl}-osl{self.osl}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    prefill_ranks: int = 1
+    decode_ranks: int = 1
+    ep: int = 1         # expert-parallel width inside a role, capped at that role's ranks
+    dp: int = 1         # data-parallel (attention) width inside a role, capped at that role's ranks
+
+    def ranks(self, mode: str) -> int:
+        """GPUs a point of `mode` ("prefill" or "decode") runs on: the per-GPU denominator."""
+        return self.prefill_ranks if mode == "prefill" else self.decode_ranks
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_ranks > 1 or self.decode_ranks > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPoint:
+    mode: str           # "prefill" or "decode"
+    isl: int
+    osl: int
+    concurrency: int
+    num_prompts: int    # num_prompts_per_concurrency x concurrency (timed requests)
+    warmup: int         # warm-up requests before the timed ones, excluded from metrics
+    ranks: int          # GPUs of this point's role
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}/isl{self.isl}-osl{self.osl}/c{self.concurrency}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    name: str
+    model: str
+    device: str
+    scenarios: tuple[Scenario, ...]
+    concurrency: MappingProxyType     # "prefill"/"decode" -> ascending concurrencies (the modes that run)
+    dtype: str = "float32"
+    engine_args: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # LLM(**it)
+    mode: str = "both"
+    range_ratio: float = 0.8
+    topology: Topology = Topology()
+    num_prompts_per_concurrency: int = MIN_PROMPTS_PER_CONCURRENCY
+    warmup: int = 0
+    seed: int = 0
+    source: str = "<dict>"
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.mode == "both" else (self.mode,)
+
+    def points(self) -> list[SweepPoint]:
+        """Every point in run order: for each mode (prefill first), each scenario (file order), each
+        concurrency (ascending). Keys are unique."""
+        return [SweepPoint(mode, s.isl, s.osl, c, self.num_prompts_per_concurrency * c, self.warmup,
+                           self.topology.ranks(mode))
+                for mode in self.modes for s in self.scenarios for c in self.concurrency[mode]]
+
+    def to_dict(self) -> dict:
+        """The normalized definition (defaults filled in, ladders expanded), loadable by parse_sweep."""
+        conc = self.concurrency
+        c = list(conc[self.modes[0]]) if len({conc[m] for m in self.modes}) == 1 else \
+            {m: list(conc[m]) for m in self.modes}
+        return {"name": self.name, "model": self.model, "device": self.device, "dtype": self.dtype,
+                "engine_args": dict(self.engine_args), "mode": self.mode,
+                "scenarios": [{"isl": s.isl, "osl": s.osl} for s in self.scenarios],
+                "range_ratio": self.range_ratio, "topology": dataclasses.asdict(self.topology),
+                "concurrency": c, "num_prompts_per_concurrency": self.num_prompts_per_concurrency,
+                "warmup": self.warmup, "seed": self.seed}
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+def load_sweep(path: str | Path) -> SweepConfig:
+    """Read and validate a sweep YAML file."""
+    import yaml
+
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SweepConfigError(f"{source}: sweep file not found; pass a YAML file such as sweeps/tiny-cpu.yaml")
+    except IsADirectoryError:
+        raise SweepConfigError(f"{source}: is a directory; pass a sweep YAML file inside it")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SweepConfigError(f"{source}: cannot read sweep file ({_one_line(e)})")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
+        problem = getattr(e, "problem", None) or _one_line(e)
+        raise SweepConfigError(f"{source}: malformed YAML at {where}: {_one_line(problem)}")
+    return parse_sweep(data, source)
+
+
+def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
+    """Validate an already parsed sweep definition (a mapping); `source` names it in errors."""
+    v = _Validator(source)
+    if not isinstance(data, dict):
+        raise v.error(None, f"the sweep must be a mapping of keys ({', '.join(TOP_KEYS)}), got "
+                            f"{_type_name(data)}")
+    v.keys(data, None, TOP_KEYS, REQUIRED_KEYS)
+
+    name = v.string(data["name"], "name")
+    if not NAME_RE.match(name):
+        raise v.error("name", f"got {name!r}; allowed: letters, digits, '.', '_', '-' (it names result "
+                              f"directories)")
+    model = v.model(data["model"], "model")
+    device = v.choice(data["device"], "device", DEVICES)
+    dtype = v.choice(data.get("dtype", "float32"), "dtype", DTYPES)
+    engine_args = v.engine_args(data.get("engine_args", {}), "engine_args")
+    mode = v.choice(data.get("mode", "both"), "mode", MODES)
+    modes = ("prefill", "decode") if mode == "both" else (mode,)
+    scenarios = v.scenarios(data["scenarios"], "scenarios", engine_args.get("max_model_len"))
+    range_ratio = v.number(data.get("range_ratio", 0.8), "range_ratio", low_open=0.0, high=1.0)
+    topology = v.topology(data.get("topology", {}), "topology")
+    concurrency = v.concurrency(data["concurrency"], "concurrency", modes)
+    per_c = v.integer(data.get("num_prompts_per_concurrency", MIN_PROMPTS_PER_CONCURRENCY),
+                      "num_prompts_per_concurrency", MIN_PROMPTS_PER_CONCURRENCY,
+                      why=" (steady state needs at least 5x concurrency requests per point)")
+    warmup = v.integer(data.get("warmup", 0), "warmup", 0)
+    seed = v.integer(data.get("seed", 0), "seed", 0)
+    return SweepConfig(name=name, model=model, device=device, scenarios=scenarios,
+                       concurrency=MappingProxyType(concurrency), dtype=dtype,
+                       engine_args=MappingProxyType(engine_args), mode=mode, range_ratio=float(range_ratio),
+                       topology=topology, num_prompts_per_concurrency=per_c, warmup=warmup, seed=seed,
+                       source=source)
+
+
+def doubling_ladder(start: int, stop: int) -> tuple[int, ...]:
+    """start, 2*start, 4*start, ... up to and including stop (stop itself is added when not on the ladder)."""
+    out, c = [], start
+    while c < stop:
+        out.append(c)
+        c *= 2
+    out.append(stop)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+def _one_line(x: Any) -> str:
+    return " ".join(str(x).split())
+
+
+def _type_name(x: Any) -> str:
+    return {type(None): "nothing (null)", bool: "a boolean", int: "an integer", float: "a number",
+            str: "a string", list: "a list", dict: "a mapping"}.get(type(x), type(x).__name__)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class _Validator:
+    def __init__(self, source: str):
+        self.source = source
+
+    def error(self, path: str | None, msg: str) -> SweepConfigError:
+        return SweepConfigError(f"{self.source}: {path}: {msg}" if path else f"{self.source}: {msg}")
+
+    def keys(self, d: dict, path: str | None, known: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
+        for k in d:
+            if not isinstance(k, str):
+                raise self.error(_join(path, repr(k)), f"keys must be strings; allowed: {', '.join(known)}")
+            if k not in known:
+                close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.error(_join(path, k), f"unknown key; {hint}allowed: {', '.join(known)}")
+        for k in required:
+            if k not in d:
+                raise self.error(_join(path, k), "missing required key")
+
+    def string(self, x: Any, path: str) -> str:
+        if not isinstance(x, str) or not x.strip():
+            raise self.error(path, f"must be a non-empty string, got {_type_name(x)}")
+        return x
+
+    def choice(self, x: Any, path: str, allowed: tuple[str, ...]) -> str:
+        if not isinstance(x, str) or x not in allowed:
+            got = repr(x) if isinstance(x, str) else _type_name(x)
+            raise self.error(path, f"got {got}; allowed: {', '.join(allowed)}")
+        return x
+
+    def integer(self, x: Any, path: str, minimum: int, why: str = "") -> int:
+        if not _is_int(x):
+            raise self.error(path, f"must be an integer >= {minimum}, got {_type_name(x)} {x!r}")
+        if x < minimum:
+            raise self.error(path, f"got {x}; must be an integer >= {minimum}{why}")
+        return x
+
+    def number(self, x: Any, path: str, low_open: float, high: float) -> float:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise self.error(path, f"must be a number in ({low_open:g}, {high:g}], got {_type_name(x)} {x!r}")
+        if not low_open < x <= high:
+            raise self.error(path, f"got {x!r}; must be a number in ({low_open:g}, {high:g}]")
+        return x
+
+    def mapping(self, x: Any, path: str, what: str) -> dict:
+        if not isinstance(x, dict):
+            raise self.error(path, f"must be a mapping ({what}), got {_type_name(x)}")
+        return x
+
+    def model(self, x: Any, path: str) -> str:
+        model = self.string(x, path)
+        if model.startswith("random:"):
+            parts = model.split(":")
+            form = (f"random:ARCH:PRESET:LAYERS with ARCH in {'|'.join(RANDOM_ARCHS)}, PRESET in "
+                    f"{'|'.join(RANDOM_PRESETS)}, LAYERS an integer >= 1")
+            if (len(parts) != 4 or parts[1] not in RANDOM_ARCHS or parts[2] not in RANDOM_PRESETS
+                    or not parts[3].isdigit() or int(parts[3]) < 1):
+                raise self.error(path, f"got {model!r}; allowed: {form}")
+        return model
+
+    def engine_args(self, x: Any, path: str) -> dict:
+        d = self.mapping(x, path, "arguments passed to LLM(...)")
+        self.keys(d, path, tuple(ENGINE_ARG_KINDS))
+        for k, val in d.items():
+            kind, p = ENGINE_ARG_KINDS[k], f"{path}.{k}"
+            if kind == "int":
+                self.integer(val, p, 1)
+            elif kind == "util":
+                self.number(val, p, low_open=0.0, high=1.0)
+            elif kind == "bool" and not isinstance(val, bool):
+                raise self.error(p, f"must be true or false, got {_type_name(val)} {val!r}")
+            elif kind == "storage":
+                self.choice(val, p, EXPERT_STORAGE)
+        if "max_num_seqs" in d and "max_num_batched_tokens" in d and d["max_num_batched_tokens"] < d["max_num_seqs"]:
+            raise self.error(f"{path}.max_num_batched_tokens", f"got {d['max_num_batched_tokens']}; must be >= "
+                                                               f"max_num_seqs ({d['max_num_seqs']})")
+        return dict(d)
+
+    def scenarios(self, x: Any, path: str, max_model_len: int | None) -> tuple[Scenario, ...]:
+        if not isinstance(x, list) or not x:
+            raise self.error(path, f"must be a non-empty list of {{isl, osl}} mappings, got {_type_name(x)}"
+                                   + (" (empty)" if isinstance(x, list) else ""))
+        out: list[Scenario] = []
+        for i, item in enumerate(x):
+            p = f"{path}[{i}]"
+            self.mapping(item, p, "isl: input tokens, osl: output tokens")
+            self.keys(item, p, SCENARIO_KEYS, SCENARIO_KEYS)
+            s = Scenario(self.integer(item["isl"], f"{p}.isl", 1), self.integer(item["osl"], f"{p}.osl", 1))
+            if max_model_len is not None and s.isl + s.osl > max_model_len:
+                raise self.error(p, f"isl + osl = {s.isl + s.osl} exceeds engine_args.max_model_len "
+                                    f"({max_model_len}); allowed: isl + osl <= max_model_len")
+            if s in out:
+                raise self.error(p, f"duplicates scenarios[{out.index(s)}] ({s.label}); each scenario once")
+            out.append(s)
+        return tuple(out)
+
+    def topology(self, x: Any, path: str) -> Topology:
+        d = self.mapping(x, path, ", ".join(TOPOLOGY_KEYS))
+        self.keys(d, path, TOPOLOGY_KEYS)
+        t = Topology(**{k: self.integer(d.get(k, 1), f"{path}.{k}", 1) for k in TOPOLOGY_KEYS})
+        most = max(t.prefill_ranks, t.decode_ranks)
+        for k in ("ep", "dp"):
+            if getattr(t, k) > most:
+                raise self.error(f"{path}.{k}", f"got {getattr(t, k)}; must be <= the larger role's ranks ({most})")
+        return t
+
+    def ladder(self, x: Any, path: str) -> tuple[int, ...]:
+        form = "an ascending list of integers >= 1, or {start, stop} for a doubling ladder"
+        if isinstance(x, list):
+            if not x:
+                raise self.error(path, f"empty ladder; allowed: {form}")
+            vals = tuple(self.integer(c, f"{path}[{i}]", 1) for i, c in enumerate(x))
+            for i in range(1, len(vals)):
+                if vals[i] <= vals[i - 1]:
+                    raise self.error(f"{path}[{i}]", f"got {vals[i]} after {vals[i - 1]}; the list must be "
+                                                     f"strictly ascending")
+            return vals
+        if isinstance(x, dict):
+            self.keys(x, path, LADDER_KEYS, LADDER_KEYS)
+            start = self.integer(x["start"], f"{path}.start", 1)
+            stop = self.integer(x["stop"], f"{path}.stop", 1)
+            if stop < start:
+                raise self.error(f"{path}.stop", f"got {stop} below start ({start}): empty ladder; "
+                                                 f"allowed: stop >= start")
+            return doubling_ladder(start, stop)
+        raise self.error(path, f"got {_type_name(x)}; allowed: {form}")
+
+    def concurrency(self, x: Any, path: str, modes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+        """A ladder for every mode, or {prefill: ladder, decode: ladder} (one per mode that runs)."""
+        if isinstance(x, dict) and set(x) & {"prefill", "decode"}:
+            self.keys(x, path, ("prefill", "decode"), modes)
+            unused = sorted(set(x) - set(modes))
+            if unused:
+                raise self.error(f"{path}.{unused[0]}", f"mode {unused[0]!r} does not run (mode is "
+                                                        f"{modes[0]!r}); allowed keys: {', '.join(modes)}")
+            return {m: self.ladder(x[m], f"{path}.{m}") for m in modes}
+        if isinstance(x, dict):
+            self.keys(x, path, LADDER_KEYS + ("prefill", "decode"), LADDER_KEYS)
+        ladder = self.ladder(x, path)
+        return {m: ladder for m in modes}
+
+
+def _join(path: str | None, key: str) -> str:
+    return f"{path}.{key}" if path else key
