@@ -17,6 +17,8 @@ import numpy as np
 
 from deepinfer import SamplingParams
 
+from .metrics import RequestTiming
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -36,17 +38,7 @@ def random_workload(n: int, isl: int, osl: int, range_ratio: float, vocab_size: 
     return Workload(prompts, [int(k) for k in out_lens])
 
 
-@dataclass(frozen=True)
-class RequestRecord:
-    """What the engine reports for one request (perf_counter seconds)."""
-    start: float
-    token_times: list[float]
-    input_len: int
-    output_len: int
-    success: bool = True
-
-
-def run_workload(llm, work: Workload, concurrency: int, seed: int) -> tuple[list[RequestRecord], float]:
+def run_workload(llm, work: Workload, concurrency: int, seed: int) -> tuple[list[RequestTiming], float]:
     """Run every request at the given concurrency; returns per-request records and the wall duration."""
     import time
     before = llm.args["max_num_seqs"]
@@ -62,6 +54,6 @@ def run_workload(llm, work: Workload, concurrency: int, seed: int) -> tuple[list
     records = []
     for out, prompt in zip(outs, work.prompts):
         m, done = out.metrics[0], out.outputs[0]
-        records.append(RequestRecord(m.first_scheduled_time, list(m.token_times), len(prompt), len(done.token_ids),
+        records.append(RequestTiming(m.first_scheduled_time, list(m.token_times), len(prompt), len(done.token_ids),
                                      out.finished))
     return records, duration

@@ -23,7 +23,7 @@ def test_run_workload_respects_concurrency():
     records, duration = run_workload(llm, w, concurrency=2, seed=0)
     assert duration > 0 and llm.args["max_num_seqs"] == 256          # restored
     for r, k in zip(records, w.output_lens):
-        assert r.success and r.output_len == k == len(r.token_times)
+        assert r.success and r.output_tokens == k == len(r.token_times)
         assert r.start <= r.token_times[0] and r.token_times == sorted(r.token_times)
     events = sorted([(r.start, 1) for r in records] + [(r.token_times[-1], -1) for r in records])
     live = peak = 0
