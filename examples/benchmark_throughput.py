@@ -21,7 +21,7 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.checkpoint.make import embedded_tiny_dir, random_preset_model
 from deepinfer.cli import run_cli
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     model = embedded_tiny_dir() if args.model == "tiny" else args.model
     if args.model.startswith("random:"):
-        model = random_preset(args.model, args.device, args.dtype, args.expert_storage, not args.no_qat)
+        model = random_preset_model(args.model, args.device, args.dtype, args.expert_storage, not args.no_qat)
     llm = LLM(model=model, device=args.device, dtype=args.dtype, seed=args.seed, qat_fake_quant=not args.no_qat, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, expert_storage=args.expert_storage,
               max_model_len=args.max_model_len or args.input_len + args.output_len + 1)
@@ -110,24 +110,6 @@ def main() -> None:
             f.write(text)
         os.replace(tmp, args.out)
     print(text)
-
-
-def random_preset(spec: str, device: str, dtype: str, expert_storage: str, qat: bool):
-    """random:ARCH:PRESET:LAYERS -> a model with seeded random weights built on the device, its tokenizer
-    written to a temporary directory (LLM reads tokenizer.json from model.checkpoint_dir)."""
-    import tempfile
-
-    from deepinfer.api import parse_dtype
-    from deepinfer.checkpoint.make import preset_model_config, random_model
-    from deepinfer.checkpoint.tokenizer import write_tokenizer
-    _, arch, preset, layers = spec.split(":")
-    options = {"expert_storage": expert_storage} if arch == "deepseek_v41" else {}
-    engram = {"engram_vocab_size": 1000} if arch == "deepseek_v41" else {}
-    model = random_model(arch, preset, 0, int(layers), device, parse_dtype(dtype), qat, **engram, **options)
-    cfg, tokenizer = preset_model_config(arch, preset, int(layers), **engram)
-    model.checkpoint_dir = __import__("pathlib").Path(tempfile.mkdtemp(prefix="deepinfer-tok-"))
-    write_tokenizer(model.checkpoint_dir, cfg.vocab_size, cfg.max_position_embeddings, tokenizer=tokenizer)
-    return model
 
 
 def transformers_generate(llm, prompts: list[list[int]], output_len: int, ours) -> dict:

@@ -89,3 +89,25 @@ def embedded_tiny_dir(arch: str = "deepseek_v41", seed: int = 0) -> Path:
             if not (out / "config.json").is_file():   # else another process finished the same build first
                 raise
     return out
+
+
+def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str = "dense", qat: bool = True):
+    """random:ARCH:PRESET:LAYERS -> a model with seed-0 random weights built on the device (V4.1: engram tables
+    reduced to 1000 rows), its tokenizer written to a temporary directory (LLM reads tokenizer.json from
+    model.checkpoint_dir). For benchmarks of released widths without writing a checkpoint."""
+    import tempfile
+
+    from ..api import parse_dtype
+    from .tokenizer import write_tokenizer
+    parts = spec.split(":")
+    if len(parts) != 4 or parts[0] != "random" or not parts[3].isdigit():
+        raise DeepInferError(f"model {spec!r}: a random model is named random:ARCH:PRESET:LAYERS, "
+                             f"e.g. random:deepseek_v41:flash:4")
+    _, arch, preset, layers = parts
+    options = {"expert_storage": expert_storage} if arch == "deepseek_v41" else {}
+    engram = {"engram_vocab_size": 1000} if arch == "deepseek_v41" else {}
+    model = random_model(arch, preset, 0, int(layers), device, parse_dtype(dtype), qat, **engram, **options)
+    cfg, tokenizer = preset_model_config(arch, preset, int(layers), **engram)
+    model.checkpoint_dir = Path(tempfile.mkdtemp(prefix="deepinfer-tok-"))
+    write_tokenizer(model.checkpoint_dir, cfg.vocab_size, cfg.max_position_embeddings, tokenizer=tokenizer)
+    return model
