@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -89,6 +90,17 @@ def _driver() -> str | None:
         return None
 
 
+def json_safe(value):
+    """NaN / inf (a metric with no samples, e.g. TPOT of one-token outputs) become null: rows stay strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write text to path through a temp file in the same directory and a rename: readers see the old file or
     the whole new one, never a half-written one."""
@@ -130,7 +142,7 @@ class RowStore:
         """Append one finished point's row and make it durable before returning."""
         if "key" not in row or "status" not in row:
             raise ValueError("a row needs 'key' and 'status'")
-        line = json.dumps(row, sort_keys=True, allow_nan=False) + "\n"
+        line = json.dumps(json_safe(row), sort_keys=True, allow_nan=False) + "\n"
         with open(self.path, "a") as f:
             f.write(line)
             f.flush()
@@ -138,7 +150,7 @@ class RowStore:
 
     def write_raw(self, key: str, raw: dict) -> Path:
         path = self.dir / "raw" / f"{key.replace('/', '__')}.json"
-        atomic_write_text(path, json.dumps(raw, indent=1, sort_keys=True, allow_nan=False) + "\n")
+        atomic_write_text(path, json.dumps(json_safe(raw), indent=1, sort_keys=True, allow_nan=False) + "\n")
         return path
 
     def _drop_torn_tail(self) -> None:

@@ -30,13 +30,12 @@ def test_torn_line_with_newline_is_dropped(tmp_path):
     assert RowStore(tmp_path).done_keys() == {"a"}
 
 
-def test_rows_need_key_and_status_and_finite_numbers(tmp_path):
+def test_rows_need_key_and_status_and_store_no_samples_as_null(tmp_path):
     store = RowStore(tmp_path)
     with pytest.raises(ValueError, match="'key' and 'status'"):
         store.append({"key": "a"})
-    with pytest.raises(ValueError):
-        store.append({"key": "a", "status": "ok", "x": float("nan")})
-    assert store.rows() == []
+    store.append({"key": "a", "status": "ok", "x": float("nan"), "y": [float("inf"), 1.0]})
+    assert store.rows() == [{"key": "a", "status": "ok", "x": None, "y": [None, 1.0]}]   # no samples: null
 
 
 def test_raw_files_are_atomic(tmp_path):

@@ -1,0 +1,167 @@
+"""`deepinfer-bench sweep`: run every point of a sweep definition on the engine and write one row per point.
+
+Run directory: `<report_dir>/<schema_version>/<run_id>/` with `sweep.yaml` (the normalized definition),
+`env.json` (identity and environment), `rows.jsonl` and `raw/<point>.json` (vLLM-bench-compatible). Points are
+independent and each row is durable when written, so `--resume` (same run id) skips finished points and a
+killed sweep loses at most the point it was running; a failing point writes a failure row and, with
+`--continue-on-error`, the sweep goes on.
+
+Point semantics (docs/bench.md): prefill points feed random prompts of the scenario's ISL and generate one
+token (input tokens/s per GPU against TTFT); decode points run the scenario's ISL/OSL (output tokens/s per GPU
+against tokens/s/user = 1000 / median TPOT in ms). Warm-up requests run before each point, unmeasured."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+from pathlib import Path
+
+import yaml
+
+from deepinfer.errors import DeepInferError
+
+from .metrics import compute_metrics
+from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, environment
+from .sweep_config import SweepConfig, SweepPoint, parse_sweep
+from .workload import random_workload, run_workload
+
+log = logging.getLogger("deepinfer")
+
+# The README's main job: the embedded tiny model on CPU, about two minutes (= sweeps/tiny-cpu.yaml).
+DEFAULT_SWEEP = {
+    "name": "tiny-cpu", "model": "tiny", "device": "cpu", "dtype": "float32",
+    "engine_args": {"max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_model_len": 256},
+    "mode": "both", "scenarios": [{"isl": 128, "osl": 32}, {"isl": 32, "osl": 128}], "range_ratio": 0.8,
+    "concurrency": {"start": 1, "stop": 8}, "num_prompts_per_concurrency": 5, "warmup": 2, "seed": 0,
+}
+
+
+class TopologyError(DeepInferError):
+    """The sweep asks for more ranks than this launch has."""
+
+
+def ranks_found(device: str) -> tuple[int, str]:
+    """(ranks this launch can use, where the number comes from)."""
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"]), "torchrun WORLD_SIZE"
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.device_count(), "local GPUs"
+    return 1, "one CPU process"
+
+
+def check_topology(cfg: SweepConfig) -> None:
+    found, where = ranks_found(cfg.device)
+    for mode in cfg.modes:
+        want = cfg.topology.ranks(mode)
+        if want > found:
+            raise TopologyError(
+                f"the sweep asks for {want} {mode} ranks but this launch has {found} ({where}); launch it across "
+                f"nodes with torchrun (e.g. torchrun --nnodes {max(1, want // 8)} --nproc-per-node 8 ... "
+                f"deepinfer-bench sweep ...), or lower --{mode}-ranks")
+        if want > 1:
+            raise TopologyError(f"{want} {mode} ranks: this build runs single-rank points only (expert and data "
+                                f"parallelism land with the parallelism work); use --{mode}-ranks 1")
+
+
+def build_llm(cfg: SweepConfig):
+    from deepinfer import LLM
+    from deepinfer.checkpoint.make import embedded_tiny_dir, random_preset_model
+    args = dict(cfg.engine_args)
+    model = cfg.model
+    if model == "tiny":
+        model = embedded_tiny_dir()
+    elif model.startswith("random:"):
+        model = random_preset_model(model, cfg.device, cfg.dtype, args.get("expert_storage", "dense"))
+    return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, **args)
+
+
+def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int) -> tuple[dict, dict]:
+    """Measure one point -> (row fields, vLLM-style raw result)."""
+    vocab = llm.model.cfg.vocab_size
+    osl = 1 if point.mode == "prefill" else point.osl
+    seed = cfg.seed * 1_000_003 + index
+    if point.warmup:
+        run_workload(llm, random_workload(point.warmup, point.isl, osl, cfg.range_ratio, vocab, seed + 7919),
+                     point.concurrency, cfg.seed)
+    work = random_workload(point.num_prompts, point.isl, osl, cfg.range_ratio, vocab, seed)
+    records, duration = run_workload(llm, work, point.concurrency, cfg.seed)
+    metrics = compute_metrics(records, duration=duration, num_gpus=point.ranks)
+    raw = {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "deepinfer", "model_id": cfg.model,
+           "num_prompts": point.num_prompts, "request_rate": "inf", "max_concurrency": point.concurrency,
+           **metrics.to_vllm_dict(),
+           "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
+           "ttfts": [r.token_times[0] - r.start for r in records],
+           "itls": [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in records]}
+    return metrics.to_row(), raw
+
+
+def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | None = None, resume: bool = False,
+              continue_on_error: bool = False, progress: bool = True) -> Path:
+    check_topology(cfg)
+    run_id = run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.name}"
+    run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
+    if run_dir.exists() and not resume and (run_dir / "rows.jsonl").exists():
+        raise DeepInferError(f"run {run_dir} already has rows: pass --resume to continue it, or a new --run-id")
+    store = RowStore(run_dir)
+    definition = cfg.to_dict()
+    if resume and (run_dir / "sweep.yaml").exists():
+        stored = yaml.safe_load((run_dir / "sweep.yaml").read_text())
+        if stored != definition:
+            raise DeepInferError(f"--resume: {run_dir}/sweep.yaml differs from this sweep's definition; resume with "
+                                 f"the same sweep, or start a new --run-id")
+    atomic_write_text(run_dir / "sweep.yaml", yaml.safe_dump(definition, sort_keys=False))
+    env = environment()
+    atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
+    done = store.done_keys()
+    todo = [(i, p) for i, p in enumerate(cfg.points()) if p.key not in done]
+    log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {run_dir}")
+    if not todo:
+        return run_dir
+    llm = build_llm(cfg)
+    identity = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "run_id": run_id,
+                "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
+                "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
+                "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "engine": "deepinfer",
+                "spec_mode": "none", "is_projected": False, "git_sha": env["git"]["sha"],
+                "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
+                "topology": definition["topology"], "engine_args": dict(cfg.engine_args),
+                "range_ratio": cfg.range_ratio}
+    bar = _progress(len(todo), progress)
+    for i, point in todo:
+        row = {**identity, "key": point.key, "mode": point.mode, "isl": point.isl, "osl": point.osl,
+               "concurrency": point.concurrency, "num_prompts": point.num_prompts, "warmup": point.warmup,
+               "gpus": point.ranks, "started": _now()}
+        try:
+            fields, raw = run_point(llm, cfg, point, i)
+        except Exception as e:           # noqa: BLE001  a failed point is recorded, never silently lost
+            store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": _now()})
+            if not continue_on_error:
+                raise DeepInferError(f"point {point.key} failed ({type(e).__name__}: {e}); its failure row is in "
+                                     f"{store.path}; rerun with --resume (and --continue-on-error to go on past "
+                                     f"failures)") from e
+        else:
+            store.write_raw(point.key, raw)
+            store.append({**row, **fields, "status": "ok", "finished": _now()})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return run_dir
+
+
+def default_sweep() -> SweepConfig:
+    return parse_sweep(DEFAULT_SWEEP, "<default tiny CPU sweep>")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _progress(total: int, on: bool):
+    if not on:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="sweep", unit="point")
