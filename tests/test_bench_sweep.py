@@ -1,0 +1,87 @@
+"""deepinfer-bench sweep on the tiny CPU model: rows per point, resume after an interrupted run without lost or
+repeated rows, failure rows, topology errors, the CLI."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from deepinfer.errors import DeepInferError
+from deepinfer.harness import sweep as sweep_mod
+from deepinfer.harness.cli import cli
+from deepinfer.harness.rows import RowStore
+from deepinfer.harness.sweep import DEFAULT_SWEEP, TopologyError, run_sweep
+from deepinfer.harness.sweep_config import load_sweep, parse_sweep
+
+MICRO = {"name": "micro", "model": "tiny", "device": "cpu",
+         "engine_args": {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 64},
+         "scenarios": [{"isl": 16, "osl": 4}], "concurrency": [1, 2], "num_prompts_per_concurrency": 5}
+
+
+def test_default_sweep_is_the_tiny_cpu_file():
+    assert parse_sweep(DEFAULT_SWEEP).to_dict() == load_sweep("sweeps/tiny-cpu.yaml").to_dict()
+
+
+def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
+    cfg = parse_sweep(MICRO)
+    keys = [p.key for p in cfg.points()]
+    real, calls = sweep_mod.run_point, []
+
+    def dies_on_third(llm, cfg, point, index):
+        calls.append(point.key)
+        if len(calls) == 3:
+            raise KeyboardInterrupt                  # the run is killed mid-point
+        return real(llm, cfg, point, index)
+    monkeypatch.setattr(sweep_mod, "run_point", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(cfg, tmp_path, "r1", progress=False)
+    done = RowStore(tmp_path / "1" / "r1").done_keys()
+    assert done == set(keys[:2])
+    with pytest.raises(DeepInferError, match="already has rows: pass --resume"):
+        run_sweep(cfg, tmp_path, "r1", progress=False)
+    calls.clear()
+    monkeypatch.setattr(sweep_mod, "run_point", real)
+    run_dir = run_sweep(cfg, tmp_path, "r1", resume=True, progress=False)
+    rows = RowStore(run_dir).rows()
+    assert [r["key"] for r in rows] == keys and all(r["status"] == "ok" for r in rows)   # nothing lost or repeated
+    for r in rows:
+        assert r["schema_version"] == "1" and r["method_version"] and r["model_type"] == "deepseek_v41"
+        assert r["completed"] == r["num_prompts"] and r["gpus"] == 1 and r["is_projected"] is False
+        if r["mode"] == "decode":
+            assert r["output_tput_per_gpu"] > 0 and r["median_intvty"] > 0
+        else:
+            assert r["input_tput_per_gpu"] > 0 and r["p99_ttft"] > 0 and r["median_tpot"] is None
+    raw = json.loads((run_dir / "raw" / "decode__isl16-osl4__c2.json").read_text())
+    assert raw["max_concurrency"] == 2 and len(raw["ttfts"]) == 10 and "median_tpot_ms" in raw
+    assert (run_dir / "env.json").exists() and (run_dir / "sweep.yaml").exists()
+    changed = parse_sweep({**MICRO, "seed": 5})
+    with pytest.raises(DeepInferError, match="sweep.yaml differs"):
+        run_sweep(changed, tmp_path, "r1", resume=True, progress=False)
+
+    def broken(llm, cfg, point, index):
+        raise RuntimeError("no memory")
+    monkeypatch.setattr(sweep_mod, "run_point", broken)
+    with pytest.raises(DeepInferError, match="point prefill/isl16-osl4/c1 failed .*--resume"):
+        run_sweep(cfg, tmp_path, "r2", progress=False)
+    run_sweep(cfg, tmp_path, "r3", continue_on_error=True, progress=False)
+    failed = RowStore(tmp_path / "1" / "r3").rows()
+    assert len(failed) == len(keys) and all(r["status"] == "failed" and "no memory" in r["error"] for r in failed)
+
+
+def test_topology_errors(tmp_path):
+    with pytest.raises(TopologyError, match="asks for 64 decode ranks but this launch has 1 .*torchrun"):
+        run_sweep(parse_sweep({**MICRO, "topology": {"decode_ranks": 64}}), tmp_path, progress=False)
+
+
+def test_cli(tmp_path):
+    (tmp_path / "micro.yaml").write_text(json.dumps(MICRO))
+    runner = CliRunner()
+    res = runner.invoke(cli, ["sweep", str(tmp_path / "micro.yaml"), "--report-dir", str(tmp_path / "rep"),
+                              "--run-id", "c", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "4 points in" in res.output and "tok/s/user" in res.output
+    res = runner.invoke(cli, ["sweep", str(tmp_path / "micro.yaml"), "--decode-ranks", "8", "--report-dir",
+                              str(tmp_path / "rep")])
+    assert res.exit_code != 0 and "asks for 8 decode ranks" in str(res.exception)
+    res = runner.invoke(cli, ["sweep", str(tmp_path / "nope.yaml")])
+    assert res.exit_code != 0
