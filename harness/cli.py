@@ -4,6 +4,8 @@ tiny CPU sweep (about two minutes) and writes its report under reports/."""
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import click
 
 from deepinfer.cli import run_cli
@@ -41,8 +43,11 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
         d["topology"] = {**d["topology"], **topo}
         cfg = parse_sweep(d, f"{cfg.source} (with command-line overrides)")
     run_dir = run_sweep(cfg, report_dir, run_id, resume, continue_on_error, progress=not no_progress)
+    from .report import report_run, write_index
+    written = report_run(run_dir)
+    write_index(Path(report_dir))
     rows = [r for r in _rows(run_dir) if r["status"] == "ok"]
-    click.echo(f"{len(rows)} points in {run_dir}")
+    click.echo(f"{len(rows)} points in {run_dir}; " + ", ".join(p.name for p in written))
     for r in rows:
         if r["mode"] == "decode":
             click.echo(f"  {r['key']:<28} {r['output_tput_per_gpu']:9.1f} out tok/s/GPU  "
@@ -50,6 +55,32 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
         else:
             click.echo(f"  {r['key']:<28} {r['input_tput_per_gpu']:9.1f} in tok/s/GPU   "
                        f"TTFT p99 {r['p99_ttft']:.3f} s")
+
+
+@cli.command("report")
+@click.argument("run_ids", nargs=-1)
+@click.option("--all", "all_runs", is_flag=True, help="every run under the report dir")
+@click.option("--report-dir", default="reports", show_default=True)
+@click.option("--no-png", is_flag=True, help="HTML and CSV only")
+def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
+    """Regenerate summary.csv and the Pareto charts of RUN_IDS (or --all) from their stored rows, and the index."""
+    from deepinfer.errors import DeepInferError
+
+    from .report import report_run, write_index
+    root = Path(report_dir)
+    runs = sorted(p.parent for p in root.glob("*/*/rows.jsonl"))
+    if not all_runs:
+        if not run_ids:
+            raise click.UsageError("name RUN_IDS or pass --all")
+        missing = [r for r in run_ids if not any(d.name == r for d in runs)]
+        if missing:
+            raise DeepInferError(f"no stored rows for run(s) {missing} under {root} (runs there: "
+                                 f"{[d.name for d in runs][:10]})")
+        runs = [d for d in runs if d.name in run_ids]
+    for run_dir in runs:
+        written = report_run(run_dir, png=not no_png)
+        click.echo(f"{run_dir}: " + ", ".join(p.name for p in written))
+    click.echo(f"index: {write_index(root)}")
 
 
 def _rows(run_dir):

@@ -85,3 +85,24 @@ def test_cli(tmp_path):
     assert res.exit_code != 0 and "asks for 8 decode ranks" in str(res.exception)
     res = runner.invoke(cli, ["sweep", str(tmp_path / "nope.yaml")])
     assert res.exit_code != 0
+
+
+def test_report_is_regenerated_byte_for_byte_from_rows(tmp_path):
+    from deepinfer.harness.report import report_run, write_index
+    run_dir = run_sweep(parse_sweep(MICRO), tmp_path, "rep", progress=False)
+    first = report_run(run_dir, png=False)
+    names = sorted(p.name for p in first)
+    assert names == ["decode_pareto.html", "prefill_pareto.html", "summary.csv"]
+    before = {p.name: p.read_bytes() for p in first}
+    index = write_index(tmp_path).read_text()
+    for p in first:
+        p.unlink()
+    again = report_run(run_dir, png=False)
+    assert {p.name: p.read_bytes() for p in again} == before          # a pure function of the stored rows
+    assert write_index(tmp_path).read_text() == index and "| rep | 1 | 4 / 0 |" in index
+    assert (tmp_path / "plotly.min.js").exists()
+    html = before["decode_pareto.html"].decode()
+    assert "frontier" in html and "per user" in html
+    import pandas as pd
+    table = pd.read_csv(run_dir / "summary.csv")
+    assert list(table["key"]) == [p.key for p in parse_sweep(MICRO).points()]

@@ -1,0 +1,121 @@
+"""`deepinfer-bench report`: every table and chart of a run, regenerated from its stored rows alone.
+
+Per run directory: `summary.csv` (pandas; one line per successful point, fixed column order, stable float
+format), `prefill_pareto.html/.png` (input tok/s/GPU against p99 TTFT) and `decode_pareto.html/.png` (output
+tok/s/GPU against tok/s/user = 1000 / median TPOT), with the Pareto frontier drawn per (hardware, engine,
+spec mode, measured/projected) group and every point's details on hover. `reports/index.md` lists the runs.
+
+Charts are plotly figures written as HTML (plotly.js once for all runs, `<report root>/plotly.min.js`, so
+the pages work offline) and PNG through kaleido. Kaleido drives a Chrome / Chromium: it uses the browser at
+$BROWSER_PATH, else one installed in the usual places, else the one `plotly_get_chrome` downloads. Without
+one, PNGs are skipped with one warning line naming those options; HTML and CSV are written regardless.
+Same rows in, same bytes out (fixed div ids, sorted rows, no timestamps)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .frontier import DEFAULT_GROUP_KEYS, frontiers
+from .rows import RowStore, atomic_write_text
+
+log = logging.getLogger("deepinfer")
+
+COLUMNS = ["run_id", "key", "mode", "isl", "osl", "concurrency", "num_prompts", "gpus", "hardware", "engine",
+           "spec_mode", "is_projected", "model", "precision", "completed", "failed", "duration",
+           "input_tput_per_gpu", "output_tput_per_gpu", "tput_per_gpu", "median_intvty",
+           "mean_ttft", "median_ttft", "p90_ttft", "p99_ttft", "mean_tpot", "median_tpot", "p90_tpot", "p99_tpot",
+           "mean_itl", "median_itl", "p90_itl", "p99_itl", "mean_e2el", "median_e2el", "p90_e2el", "p99_e2el"]
+CHARTS = {
+    "prefill": ("p99_ttft", "input_tput_per_gpu", "lower", "p99 TTFT (s)", "input tokens/s per GPU"),
+    "decode": ("median_intvty", "output_tput_per_gpu", "higher", "tokens/s per user (1000 / median TPOT ms)",
+               "output tokens/s per GPU"),
+}
+PNG_HELP = ("set BROWSER_PATH to a Chrome/Chromium binary or run plotly_get_chrome; HTML and CSV are written "
+            "without it")
+
+
+def ok_rows(run_dir: Path) -> list[dict]:
+    rows = [r for r in RowStore(run_dir).rows() if r.get("status") == "ok"]
+    return sorted(rows, key=lambda r: (r["mode"] != "prefill", r["isl"], r["osl"], r["concurrency"], r["key"]))
+
+
+def write_summary(run_dir: Path, rows: list[dict]) -> Path:
+    import pandas as pd
+    frame = pd.DataFrame([{c: r.get(c) for c in COLUMNS} for r in rows], columns=COLUMNS)
+    path = run_dir / "summary.csv"
+    atomic_write_text(path, frame.to_csv(index=False, float_format="%.6g", lineterminator="\n"))
+    return path
+
+
+def pareto_figure(rows: list[dict], mode: str, title: str):
+    import plotly.graph_objects as go
+    x, y, x_better, x_title, y_title = CHARTS[mode]
+    points = [r for r in rows if r["mode"] == mode and r.get(x) is not None and r.get(y) is not None]
+    fig = go.Figure()
+    for group, front in frontiers(points, DEFAULT_GROUP_KEYS, x, y, x_better=x_better).items():
+        members = [r for r in points if tuple(r.get(k) for k in DEFAULT_GROUP_KEYS) == group]
+        name = " / ".join(str(g) for g in group if g not in (None, False)) or "deepinfer"
+        dash = "dot" if group[-1] else "solid"                      # projected groups dotted
+        fig.add_trace(go.Scatter(
+            x=[r[x] for r in members], y=[r[y] for r in members], mode="markers", name=f"{name} points",
+            text=[_hover(r) for r in members], hoverinfo="text", marker={"size": 8}))
+        fig.add_trace(go.Scatter(x=[r[x] for r in front], y=[r[y] for r in front], mode="lines",
+                                 name=f"{name} frontier", line={"dash": dash}, hoverinfo="skip"))
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, template="plotly_white",
+                      width=900, height=560)
+    return fig
+
+
+def write_charts(run_dir: Path, rows: list[dict], png: bool = True) -> list[Path]:
+    written, png_ok = [], png
+    run_id = run_dir.name
+    for mode in CHARTS:
+        if not any(r["mode"] == mode for r in rows):
+            continue
+        fig = pareto_figure(rows, mode, f"{run_id}: {mode} Pareto")
+        html = run_dir / f"{mode}_pareto.html"
+        atomic_write_text(html, fig.to_html(include_plotlyjs="../../plotly.min.js", full_html=True,
+                                            div_id=f"{mode}-pareto", config={"displaylogo": False}))
+        written.append(html)
+        if png_ok:
+            try:
+                fig.write_image(run_dir / f"{mode}_pareto.png", format="png", scale=2)
+                written.append(run_dir / f"{mode}_pareto.png")
+            except Exception as e:     # noqa: BLE001  kaleido raises RuntimeError / ValueError / OSError kinds
+                log.warning(f"PNG charts skipped: kaleido could not start a browser ({type(e).__name__}); {PNG_HELP}")
+                png_ok = False
+    root_js = run_dir.parent.parent / "plotly.min.js"       # one copy for every run: <root>/plotly.min.js
+    if written and not root_js.exists():
+        import plotly
+        atomic_write_text(root_js, (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text())
+    return written
+
+
+def write_index(report_root: Path) -> Path:
+    """reports/index.md: every run under <root>/<schema_version>/<run_id>/ with its points and charts."""
+    lines = ["# Benchmark runs", "", "Regenerate with `deepinfer-bench report --all`.", "",
+             "| run | schema | points (ok / failed) | charts |", "| --- | --- | --- | --- |"]
+    for run_dir in sorted(p.parent for p in report_root.glob("*/*/rows.jsonl")):
+        rows = RowStore(run_dir).rows()
+        ok = sum(r.get("status") == "ok" for r in rows)
+        charts = ", ".join(f"[{p.stem}]({p.relative_to(report_root).as_posix()})"
+                           for p in sorted(run_dir.glob("*_pareto.*")))
+        lines.append(f"| {run_dir.name} | {run_dir.parent.name} | {ok} / {len(rows) - ok} | {charts} |")
+    path = report_root / "index.md"
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def report_run(run_dir: Path, png: bool = True) -> list[Path]:
+    rows = ok_rows(run_dir)
+    out = [write_summary(run_dir, rows)]
+    return out + write_charts(run_dir, rows, png)
+
+
+def _hover(r: dict) -> str:
+    fields = [("point", r["key"]), ("model", r.get("model")), ("hardware", r.get("hardware")),
+              ("gpus", r.get("gpus")), ("p50 TTFT s", r.get("median_ttft")), ("p99 TTFT s", r.get("p99_ttft")),
+              ("p50 TPOT s", r.get("median_tpot")), ("in tok/s/GPU", r.get("input_tput_per_gpu")),
+              ("out tok/s/GPU", r.get("output_tput_per_gpu"))]
+    return "<br>".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in fields)
