@@ -77,10 +77,83 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
             raise DeepInferError(f"no stored rows for run(s) {missing} under {root} (runs there: "
                                  f"{[d.name for d in runs][:10]})")
         runs = [d for d in runs if d.name in run_ids]
+    from .report import ok_rows
     for run_dir in runs:
+        if not ok_rows(run_dir):
+            click.echo(f"{run_dir}: no sweep points (a check run or nothing finished): no charts")
+            continue
         written = report_run(run_dir, png=not no_png)
         click.echo(f"{run_dir}: " + ", ".join(p.name for p in written))
     click.echo(f"index: {write_index(root)}")
+
+
+def _check_options(f):
+    for opt in reversed([
+        click.option("--model", default="tiny", show_default=True, help="dir, hub id, tiny or random:ARCH:PRESET:N"),
+        click.option("--device", default="cpu", show_default=True),
+        click.option("--dtype", default="float32", show_default=True),
+        click.option("--max-tokens", type=int, default=32, show_default=True),
+        click.option("--prompt-len", type=int, default=48, show_default=True),
+        click.option("--mode", "modes", type=click.Choice(["both", "on", "off"]), default="both", show_default=True,
+                     help="batch-invariant mode off, on, or both"),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--report-dir", default="reports", show_default=True),
+        click.option("--run-id", default=None)]):
+        f = opt(f)
+    return f
+
+
+@cli.command("determinism")
+@_check_options
+@click.option("--runs", type=int, default=50, show_default=True, help="repetitions of the same prompts")
+@click.option("--num-prompts", type=int, default=8, show_default=True)
+def determinism_cmd(runs, num_prompts, **kw) -> None:
+    """The same prompts N times (greedy and seeded; shuffled, at changing concurrency): unique outputs per prompt
+    and the first divergence."""
+    _run_check("determinism", kw, runs=runs, num_prompts=num_prompts, trials=0)
+
+
+@cli.command("batch-invariance")
+@_check_options
+@click.option("--trials", type=int, default=20, show_default=True, help="batches the needle is placed in")
+def batch_invariance_cmd(trials, **kw) -> None:
+    """A needle prompt alone vs at random slots of random batches: tokens and logprobs compared bitwise."""
+    _run_check("batch-invariance", kw, runs=0, num_prompts=1, trials=trials)
+
+
+def _run_check(kind: str, kw: dict, runs: int, num_prompts: int, trials: int) -> None:
+    import datetime as dt
+
+    from .checks import run_checks
+    from .rows import SCHEMA_VERSION
+    from .sweep import build_llm
+    from .sweep_config import parse_sweep
+    from .workload import random_workload
+    for name, value in (("--runs", runs), ("--num-prompts", num_prompts), ("--trials", trials),
+                        ("--max-tokens", kw["max_tokens"]), ("--prompt-len", kw["prompt_len"])):
+        if value < (0 if name in ("--runs", "--trials") else 1):
+            raise click.UsageError(f"{name} must be positive")
+    max_len = kw["prompt_len"] * 2 + kw["max_tokens"] + 8
+    cfg = parse_sweep({"name": kind, "model": kw["model"], "device": kw["device"], "dtype": kw["dtype"],
+                       "engine_args": {"max_model_len": max_len, "max_num_seqs": 32},
+                       "scenarios": [{"isl": kw["prompt_len"], "osl": kw["max_tokens"]}], "concurrency": [1],
+                       "seed": kw["seed"]}, f"deepinfer-bench {kind}")
+    llm = build_llm(cfg)
+    prompts = random_workload(num_prompts, kw["prompt_len"], 1, 0.5, llm.model.cfg.vocab_size, kw["seed"]).prompts
+    run_id = kw["run_id"] or f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{kind}"
+    run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id
+    modes = {"both": [False, True], "on": [True], "off": [False]}[kw["modes"]]
+    rows = run_checks(llm, kind, modes, run_dir, prompts, runs, trials, kw["max_tokens"], kw["seed"])
+    click.echo(f"{kind}: rows in {run_dir}")
+    for r in rows:
+        mode = "batch-invariant" if r["batch_invariant"] else "default        "
+        if kind == "determinism":
+            diverged = [d for d in r["first_divergence"] if d is not None]
+            click.echo(f"  {mode} {r['sampling']:<7} unique outputs per prompt: max {max(r['unique'])} "
+                       f"(of {runs} runs); first divergence: {min(diverged) if diverged else 'none'}")
+        else:
+            click.echo(f"  {mode} {r['sampling']:<7} {r['token_mismatches']}/{r['trials']} batches change the "
+                       f"tokens, {r['logprob_mismatches']}/{r['trials']} change the logprobs")
 
 
 def _rows(run_dir):

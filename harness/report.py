@@ -36,7 +36,7 @@ PNG_HELP = ("set BROWSER_PATH to a Chrome/Chromium binary or run plotly_get_chro
 
 
 def ok_rows(run_dir: Path) -> list[dict]:
-    rows = [r for r in RowStore(run_dir).rows() if r.get("status") == "ok"]
+    rows = [r for r in RowStore(run_dir).rows() if r.get("status") == "ok" and r.get("mode") in CHARTS]
     return sorted(rows, key=lambda r: (r["mode"] != "prefill", r["isl"], r["osl"], r["concurrency"], r["key"]))
 
 
