@@ -31,8 +31,9 @@ CHARTS = {
     "decode": ("median_intvty", "output_tput_per_gpu", "higher", "tokens/s per user (1000 / median TPOT ms)",
                "output tokens/s per GPU"),
 }
-PNG_HELP = ("set BROWSER_PATH to a Chrome/Chromium binary or run plotly_get_chrome; HTML and CSV are written "
-            "without it")
+CHART_GROUP_KEYS = (*DEFAULT_GROUP_KEYS, "isl", "osl")   # one frontier per group and scenario (ISL/OSL)
+PNG_HELP = ("set BROWSER_PATH to a Chrome/Chromium binary (e.g. apt install chromium) or run plotly_get_chrome; "
+            "HTML and CSV are written without it")
 
 
 def ok_rows(run_dir: Path) -> list[dict]:
@@ -53,10 +54,12 @@ def pareto_figure(rows: list[dict], mode: str, title: str):
     x, y, x_better, x_title, y_title = CHARTS[mode]
     points = [r for r in rows if r["mode"] == mode and r.get(x) is not None and r.get(y) is not None]
     fig = go.Figure()
-    for group, front in frontiers(points, DEFAULT_GROUP_KEYS, x, y, x_better=x_better).items():
-        members = [r for r in points if tuple(r.get(k) for k in DEFAULT_GROUP_KEYS) == group]
-        name = " / ".join(str(g) for g in group if g not in (None, False)) or "deepinfer"
-        dash = "dot" if group[-1] else "solid"                      # projected groups dotted
+    keys = CHART_GROUP_KEYS
+    for group, front in frontiers(points, keys, x, y, x_better=x_better).items():
+        members = [r for r in points if tuple(r.get(k) for k in keys) == group]
+        *who, projected, isl, osl = group
+        name = " / ".join(str(g) for g in who if g is not None) + f" {isl}/{osl}" + (" projected" if projected else "")
+        dash = "dot" if projected else "solid"                      # projected groups dotted
         fig.add_trace(go.Scatter(
             x=[r[x] for r in members], y=[r[y] for r in members], mode="markers", name=f"{name} points",
             text=[_hover(r) for r in members], hoverinfo="text", marker={"size": 8}))
