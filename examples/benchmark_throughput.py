@@ -80,7 +80,7 @@ def main() -> None:
             for o in outs if len(o.outputs[0].token_ids) > 1]
     stats = lambda xs: {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": percentile(xs, 0.99)}  # noqa: E731
     row = {
-        "schema": "deepinfer.throughput/1", "model": args.model if args.model.startswith("random:") else str(model), "model_type": llm.model.cfg.model_type,
+        "schema": "deepinfer.throughput/1", "model": args.model, "model_type": llm.model.cfg.model_type,
         "layers": llm.model.cfg.num_hidden_layers, "device": args.device, "dtype": args.dtype,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
