@@ -106,3 +106,10 @@ def test_report_is_regenerated_byte_for_byte_from_rows(tmp_path):
     import pandas as pd
     table = pd.read_csv(run_dir / "summary.csv")
     assert list(table["key"]) == [p.key for p in parse_sweep(MICRO).points()]
+
+
+def test_missing_model_is_one_error_line(tmp_path):
+    res = CliRunner().invoke(cli, ["sweep", "--model", str(tmp_path / "nope"), "--report-dir", str(tmp_path),
+                                   "--no-progress"])
+    assert res.exit_code != 0 and isinstance(res.exception, DeepInferError)
+    assert "is neither a local directory nor a hub id" in str(res.exception)
