@@ -81,6 +81,11 @@ def build_llm(cfg: SweepConfig):
 def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int) -> tuple[dict, dict]:
     """Measure one point -> (row fields, vLLM-style raw result)."""
     vocab = llm.model.cfg.vocab_size
+    seats, budget = llm.manager.num_slots, llm.args["max_num_batched_tokens"]
+    if point.concurrency > min(seats, budget):
+        raise DeepInferError(f"concurrency {point.concurrency} exceeds what the engine can run at once ({seats} "
+                             f"seats in the state pools, {budget}-token step budget): raise engine_args "
+                             f"max_num_seqs / max_num_batched_tokens (or the memory budget)")
     osl = 1 if point.mode == "prefill" else point.osl
     seed = cfg.seed * 1_000_003 + index
     if point.warmup:
@@ -124,7 +129,8 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
     identity = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "run_id": run_id,
                 "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
                 "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
-                "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "engine": "deepinfer",
+                "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
+                "engine": "deepinfer",
                 "spec_mode": "none", "is_projected": False, "git_sha": env["git"]["sha"],
                 "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
                 "topology": definition["topology"], "engine_args": dict(cfg.engine_args),

@@ -47,6 +47,7 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
     for r in rows:
         assert r["schema_version"] == "1" and r["method_version"] and r["model_type"] == "deepseek_v41"
         assert r["completed"] == r["num_prompts"] and r["gpus"] == 1 and r["is_projected"] is False
+        assert r["hardware_info"]["cpu_count"] >= 1 and r["git_sha"] is not None and r["config_hash"]
         if r["mode"] == "decode":
             assert r["output_tput_per_gpu"] > 0 and r["median_intvty"] > 0
         else:
@@ -66,6 +67,14 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
     run_sweep(cfg, tmp_path, "r3", continue_on_error=True, progress=False)
     failed = RowStore(tmp_path / "1" / "r3").rows()
     assert len(failed) == len(keys) and all(r["status"] == "failed" and "no memory" in r["error"] for r in failed)
+
+
+def test_concurrency_beyond_the_engine_is_a_failure_row(tmp_path):
+    cfg = parse_sweep({**MICRO, "concurrency": [8]})          # the engine has 4 seats
+    run_sweep(cfg, tmp_path, "c8", continue_on_error=True, progress=False)
+    rows = RowStore(tmp_path / "1" / "c8").rows()
+    assert len(rows) == 2 and all(r["status"] == "failed" and "concurrency 8 exceeds" in r["error"]
+                                  and "4 seats" in r["error"] for r in rows)
 
 
 def test_topology_errors(tmp_path):
