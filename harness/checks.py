@@ -17,7 +17,7 @@ from deepinfer import SamplingParams
 from deepinfer.kernels.matmul import set_batch_invariant
 
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment
-from .workload import random_workload
+from .workload import random_workload, seats
 
 SAMPLINGS = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=0.8, top_p=0.95, seed=1234)}
 
@@ -31,12 +31,8 @@ def set_mode(llm, on: bool) -> None:
 
 
 def _generate(llm, prompts, params, concurrency: int):
-    before = llm.args["max_num_seqs"]
-    llm.args["max_num_seqs"] = concurrency
-    try:
+    with seats(llm, concurrency):
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        llm.args["max_num_seqs"] = before
 
 
 def first_divergence(outputs: list[list[int]]) -> int | None:

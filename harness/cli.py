@@ -1,5 +1,5 @@
 """The `deepinfer-bench` command (docs/bench.md). `deepinfer-bench sweep` with no arguments runs the default
-tiny CPU sweep (about two minutes) and writes its report under reports/."""
+tiny CPU sweep (about three minutes) and writes its report under reports/."""
 
 from __future__ import annotations
 
@@ -50,11 +50,11 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
     click.echo(f"{len(rows)} points in {run_dir}; " + ", ".join(p.name for p in written))
     for r in rows:
         if r["mode"] == "decode":
-            click.echo(f"  {r['key']:<28} {r['output_tput_per_gpu']:9.1f} out tok/s/GPU  "
-                       f"{r['median_intvty']:8.1f} tok/s/user")
+            click.echo(f"  {r['key']:<28} {_num(r['output_tput_per_gpu'], '9.1f')} out tok/s/GPU  "
+                       f"{_num(r['median_intvty'], '8.1f')} tok/s/user")
         else:
-            click.echo(f"  {r['key']:<28} {r['input_tput_per_gpu']:9.1f} in tok/s/GPU   "
-                       f"TTFT p99 {r['p99_ttft']:.3f} s")
+            click.echo(f"  {r['key']:<28} {_num(r['input_tput_per_gpu'], '9.1f')} in tok/s/GPU   "
+                       f"TTFT p99 {_num(r['p99_ttft'], '.3f')} s")
 
 
 @cli.command("report")
@@ -68,6 +68,8 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
 
     from .report import report_run, write_index
     root = Path(report_dir)
+    if not root.is_dir():
+        raise DeepInferError(f"no report directory {root}: run a sweep first, or pass --report-dir")
     runs = sorted(p.parent for p in root.glob("*/*/rows.jsonl"))
     if not all_runs:
         if not run_ids:
@@ -110,7 +112,7 @@ def _check_options(f):
 def determinism_cmd(runs, num_prompts, **kw) -> None:
     """The same prompts N times (greedy and seeded; shuffled, at changing concurrency): unique outputs per prompt
     and the first divergence."""
-    _run_check("determinism", kw, runs=runs, num_prompts=num_prompts, trials=0)
+    _run_check("determinism", kw, runs=runs, num_prompts=num_prompts, trials=None)
 
 
 @cli.command("batch-invariance")
@@ -118,10 +120,10 @@ def determinism_cmd(runs, num_prompts, **kw) -> None:
 @click.option("--trials", type=int, default=20, show_default=True, help="batches the needle is placed in")
 def batch_invariance_cmd(trials, **kw) -> None:
     """A needle prompt alone vs at random slots of random batches: tokens and logprobs compared bitwise."""
-    _run_check("batch-invariance", kw, runs=0, num_prompts=1, trials=trials)
+    _run_check("batch-invariance", kw, runs=None, num_prompts=1, trials=trials)
 
 
-def _run_check(kind: str, kw: dict, runs: int, num_prompts: int, trials: int) -> None:
+def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: int | None) -> None:
     import datetime as dt
 
     from .checks import run_checks
@@ -131,8 +133,8 @@ def _run_check(kind: str, kw: dict, runs: int, num_prompts: int, trials: int) ->
     from .workload import random_workload
     for name, value in (("--runs", runs), ("--num-prompts", num_prompts), ("--trials", trials),
                         ("--max-tokens", kw["max_tokens"]), ("--prompt-len", kw["prompt_len"])):
-        if value < (0 if name in ("--runs", "--trials") else 1):
-            raise click.UsageError(f"{name} must be positive")
+        if value is not None and value < 1:
+            raise click.UsageError(f"{name} must be at least 1")
     max_len = kw["prompt_len"] * 2 + kw["max_tokens"] + 8
     cfg = parse_sweep({"name": kind, "model": kw["model"], "device": kw["device"], "dtype": kw["dtype"],
                        "engine_args": {"max_model_len": max_len, "max_num_seqs": 32},
@@ -143,7 +145,7 @@ def _run_check(kind: str, kw: dict, runs: int, num_prompts: int, trials: int) ->
     run_id = kw["run_id"] or f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{kind}"
     run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id
     modes = {"both": [False, True], "on": [True], "off": [False]}[kw["modes"]]
-    rows = run_checks(llm, kind, modes, run_dir, prompts, runs, trials, kw["max_tokens"], kw["seed"])
+    rows = run_checks(llm, kind, modes, run_dir, prompts, runs or 0, trials or 0, kw["max_tokens"], kw["seed"])
     click.echo(f"{kind}: rows in {run_dir}")
     for r in rows:
         mode = "batch-invariant" if r["batch_invariant"] else "default        "
@@ -154,6 +156,10 @@ def _run_check(kind: str, kw: dict, runs: int, num_prompts: int, trials: int) ->
         else:
             click.echo(f"  {mode} {r['sampling']:<7} {r['token_mismatches']}/{r['trials']} batches change the "
                        f"tokens, {r['logprob_mismatches']}/{r['trials']} change the logprobs")
+
+
+def _num(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
 def _rows(run_dir):

@@ -9,7 +9,8 @@ Charts are plotly figures written as HTML (plotly.js once for all runs, `<report
 the pages work offline) and PNG through kaleido. Kaleido drives a Chrome / Chromium: it uses the browser at
 $BROWSER_PATH, else one installed in the usual places, else the one `plotly_get_chrome` downloads. Without
 one, PNGs are skipped with one warning line naming those options; HTML and CSV are written regardless.
-Same rows in, same bytes out (fixed div ids, sorted rows, no timestamps)."""
+Same rows in, same CSV and HTML bytes out (fixed div ids, sorted rows, no timestamps); chart files of a mode
+without rows are removed. Reading never changes the rows."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import logging
 from pathlib import Path
 
 from .frontier import DEFAULT_GROUP_KEYS, frontiers
-from .rows import RowStore, atomic_write_text
+from deepinfer.errors import DeepInferError
+
+from .rows import atomic_write_text, read_rows
 
 log = logging.getLogger("deepinfer")
 
@@ -37,7 +40,7 @@ PNG_HELP = ("set BROWSER_PATH to a Chrome/Chromium binary (e.g. apt install chro
 
 
 def ok_rows(run_dir: Path) -> list[dict]:
-    rows = [r for r in RowStore(run_dir).rows() if r.get("status") == "ok" and r.get("mode") in CHARTS]
+    rows = [r for r in read_rows(run_dir) if r.get("status") == "ok" and r.get("mode") in CHARTS]
     return sorted(rows, key=lambda r: (r["mode"] != "prefill", r["isl"], r["osl"], r["concurrency"], r["key"]))
 
 
@@ -74,6 +77,8 @@ def write_charts(run_dir: Path, rows: list[dict], png: bool = True) -> list[Path
     written, png_ok = [], png
     run_id = run_dir.name
     for mode in CHARTS:
+        for stale in run_dir.glob(f"{mode}_pareto.*"):     # the directory holds exactly what these rows give
+            stale.unlink()
         if not any(r["mode"] == mode for r in rows):
             continue
         fig = pareto_figure(rows, mode, f"{run_id}: {mode} Pareto")
@@ -99,12 +104,16 @@ def write_index(report_root: Path) -> Path:
     """reports/index.md: every run under <root>/<schema_version>/<run_id>/ with its points and charts."""
     lines = ["# Benchmark runs", "", "Regenerate with `deepinfer-bench report --all`.", "",
              "| run | schema | points (ok / failed) | charts |", "| --- | --- | --- | --- |"]
+    if not report_root.is_dir():
+        raise DeepInferError(f"no report directory {report_root}: run a sweep first, or pass --report-dir")
     for run_dir in sorted(p.parent for p in report_root.glob("*/*/rows.jsonl")):
-        rows = RowStore(run_dir).rows()
-        ok = sum(r.get("status") == "ok" for r in rows)
+        rows = read_rows(run_dir)
+        ok_keys = {r["key"] for r in rows if r.get("status") == "ok"}
+        failed = {r["key"] for r in rows if r.get("status") != "ok"} - ok_keys     # points, not attempts
+        ok = len(ok_keys)
         charts = ", ".join(f"[{p.stem}]({p.relative_to(report_root).as_posix()})"
                            for p in sorted(run_dir.glob("*_pareto.*")))
-        lines.append(f"| {run_dir.name} | {run_dir.parent.name} | {ok} / {len(rows) - ok} | {charts} |")
+        lines.append(f"| {run_dir.name} | {run_dir.parent.name} | {ok} / {len(failed)} | {charts} |")
     path = report_root / "index.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path

@@ -113,6 +113,27 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     os.replace(tmp, path)
 
 
+def read_rows(run_dir: str | os.PathLike) -> list[dict]:
+    """The rows of a run, read only (a sweep may be appending): a last line without its newline is not a row
+    yet; any other line that is not JSON is one error line naming file and line."""
+    path = Path(run_dir) / "rows.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")[:-1]                  # what follows the last newline is still being written
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if n == len(lines):                      # the writer cuts a torn last line when it reopens
+                break
+            raise DeepInferError(f"{path}:{n}: not a JSON row; repair or remove that line, then rerun") from None
+    return rows
+
+
 class RowStore:
     """The rows of one run directory (created if missing)."""
 
@@ -130,9 +151,7 @@ class RowStore:
         self._drop_torn_tail()
 
     def rows(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_rows(self.dir)
 
     def done_keys(self) -> set[str]:
         """Keys of points that finished (failed points are retried on resume)."""

@@ -16,6 +16,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -29,13 +30,16 @@ from .workload import random_workload, run_workload
 
 log = logging.getLogger("deepinfer")
 
-# The README's main job: the embedded tiny model on CPU, about two minutes (= sweeps/tiny-cpu.yaml).
+# The README's main job: the embedded tiny model on CPU, about three minutes (= sweeps/tiny-cpu.yaml).
 DEFAULT_SWEEP = {
     "name": "tiny-cpu", "model": "tiny", "device": "cpu", "dtype": "float32",
     "engine_args": {"max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_model_len": 256},
     "mode": "both", "scenarios": [{"isl": 128, "osl": 32}, {"isl": 32, "osl": 128}], "range_ratio": 0.8,
     "concurrency": {"start": 1, "stop": 8}, "num_prompts_per_concurrency": 5, "warmup": 2, "seed": 0,
 }
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class TopologyError(DeepInferError):
@@ -59,8 +63,9 @@ def check_topology(cfg: SweepConfig) -> None:
         if want > found:
             raise TopologyError(
                 f"the sweep asks for {want} {mode} ranks but this launch has {found} ({where}); launch it across "
-                f"nodes with torchrun (e.g. torchrun --nnodes {max(1, want // 8)} --nproc-per-node 8 ... "
-                f"deepinfer-bench sweep ...), or lower --{mode}-ranks")
+                f"nodes with torchrun (e.g. torchrun --nnodes {-(-want // 8)} --nproc-per-node 8 ... "
+                f"deepinfer-bench sweep ...), or lower --{mode}-ranks"
+                + ("; note: this build runs single-rank points only so far" if want > 1 else ""))
         if want > 1:
             raise TopologyError(f"{want} {mode} ranks: this build runs single-rank points only (expert and data "
                                 f"parallelism land with the parallelism work); use --{mode}-ranks 1")
@@ -90,9 +95,9 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int) -> tuple[dic
     seed = cfg.seed * 1_000_003 + index
     if point.warmup:
         run_workload(llm, random_workload(point.warmup, point.isl, osl, cfg.range_ratio, vocab, seed + 7919),
-                     point.concurrency, cfg.seed)
+                     point.concurrency)
     work = random_workload(point.num_prompts, point.isl, osl, cfg.range_ratio, vocab, seed)
-    records, duration = run_workload(llm, work, point.concurrency, cfg.seed)
+    records, duration = run_workload(llm, work, point.concurrency)
     metrics = compute_metrics(records, duration=duration, num_gpus=point.ranks)
     raw = {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "deepinfer", "model_id": cfg.model,
            "num_prompts": point.num_prompts, "request_rate": "inf", "max_concurrency": point.concurrency,
@@ -107,19 +112,24 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
               continue_on_error: bool = False, progress: bool = True) -> Path:
     check_topology(cfg)
     run_id = run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.name}"
+    if not RUN_ID.fullmatch(run_id):
+        raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only")
     run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
-    if run_dir.exists() and not resume and (run_dir / "rows.jsonl").exists():
-        raise DeepInferError(f"run {run_dir} already has rows: pass --resume to continue it, or a new --run-id")
-    store = RowStore(run_dir)
     definition = cfg.to_dict()
-    if resume and (run_dir / "sweep.yaml").exists():
-        stored = yaml.safe_load((run_dir / "sweep.yaml").read_text())
-        if stored != definition:
+    if resume:
+        if not (run_dir / "sweep.yaml").exists():
+            raise DeepInferError(f"--resume: no sweep run {run_dir} (no sweep.yaml there); check --run-id and "
+                                 f"--report-dir")
+        if yaml.safe_load((run_dir / "sweep.yaml").read_text()) != definition:
             raise DeepInferError(f"--resume: {run_dir}/sweep.yaml differs from this sweep's definition; resume with "
                                  f"the same sweep, or start a new --run-id")
-    atomic_write_text(run_dir / "sweep.yaml", yaml.safe_dump(definition, sort_keys=False))
+    elif (run_dir / "rows.jsonl").exists():
+        raise DeepInferError(f"run {run_dir} already has rows: pass --resume to continue it, or a new --run-id")
+    store = RowStore(run_dir)
     env = environment()
-    atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
+    if not resume:
+        atomic_write_text(run_dir / "sweep.yaml", yaml.safe_dump(definition, sort_keys=False))
+        atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
     done = store.done_keys()
     todo = [(i, p) for i, p in enumerate(cfg.points()) if p.key not in done]
     log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {run_dir}")

@@ -4,12 +4,13 @@ measured point on the engine at a fixed concurrency.
 Lengths: with range ratio r each request's input length is drawn uniformly from [ceil(r * ISL), ISL] and its
 output length from [ceil(r * OSL), OSL] (InferenceX: "each input is 80-100 % of nominal ISL" at r = 0.8); the
 draws depend only on the seed. Concurrency c = at most c sequences in the engine at once, all requests ready at
-the start (request rate infinite, as `--max-concurrency c --request-rate inf`); a request's clock starts when
-the engine admits it (the moment a client holding one of c slots would send it), so TTFT excludes the wait
-for a slot, as in vLLM's client. Outputs ignore EOS, so every request produces its drawn length."""
+the start (request rate infinite, as `--max-concurrency c --request-rate inf`); a request's clock starts when a
+client holding c slots would send it (the first c at once, then one as each finishes), so TTFT excludes the
+wait for a slot but includes any wait inside the engine, as vLLM's client measures it. Outputs ignore EOS, so every request produces its drawn length."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -38,22 +39,34 @@ def random_workload(n: int, isl: int, osl: int, range_ratio: float, vocab_size: 
     return Workload(prompts, [int(k) for k in out_lens])
 
 
-def run_workload(llm, work: Workload, concurrency: int, seed: int) -> tuple[list[RequestTiming], float]:
-    """Run every request at the given concurrency; returns per-request records and the wall duration."""
-    import time
+@contextlib.contextmanager
+def seats(llm, concurrency: int):
+    """Inside: the engine runs at most `concurrency` sequences at once (the pools were sized for its maximum)."""
     before = llm.args["max_num_seqs"]
-    llm.args["max_num_seqs"] = concurrency          # seats of this run (the pools were sized for the maximum)
+    llm.args["max_num_seqs"] = concurrency
     try:
-        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, seed=seed + i)
-                  for i, k in enumerate(work.output_lens)]
+        yield
+    finally:
+        llm.args["max_num_seqs"] = before
+
+
+def client_send_times(t0: float, finished: list[float], concurrency: int) -> list[float]:
+    """When a client holding `concurrency` slots sends each request (in order): the first c at t0, request k >= c
+    when the (k - c + 1)-th request to finish has finished."""
+    done = sorted(finished)
+    return [t0 if k < concurrency else max(t0, done[k - concurrency]) for k in range(len(finished))]
+
+
+def run_workload(llm, work: Workload, concurrency: int) -> tuple[list[RequestTiming], float]:
+    """Run every request at the given concurrency; returns per-request records and the wall duration. A request's
+    clock starts when the client would send it (client_send_times), so time queued in the engine (for step
+    budget or state blocks) counts in its TTFT, as vLLM's client measures."""
+    import time
+    with seats(llm, concurrency):
+        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in work.output_lens]
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
         duration = time.perf_counter() - t0
-    finally:
-        llm.args["max_num_seqs"] = before
-    records = []
-    for out, prompt in zip(outs, work.prompts):
-        m, done = out.metrics[0], out.outputs[0]
-        records.append(RequestTiming(m.first_scheduled_time, list(m.token_times), len(prompt), len(done.token_ids),
-                                     out.finished))
-    return records, duration
+    sent = client_send_times(t0, [o.metrics[0].finished_time for o in outs], concurrency)
+    return [RequestTiming(start, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids), o.finished)
+            for start, o, p in zip(sent, outs, work.prompts)], duration

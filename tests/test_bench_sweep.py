@@ -122,3 +122,24 @@ def test_missing_model_is_one_error_line(tmp_path):
                                    "--no-progress"])
     assert res.exit_code != 0 and isinstance(res.exception, DeepInferError)
     assert "is neither a local directory nor a hub id" in str(res.exception)
+
+
+def test_report_reads_without_changing_rows_and_names_bad_lines(tmp_path):
+    run = tmp_path / "1" / "r"
+    run.mkdir(parents=True)
+    rows = run / "rows.jsonl"
+    rows.write_text('{"key": "a", "status": "failed"}\n{"key": "b", "sta')       # a sweep mid-append
+    res = CliRunner().invoke(cli, ["report", "--all", "--report-dir", str(tmp_path), "--no-png"])
+    assert res.exit_code == 0 and rows.read_text().endswith('"sta') and not (run / "raw").exists()
+    rows.write_text('{"key": "a", "status": "ok"}\nnot json\n{"key": "c", "status": "ok"}\n')
+    res = CliRunner().invoke(cli, ["report", "--all", "--report-dir", str(tmp_path)])
+    assert res.exit_code != 0 and "rows.jsonl:2: not a JSON row" in str(res.exception)
+    res = CliRunner().invoke(cli, ["report", "--all", "--report-dir", str(tmp_path / "none")])
+    assert res.exit_code != 0 and "no report directory" in str(res.exception)
+
+
+def test_resume_of_an_unknown_run_and_bad_run_ids(tmp_path):
+    with pytest.raises(DeepInferError, match="--resume: no sweep run"):
+        run_sweep(parse_sweep(MICRO), tmp_path, "typo", resume=True, progress=False)
+    with pytest.raises(DeepInferError, match="letters, digits"):
+        run_sweep(parse_sweep(MICRO), tmp_path, "../escape", progress=False)
