@@ -20,7 +20,7 @@ from pathlib import Path
 from deepinfer.errors import DeepInferError
 
 SCHEMA_VERSION = "1"      # the row layout
-METHOD_VERSION = "1"      # how points are measured (warm-up, prompts, metric definitions)
+METHOD_VERSION = "2"      # how points are measured (2: request clocks = client send times)
 PACKAGES = ("deepinfer", "torch", "transformers", "tokenizers", "numpy", "safetensors")
 
 
