@@ -162,11 +162,7 @@ def compute_metrics(
     tpots = [
         (e2el - ttft) / (r.output_tokens - 1) for r, ttft, e2el in zip(done, ttfts, e2els) if r.output_tokens > 1
     ]
-    itls: list[float] = []
-    for r in done:
-        times = np.asarray(r.token_times, dtype=np.float64)
-        gaps = np.diff(times)
-        itls.extend(gaps[gaps > 0].tolist())
+    itls = [gap for r in done for gap in chunk_gaps(r)]
 
     if duration is None:
         first = min(r.start for r in requests)
@@ -217,6 +213,13 @@ def summarize(samples: Sequence[float], percentiles: Sequence[float] = DEFAULT_P
 def tokens_per_s_per_user(tpot_s: float) -> float:
     """Interactivity: 1000 / TPOT_ms (= 1 / TPOT_s); NaN when TPOT is NaN, inf when it is 0."""
     return _interactivity(tpot_s)
+
+
+def chunk_gaps(req: RequestTiming) -> list[float]:
+    """Inter-token latencies of one request: gaps between successive arrivals, tokens that arrived together
+    counting as one chunk (as a streaming client sees them)."""
+    gaps = np.diff(np.asarray(req.token_times, dtype=np.float64))
+    return gaps[gaps > 0].tolist()
 
 
 def _interactivity(tpot_s: float | None) -> float:

@@ -23,7 +23,7 @@ import yaml
 
 from deepinfer.errors import DeepInferError
 
-from .metrics import compute_metrics
+from .metrics import chunk_gaps, compute_metrics
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, environment
 from .sweep_config import SweepConfig, SweepPoint, parse_sweep
 from .workload import random_workload, run_workload
@@ -103,8 +103,8 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int) -> tuple[dic
            "num_prompts": point.num_prompts, "request_rate": "inf", "max_concurrency": point.concurrency,
            **metrics.to_vllm_dict(),
            "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
-           "ttfts": [r.token_times[0] - r.start for r in records],
-           "itls": [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in records]}
+           "ttfts": [r.token_times[0] - r.start if r.success and r.token_times else 0.0 for r in records],
+           "itls": [chunk_gaps(r) if r.success else [] for r in records]}
     return metrics.to_row(), raw
 
 
