@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import time
 
 import torch
@@ -23,19 +21,12 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.make import embedded_tiny_dir, random_preset_model
 from deepinfer.cli import run_cli
+from deepinfer.harness.rows import atomic_write_text, git_state
 
 
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
-def git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except OSError:
-        return None
 
 
 def main() -> None:
@@ -91,7 +82,7 @@ def main() -> None:
         "graphs_captured": sorted(llm.runner.graphs.graphs) if llm.runner.graphs is not None else [],
         "batch_invariant": llm.batch_invariant, "state_pools": llm.manager.summary,
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
-                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "git_sha": git_sha()},
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "git_sha": git_state()["sha"]},
     }
     if args.vs_transformers:
         row["batch1"] = {"prompts": BATCH1_PROMPTS, "output_tokens_per_s": one_by_one(
@@ -105,10 +96,7 @@ def main() -> None:
             row["speedup_vs_transformers"] = row["output_tokens_per_s"] / tf["output_tokens_per_s"]
     text = json.dumps(row, indent=1)
     if args.out:
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, args.out)
+        atomic_write_text(args.out, text)
     print(text)
 
 

@@ -163,8 +163,8 @@ def _num(value, fmt: str) -> str:
 
 
 def _rows(run_dir):
-    from .rows import RowStore
-    return RowStore(run_dir).rows()
+    from .rows import read_rows
+    return read_rows(run_dir)
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ import datetime as _dt
 import json
 import logging
 import os
-import re
 from pathlib import Path
 
 import yaml
@@ -25,7 +24,7 @@ from deepinfer.errors import DeepInferError
 
 from .metrics import chunk_gaps, compute_metrics
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, environment
-from .sweep_config import SweepConfig, SweepPoint, parse_sweep
+from .sweep_config import NAME_RE, SweepConfig, SweepPoint, parse_sweep
 from .workload import random_workload, run_workload
 
 log = logging.getLogger("deepinfer")
@@ -37,9 +36,6 @@ DEFAULT_SWEEP = {
     "mode": "both", "scenarios": [{"isl": 128, "osl": 32}, {"isl": 32, "osl": 128}], "range_ratio": 0.8,
     "concurrency": {"start": 1, "stop": 8}, "num_prompts_per_concurrency": 5, "warmup": 2, "seed": 0,
 }
-
-
-RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class TopologyError(DeepInferError):
@@ -112,8 +108,9 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
               continue_on_error: bool = False, progress: bool = True) -> Path:
     check_topology(cfg)
     run_id = run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.name}"
-    if not RUN_ID.fullmatch(run_id):
-        raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only")
+    if not NAME_RE.fullmatch(run_id):
+        raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only, starting with a letter or "
+                             f"digit")
     run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
     definition = cfg.to_dict()
     if resume:

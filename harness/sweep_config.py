@@ -19,7 +19,8 @@ from typing import Any
 
 from deepinfer.errors import DeepInferError
 
-# dtype names LLM(dtype=...) accepts (deepinfer.api.DTYPES); kept here so loading a sweep needs no torch.
+# dtype names LLM(dtype=...) accepts (deepinfer.api.DTYPES, in the order error messages list them; a test keeps
+# the two sets equal).
 DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64")
 DEVICES = ("cpu", "cuda")
 MODES = ("prefill", "decode", "both")
@@ -65,10 +66,6 @@ class Topology:
     def ranks(self, mode: str) -> int:
         """GPUs a point of `mode` ("prefill" or "decode") runs on: the per-GPU denominator."""
         return self.prefill_ranks if mode == "prefill" else self.decode_ranks
-
-    @property
-    def disaggregated(self) -> bool:
-        return self.prefill_ranks > 1 or self.decode_ranks > 1
 
 
 @dataclasses.dataclass(frozen=True)
