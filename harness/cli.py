@@ -27,8 +27,10 @@ def cli() -> None:
 @click.option("--resume", is_flag=True, help="continue the run --run-id: skip finished points, retry failed ones")
 @click.option("--continue-on-error", is_flag=True, help="record a failed point and go on")
 @click.option("--no-progress", is_flag=True)
+@click.option("--no-report", is_flag=True, help="write rows only; make the charts later with deepinfer-bench report "
+                                                "(e.g. where plotly and a browser are installed)")
 def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir, run_id, resume, continue_on_error,
-              no_progress) -> None:
+              no_progress, no_report) -> None:
     """Run SWEEP_FILE (a sweeps/*.yaml definition; default: the tiny CPU sweep) and write one row per point."""
     from .sweep import default_sweep, run_sweep
     from .sweep_config import load_sweep, parse_sweep
@@ -43,11 +45,14 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
         d["topology"] = {**d["topology"], **topo}
         cfg = parse_sweep(d, f"{cfg.source} (with command-line overrides)")
     run_dir = run_sweep(cfg, report_dir, run_id, resume, continue_on_error, progress=not no_progress)
-    from .report import report_run, write_index
-    written = report_run(run_dir)
-    write_index(Path(report_dir))
+    written = []
+    if not no_report:
+        from .report import report_run, write_index
+        written = report_run(run_dir)
+        write_index(Path(report_dir))
     rows = [r for r in _rows(run_dir) if r["status"] == "ok"]
-    click.echo(f"{len(rows)} points in {run_dir}; " + ", ".join(p.name for p in written))
+    click.echo(f"{len(rows)} points in {run_dir}; " + (", ".join(p.name for p in written) if written else
+                                                       f"no report: deepinfer-bench report {run_dir.name}"))
     for r in rows:
         if r["mode"] == "decode":
             click.echo(f"  {r['key']:<28} {_num(r['output_tput_per_gpu'], '9.1f')} out tok/s/GPU  "

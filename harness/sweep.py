@@ -16,6 +16,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import yaml
@@ -147,10 +148,12 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
         row = {**identity, "key": point.key, "mode": point.mode, "isl": point.isl, "osl": point.osl,
                "concurrency": point.concurrency, "num_prompts": point.num_prompts, "warmup": point.warmup,
                "gpus": point.ranks, "started": _now()}
+        t0 = time.perf_counter()
         try:
             fields, raw = run_point(llm, cfg, point, i)
         except Exception as e:           # noqa: BLE001  a failed point is recorded, never silently lost
             store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": _now()})
+            log.warning(f"{point.key}: failed after {time.perf_counter() - t0:.1f} s ({type(e).__name__}: {e})")
             if not continue_on_error:
                 raise DeepInferError(f"point {point.key} failed ({type(e).__name__}: {e}); its failure row is in "
                                      f"{store.path}; rerun with --resume (and --continue-on-error to go on past "
@@ -158,6 +161,7 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
         else:
             store.write_raw(point.key, raw)
             store.append({**row, **fields, "status": "ok", "finished": _now()})
+            log.info(f"{point.key}: done in {time.perf_counter() - t0:.1f} s")
         if bar is not None:
             bar.update(1)
     if bar is not None:

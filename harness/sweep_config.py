@@ -88,7 +88,7 @@ class SweepConfig:
     name: str
     model: str
     device: str
-    scenarios: tuple[Scenario, ...]
+    scenarios: MappingProxyType       # "prefill"/"decode" -> scenarios in file order (the modes that run)
     concurrency: MappingProxyType     # "prefill"/"decode" -> ascending concurrencies (the modes that run)
     dtype: str = "float32"
     engine_args: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # LLM(**it)
@@ -109,18 +109,19 @@ class SweepConfig:
         concurrency (ascending). Keys are unique."""
         return [SweepPoint(mode, s.isl, s.osl, c, self.num_prompts_per_concurrency * c, self.warmup,
                            self.topology.ranks(mode))
-                for mode in self.modes for s in self.scenarios for c in self.concurrency[mode]]
+                for mode in self.modes for s in self.scenarios[mode] for c in self.concurrency[mode]]
 
     def to_dict(self) -> dict:
         """The normalized definition (defaults filled in, ladders expanded), loadable by parse_sweep."""
-        conc = self.concurrency
-        c = list(conc[self.modes[0]]) if len({conc[m] for m in self.modes}) == 1 else \
-            {m: list(conc[m]) for m in self.modes}
+        def per_mode(by_mode, item):       # one value for every mode, or a mapping when the modes differ
+            if len({by_mode[m] for m in self.modes}) == 1:
+                return [item(v) for v in by_mode[self.modes[0]]]
+            return {m: [item(v) for v in by_mode[m]] for m in self.modes}
         return {"name": self.name, "model": self.model, "device": self.device, "dtype": self.dtype,
                 "engine_args": dict(self.engine_args), "mode": self.mode,
-                "scenarios": [{"isl": s.isl, "osl": s.osl} for s in self.scenarios],
+                "scenarios": per_mode(self.scenarios, lambda s: {"isl": s.isl, "osl": s.osl}),
                 "range_ratio": self.range_ratio, "topology": dataclasses.asdict(self.topology),
-                "concurrency": c, "num_prompts_per_concurrency": self.num_prompts_per_concurrency,
+                "concurrency": per_mode(self.concurrency, int), "num_prompts_per_concurrency": self.num_prompts_per_concurrency,
                 "warmup": self.warmup, "seed": self.seed}
 
 
@@ -168,7 +169,8 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
     engine_args = v.engine_args(data.get("engine_args", {}), "engine_args")
     mode = v.choice(data.get("mode", "both"), "mode", MODES)
     modes = ("prefill", "decode") if mode == "both" else (mode,)
-    scenarios = v.scenarios(data["scenarios"], "scenarios", engine_args.get("max_model_len"))
+    scenarios = v.per_mode(data["scenarios"], "scenarios", modes,
+                           lambda x, p: v.scenarios(x, p, engine_args.get("max_model_len")))
     range_ratio = v.number(data.get("range_ratio", 0.8), "range_ratio", low_open=0.0, high=1.0)
     topology = v.topology(data.get("topology", {}), "topology")
     concurrency = v.concurrency(data["concurrency"], "concurrency", modes)
@@ -177,7 +179,7 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
                       why=" (steady state needs at least 5x concurrency requests per point)")
     warmup = v.integer(data.get("warmup", 0), "warmup", 0)
     seed = v.integer(data.get("seed", 0), "seed", 0)
-    return SweepConfig(name=name, model=model, device=device, scenarios=scenarios,
+    return SweepConfig(name=name, model=model, device=device, scenarios=MappingProxyType(scenarios),
                        concurrency=MappingProxyType(concurrency), dtype=dtype,
                        engine_args=MappingProxyType(engine_args), mode=mode, range_ratio=float(range_ratio),
                        topology=topology, num_prompts_per_concurrency=per_c, warmup=warmup, seed=seed,
@@ -289,7 +291,8 @@ class _Validator:
 
     def scenarios(self, x: Any, path: str, max_model_len: int | None) -> tuple[Scenario, ...]:
         if not isinstance(x, list) or not x:
-            raise self.error(path, f"must be a non-empty list of {{isl, osl}} mappings, got {_type_name(x)}"
+            raise self.error(path, f"must be a non-empty list of {{isl, osl}} mappings (or {{prefill: list, "
+                                   f"decode: list}}), got {_type_name(x)}"
                                    + (" (empty)" if isinstance(x, list) else ""))
         out: list[Scenario] = []
         for i, item in enumerate(x):
@@ -336,19 +339,25 @@ class _Validator:
             return doubling_ladder(start, stop)
         raise self.error(path, f"got {_type_name(x)}; allowed: {form}")
 
-    def concurrency(self, x: Any, path: str, modes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
-        """A ladder for every mode, or {prefill: ladder, decode: ladder} (one per mode that runs)."""
+    def per_mode(self, x: Any, path: str, modes: tuple[str, ...], one) -> dict[str, Any]:
+        """`one(x, path)` for every mode, or {prefill: ..., decode: ...} (one entry per mode that runs)."""
         if isinstance(x, dict) and set(x) & {"prefill", "decode"}:
             self.keys(x, path, ("prefill", "decode"), modes)
             unused = sorted(set(x) - set(modes))
             if unused:
                 raise self.error(f"{path}.{unused[0]}", f"mode {unused[0]!r} does not run (mode is "
                                                         f"{modes[0]!r}); allowed keys: {', '.join(modes)}")
-            return {m: self.ladder(x[m], f"{path}.{m}") for m in modes}
-        if isinstance(x, dict):
-            self.keys(x, path, LADDER_KEYS + ("prefill", "decode"), LADDER_KEYS)
-        ladder = self.ladder(x, path)
-        return {m: ladder for m in modes}
+            return {m: one(x[m], f"{path}.{m}") for m in modes}
+        value = one(x, path)
+        return {m: value for m in modes}
+
+    def concurrency(self, x: Any, path: str, modes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+        """A ladder for every mode, or {prefill: ladder, decode: ladder} (one per mode that runs)."""
+        def one(ladder: Any, p: str) -> tuple[int, ...]:
+            if isinstance(ladder, dict) and p == path:
+                self.keys(ladder, p, LADDER_KEYS + ("prefill", "decode"), LADDER_KEYS)
+            return self.ladder(ladder, p)
+        return self.per_mode(x, path, modes, one)
 
 
 def _join(path: str | None, key: str) -> str:

@@ -54,7 +54,7 @@ def test_shipped_files_are_the_expected_three():
 def test_tiny_cpu_shape():
     cfg = load_sweep(SWEEPS / "tiny-cpu.yaml")
     assert (cfg.model, cfg.device, cfg.modes) == ("tiny", "cpu", ("prefill", "decode"))
-    assert [(s.isl, s.osl) for s in cfg.scenarios] == [(128, 32), (32, 128)]
+    assert [(s.isl, s.osl) for s in cfg.scenarios["decode"]] == [(128, 32), (32, 128)]
     assert cfg.concurrency["decode"] == (1, 2, 4, 8)
     assert len(cfg.points()) == 2 * 2 * 4
 
@@ -63,7 +63,7 @@ def test_h200_flash_shape():
     cfg = load_sweep(SWEEPS / "h200-flash-4l.yaml")
     assert cfg.model == "random:deepseek_v41:flash:4" and cfg.device == "cuda" and cfg.dtype == "bfloat16"
     assert cfg.engine_args["expert_storage"] == "fp4"
-    assert [(s.isl, s.osl) for s in cfg.scenarios] == [(1024, 1024), (8192, 1024)]
+    assert [(s.isl, s.osl) for s in cfg.scenarios["decode"]] == [(1024, 1024), (8192, 1024)]
     assert cfg.concurrency["prefill"] == cfg.concurrency["decode"] == (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -71,7 +71,7 @@ def test_published_shape():
     cfg = load_sweep(SWEEPS / "v41-flash-published.yaml")
     assert cfg.model == "deepseek-ai/DeepSeek-V4.1-Flash-1017"
     assert (cfg.topology.prefill_ranks, cfg.topology.decode_ranks) == (4, 64)
-    assert [(s.isl, s.osl) for s in cfg.scenarios] == [(1024, 1024), (8192, 1024), (1024, 8192)]
+    assert [(s.isl, s.osl) for s in cfg.scenarios["decode"]] == [(1024, 1024), (8192, 1024), (1024, 8192)]
     assert cfg.concurrency["decode"][-1] == 512
     keys = [p.key for p in cfg.points()]
     assert "decode/isl1024-osl8192/c512" in keys and "prefill/isl8192-osl1024/c64" in keys
@@ -101,6 +101,16 @@ def test_per_mode_ladders():
     assert [p.key for p in cfg.points()] == ["prefill/isl128-osl32/c1", "prefill/isl128-osl32/c2",
                                              "decode/isl128-osl32/c4", "decode/isl128-osl32/c8",
                                              "decode/isl128-osl32/c16"]
+
+
+def test_per_mode_scenarios():
+    cfg = parse_sweep(sweep(scenarios={"prefill": [{"isl": 64, "osl": 1}, {"isl": 512, "osl": 1}],
+                                       "decode": [{"isl": 64, "osl": 16}]},
+                            concurrency={"prefill": [1], "decode": [1, 2]}))
+    assert [p.key for p in cfg.points()] == ["prefill/isl64-osl1/c1", "prefill/isl512-osl1/c1",
+                                             "decode/isl64-osl16/c1", "decode/isl64-osl16/c2"]
+    assert parse_sweep(cfg.to_dict()) == cfg
+    assert isinstance(cfg.to_dict()["scenarios"], dict)
 
 
 def test_doubling_ladder_includes_stop():
@@ -231,6 +241,11 @@ def test_unknown_and_missing_keys(data, path, hint):
     (sweep(concurrency={"decode": [1]}), "concurrency.prefill", "missing required key"),
     (sweep(mode="decode", concurrency={"prefill": [1], "decode": [1]}), "concurrency.prefill", "does not run"),
     (sweep(concurrency={"prefill": [1], "decode": []}), "concurrency.decode", "empty ladder"),
+    (sweep(scenarios={"decode": [{"isl": 1, "osl": 2}]}), "scenarios.prefill", "missing required key"),
+    (sweep(mode="prefill", scenarios={"prefill": [{"isl": 1, "osl": 2}], "decode": [{"isl": 1, "osl": 2}]}),
+     "scenarios.decode", "does not run"),
+    (sweep(scenarios={"prefill": [{"isl": 1, "osl": 2}], "decode": [{"isl": 0, "osl": 2}]}),
+     "scenarios.decode[0].isl", "integer >= 1"),
     (sweep(num_prompts_per_concurrency=4), "num_prompts_per_concurrency", "at least 5x concurrency"),
     (sweep(warmup=-1), "warmup", "integer >= 0"),
     (sweep(seed="0"), "seed", "integer >= 0"),
