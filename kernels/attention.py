@@ -5,17 +5,33 @@ from .matmul import is_batch_invariant, row_tiles
 from .precision import upcast
 
 
+# fp32 scores held at once by the one-sequence reference: queries go through in row blocks of about this many
+# scores (512 MiB), so a 16k-token prefill never materializes its whole [S, H, K] score tensor.
+SCORE_BLOCK_ELEMENTS = 1 << 27
+
+
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """One sequence.
 
     q: [S, H, d]; kv: [K, d] (used as both key and value); bias: [S, K] (0 visible, -inf hidden);
     sink: [H] fp32 logits that join the softmax denominator only. Returns [S, H, d].
+    Rows are independent: they run in blocks sized from H and K alone (never from S or the batch).
     """
-    scores = torch.einsum("shd,kd->shk", upcast(q), upcast(kv)) * scale + upcast(bias).unsqueeze(1)
+    kv32 = upcast(kv)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (q.shape[1] * (kv.shape[0] + 1)))
+    if q.shape[0] <= rows:
+        return _sink_attention(q, kv32, bias, sink, scale)
+    return torch.cat([_sink_attention(q[i:i + rows], kv32, bias[i:i + rows], sink, scale)
+                      for i in range(0, q.shape[0], rows)])
+
+
+def _sink_attention(q, kv32, bias, sink, scale, kv_dims: str = "kd"):
+    """The math: q [S, H, d]; kv32 [K, d] shared by every row ("kd") or [S, K, d] one per row ("skd")."""
+    scores = torch.einsum(f"shd,{kv_dims}->shk", upcast(q), kv32) * scale + upcast(bias).unsqueeze(1)
     logits = torch.cat([scores, upcast(sink).view(1, -1, 1).expand(scores.shape[0], -1, 1)], dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.einsum("shk,kd->shd", probs, upcast(kv)).to(q.dtype)
+    return torch.einsum(f"shk,{kv_dims}->shd", probs, kv32).to(q.dtype)
 
 
 def sink_attention_rows(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
@@ -32,7 +48,4 @@ def sink_attention_rows(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, s
 
 
 def _sink_attention_rows(q, kv, bias, sink, scale):
-    scores = torch.einsum("bhd,bkd->bhk", upcast(q), upcast(kv)) * scale + upcast(bias).unsqueeze(1)
-    logits = torch.cat([scores, upcast(sink).view(1, -1, 1).expand(scores.shape[0], -1, 1)], dim=-1)
-    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.einsum("bhk,bkd->bhd", probs, upcast(kv)).to(q.dtype)
+    return _sink_attention(q, upcast(kv), bias, sink, scale, kv_dims="skd")
