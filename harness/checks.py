@@ -11,6 +11,9 @@ lengths; its tokens and per-token logprobs compared bitwise with the alone run."
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 
 from deepinfer import SamplingParams
@@ -19,6 +22,7 @@ from deepinfer.kernels.matmul import set_batch_invariant
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment
 from .workload import random_workload, seats
 
+log = logging.getLogger("deepinfer")
 SAMPLINGS = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=0.8, top_p=0.95, seed=1234)}
 
 
@@ -99,8 +103,10 @@ def run_checks(llm, kind: str, modes: list[bool], run_dir, prompts, runs: int, t
     try:
         for on in modes:
             set_mode(llm, on)
+            t0 = time.perf_counter()
             res = determinism(llm, prompts, runs, max_tokens) if kind == "determinism" else \
                 batch_invariance(llm, prompts[0], trials, max_tokens, seed)
+            log.info(f"{kind}, batch-invariant mode {'on' if on else 'off'}: {time.perf_counter() - t0:.1f} s")
             for sampling, stats in res.items():
                 row = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "check": kind,
                        "key": f"{kind}/{'invariant' if on else 'default'}/{sampling}", "status": "ok",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.matmul import is_batch_invariant
+
 
 def ladder(max_batch: int) -> list[int]:
     sizes, b = [], 1
@@ -26,7 +28,7 @@ class DecodeGraphs:
         self.slots = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.tokens = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
     def run(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, ctx_blocks: int):
@@ -39,7 +41,7 @@ class DecodeGraphs:
             return self._replay(b, size, slots, positions, tokens, ctx_blocks)
 
     def _replay(self, b: int, size: int, slots, positions, tokens, ctx_blocks: int) -> torch.Tensor:
-        key = (size, ctx_blocks)
+        key = (size, ctx_blocks, is_batch_invariant())    # a graph holds the kernels of the mode it was captured in
         if key not in self.graphs:
             self.graphs[key] = self._capture(size, ctx_blocks)
         graph, out = self.graphs[key]
