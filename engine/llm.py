@@ -329,24 +329,31 @@ class LLM:
         return Tokenizer.from_file(str(path))
 
     def _render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
-        import json
+        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
 
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    def chat_template(self) -> tuple[str, dict]:
+        """The checkpoint's chat template and its tokenizer_config.json (for bos / eos text)."""
+        import json
         cfg_path = self.model.checkpoint_dir / "tokenizer_config.json"
         config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = config.get("chat_template")
         if not template:
             raise DeepInferError(f"{self.model.checkpoint_dir} has no chat_template in tokenizer_config.json")
+        return template, config
+
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        """One conversation ([{"role", "content"}, ...]) as prompt text, through the checkpoint's chat template."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        template, config = self.chat_template()
 
         def raise_exception(msg):
             raise DeepInferError(f"chat template: {msg}")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         special = lambda v: v.get("content", "") if isinstance(v, dict) else (v or "")  # noqa: E731  AddedToken dicts
-        text = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=special(config.get("bos_token")),
-                                                eos_token=special(config.get("eos_token")))
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 bos_token=special(config.get("bos_token")),
+                                                 eos_token=special(config.get("eos_token")))
 
 
 def _needs_host_outputs(sched: Scheduler) -> bool:

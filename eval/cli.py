@@ -1,14 +1,104 @@
-"""The `deepinfer-eval` command. Its lm-eval suites arrive with the eval issue; until then it lists
-no subcommands and says so."""
+"""The `deepinfer-eval` command (docs/eval.md): lm-eval accuracy suites on the engine."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
 
 import click
 
 from deepinfer.cli import run_cli
 
 
-@click.group(help="deepinfer-eval: lm-eval accuracy suites (no subcommands yet).")
+@click.group(help="deepinfer-eval: lm-eval accuracy suites on the engine, results into reports/eval/.")
 def cli() -> None:
     """Command group; the subcommands below do the work."""
+
+
+@cli.command("run")
+@click.option("--suite", "suite_name", default=None, help="a suite under eval/suites/ (deepinfer-eval suites) or a "
+                                                          "suite YAML path")
+@click.option("--tasks", default=None, help="comma-separated tasks instead of a suite (offline or lm-eval names)")
+@click.option("--model", default=None, help="override the suite's model (checkpoint dir, hub id, tiny, "
+                                            "random:ARCH:PRESET:N)")
+@click.option("--device", default=None, help="override the suite's device (cpu | cuda)")
+@click.option("--dtype", default=None, help="override the suite's dtype")
+@click.option("--limit", type=int, default=None, help="samples per task")
+@click.option("--num-fewshot", type=int, default=None, help="few-shot examples for every task")
+@click.option("--concurrency", default=None, help="comma-separated: integers, max, median (default: the suite's)")
+@click.option("--batch-invariant", is_flag=True, default=None, help="run in batch-invariant mode")
+@click.option("--apply-chat-template", is_flag=True, default=None, help="render prompts with the chat template")
+@click.option("--max-model-len", type=int, default=None, help="override engine_args.max_model_len")
+@click.option("--reference", type=click.Choice(["transformers"]), default=None,
+              help="also run the tasks through lm-eval's HF backend on the same V4 checkpoint (QAT off on ours)")
+@click.option("--out", default="reports/eval", show_default=True, help="results root")
+@click.option("--run-id", default=None, help="run directory name (default: time + suite name)")
+@click.option("--quiet", is_flag=True, help="no progress bars, lm-eval warnings only")
+def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurrency, batch_invariant,
+            apply_chat_template, max_model_len, reference, out, run_id, quiet) -> None:
+    """Run a suite (default: offline-smoke) and write results, rows and samples under --out/RUN_ID; exit status 1
+    when a metric misses its suite threshold."""
+    from deepinfer.harness.report import EVAL_DIR, write_index
+
+    from .run import run_suite
+    from .suite import load_suite, parse_suite
+    if suite_name and tasks:
+        raise click.UsageError("give --suite or --tasks, not both")
+    if quiet:
+        logging.getLogger("lm-eval").setLevel(logging.WARNING)
+        logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if tasks:
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        if not names:
+            raise click.UsageError("--tasks is empty")
+        d = {"name": "adhoc", "model": "tiny", "tasks": names}
+    else:
+        d = load_suite(suite_name or "offline-smoke").to_dict()
+    overrides = {"model": model, "device": device, "dtype": dtype, "limit": limit,
+                 "batch_invariant": batch_invariant, "apply_chat_template": apply_chat_template}
+    d.update({k: v for k, v in overrides.items() if v is not None})
+    if concurrency:
+        d["concurrency"] = [int(c) if c.strip().isdigit() else c.strip() for c in concurrency.split(",")]
+    if max_model_len is not None:
+        d["engine_args"] = {**d.get("engine_args", {}), "max_model_len": max_model_len}
+    if num_fewshot is not None:
+        if num_fewshot < 0:
+            raise click.UsageError("--num-fewshot must be >= 0")
+        d["tasks"] = [{**(t if isinstance(t, dict) else {"task": t}), "num_fewshot": num_fewshot} for t in d["tasks"]]
+    suite = parse_suite(d, f"{suite_name or ('--tasks' if tasks else 'offline-smoke')} (with command-line options)")
+    run = run_suite(suite, out, run_id, reference, progress=not quiet)
+    _print(run)
+    out_path = Path(out)
+    if out_path.name == EVAL_DIR:                    # <reports>/eval: the reports index lists eval runs too
+        click.echo(f"index: {write_index(out_path.parent)}")
+    if run.failures:
+        click.echo(f"{len(run.failures)} threshold(s) missed: " + "; ".join(
+            f"{r['task']} {r['metric']} = {r['value']:.4g} (c={r['concurrency']}), wants {r['bound']}"
+            for r in run.failures), err=True)
+        sys.exit(1)
+
+
+@cli.command("suites")
+def suites_cmd() -> None:
+    """List the suites under eval/suites/ and the offline tasks."""
+    from .suite import load_suite, suite_names
+    from .tasks import offline_tasks
+    for name in suite_names():
+        s = load_suite(name)
+        click.echo(f"{name:<24} {s.model:<40} {', '.join(t.name for t in s.tasks)}")
+    click.echo(f"offline tasks: {', '.join(offline_tasks())}")
+
+
+def _print(run) -> None:
+    click.echo(f"eval rows in {run.run_dir}")
+    for r in run.rows:
+        who = r["engine"] if r["engine"] != "deepinfer" else f"c={r['concurrency']}"
+        extra = f"  max |dloglik| {r['max_abs_loglik_diff']:.2e}" if "max_abs_loglik_diff" in r else ""
+        verdict = "" if r.get("passed") is None else ("  ok" if r["passed"] else f"  MISSED ({r['bound']})")
+        label = r["metric"] if r["kind"] == "eval" else f"agreement with {r['versus']}"
+        click.echo(f"  {who:<13} {r['task']:<20} {label:<34} "
+                   f"{r['value']:.4g}{extra}{verdict}")
 
 
 def main() -> None:

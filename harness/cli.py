@@ -75,7 +75,8 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
     root = Path(report_dir)
     if not root.is_dir():
         raise DeepInferError(f"no report directory {root}: run a sweep first, or pass --report-dir")
-    runs = sorted(p.parent for p in root.glob("*/*/rows.jsonl"))
+    from .report import sweep_runs
+    runs = sweep_runs(root)
     if not all_runs:
         if not run_ids:
             raise click.UsageError("name RUN_IDS or pass --all")

@@ -100,13 +100,22 @@ def write_charts(run_dir: Path, rows: list[dict], png: bool = True) -> list[Path
     return written
 
 
+EVAL_DIR = "eval"            # deepinfer-eval's runs: <root>/eval/<run_id>/
+
+
+def sweep_runs(report_root: Path) -> list[Path]:
+    """Every sweep / check run: <root>/<schema_version>/<run_id>/ holding rows.jsonl."""
+    return sorted(p.parent for p in report_root.glob("*/*/rows.jsonl") if p.parent.parent.name != EVAL_DIR)
+
+
 def write_index(report_root: Path) -> Path:
-    """reports/index.md: every run under <root>/<schema_version>/<run_id>/ with its points and charts."""
+    """reports/index.md: every sweep run under <root>/<schema_version>/<run_id>/ with its points and charts, and
+    every eval run under <root>/eval/<run_id>/ with its tasks and thresholds."""
     lines = ["# Benchmark runs", "", "Regenerate with `deepinfer-bench report --all`.", "",
              "| run | schema | points (ok / failed) | charts |", "| --- | --- | --- | --- |"]
     if not report_root.is_dir():
         raise DeepInferError(f"no report directory {report_root}: run a sweep first, or pass --report-dir")
-    for run_dir in sorted(p.parent for p in report_root.glob("*/*/rows.jsonl")):
+    for run_dir in sweep_runs(report_root):
         rows = read_rows(run_dir)
         ok_keys = {r["key"] for r in rows if r.get("status") == "ok"}
         failed = {r["key"] for r in rows if r.get("status") != "ok"} - ok_keys     # points, not attempts
@@ -114,6 +123,23 @@ def write_index(report_root: Path) -> Path:
         charts = ", ".join(f"[{p.stem}]({p.relative_to(report_root).as_posix()})"
                            for p in sorted(run_dir.glob("*_pareto.*")))
         lines.append(f"| {run_dir.name} | {run_dir.parent.name} | {ok} / {len(failed)} | {charts} |")
+    evals = sorted(p.parent for p in (report_root / EVAL_DIR).glob("*/rows.jsonl"))
+    if evals:
+        lines += ["", "## Eval runs (deepinfer-eval)", "",
+                  "| run | suite | model | tasks | concurrency | thresholds (held / missed) | min agreement |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+    for run_dir in evals:
+        rows = read_rows(run_dir)
+        metrics = [r for r in rows if r.get("kind") == "eval" and r.get("engine") == "deepinfer"]
+        agree = [r["value"] for r in rows if r.get("kind") == "agreement"]
+        checked = [r for r in rows if r.get("passed") is not None]
+        first = rows[0] if rows else {}
+        agreement = f"{min(agree):.3f}" if agree else ""
+        lines.append(f"| {run_dir.name} | {first.get('suite', '')} | {first.get('model', '')} | "
+                     f"{', '.join(sorted({r['task'] for r in metrics}))} | "
+                     f"{', '.join(str(c) for c in sorted({r['concurrency'] for r in metrics}))} | "
+                     f"{sum(r['passed'] for r in checked)} / {sum(not r['passed'] for r in checked)} | "
+                     f"{agreement} |")
     path = report_root / "index.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path

@@ -70,13 +70,9 @@ def check_topology(cfg: SweepConfig) -> None:
 
 def build_llm(cfg: SweepConfig):
     from deepinfer import LLM
-    from deepinfer.checkpoint.make import embedded_tiny_dir, random_preset_model
+    from deepinfer.checkpoint.make import resolve_model
     args = dict(cfg.engine_args)
-    model = cfg.model
-    if model == "tiny":
-        model = embedded_tiny_dir()
-    elif model.startswith("random:"):
-        model = random_preset_model(model, cfg.device, cfg.dtype, args.get("expert_storage", "dense"))
+    model = resolve_model(cfg.model, cfg.device, cfg.dtype, args.get("expert_storage", "dense"))
     return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, **args)
 
 

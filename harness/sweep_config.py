@@ -153,7 +153,7 @@ def load_sweep(path: str | Path) -> SweepConfig:
 
 def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
     """Validate an already parsed sweep definition (a mapping); `source` names it in errors."""
-    v = _Validator(source)
+    v = Validator(source)
     if not isinstance(data, dict):
         raise v.error(None, f"the sweep must be a mapping of keys ({', '.join(TOP_KEYS)}), got "
                             f"{_type_name(data)}")
@@ -211,12 +211,14 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class _Validator:
-    def __init__(self, source: str):
-        self.source = source
+class Validator:
+    """Checks of parsed YAML values; every failure is one `error_type` line: source, key path, what is allowed."""
 
-    def error(self, path: str | None, msg: str) -> SweepConfigError:
-        return SweepConfigError(f"{self.source}: {path}: {msg}" if path else f"{self.source}: {msg}")
+    def __init__(self, source: str, error_type: type[DeepInferError] = SweepConfigError):
+        self.source, self.error_type = source, error_type
+
+    def error(self, path: str | None, msg: str) -> DeepInferError:
+        return self.error_type(f"{self.source}: {path}: {msg}" if path else f"{self.source}: {msg}")
 
     def keys(self, d: dict, path: str | None, known: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
         for k in d:

@@ -111,3 +111,13 @@ def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str 
     model.checkpoint_dir = Path(tempfile.mkdtemp(prefix="deepinfer-tok-"))
     write_tokenizer(model.checkpoint_dir, cfg.vocab_size, cfg.max_position_embeddings, tokenizer=tokenizer)
     return model
+
+
+def resolve_model(spec: str, device: str, dtype: str, expert_storage: str = "dense", qat: bool = True):
+    """A model name as the CLIs take it -> what LLM(model=...) takes: `tiny` -> the embedded checkpoint dir,
+    random:ARCH:PRESET:LAYERS -> a built model, anything else (a checkpoint dir, a hub id) unchanged."""
+    if spec == "tiny":
+        return embedded_tiny_dir()
+    if spec.startswith("random:"):
+        return random_preset_model(spec, device, dtype, expert_storage, qat)
+    return spec

@@ -1,0 +1,231 @@
+"""Run an eval suite on the engine through lm-eval and write `reports/eval/<run_id>/`.
+
+    run = run_suite(load_suite("offline-smoke"), "reports/eval")
+    run.failures        # threshold rows that did not hold (the CLI exits non-zero on any)
+
+Per concurrency c of the suite (max, median, ...): lm-eval's full result dict (`results_c{c}.json`) and its
+per-sample log (`samples_c{c}.jsonl`). Rows (`rows.jsonl`, the harness row store) carry one metric each, with
+model, engine config, seeds, environment and git state, and the suite's bound on it; `agreement` rows compare
+the per-sample predictions of every concurrency with the first one's; with `--reference transformers` the same
+tasks also run through lm-eval's HF backend on the same checkpoint (`*_reference.*`), with agreement rows.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from deepinfer.errors import DeepInferError
+from deepinfer.harness.rows import SCHEMA_VERSION, RowStore, atomic_write_text, environment
+from deepinfer.harness.sweep_config import NAME_RE
+
+from .suite import Bound, Suite
+
+log = logging.getLogger("deepinfer")
+EVAL_METHOD_VERSION = "1"
+REFERENCES = ("transformers",)
+
+
+@dataclass
+class EvalRun:
+    run_dir: Path
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[dict]:
+        return [r for r in self.rows if r.get("passed") is False]
+
+
+def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str | None = None,
+              reference: str | None = None, progress: bool = True) -> EvalRun:
+    from lm_eval.tasks import TaskManager
+
+    from .backend import DeepInferLM, build_engine
+    from .tasks import task_configs
+    if reference is not None and reference not in REFERENCES:
+        raise DeepInferError(f"--reference {reference!r}: allowed: {', '.join(REFERENCES)}")
+    run_id = run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{suite.name}"
+    if not NAME_RE.fullmatch(run_id):
+        raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only")
+    run_dir = Path(out_root) / run_id
+    if (run_dir / "rows.jsonl").exists():
+        raise DeepInferError(f"eval run {run_dir} already exists; choose a new --run-id")
+    store = RowStore(run_dir)                      # fails with one line when the directory is not writable
+    entries = task_configs(suite.tasks, TaskManager)
+    if reference is not None:
+        _check_reference_model(suite.model)
+    llm = build_engine(suite.model, suite.device, suite.dtype, suite.seed, qat_fake_quant=reference is None,
+                       engine_args=dict(suite.engine_args))
+    lm = DeepInferLM(llm=llm, pretrained=suite.model, seed=suite.seed, batch_invariant=suite.batch_invariant)
+    env = environment()
+    atomic_write_text(run_dir / "suite.yaml", yaml.safe_dump(suite.to_dict(), sort_keys=False))
+    atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
+    identity = {"schema_version": SCHEMA_VERSION, "method_version": EVAL_METHOD_VERSION, "kind": "eval",
+                "run_id": run_id, "suite": suite.name, "model": suite.model, "model_type": llm.model.cfg.model_type,
+                "config_hash": llm.model.cfg.config_hash(), "precision": suite.dtype, "device": suite.device,
+                "engine": "deepinfer", "engine_args": dict(suite.engine_args), "seed": suite.seed,
+                "batch_invariant": suite.batch_invariant, "qat_fake_quant": reference is None,
+                "limit": suite.limit, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
+                "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"]}
+    run = EvalRun(run_dir)
+    samples_by_c = {}
+    for c in suite.concurrencies(llm.args["max_num_seqs"]):
+        lm.concurrency = c
+        log.info(f"eval {suite.name}: concurrency {c}")
+        result = _evaluate(lm, entries, suite, progress)
+        samples_by_c[c] = _write_result(run_dir, f"c{c}", result)
+        rows = metric_rows(result, suite, {**identity, "concurrency": c})
+        _append(store, run, rows)
+    first, *others = list(samples_by_c)
+    for c in others:
+        _append(store, run, agreement_rows(samples_by_c[first], samples_by_c[c], suite.agreement,
+                                           {**identity, "kind": "agreement", "concurrency": c, "versus": f"c{first}"}))
+    if reference is not None:
+        ref_lm = _reference_lm(llm, suite)
+        result = _evaluate(ref_lm, entries, suite, progress)
+        ref_samples = _write_result(run_dir, "reference", result)
+        _append(store, run, metric_rows(result, suite, {**identity, "engine": "transformers", "concurrency": None},
+                                        check=False))
+        _append(store, run, agreement_rows(samples_by_c[first], ref_samples, None,
+                                           {**identity, "kind": "reference_agreement", "concurrency": first,
+                                            "versus": "transformers"}))
+    return run
+
+
+def _append(store: RowStore, run: EvalRun, rows: list[dict]) -> None:
+    for r in rows:
+        who = r["versus"] if r["kind"] == "reference_agreement" else \
+            r["engine"] if r["concurrency"] is None else f"c{r['concurrency']}"
+        r.update(key=f"{r['kind']}/{who}/{r['task']}/{r['metric']}", status="ok")
+        store.append(r)
+        run.rows.append(r)
+
+
+def _evaluate(lm, entries, suite: Suite, progress: bool) -> dict:
+    import copy
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    need_index = any(isinstance(e, str) or e.get("task") not in _offline_names() for e in entries)
+    manager = TaskManager(include_defaults=need_index)
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=copy.deepcopy(entries), limit=suite.limit, task_manager=manager, log_samples=True,
+        apply_chat_template=suite.apply_chat_template, random_seed=suite.seed, numpy_random_seed=suite.seed,
+        torch_random_seed=suite.seed, fewshot_random_seed=suite.seed, verbosity="WARNING" if not progress else None)
+
+
+def _offline_names() -> set[str]:
+    from .tasks import offline_tasks
+    return set(offline_tasks())
+
+
+def _write_result(run_dir: Path, tag: str, result: dict) -> dict:
+    """results_TAG.json (lm-eval's dict without samples) and samples_TAG.jsonl; returns the samples."""
+    from lm_eval.utils import handle_non_serializable
+    samples = result.pop("samples", {})
+    atomic_write_text(run_dir / f"results_{tag}.json",
+                      json.dumps(result, indent=1, default=handle_non_serializable, sort_keys=True) + "\n")
+    lines = [json.dumps({"task": task, **s}, default=handle_non_serializable, sort_keys=True)
+             for task, per in samples.items() for s in per]
+    atomic_write_text(run_dir / f"samples_{tag}.jsonl", "".join(line + "\n" for line in lines))
+    result["samples"] = samples
+    return samples
+
+
+SKIP_KEYS = ("alias", "name", "sample_len", "sample_count")
+
+
+def metric_rows(result: dict, suite: Suite, identity: dict, check: bool = True) -> list[dict]:
+    """One row per (task, metric) of lm-eval's results, with the suite's bound and whether it holds."""
+    rows = []
+    n_samples = result.get("n-samples", {})
+    for task, metrics in result["results"].items():
+        bounds = suite.thresholds.get(task, {})
+        for key, value in metrics.items():
+            if key in SKIP_KEYS or "_stderr," in key or not isinstance(value, (int, float)):
+                continue
+            value = float(value)
+            stderr = metrics.get(key.replace(",", "_stderr,", 1))
+            bound: Bound | None = bounds.get(key) if check else None
+            rows.append({**identity, "task": task, "metric": key, "value": value,
+                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                         "n_samples": n_samples.get(task, {}).get("effective"),
+                         "bound": None if bound is None else str(bound),
+                         "passed": None if bound is None else bound.holds(value), "time": _now()})
+    return rows
+
+
+def agreement_rows(a: dict, b: dict, bound: Bound | None, identity: dict) -> list[dict]:
+    """Per task: the fraction of samples whose prediction is the same in runs a and b (generate: the filtered
+    reply; multiple choice: the chosen option; perplexity: always compared by logprob only), and the largest
+    absolute loglikelihood difference."""
+    rows = []
+    for task in a:
+        if task not in b:
+            continue
+        by_doc = {s["doc_id"]: s for s in b[task]}
+        same = total = 0
+        diff = 0.0
+        for s in a[task]:
+            t = by_doc.get(s["doc_id"])
+            if t is None:
+                continue
+            total += 1
+            same += _prediction(s) == _prediction(t)
+            for x, y in zip(_logliks(s), _logliks(t)):
+                diff = max(diff, abs(x - y))
+        value = same / total if total else float("nan")
+        rows.append({**identity, "task": task, "metric": "agreement", "value": value, "n_samples": total,
+                     "max_abs_loglik_diff": diff, "bound": None if bound is None else str(bound),
+                     "passed": None if bound is None else bound.holds(value), "time": _now()})
+    return rows
+
+
+def _prediction(sample: dict):
+    resps = sample.get("filtered_resps", sample.get("resps"))
+    lls = _logliks(sample)
+    if lls and len(lls) == len(resps) and len(lls) > 1:         # multiple choice: the argmax option
+        return max(range(len(lls)), key=lls.__getitem__)
+    return json.dumps(resps, default=str) if not lls else None   # rolling: nothing to choose
+
+
+def _logliks(sample: dict) -> list[float]:
+    out = []
+    for r in sample.get("resps", []):
+        x = r[0] if isinstance(r, (list, tuple)) and r else r
+        if isinstance(x, (list, tuple)) and x and isinstance(x[0], (int, float)):
+            out.append(float(x[0]))
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            out.append(float(x))
+    return out
+
+
+def _check_reference_model(model: str) -> None:
+    path = Path(model)
+    cfg = path / "config.json"
+    if model == "tiny" or model.startswith("random:") or not cfg.is_file():
+        raise DeepInferError(f"--reference transformers needs a V4 checkpoint directory in Hugging Face layout (got "
+                             f"{model!r}); make one with `deepinfer make-checkpoint --arch deepseek_v4 --format hf`")
+    model_type = json.loads(cfg.read_text()).get("model_type")
+    if model_type != "deepseek_v4":
+        raise DeepInferError(f"--reference transformers runs deepseek_v4 checkpoints (transformers 5.23 has "
+                             f"DeepseekV4ForCausalLM); {model} is {model_type!r}")
+
+
+def _reference_lm(llm, suite: Suite):
+    try:
+        from lm_eval.models.huggingface import HFLM
+        return HFLM(pretrained=str(llm.model.checkpoint_dir), dtype=suite.dtype, device=suite.device,
+                    batch_size=llm.args["max_num_seqs"], max_length=llm.max_model_len - 1)
+    except ImportError as e:
+        raise DeepInferError(f"--reference transformers needs transformers==5.23.0, accelerate and peft ({e}); "
+                             f"pip install 'deepinfer[reference]'") from None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

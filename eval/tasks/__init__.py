@@ -1,0 +1,78 @@
+"""Task specs -> what lm-eval's `simple_evaluate(tasks=...)` takes, with one clear error per bad task.
+
+Offline tasks live here as lm-eval task YAMLs (`deepinfer_*.yaml`) over data the project owns (`data/*.jsonl`,
+written by make_data.py); their `data_files` are relative to this directory and resolved to absolute paths.
+Any other name goes to lm-eval's own task index (which needs its dataset from the hub, or the datasets cache).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+
+from deepinfer.errors import DeepInferError
+
+TASKS_DIR = Path(__file__).resolve().parent
+
+
+class TaskError(DeepInferError, ValueError):
+    """An unknown task, a missing local data file, a dataset that cannot be loaded (one line)."""
+
+
+def offline_tasks() -> dict[str, dict]:
+    """name -> task config (data paths absolute) of every offline task."""
+    import yaml
+    out = {}
+    for path in sorted(TASKS_DIR.glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        files = cfg.get("dataset_kwargs", {}).get("data_files", {})
+        cfg.setdefault("dataset_kwargs", {})["data_files"] = {k: str(TASKS_DIR / v) for k, v in files.items()}
+        out[cfg["task"]] = cfg
+    return out
+
+
+def task_configs(specs, task_manager_factory) -> list:
+    """TaskSpecs -> lm-eval task entries (offline: full config dicts; others: {task: name, ...overrides}), each
+    checked by loading it once, so a bad task fails before the model runs. `task_manager_factory()` gives the
+    lm-eval TaskManager (built only when a non-offline task needs its index)."""
+    local = offline_tasks()
+    entries, manager = [], None
+    for spec in specs:
+        if spec.name in local:
+            cfg = copy.deepcopy(local[spec.name])
+            for split, path in cfg["dataset_kwargs"]["data_files"].items():
+                if not Path(path).is_file():
+                    raise TaskError(f"task {spec.name}: data file {path} is missing; regenerate it with "
+                                    f"`python -m deepinfer.evals.tasks.make_data`")
+        else:
+            manager = manager or task_manager_factory()
+            if spec.name not in manager.all_tasks:
+                close = difflib.get_close_matches(spec.name, list(local) + list(manager.all_tasks), n=3)
+                hint = f"did you mean {', '.join(close)}? " if close else ""
+                raise TaskError(f"unknown task {spec.name!r}: {hint}offline tasks: {', '.join(local)}; lm-eval's "
+                                f"tasks: `lm_eval ls tasks`")
+            cfg = {"task": spec.name}
+        cfg.update(copy.deepcopy(dict(spec.overrides)))
+        if spec.num_fewshot is not None:
+            cfg["num_fewshot"] = spec.num_fewshot
+        entry = cfg if spec.name in local or len(cfg) > 1 else spec.name
+        _check_loads(spec.name, entry, manager)
+        entries.append(entry)
+    return entries
+
+
+def _check_loads(name: str, entry, manager) -> None:
+    from lm_eval.tasks import TaskManager, get_task_dict
+    try:
+        get_task_dict([entry], manager or TaskManager(include_defaults=False))
+    except DeepInferError:
+        raise
+    except Exception as e:                       # noqa: BLE001  datasets / hub errors come in many types
+        msg = " ".join(str(e).split())[:300]
+        offline = any(w in msg.lower() for w in ("offline", "connection", "resolve", "network", "couldn't reach",
+                                                 "not found on the hub", "cannot find"))
+        fix = ("it needs its dataset from the Hugging Face hub: run once where the hub is reachable (the datasets "
+               "cache keeps it, HF_DATASETS_CACHE), or choose an offline suite such as --suite offline-smoke") \
+            if offline else "check the task's config and data"
+        raise TaskError(f"task {name}: cannot load it ({type(e).__name__}: {msg}); {fix}") from None
