@@ -27,7 +27,8 @@ def cli() -> None:
 @click.option("--limit", type=int, default=None, help="samples per task")
 @click.option("--num-fewshot", type=int, default=None, help="few-shot examples for every task")
 @click.option("--concurrency", default=None, help="comma-separated: integers, max, median (default: the suite's)")
-@click.option("--batch-invariant", is_flag=True, default=None, help="run in batch-invariant mode")
+@click.option("--batch-invariant/--no-batch-invariant", default=None,
+              help="batch-invariant mode on / off (default: the suite's)")
 @click.option("--apply-chat-template", is_flag=True, default=None, help="render prompts with the chat template")
 @click.option("--max-model-len", type=int, default=None, help="override engine_args.max_model_len")
 @click.option("--reference", type=click.Choice(["transformers"]), default=None,
