@@ -1,11 +1,13 @@
 """The lm-eval model backend `deepinfer`: lm-eval's requests run on the engine in-process.
 
-    lm_eval --model deepinfer --model_args pretrained=tiny,concurrency=8 --tasks ...
+    import deepinfer.evals.backend                      # registers the model name "deepinfer" with lm-eval
+    lm_eval.simple_evaluate(model="deepinfer", model_args="pretrained=tiny,concurrency=8", tasks=[...])
     DeepInferLM(llm=LLM(...), concurrency=8)              # or around an engine already built
 
 - loglikelihood: the context + continuation tokens go in as one prompt with `prompt_logprobs=1`; the answer is
   the sum of the continuation tokens' logprobs and whether each was the argmax (ties count as greedy).
-- loglikelihood_rolling: lm-eval's disjoint rolling windows of max_model_len - 2 tokens, each scored as above.
+- loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length = max_model_len - 2 tokens, each
+  scored as above.
 - generate_until: stop sequences (+ the EOS text), max_gen_toks, do_sample / temperature / top_p / top_k, a
   seed per request (backend seed + request index) when sampling; the context is left-truncated to leave room.
 - concurrency: at most this many sequences run at once (the engine's seats); suites run the same requests at
@@ -58,8 +60,9 @@ class DeepInferLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        """Longest scored sequence: a prompt must stay below max_model_len (one generated token follows it)."""
-        return self.llm.max_model_len - 1
+        """Most tokens a scored position conditions on (lm-eval's HF backend meaning): a scored sequence is at most
+        max_length + 1 tokens, and a prompt must stay below max_model_len (one generated token follows it)."""
+        return self.llm.max_model_len - 2
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         if add_special_tokens is None:
@@ -96,10 +99,10 @@ class DeepInferLM(TemplateLM):
         for ctx, cont in pairs:
             if not cont:
                 raise DeepInferError("lm-eval sent an empty continuation to score")
-            if len(cont) >= self.max_length:
+            if len(cont) > self.max_length:
                 raise DeepInferError(f"a continuation of {len(cont)} tokens does not fit max_model_len="
                                      f"{self.llm.max_model_len}; raise max_model_len")
-            ids = (list(ctx) + list(cont))[-self.max_length:]
+            ids = (list(ctx) + list(cont))[-(self.max_length + 1):]
             prompts.append({"prompt_token_ids": ids})
             spans.append(len(cont))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
@@ -121,7 +124,7 @@ class DeepInferLM(TemplateLM):
         for i, (string,) in enumerate(req.args for req in requests):
             for ctx, cont in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
                     token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length - 1, context_len=1)):
+                    max_seq_len=self.max_length, context_len=1)):
                 windows.append((ctx, cont))
                 owner.append(i)
         scores = self.score_continuations(windows, disable_tqdm)

@@ -31,13 +31,14 @@ def cli() -> None:
               help="batch-invariant mode on / off (default: the suite's)")
 @click.option("--apply-chat-template", is_flag=True, default=None, help="render prompts with the chat template")
 @click.option("--max-model-len", type=int, default=None, help="override engine_args.max_model_len")
+@click.option("--max-num-seqs", type=int, default=None, help="override engine_args.max_num_seqs (= 'max' concurrency)")
 @click.option("--reference", type=click.Choice(["transformers"]), default=None,
               help="also run the tasks through lm-eval's HF backend on the same V4 checkpoint (QAT off on ours)")
 @click.option("--out", default="reports/eval", show_default=True, help="results root")
 @click.option("--run-id", default=None, help="run directory name (default: time + suite name)")
 @click.option("--quiet", is_flag=True, help="no progress bars, lm-eval warnings only")
 def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurrency, batch_invariant,
-            apply_chat_template, max_model_len, reference, out, run_id, quiet) -> None:
+            apply_chat_template, max_model_len, max_num_seqs, reference, out, run_id, quiet) -> None:
     """Run a suite (default: offline-smoke) and write results, rows and samples under --out/RUN_ID; exit status 1
     when a metric misses its suite threshold."""
     from deepinfer.harness.report import EVAL_DIR, write_index
@@ -61,8 +62,9 @@ def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurr
     d.update({k: v for k, v in overrides.items() if v is not None})
     if concurrency:
         d["concurrency"] = [int(c) if c.strip().isdigit() else c.strip() for c in concurrency.split(",")]
-    if max_model_len is not None:
-        d["engine_args"] = {**d.get("engine_args", {}), "max_model_len": max_model_len}
+    for key, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+        if value is not None:
+            d["engine_args"] = {**d.get("engine_args", {}), key: value}
     if num_fewshot is not None:
         if num_fewshot < 0:
             raise click.UsageError("--num-fewshot must be >= 0")

@@ -221,7 +221,7 @@ def _reference_lm(llm, suite: Suite):
     try:
         from lm_eval.models.huggingface import HFLM
         return HFLM(pretrained=str(llm.model.checkpoint_dir), dtype=suite.dtype, device=suite.device,
-                    batch_size=llm.args["max_num_seqs"], max_length=llm.max_model_len - 1)
+                    batch_size=llm.args["max_num_seqs"], max_length=llm.max_model_len - 2)
     except ImportError as e:
         raise DeepInferError(f"--reference transformers needs transformers==5.23.0, accelerate and peft ({e}); "
                              f"pip install 'deepinfer[reference]'") from None

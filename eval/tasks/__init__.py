@@ -51,7 +51,7 @@ def task_configs(specs, task_manager_factory) -> list:
                 close = difflib.get_close_matches(spec.name, list(local) + list(manager.all_tasks), n=3)
                 hint = f"did you mean {', '.join(close)}? " if close else ""
                 raise TaskError(f"unknown task {spec.name!r}: {hint}offline tasks: {', '.join(local)}; lm-eval's "
-                                f"tasks: `lm_eval ls tasks`")
+                                f"tasks: `lm-eval ls tasks`")
             cfg = {"task": spec.name}
         cfg.update(copy.deepcopy(dict(spec.overrides)))
         if spec.num_fewshot is not None:
