@@ -34,11 +34,14 @@ def cli() -> None:
 @click.option("--max-num-seqs", type=int, default=None, help="override engine_args.max_num_seqs (= 'max' concurrency)")
 @click.option("--reference", type=click.Choice(["transformers"]), default=None,
               help="also run the tasks through lm-eval's HF backend on the same V4 checkpoint (QAT off on ours)")
+@click.option("--confirm-run-unsafe-code", is_flag=True,
+              help="let tasks that execute model-written code run (HumanEval; lm-eval's own switch)")
 @click.option("--out", default="reports/eval", show_default=True, help="results root")
 @click.option("--run-id", default=None, help="run directory name (default: time + suite name)")
 @click.option("--quiet", is_flag=True, help="no progress bars, lm-eval warnings only")
 def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurrency, batch_invariant,
-            apply_chat_template, max_model_len, max_num_seqs, reference, out, run_id, quiet) -> None:
+            apply_chat_template, max_model_len, max_num_seqs, reference, confirm_run_unsafe_code, out, run_id,
+            quiet) -> None:
     """Run a suite (default: offline-smoke) and write results, rows and samples under --out/RUN_ID; exit status 1
     when a metric misses its suite threshold."""
     from deepinfer.harness.report import EVAL_DIR, write_index
@@ -70,7 +73,7 @@ def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurr
             raise click.UsageError("--num-fewshot must be >= 0")
         d["tasks"] = [{**(t if isinstance(t, dict) else {"task": t}), "num_fewshot": num_fewshot} for t in d["tasks"]]
     suite = parse_suite(d, f"{suite_name or ('--tasks' if tasks else 'offline-smoke')} (with command-line options)")
-    run = run_suite(suite, out, run_id, reference, progress=not quiet)
+    run = run_suite(suite, out, run_id, reference, progress=not quiet, unsafe_code=confirm_run_unsafe_code)
     _print(run)
     out_path = Path(out)
     if out_path.name == EVAL_DIR:                    # <reports>/eval: the reports index lists eval runs too

@@ -42,7 +42,7 @@ class EvalRun:
 
 
 def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str | None = None,
-              reference: str | None = None, progress: bool = True) -> EvalRun:
+              reference: str | None = None, progress: bool = True, unsafe_code: bool = False) -> EvalRun:
     from lm_eval.tasks import TaskManager
 
     from .backend import DeepInferLM, build_engine
@@ -77,7 +77,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     for c in suite.concurrencies(llm.args["max_num_seqs"]):
         lm.concurrency = c
         log.info(f"eval {suite.name}: concurrency {c}")
-        result = _evaluate(lm, entries, suite, progress)
+        result = _evaluate(lm, entries, suite, progress, unsafe_code)
         samples_by_c[c] = _write_result(run_dir, f"c{c}", result)
         rows = metric_rows(result, suite, {**identity, "concurrency": c})
         _append(store, run, rows)
@@ -87,7 +87,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
                                            {**identity, "kind": "agreement", "concurrency": c, "versus": f"c{first}"}))
     if reference is not None:
         ref_lm = _reference_lm(llm, suite)
-        result = _evaluate(ref_lm, entries, suite, progress)
+        result = _evaluate(ref_lm, entries, suite, progress, unsafe_code)
         ref_samples = _write_result(run_dir, "reference", result)
         _append(store, run, metric_rows(result, suite, {**identity, "engine": "transformers", "concurrency": None},
                                         check=False))
@@ -106,7 +106,7 @@ def _append(store: RowStore, run: EvalRun, rows: list[dict]) -> None:
         run.rows.append(r)
 
 
-def _evaluate(lm, entries, suite: Suite, progress: bool) -> dict:
+def _evaluate(lm, entries, suite: Suite, progress: bool, unsafe_code: bool) -> dict:
     import copy
 
     import lm_eval
@@ -116,7 +116,8 @@ def _evaluate(lm, entries, suite: Suite, progress: bool) -> dict:
     return lm_eval.simple_evaluate(
         model=lm, tasks=copy.deepcopy(entries), limit=suite.limit, task_manager=manager, log_samples=True,
         apply_chat_template=suite.apply_chat_template, random_seed=suite.seed, numpy_random_seed=suite.seed,
-        torch_random_seed=suite.seed, fewshot_random_seed=suite.seed, verbosity="WARNING" if not progress else None)
+        torch_random_seed=suite.seed, fewshot_random_seed=suite.seed, confirm_run_unsafe_code=unsafe_code,
+        verbosity="WARNING" if not progress else None)
 
 
 def _offline_names() -> set[str]:

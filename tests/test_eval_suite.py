@@ -89,3 +89,17 @@ def test_unknown_suite_and_bad_yaml(tmp_path):
     bad.write_text("name: x\ntasks: [a\n")
     with pytest.raises(SuiteError, match=r"bad.yaml: malformed YAML at line \d+, column \d+"):
         load_suite(bad)
+
+
+def test_published_suite_names_lm_eval_tasks():
+    """Every non-offline task of the shipped suites is in lm-eval's task index (so users with hub access can run
+    them as they are)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from deepinfer.evals.tasks import offline_tasks
+    index = TaskManager().all_tasks
+    local = offline_tasks()
+    for name in suite_names():
+        for t in load_suite(name).tasks:
+            assert t.name in local or t.name in index, (name, t.name)
