@@ -56,7 +56,15 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     if (run_dir / "rows.jsonl").exists():
         raise DeepInferError(f"eval run {run_dir} already exists; choose a new --run-id")
     store = RowStore(run_dir)                      # fails with one line when the directory is not writable
-    entries = task_configs(suite.tasks, TaskManager)
+    managers: dict[bool, TaskManager] = {}         # lm-eval's task index is slow to build: once per run
+
+    def manager(with_defaults: bool = True) -> TaskManager:
+        if with_defaults not in managers:
+            managers[with_defaults] = TaskManager(include_defaults=with_defaults)
+        return managers[with_defaults]
+    entries = task_configs(suite.tasks, manager)
+    offline = _offline_names()
+    task_manager = manager(any(isinstance(e, str) or e.get("task") not in offline for e in entries))
     if reference is not None:
         _check_reference_model(suite.model)
     llm = build_engine(suite.model, suite.device, suite.dtype, suite.seed, qat_fake_quant=reference is None,
@@ -69,7 +77,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
                 "run_id": run_id, "suite": suite.name, "model": suite.model, "model_type": llm.model.cfg.model_type,
                 "config_hash": llm.model.cfg.config_hash(), "precision": suite.dtype, "device": suite.device,
                 "engine": "deepinfer", "engine_args": dict(suite.engine_args), "seed": suite.seed,
-                "batch_invariant": suite.batch_invariant, "qat_fake_quant": reference is None,
+                "batch_invariant": llm.batch_invariant, "qat_fake_quant": reference is None,
                 "limit": suite.limit, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
                 "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"]}
     run = EvalRun(run_dir)
@@ -77,7 +85,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     for c in suite.concurrencies(llm.args["max_num_seqs"]):
         lm.concurrency = c
         log.info(f"eval {suite.name}: concurrency {c}")
-        result = _evaluate(lm, entries, suite, progress, unsafe_code)
+        result = _evaluate(lm, entries, suite, task_manager, progress, unsafe_code)
         samples_by_c[c] = _write_result(run_dir, f"c{c}", result)
         rows = metric_rows(result, suite, {**identity, "concurrency": c})
         _append(store, run, rows)
@@ -87,7 +95,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
                                            {**identity, "kind": "agreement", "concurrency": c, "versus": f"c{first}"}))
     if reference is not None:
         ref_lm = _reference_lm(llm, suite)
-        result = _evaluate(ref_lm, entries, suite, progress, unsafe_code)
+        result = _evaluate(ref_lm, entries, suite, task_manager, progress, unsafe_code)
         ref_samples = _write_result(run_dir, "reference", result)
         _append(store, run, metric_rows(result, suite, {**identity, "engine": "transformers", "concurrency": None},
                                         check=False))
@@ -106,15 +114,12 @@ def _append(store: RowStore, run: EvalRun, rows: list[dict]) -> None:
         run.rows.append(r)
 
 
-def _evaluate(lm, entries, suite: Suite, progress: bool, unsafe_code: bool) -> dict:
+def _evaluate(lm, entries, suite: Suite, task_manager, progress: bool, unsafe_code: bool) -> dict:
     import copy
 
     import lm_eval
-    from lm_eval.tasks import TaskManager
-    need_index = any(isinstance(e, str) or e.get("task") not in _offline_names() for e in entries)
-    manager = TaskManager(include_defaults=need_index)
     return lm_eval.simple_evaluate(
-        model=lm, tasks=copy.deepcopy(entries), limit=suite.limit, task_manager=manager, log_samples=True,
+        model=lm, tasks=copy.deepcopy(entries), limit=suite.limit, task_manager=task_manager, log_samples=True,
         apply_chat_template=suite.apply_chat_template, random_seed=suite.seed, numpy_random_seed=suite.seed,
         torch_random_seed=suite.seed, fewshot_random_seed=suite.seed, confirm_run_unsafe_code=unsafe_code,
         verbosity="WARNING" if not progress else None)
