@@ -45,6 +45,9 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
         d["topology"] = {**d["topology"], **topo}
         cfg = parse_sweep(d, f"{cfg.source} (with command-line overrides)")
     run_dir = run_sweep(cfg, report_dir, run_id, resume, continue_on_error, progress=not no_progress)
+    from .ranks import from_env
+    if not from_env().main:                          # a torchrun launch: rank 0 reports
+        return
     written = []
     if not no_report:
         from .report import report_run, write_index

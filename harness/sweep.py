@@ -23,10 +23,13 @@ import yaml
 
 from deepinfer.errors import DeepInferError
 
-from .metrics import chunk_gaps, compute_metrics
+from .metrics import RequestTiming, chunk_gaps, compute_metrics
+from .ranks import Ranks, barrier, gather, share, split
+from .ranks import finish as finish_ranks
+from .ranks import init as init_ranks
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, environment
 from .sweep_config import NAME_RE, SweepConfig, SweepPoint, parse_sweep
-from .workload import random_workload, run_workload
+from .workload import Workload, random_workload, run_workload
 
 log = logging.getLogger("deepinfer")
 
@@ -61,36 +64,36 @@ def check_topology(cfg: SweepConfig) -> None:
             raise TopologyError(
                 f"the sweep asks for {want} {mode} ranks but this launch has {found} ({where}); launch it across "
                 f"nodes with torchrun (e.g. torchrun --nnodes {-(-want // 8)} --nproc-per-node 8 ... "
-                f"deepinfer-bench sweep ...), or lower --{mode}-ranks"
-                + ("; note: this build runs single-rank points only so far" if want > 1 else ""))
-        if want > 1:
-            raise TopologyError(f"{want} {mode} ranks: this build runs single-rank points only (expert and data "
-                                f"parallelism land with the parallelism work); use --{mode}-ranks 1")
+                f"$(which deepinfer-bench) sweep ...), or lower --{mode}-ranks")
+        if want > 1 and cfg.topology.ep > 1:
+            raise TopologyError(f"ep={cfg.topology.ep}: expert parallelism needs the engine's parallelism work, not "
+                                f"in this build; multi-rank points run one data-parallel replica per rank: set ep: 1")
+        if want > 1 and not os.environ.get("WORLD_SIZE"):
+            raise TopologyError(f"{want} {mode} ranks: run one process per rank with torchrun, e.g. torchrun "
+                                f"--nproc-per-node {want} $(which deepinfer-bench) sweep ...")
 
 
-def build_llm(cfg: SweepConfig):
+def build_llm(cfg: SweepConfig, device: str | None = None):
+    """The sweep's engine, on `device` (default: the sweep's; a rank of a multi-GPU launch passes its own GPU)."""
     from deepinfer import LLM
     from deepinfer.checkpoint.make import resolve_model
-    args = dict(cfg.engine_args)
-    model = resolve_model(cfg.model, cfg.device, cfg.dtype, args.get("expert_storage", "dense"))
-    return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, **args)
+    args, device = dict(cfg.engine_args), device or cfg.device
+    model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"))
+    return LLM(model=model, device=device, dtype=cfg.dtype, seed=cfg.seed, **args)
 
 
-def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int) -> tuple[dict, dict]:
-    """Measure one point -> (row fields, vLLM-style raw result)."""
+def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks = Ranks()) -> tuple[dict, dict]:
+    """Measure one point -> (row fields, vLLM-style raw result). In a multi-rank launch every rank calls it; the
+    point's requests are split over its replicas (harness/ranks.py) and every rank gets the merged result."""
     vocab = llm.model.cfg.vocab_size
-    seats, budget = llm.manager.num_slots, llm.args["max_num_batched_tokens"]
-    if point.concurrency > min(seats, budget):
-        raise DeepInferError(f"concurrency {point.concurrency} exceeds what the engine can run at once ({seats} "
-                             f"seats in the state pools, {budget}-token step budget): raise engine_args "
-                             f"max_num_seqs / max_num_batched_tokens (or the memory budget)")
     osl = 1 if point.mode == "prefill" else point.osl
     seed = cfg.seed * 1_000_003 + index
-    if point.warmup:
-        run_workload(llm, random_workload(point.warmup, point.isl, osl, cfg.range_ratio, vocab, seed + 7919),
-                     point.concurrency)
     work = random_workload(point.num_prompts, point.isl, osl, cfg.range_ratio, vocab, seed)
-    records, duration = run_workload(llm, work, point.concurrency)
+    warmup = random_workload(point.warmup, point.isl, osl, cfg.range_ratio, vocab, seed + 7919)
+    if ranks.world == 1:
+        records, duration = _measure(llm, work, warmup, point.concurrency)
+    else:
+        records, duration = _measure_replicas(llm, work, warmup, point, ranks)
     metrics = compute_metrics(records, duration=duration, num_gpus=point.ranks)
     raw = {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "deepinfer", "model_id": cfg.model,
            "num_prompts": point.num_prompts, "request_rate": "inf", "max_concurrency": point.concurrency,
@@ -101,14 +104,123 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int) -> tuple[dic
     return metrics.to_row(), raw
 
 
+def _measure(llm, work: Workload, warmup: Workload, concurrency: int) -> tuple[list[RequestTiming], float]:
+    """Warm-up (unmeasured), then the timed requests at `concurrency` on this engine."""
+    seats, budget = llm.manager.num_slots, llm.args["max_num_batched_tokens"]
+    if concurrency > min(seats, budget):
+        raise DeepInferError(f"concurrency {concurrency} exceeds what the engine can run at once ({seats} "
+                             f"seats in the state pools, {budget}-token step budget): raise engine_args "
+                             f"max_num_seqs / max_num_batched_tokens (or the memory budget)")
+    if warmup.prompts:
+        run_workload(llm, warmup, concurrency)
+    return run_workload(llm, work, concurrency)
+
+
+def _measure_replicas(llm, work: Workload, warmup: Workload, point: SweepPoint, ranks: Ranks):
+    """This rank's share of the point (none when the point's role has fewer ranks or concurrency), started after a
+    barrier; timings relative to it are gathered, so every replica's requests sit on one clock."""
+    parts = split(point.concurrency, point.num_prompts, point.ranks)
+    mine = parts[ranks.rank] if ranks.rank < len(parts) else None
+    error, records, duration = None, [], 0.0
+    if mine is not None:
+        c, a, b = mine
+        sub = Workload(work.prompts[a:b], work.output_lens[a:b])
+        try:
+            if warmup.prompts:
+                run_workload(llm, warmup, c)
+        except Exception as e:           # noqa: BLE001  reported through the gather, so no rank waits forever
+            error = f"{type(e).__name__}: {e}"
+    barrier(ranks)
+    t0 = time.perf_counter()
+    if mine is not None and error is None:
+        try:
+            got, _ = _measure(llm, sub, Workload([], []), c)
+            records = [RequestTiming(r.start - t0, [t - t0 for t in r.token_times], r.input_tokens,
+                                     r.output_tokens, r.success) for r in got]
+            duration = time.perf_counter() - t0
+        except Exception as e:           # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+    everyone = gather(ranks, (error, records, duration))
+    failed = [f"rank {i}: {err}" for i, (err, _, _) in enumerate(everyone) if err]
+    if failed:
+        raise DeepInferError("; ".join(failed))
+    return [r for _, recs, _ in everyone for r in recs], max(d for _, _, d in everyone)
+
+
 def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | None = None, resume: bool = False,
               continue_on_error: bool = False, progress: bool = True) -> Path:
+    """Run the sweep's points not yet done; returns the run directory. Under torchrun every rank calls this:
+    rank 0 owns the files, the others run their replicas' shares."""
     check_topology(cfg)
-    run_id = run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.name}"
+    ranks = init_ranks(cfg.device)
+    try:
+        return _run_sweep(cfg, ranks, report_dir, run_id, resume, continue_on_error, progress)
+    finally:
+        finish_ranks(ranks)
+
+
+def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, continue_on_error, progress) -> Path:
+    run_id = share(ranks, run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.name}")
     if not NAME_RE.fullmatch(run_id):
         raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only, starting with a letter or "
                              f"digit")
     run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
+    prepared = None
+    if ranks.main:
+        try:
+            prepared = ("ok", *_prepare_run(cfg, run_dir, resume))
+        except DeepInferError as e:
+            prepared = ("error", str(e))
+    prepared = share(ranks, prepared)
+    if prepared[0] == "error":
+        raise DeepInferError(prepared[1])
+    _, todo_keys, env = prepared
+    store = RowStore(run_dir) if ranks.main else None
+    todo = [(i, p) for i, p in enumerate(cfg.points()) if p.key in todo_keys]
+    if not todo:
+        return run_dir
+    llm = build_llm(cfg, ranks.device(cfg.device))
+    identity = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "run_id": run_id,
+                "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
+                "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
+                "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
+                "engine": "deepinfer",
+                "spec_mode": "none", "is_projected": False, "git_sha": env["git"]["sha"],
+                "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
+                "topology": cfg.to_dict()["topology"], "engine_args": dict(cfg.engine_args),
+                "range_ratio": cfg.range_ratio, "launch_ranks": ranks.world}
+    bar = _progress(len(todo), progress and ranks.main)
+    for i, point in todo:
+        row = {**identity, "key": point.key, "mode": point.mode, "isl": point.isl, "osl": point.osl,
+               "concurrency": point.concurrency, "num_prompts": point.num_prompts, "warmup": point.warmup,
+               "gpus": point.ranks, "started": _now()}
+        t0 = time.perf_counter()
+        try:
+            fields, raw = run_point(llm, cfg, point, i, ranks)
+        except Exception as e:           # noqa: BLE001  a failed point is recorded, never silently lost
+            if store is not None:
+                store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": _now()})
+                log.warning(f"{point.key}: failed after {time.perf_counter() - t0:.1f} s ({type(e).__name__}: {e})")
+            if not continue_on_error:
+                where = store.path if store is not None else f"{run_dir}/rows.jsonl"
+                raise DeepInferError(f"point {point.key} failed ({type(e).__name__}: {e}); its failure row is in "
+                                     f"{where}; rerun with --resume (and --continue-on-error to go on past "
+                                     f"failures)") from e
+        else:
+            if store is not None:
+                store.write_raw(point.key, raw)
+                store.append({**row, **fields, "status": "ok", "finished": _now()})
+                log.info(f"{point.key}: done in {time.perf_counter() - t0:.1f} s")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return run_dir
+
+
+def _prepare_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> tuple[list[str], dict]:
+    """Rank 0: check --resume against the stored definition, write sweep.yaml / env.json for a new run; returns
+    (keys of the points still to run, environment)."""
     definition = cfg.to_dict()
     if resume:
         if not (run_dir / "sweep.yaml").exists():
@@ -125,44 +237,8 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
         atomic_write_text(run_dir / "sweep.yaml", yaml.safe_dump(definition, sort_keys=False))
         atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
     done = store.done_keys()
-    todo = [(i, p) for i, p in enumerate(cfg.points()) if p.key not in done]
     log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {run_dir}")
-    if not todo:
-        return run_dir
-    llm = build_llm(cfg)
-    identity = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "run_id": run_id,
-                "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
-                "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
-                "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
-                "engine": "deepinfer",
-                "spec_mode": "none", "is_projected": False, "git_sha": env["git"]["sha"],
-                "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
-                "topology": definition["topology"], "engine_args": dict(cfg.engine_args),
-                "range_ratio": cfg.range_ratio}
-    bar = _progress(len(todo), progress)
-    for i, point in todo:
-        row = {**identity, "key": point.key, "mode": point.mode, "isl": point.isl, "osl": point.osl,
-               "concurrency": point.concurrency, "num_prompts": point.num_prompts, "warmup": point.warmup,
-               "gpus": point.ranks, "started": _now()}
-        t0 = time.perf_counter()
-        try:
-            fields, raw = run_point(llm, cfg, point, i)
-        except Exception as e:           # noqa: BLE001  a failed point is recorded, never silently lost
-            store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": _now()})
-            log.warning(f"{point.key}: failed after {time.perf_counter() - t0:.1f} s ({type(e).__name__}: {e})")
-            if not continue_on_error:
-                raise DeepInferError(f"point {point.key} failed ({type(e).__name__}: {e}); its failure row is in "
-                                     f"{store.path}; rerun with --resume (and --continue-on-error to go on past "
-                                     f"failures)") from e
-        else:
-            store.write_raw(point.key, raw)
-            store.append({**row, **fields, "status": "ok", "finished": _now()})
-            log.info(f"{point.key}: done in {time.perf_counter() - t0:.1f} s")
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    return run_dir
+    return [p.key for p in cfg.points() if p.key not in done], env
 
 
 def default_sweep() -> SweepConfig:

@@ -27,11 +27,11 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
     keys = [p.key for p in cfg.points()]
     real, calls = sweep_mod.run_point, []
 
-    def dies_on_third(llm, cfg, point, index):
+    def dies_on_third(llm, cfg, point, index, ranks):
         calls.append(point.key)
         if len(calls) == 3:
             raise KeyboardInterrupt                  # the run is killed mid-point
-        return real(llm, cfg, point, index)
+        return real(llm, cfg, point, index, ranks)
     monkeypatch.setattr(sweep_mod, "run_point", dies_on_third)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(cfg, tmp_path, "r1", progress=False)
@@ -59,7 +59,7 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
     with pytest.raises(DeepInferError, match="sweep.yaml differs"):
         run_sweep(changed, tmp_path, "r1", resume=True, progress=False)
 
-    def broken(llm, cfg, point, index):
+    def broken(llm, cfg, point, index, ranks):
         raise RuntimeError("no memory")
     monkeypatch.setattr(sweep_mod, "run_point", broken)
     with pytest.raises(DeepInferError, match="point prefill/isl16-osl4/c1 failed .*--resume"):
@@ -77,9 +77,56 @@ def test_concurrency_beyond_the_engine_is_a_failure_row(tmp_path):
                                   and "4 seats" in r["error"] for r in rows)
 
 
-def test_topology_errors(tmp_path):
+def test_topology_errors(tmp_path, monkeypatch):
     with pytest.raises(TopologyError, match="asks for 64 decode ranks but this launch has 1 .*torchrun"):
         run_sweep(parse_sweep({**MICRO, "topology": {"decode_ranks": 64}}), tmp_path, progress=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")            # ranks exist, but expert parallelism is not built
+    with pytest.raises(TopologyError, match="ep=2: expert parallelism .* set ep: 1"):
+        run_sweep(parse_sweep({**MICRO, "topology": {"decode_ranks": 2, "ep": 2}}), tmp_path, progress=False)
+
+
+def test_replica_split():
+    from deepinfer.harness.ranks import split
+    assert split(4, 20, 2) == [(2, 0, 10), (2, 10, 20)]
+    assert split(1, 5, 2) == [(1, 0, 5)]                       # fewer requests in flight than replicas
+    assert split(5, 25, 2) == [(3, 0, 15), (2, 15, 25)]
+    assert split(3, 15, 1) == [(3, 0, 15)]
+    for c, n, r in [(7, 35, 3), (64, 320, 64), (2, 11, 4)]:
+        parts = split(c, n, r)
+        assert sum(p[0] for p in parts) == c and parts[0][1] == 0 and parts[-1][2] == n
+        assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
+
+
+def test_two_rank_sweep_under_torchrun(tmp_path):
+    """torchrun, two CPU ranks on gloo: prefill points on one rank, decode points split over two replicas; rank 0
+    writes one row per point with every request, throughput per GPU over the role's two ranks."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    exe = Path(sys.executable).parent / "deepinfer-bench"
+    if not exe.exists():
+        pytest.skip("deepinfer-bench is not installed")
+    sweep = {**MICRO, "topology": {"prefill_ranks": 1, "decode_ranks": 2}, "concurrency": [1, 2, 4]}
+    (tmp_path / "two.yaml").write_text(json.dumps(sweep))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(port), str(exe), "sweep", str(tmp_path / "two.yaml"), "--report-dir", str(tmp_path / "r"),
+                        "--run-id", "two", "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["key"]: r for r in RowStore(tmp_path / "r" / "1" / "two").rows()}
+    assert len(rows) == 6 and all(r["status"] == "ok" and r["launch_ranks"] == 2 for r in rows.values())
+    for c in (1, 2, 4):
+        pre, dec = rows[f"prefill/isl16-osl4/c{c}"], rows[f"decode/isl16-osl4/c{c}"]
+        assert pre["gpus"] == 1 and dec["gpus"] == 2
+        assert pre["completed"] == dec["completed"] == 5 * c
+        assert dec["output_tput_per_gpu"] == pytest.approx(dec["output_throughput"] / 2)
+        assert dec["median_tpot"] > 0 and dec["duration"] > 0
+    raw = json.loads((tmp_path / "r" / "1" / "two" / "raw" / "decode__isl16-osl4__c4.json").read_text())
+    assert len(raw["ttfts"]) == 20 and all(t > 0 for t in raw["ttfts"])
+    assert (tmp_path / "r" / "1" / "two" / "decode_pareto.html").exists()          # rank 0 wrote the report
 
 
 def test_cli(tmp_path):
