@@ -8,8 +8,9 @@
   the sum of the continuation tokens' logprobs and whether each was the argmax (ties count as greedy).
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length = max_model_len - 2 tokens, each
   scored as above.
-- generate_until: stop sequences (+ the EOS text), max_gen_toks, do_sample / temperature / top_p / top_k, a
-  seed per request (backend seed + request index) when sampling; the context is left-truncated to leave room.
+- generate_until: stop sequences (+ the EOS text), max_gen_toks, do_sample / temperature / top_p / top_k / min_p
+  / penalties (anything else is an error), a seed per request (backend seed, task, doc, index) when sampling;
+  the context is left-truncated to max_length - max_gen_toks, as the HF backend does.
 - concurrency: at most this many sequences run at once (the engine's seats); suites run the same requests at
   the maximum and the median concurrency, where batch-dependent regressions show.
 Tokenization mirrors lm-eval's HF backend (the tokenizer's special tokens, BOS as the empty-context prefix), so
@@ -20,24 +21,30 @@ from __future__ import annotations
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
+
+
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+PASSED_GEN_KWARGS = ("top_p", "top_k", "min_p") + PENALTIES     # lm-eval gen kwargs that map onto SamplingParams
 
 
 @register_model("deepinfer")
 class DeepInferLM(TemplateLM):
     def __init__(self, pretrained: str = "tiny", device: str | None = None, dtype: str = "float32",
                  concurrency: int | None = None, max_gen_toks: int = 256, seed: int = 0,
-                 qat_fake_quant: bool = True, batch_invariant: bool = False, llm=None, **engine_args):
+                 qat_fake_quant: bool = True, batch_invariant: bool | None = None, progress: bool = True,
+                 think_end_token: str | None = None, llm=None, **engine_args):
         super().__init__()
         if llm is None:
             llm = build_engine(pretrained, device, dtype, seed, qat_fake_quant, engine_args)
-        if batch_invariant:
+        if batch_invariant is not None:              # None: keep the engine's mode (DEEPINFER_BATCH_INVARIANT)
             from deepinfer.harness.checks import set_mode
-            set_mode(llm, True)
+            set_mode(llm, bool(batch_invariant))
         self.llm, self.seed, self.max_gen_toks = llm, int(seed), int(max_gen_toks)
+        self.progress, self.think_end_token = bool(progress), think_end_token
         self.tokenizer = llm.get_tokenizer()
         self.concurrency = int(concurrency or llm.args["max_num_seqs"])
         if not 1 <= self.concurrency <= llm.args["max_num_seqs"]:
@@ -139,44 +146,60 @@ class DeepInferLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         prompts, params, stops = [], [], []
-        for i, (context, gen_kwargs) in enumerate(req.args for req in requests):
+        for req in requests:
+            context, gen_kwargs = req.args
             kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
             max_gen = int(kw.pop("max_gen_toks"))
-            if max_gen >= self.llm.max_model_len:
-                raise DeepInferError(f"max_gen_toks={max_gen} must be below max_model_len={self.llm.max_model_len}")
-            sample = bool(kw.pop("do_sample", False)) and float(kw.get("temperature", 0.0)) > 0
-            sampling = dict(temperature=float(kw.get("temperature", 0.0)), top_p=float(kw.get("top_p", 1.0)),
-                            top_k=int(kw.get("top_k", 0) or 0), seed=self.seed + i) if sample else \
-                dict(temperature=0.0)
-            ids = self.tok_encode(context)[-(self.llm.max_model_len - max_gen):]
+            if max_gen >= self.max_length:          # as the HF backend: context + reply within max_length
+                raise DeepInferError(f"max_gen_toks={max_gen} must be below max_length={self.max_length} "
+                                     f"(max_model_len - 2); raise max_model_len")
+            ids = self.tok_encode(context)[-(self.max_length - max_gen):]
             prompts.append({"prompt_token_ids": ids})
-            params.append(SamplingParams(max_tokens=max_gen, stop=[s for s in until if s], **sampling))
+            params.append(SamplingParams(max_tokens=max_gen, stop=[s for s in until if s],
+                                         **self._sampling(kw, req)))
             stops.append(until)
         outs = self._generate(prompts, params, disable_tqdm)
         results = []
         for req, out, until in zip(requests, outs, stops):
-            text = out.outputs[0].text
-            for term in until:             # as lm-eval's HF backend: cut at the first stop sequence
-                if term:
-                    text = text.split(term)[0]
+            text = postprocess_generated_text(out.outputs[0].text, until, self.think_end_token)
             self.cache_hook.add_partial("generate_until", req.args, text)
             results.append(text)
         return results
+
+    def _sampling(self, kw: dict, req) -> dict:
+        """SamplingParams fields for one request's normalized gen kwargs. Greedy unless do_sample with a
+        temperature > 0; then a seed from (backend seed, task, doc, request index), so a sampled reply does not
+        depend on which other tasks or how many docs run. Settings SamplingParams lacks are an error."""
+        import zlib
+        sample = bool(kw.pop("do_sample", False)) and float(kw.get("temperature", 0.0)) > 0
+        temperature = float(kw.pop("temperature", 0.0))
+        unknown = sorted(set(kw) - set(PASSED_GEN_KWARGS))
+        if unknown:
+            raise DeepInferError(f"generation settings {unknown} are not supported by the deepinfer backend; "
+                                 f"supported: until, max_gen_toks, do_sample, temperature, "
+                                 f"{', '.join(PASSED_GEN_KWARGS)}")
+        passed = {k: kw[k] for k in PASSED_GEN_KWARGS if k in kw}
+        if not sample:
+            return dict(temperature=0.0, **{k: v for k, v in passed.items() if k in PENALTIES})
+        key = f"{getattr(req, 'task_name', None)}/{getattr(req, 'doc_id', None)}/{req.idx}"
+        return dict(temperature=temperature, seed=(self.seed + zlib.crc32(key.encode())) % 2**63, **passed)
 
     def _generate(self, prompts, params, disable_tqdm: bool):
         from deepinfer.harness.workload import seats
         if not prompts:
             return []
         with seats(self.llm, self.concurrency):
-            return self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+            return self.llm.generate(prompts, params, use_tqdm=self.progress and not disable_tqdm)
 
 
 def build_engine(model: str, device: str | None, dtype: str, seed: int, qat_fake_quant: bool, engine_args: dict):
     """LLM for a model name: a checkpoint dir, a hub id, `tiny` (the embedded model) or random:ARCH:PRESET:N."""
     from deepinfer import LLM
     from deepinfer.checkpoint.make import resolve_model
-    model = resolve_model(str(model), device or "cpu", dtype, engine_args.get("expert_storage", "dense"),
+    from deepinfer.env import accelerator
+    device = device or accelerator()
+    model = resolve_model(str(model), device, dtype, engine_args.get("expert_storage", "dense"),
                           qat=bool(qat_fake_quant))
     return LLM(model=model, device=device, dtype=dtype, seed=int(seed), qat_fake_quant=bool(qat_fake_quant),
                **engine_args)

@@ -23,12 +23,14 @@ import yaml
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.rows import SCHEMA_VERSION, RowStore, atomic_write_text, environment
 from deepinfer.harness.sweep_config import NAME_RE
+from deepinfer.kernels.matmul import is_batch_invariant, set_batch_invariant
 
 from .suite import Bound, Suite
 
 log = logging.getLogger("deepinfer")
-EVAL_METHOD_VERSION = "1"
+EVAL_METHOD_VERSION = "2"   # 2: score-only samples agree by loglik (1 compared nothing for them); summary row
 REFERENCES = ("transformers",)
+LOGLIK_TOL = 1e-3        # score-only samples agree when their logliks match this closely (fp32 noise across backends)
 
 
 @dataclass
@@ -62,14 +64,25 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
         if with_defaults not in managers:
             managers[with_defaults] = TaskManager(include_defaults=with_defaults)
         return managers[with_defaults]
-    entries = task_configs(suite.tasks, manager)
+    entries = task_configs(suite.tasks, manager, unsafe_code)
     offline = _offline_names()
     task_manager = manager(any(isinstance(e, str) or e.get("task") not in offline for e in entries))
     if reference is not None:
         _check_reference_model(suite.model)
     llm = build_engine(suite.model, suite.device, suite.dtype, suite.seed, qat_fake_quant=reference is None,
                        engine_args=dict(suite.engine_args))
-    lm = DeepInferLM(llm=llm, pretrained=suite.model, seed=suite.seed, batch_invariant=suite.batch_invariant)
+    mode_before = is_batch_invariant()
+    try:
+        lm = DeepInferLM(llm=llm, pretrained=suite.model, seed=suite.seed, batch_invariant=suite.batch_invariant,
+                         progress=progress)
+        return _run(suite, lm, entries, task_manager, store, run_dir, run_id, reference, progress, unsafe_code)
+    finally:
+        set_batch_invariant(mode_before)            # the suite's mode does not outlive the run
+
+
+def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path, run_id: str,
+         reference: str | None, progress: bool, unsafe_code: bool) -> EvalRun:
+    llm = lm.llm
     env = environment()
     atomic_write_text(run_dir / "suite.yaml", yaml.safe_dump(suite.to_dict(), sort_keys=False))
     atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
@@ -102,6 +115,9 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
         _append(store, run, agreement_rows(samples_by_c[first], ref_samples, None,
                                            {**identity, "kind": "reference_agreement", "concurrency": first,
                                             "versus": "transformers"}))
+    # the last row says the run is whole (an interrupted run has none; the index shows it as incomplete)
+    store.append({**identity, "kind": "summary", "key": "summary", "status": "ok", "complete": True,
+                  "concurrencies": list(samples_by_c), "thresholds_missed": len(run.failures), "time": _now()})
     return run
 
 
@@ -167,9 +183,8 @@ def metric_rows(result: dict, suite: Suite, identity: dict, check: bool = True) 
 
 
 def agreement_rows(a: dict, b: dict, bound: Bound | None, identity: dict) -> list[dict]:
-    """Per task: the fraction of samples whose prediction is the same in runs a and b (generate: the filtered
-    reply; multiple choice: the chosen option; perplexity: always compared by logprob only), and the largest
-    absolute loglikelihood difference."""
+    """Per task: the fraction of samples that agree between runs a and b (`_agree`) and the largest absolute
+    loglikelihood difference."""
     rows = []
     for task in a:
         if task not in b:
@@ -182,7 +197,7 @@ def agreement_rows(a: dict, b: dict, bound: Bound | None, identity: dict) -> lis
             if t is None:
                 continue
             total += 1
-            same += _prediction(s) == _prediction(t)
+            same += _agree(s, t)
             for x, y in zip(_logliks(s), _logliks(t)):
                 diff = max(diff, abs(x - y))
         value = same / total if total else float("nan")
@@ -192,12 +207,22 @@ def agreement_rows(a: dict, b: dict, bound: Bound | None, identity: dict) -> lis
     return rows
 
 
-def _prediction(sample: dict):
-    resps = sample.get("filtered_resps", sample.get("resps"))
-    lls = _logliks(sample)
-    if lls and len(lls) == len(resps) and len(lls) > 1:         # multiple choice: the argmax option
-        return max(range(len(lls)), key=lls.__getitem__)
-    return json.dumps(resps, default=str) if not lls else None   # rolling: nothing to choose
+def _agree(a: dict, b: dict) -> bool:
+    """One sample in two runs: the same chosen option (multiple choice), the same filtered reply (generation),
+    or for scores alone (perplexity, single continuations) logliks within LOGLIK_TOL and the same greedy flags."""
+    la, lb = _logliks(a), _logliks(b)
+    resps_a = a.get("filtered_resps", a.get("resps"))
+    if la and len(la) == len(lb) and len(la) == len(resps_a) and len(la) > 1:          # multiple choice
+        return max(range(len(la)), key=la.__getitem__) == max(range(len(lb)), key=lb.__getitem__)
+    if la:
+        return len(la) == len(lb) and all(abs(x - y) <= LOGLIK_TOL for x, y in zip(la, lb)) and \
+            _greedy_flags(a) == _greedy_flags(b)
+    return json.dumps(resps_a, default=str) == json.dumps(b.get("filtered_resps", b.get("resps")), default=str)
+
+
+def _greedy_flags(sample: dict) -> list:
+    return [r[0][1] for r in sample.get("resps", []) if isinstance(r, (list, tuple)) and r
+            and isinstance(r[0], (list, tuple)) and len(r[0]) > 1]
 
 
 def _logliks(sample: dict) -> list[float]:

@@ -64,7 +64,8 @@ class Suite:
     seed: int = 1234
     apply_chat_template: bool = False
     batch_invariant: bool = False
-    thresholds: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # task -> {metric: Bound}
+    # task -> {metric: Bound}
+    thresholds: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     agreement: Bound | None = None                     # per-sample agreement between concurrencies
     source: str = "<dict>"
 

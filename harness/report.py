@@ -131,11 +131,15 @@ def write_index(report_root: Path) -> Path:
     for run_dir in evals:
         rows = read_rows(run_dir)
         metrics = [r for r in rows if r.get("kind") == "eval" and r.get("engine") == "deepinfer"]
-        agree = [r["value"] for r in rows if r.get("kind") == "agreement"]
+        agree = [r["value"] for r in rows if r.get("kind") == "agreement" and isinstance(r.get("value"), float)
+                 and r["value"] == r["value"]]
+        whole = any(r.get("kind") == "summary" and r.get("complete") for r in rows)
+        state = "" if whole else " (method 1: no completion marker)" if rows and rows[0].get("method_version") == "1" \
+            else " (incomplete)"
         checked = [r for r in rows if r.get("passed") is not None]
         first = rows[0] if rows else {}
         agreement = f"{min(agree):.3f}" if agree else ""
-        lines.append(f"| {run_dir.name} | {first.get('suite', '')} | {first.get('model', '')} | "
+        lines.append(f"| {run_dir.name}{state} | {first.get('suite', '')} | {first.get('model', '')} | "
                      f"{', '.join(sorted({r['task'] for r in metrics}))} | "
                      f"{', '.join(str(c) for c in sorted({r['concurrency'] for r in metrics}))} | "
                      f"{sum(r['passed'] for r in checked)} / {sum(not r['passed'] for r in checked)} | "

@@ -5,8 +5,9 @@ from .matmul import is_batch_invariant, row_tiles
 from .precision import upcast
 
 
-# fp32 scores held at once by the one-sequence reference: queries go through in row blocks of about this many
-# scores (512 MiB), so a 16k-token prefill never materializes its whole [S, H, K] score tensor.
+# fp32 scores per row block of the one-sequence reference: queries go through in blocks of about this many
+# scores (512 MiB; the softmax temporaries make the peak a few times that), so a 16k-token prefill never
+# materializes its whole [S, H, K] score tensor.
 SCORE_BLOCK_ELEMENTS = 1 << 27
 
 
@@ -16,7 +17,8 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: 
 
     q: [S, H, d]; kv: [K, d] (used as both key and value); bias: [S, K] (0 visible, -inf hidden);
     sink: [H] fp32 logits that join the softmax denominator only. Returns [S, H, d].
-    Rows are independent: they run in blocks sized from H and K alone (never from S or the batch).
+    Rows are independent: full blocks hold a row count fixed by H and K (the batch never changes it); S only
+    decides where the last block ends.
     """
     kv32 = upcast(kv)
     rows = max(1, SCORE_BLOCK_ELEMENTS // (q.shape[1] * (kv.shape[0] + 1)))

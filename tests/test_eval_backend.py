@@ -89,16 +89,23 @@ def test_generate_until_stops_and_seeds(ours):
     assert gen({"until": [], "max_gen_toks": 3, "do_sample": False}) == want.split(eos)[0]
     # a stop sequence taken from the greedy reply itself cuts it there
     full = gen({"until": [], "max_gen_toks": 12, "do_sample": False})
-    if len(full) > 3:
-        assert gen({"until": [full[2:4]], "max_gen_toks": 12, "do_sample": False}) == full[:full.index(full[2:4])]
+    assert len(full) > 3, full
+    assert gen({"until": [full[2:4]], "max_gen_toks": 12, "do_sample": False}) == full[:full.index(full[2:4])]
     sampled = {"until": [], "max_gen_toks": 8, "do_sample": True, "temperature": 1.0}
-    assert gen(sampled) == gen(sampled)                 # seed = backend seed + request index
+    assert gen(sampled) == gen(sampled)                 # seed from (backend seed, task, doc, index)
+    greedy8 = gen({"until": [], "max_gen_toks": 8, "do_sample": False})
+    draws = ours.generate_until(_instances("generate_until", [("Question: What is 2 + 2?\nAnswer:", sampled)] * 4),
+                                disable_tqdm=True)
+    assert len(set(draws) | {greedy8}) > 1             # sampling really samples: four seeds, not all greedy
 
 
 def test_bad_requests(ours):
     from deepinfer.errors import DeepInferError
-    with pytest.raises(DeepInferError, match="max_gen_toks=300 must be below max_model_len=256"):
-        ours.generate_until(_instances("generate_until", [("hi", {"max_gen_toks": 300})]), disable_tqdm=True)
+    with pytest.raises(DeepInferError, match=r"max_gen_toks=254 must be below max_length=254 \(max_model_len - 2\)"):
+        ours.generate_until(_instances("generate_until", [("hi", {"max_gen_toks": 254})]), disable_tqdm=True)
+    with pytest.raises(DeepInferError, match=r"generation settings \['num_beams'\] are not supported"):
+        ours.generate_until(_instances("generate_until", [("hi", {"max_gen_toks": 4, "num_beams": 2})]),
+                            disable_tqdm=True)
     with pytest.raises(DeepInferError, match="does not fit max_model_len=256"):
         ours.score_continuations([([1], list(range(2, 300)))])
     with pytest.raises(DeepInferError, match="concurrency=9 must be in 1..max_num_seqs"):

@@ -41,6 +41,8 @@ def test_offline_smoke_suite(tmp_path):
                  "samples_c4.jsonl"):
         assert (run_dir / name).is_file(), name
     rows = rows_of(run_dir)
+    assert rows[-1]["kind"] == "summary" and rows[-1]["complete"] and rows[-1]["thresholds_missed"] == 0
+    rows = rows[:-1]
     metrics = {(r["concurrency"], r["task"], r["metric"]): r for r in rows if r["kind"] == "eval"}
     for c in (8, 4):            # max, and the median of 1, 2, 4, 8
         assert {"exact_match,first-integer", "acc,none", "bits_per_byte,none"} <= {m for cc, _, m in metrics if cc == c}
@@ -61,6 +63,22 @@ def test_offline_smoke_suite(tmp_path):
     assert "## Eval runs (deepinfer-eval)" in index and "| smoke | offline-smoke | tiny |" in index
 
 
+def test_default_mode_and_agreement_of_scores(tmp_path):
+    """--no-batch-invariant runs the engine's default mode (rows say so); perplexity samples are compared by their
+    logliks, so a changed score is a disagreement."""
+    from deepinfer.evals.run import agreement_rows
+    p = run("--tasks", "deepinfer_text", "--limit", "2", "--max-num-seqs", "4", "--max-model-len", "256",
+            "--no-batch-invariant", "--out", str(tmp_path / "eval"), "--run-id", "d")
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = rows_of(tmp_path / "eval" / "d")
+    assert all(r["batch_invariant"] is False for r in rows)
+    a = {"t": [{"doc_id": 0, "resps": [[-10.0]], "filtered_resps": [-10.0]}]}
+    b = {"t": [{"doc_id": 0, "resps": [[-10.5]], "filtered_resps": [-10.5]}]}
+    assert agreement_rows(a, a, None, {})[0]["value"] == 1.0
+    row = agreement_rows(a, b, None, {})[0]
+    assert row["value"] == 0.0 and row["max_abs_loglik_diff"] == 0.5
+
+
 def test_threshold_miss_exits_nonzero(tmp_path):
     suite = tmp_path / "strict.yaml"
     suite.write_text("name: strict\nmodel: tiny\nengine_args: {max_num_seqs: 4, max_model_len: 256}\n"
@@ -69,7 +87,7 @@ def test_threshold_miss_exits_nonzero(tmp_path):
     p = run("--suite", str(suite), "--out", str(tmp_path / "eval"), "--run-id", "strict")
     assert p.returncode == 1, p.stderr[-2000:]
     assert "1 threshold(s) missed: deepinfer_choice acc,none" in p.stderr and "wants >= 0.99" in p.stderr
-    bad = [r for r in rows_of(tmp_path / "eval" / "strict") if r["passed"] is False]
+    bad = [r for r in rows_of(tmp_path / "eval" / "strict") if r.get("passed") is False]
     assert len(bad) == 1 and bad[0]["metric"] == "acc,none"
 
 
@@ -80,13 +98,24 @@ def test_threshold_miss_exits_nonzero(tmp_path):
     (["--suite", "offline-smoke", "--concurrency", "most"], "concurrency[0]: got 'most'"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, fragment):
-    p = run(*args, "--out", str(tmp_path / "eval"))
+    empty = {"HF_DATASETS_CACHE": str(tmp_path / "hf-datasets"), "HF_HOME": str(tmp_path / "hf")}  # nothing cached
+    p = run(*args, "--out", str(tmp_path / "eval"), env=empty)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and fragment in lines[0], p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     if "arc_easy" in args:
         assert "hub" in lines[0] and "offline-smoke" in lines[0]      # names the task and the fix
+
+
+def test_code_executing_tasks_need_consent(tmp_path):
+    suite = tmp_path / "unsafe.yaml"
+    suite.write_text("name: unsafe\nmodel: tiny\ntasks: [{task: deepinfer_arith, unsafe_code: true}]\nlimit: 2\n")
+    p = run("--suite", str(suite), "--out", str(tmp_path / "eval"))
+    assert p.returncode == 2 and "executes model-written code" in p.stderr and "--confirm-run-unsafe-code" in p.stderr
+    p = run("--suite", str(suite), "--out", str(tmp_path / "eval"), "--confirm-run-unsafe-code",
+            env={"HF_ALLOW_CODE_EVAL": "0"})
+    assert p.returncode == 2 and "set HF_ALLOW_CODE_EVAL=1" in p.stderr, p.stderr[-2000:]
 
 
 def test_unwritable_out_dir(tmp_path):
@@ -106,7 +135,7 @@ def test_missing_offline_data_file(tmp_path, monkeypatch):
     monkeypatch.setattr(tasks, "TASKS_DIR", copy)
     with pytest.raises(tasks.TaskError, match=r"task deepinfer_arith: data file .*arith.jsonl is missing; "
                                               r"regenerate it with `python -m deepinfer.evals.tasks.make_data`"):
-        tasks.task_configs([TaskSpec("deepinfer_arith")], lambda: None)
+        tasks.task_configs([TaskSpec("deepinfer_arith")], lambda _: None)
 
 
 def test_offline_data_is_reproducible(tmp_path, monkeypatch):
@@ -129,7 +158,7 @@ def test_reference_transformers_cross_check(tmp_path):
     assert all(r["qat_fake_quant"] is False for r in rows)
     ref = {r["task"]: r for r in rows if r["kind"] == "reference_agreement"}
     assert set(ref) == {"deepinfer_choice", "deepinfer_text"}
-    assert ref["deepinfer_choice"]["value"] == 1.0
+    assert ref["deepinfer_choice"]["value"] == 1.0 and ref["deepinfer_text"]["value"] == 1.0   # text: logliks
     assert all(r["max_abs_loglik_diff"] <= 1e-3 for r in ref.values()), ref
     assert (tmp_path / "eval" / "ref" / "results_reference.json").is_file()
     # the V4.1 tiny default has no transformers twin: one clear line

@@ -148,21 +148,22 @@ def _wants_prompt_logprob(s: Scheduled) -> bool:
 
 def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor) -> None:
     """Rows of prompt positions a..a+n-1 predict tokens a+1..a+n: log-softmax of each prompt token (+ top-k);
-    the first prompt token has none (as vLLM)."""
+    the first prompt token has none (as vLLM). One device->host copy per piece (not one per position)."""
     req, a = s.req, s.start
     if req.prompt_logprobs is None:
         req.prompt_logprobs = [None]
-    lp = torch.log_softmax(upcast(logits), dim=-1)
+    first = max(len(req.prompt_logprobs) - a - 1, 0)   # rows already recorded before a preemption are skipped
+    last = min(s.n, len(req.prompt_ids) - a - 1)       # rows that predict a prompt token
+    if last <= first:
+        return
+    lp = torch.log_softmax(upcast(logits[first:last]), dim=-1)                     # [m, vocab]
+    targets = req.prompt_ids[a + first + 1:a + last + 1]
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1)).squeeze(1).tolist()
     k = req.params.prompt_logprobs
-    for i in range(s.n):
-        j = a + i + 1                                   # the prompt token row i predicts
-        if j >= len(req.prompt_ids):
-            break
-        if j < len(req.prompt_logprobs):                # recomputed after a preemption: already recorded
-            continue
-        tok = req.prompt_ids[j]
-        entry = {tok: float(lp[i, tok])}
+    top = lp.topk(k, dim=-1) if k else None
+    top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if k else ([], [])
+    for i, (tok, val) in enumerate(zip(targets, chosen)):
+        entry = {tok: val}
         if k:
-            top = lp[i].topk(k)
-            entry.update({int(t): float(v) for t, v in zip(top.indices.tolist(), top.values.tolist())})
+            entry.update(zip(top_ids[i], top_vals[i]))
         req.prompt_logprobs.append(entry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 from pathlib import Path
 
 from deepinfer.errors import DeepInferError
@@ -32,10 +33,11 @@ def offline_tasks() -> dict[str, dict]:
     return out
 
 
-def task_configs(specs, task_manager_factory) -> list:
+def task_configs(specs, task_manager_factory, unsafe_code: bool = False) -> list:
     """TaskSpecs -> lm-eval task entries (offline: full config dicts; others: {task: name, ...overrides}), each
-    checked by loading it once, so a bad task fails before the model runs. `task_manager_factory()` gives the
-    lm-eval TaskManager (built only when a non-offline task needs its index)."""
+    checked by loading it once, so a bad task fails before the model runs. `task_manager_factory(with_defaults)`
+    gives the lm-eval TaskManager (the full index only when a non-offline task needs it). A task that executes
+    model-written code needs `unsafe_code` (and HF_ALLOW_CODE_EVAL=1, lm-eval's code_eval switch)."""
     local = offline_tasks()
     entries, manager = [], None
     for spec in specs:
@@ -46,7 +48,7 @@ def task_configs(specs, task_manager_factory) -> list:
                     raise TaskError(f"task {spec.name}: data file {path} is missing; regenerate it with "
                                     f"`python -m deepinfer.evals.tasks.make_data`")
         else:
-            manager = manager or task_manager_factory()
+            manager = manager or task_manager_factory(True)
             if spec.name not in manager.all_tasks:
                 close = difflib.get_close_matches(spec.name, list(local) + list(manager.all_tasks), n=3)
                 hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -57,15 +59,31 @@ def task_configs(specs, task_manager_factory) -> list:
         if spec.num_fewshot is not None:
             cfg["num_fewshot"] = spec.num_fewshot
         entry = cfg if spec.name in local or len(cfg) > 1 else spec.name
-        _check_loads(spec.name, entry, manager)
+        loaded = _check_loads(spec.name, entry, manager or task_manager_factory(False))
+        if any(getattr(t, "UNSAFE_CODE", False) for t in _leaves(loaded)):
+            if not unsafe_code:
+                raise TaskError(f"task {spec.name} executes model-written code: run it in a sandbox with "
+                                f"--confirm-run-unsafe-code and HF_ALLOW_CODE_EVAL=1")
+            if os.environ.get("HF_ALLOW_CODE_EVAL") != "1":
+                raise TaskError(f"task {spec.name} executes model-written code: set HF_ALLOW_CODE_EVAL=1 (lm-eval's "
+                                f"code_eval refuses otherwise, after all the generation)")
         entries.append(entry)
     return entries
 
 
-def _check_loads(name: str, entry, manager) -> None:
-    from lm_eval.tasks import TaskManager, get_task_dict
+def _leaves(task_dict):
+    """The Task objects of a (possibly nested, for groups) lm-eval task dict."""
+    for value in task_dict.values():
+        if isinstance(value, dict):
+            yield from _leaves(value)
+        else:
+            yield value
+
+
+def _check_loads(name: str, entry, manager) -> dict:
+    from lm_eval.tasks import get_task_dict
     try:
-        get_task_dict([entry], manager or TaskManager(include_defaults=False))
+        return get_task_dict([entry], manager)
     except DeepInferError:
         raise
     except Exception as e:                       # noqa: BLE001  datasets / hub errors come in many types
