@@ -169,8 +169,8 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
     if ranks.main:
         try:
             prepared = ("ok", *_prepare_run(cfg, run_dir, resume))
-        except DeepInferError as e:
-            prepared = ("error", str(e))
+        except Exception as e:           # noqa: BLE001  shared, so the other ranks stop too instead of waiting
+            prepared = ("error", str(e) if isinstance(e, DeepInferError) else f"{type(e).__name__}: {e}")
     prepared = share(ranks, prepared)
     if prepared[0] == "error":
         raise DeepInferError(prepared[1])
