@@ -57,7 +57,6 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     run_dir = Path(out_root) / run_id
     if (run_dir / "rows.jsonl").exists():
         raise DeepInferError(f"eval run {run_dir} already exists; choose a new --run-id")
-    store = RowStore(run_dir)                      # fails with one line when the directory is not writable
     managers: dict[bool, TaskManager] = {}         # lm-eval's task index is slow to build: once per run
 
     def manager(with_defaults: bool = True) -> TaskManager:
@@ -69,6 +68,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     task_manager = manager(any(isinstance(e, str) or e.get("task") not in offline for e in entries))
     if reference is not None:
         _check_reference_model(suite.model)
+    store = RowStore(run_dir)     # after the task checks (no empty run for a bad task), before the model loads
     llm = build_engine(suite.model, suite.device, suite.dtype, suite.seed, qat_fake_quant=reference is None,
                        engine_args=dict(suite.engine_args))
     mode_before = is_batch_invariant()
