@@ -12,7 +12,6 @@ tasks also run through lm-eval's HF backend on the same checkpoint (`*_reference
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
 from dataclasses import dataclass, field
@@ -21,8 +20,7 @@ from pathlib import Path
 import yaml
 
 from deepinfer.errors import DeepInferError
-from deepinfer.harness.rows import SCHEMA_VERSION, RowStore, atomic_write_text, environment
-from deepinfer.harness.sweep_config import NAME_RE
+from deepinfer.harness.rows import SCHEMA_VERSION, RowStore, atomic_write_text, environment, run_id_for, utc_now
 from deepinfer.kernels.matmul import is_batch_invariant, set_batch_invariant
 
 from .suite import Bound, Suite
@@ -51,9 +49,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     from .tasks import task_configs
     if reference is not None and reference not in REFERENCES:
         raise DeepInferError(f"--reference {reference!r}: allowed: {', '.join(REFERENCES)}")
-    run_id = run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{suite.name}"
-    if not NAME_RE.fullmatch(run_id):
-        raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only")
+    run_id = run_id_for(run_id, suite.name)
     run_dir = Path(out_root) / run_id
     if (run_dir / "rows.jsonl").exists():
         raise DeepInferError(f"eval run {run_dir} already exists; choose a new --run-id")
@@ -64,8 +60,7 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
             managers[with_defaults] = TaskManager(include_defaults=with_defaults)
         return managers[with_defaults]
     entries = task_configs(suite.tasks, manager, unsafe_code)
-    offline = _offline_names()
-    task_manager = manager(any(isinstance(e, str) or e.get("task") not in offline for e in entries))
+    task_manager = managers.get(True) or manager(False)   # the full index only if a non-offline task needed it
     if reference is not None:
         _check_reference_model(suite.model)
     store = RowStore(run_dir)     # after the task checks (no empty run for a bad task), before the model loads
@@ -117,7 +112,7 @@ def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path
                                             "versus": "transformers"}))
     # the last row says the run is whole (an interrupted run has none; the index shows it as incomplete)
     store.append({**identity, "kind": "summary", "key": "summary", "status": "ok", "complete": True,
-                  "concurrencies": list(samples_by_c), "thresholds_missed": len(run.failures), "time": _now()})
+                  "concurrencies": list(samples_by_c), "thresholds_missed": len(run.failures), "time": utc_now()})
     return run
 
 
@@ -139,11 +134,6 @@ def _evaluate(lm, entries, suite: Suite, task_manager, progress: bool, unsafe_co
         apply_chat_template=suite.apply_chat_template, random_seed=suite.seed, numpy_random_seed=suite.seed,
         torch_random_seed=suite.seed, fewshot_random_seed=suite.seed, confirm_run_unsafe_code=unsafe_code,
         verbosity="WARNING" if not progress else None)
-
-
-def _offline_names() -> set[str]:
-    from .tasks import offline_tasks
-    return set(offline_tasks())
 
 
 def _write_result(run_dir: Path, tag: str, result: dict) -> dict:
@@ -178,7 +168,7 @@ def metric_rows(result: dict, suite: Suite, identity: dict, check: bool = True) 
                          "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
                          "n_samples": n_samples.get(task, {}).get("effective"),
                          "bound": None if bound is None else str(bound),
-                         "passed": None if bound is None else bound.holds(value), "time": _now()})
+                         "passed": None if bound is None else bound.holds(value), "time": utc_now()})
     return rows
 
 
@@ -203,7 +193,7 @@ def agreement_rows(a: dict, b: dict, bound: Bound | None, identity: dict) -> lis
         value = same / total if total else float("nan")
         rows.append({**identity, "task": task, "metric": "agreement", "value": value, "n_samples": total,
                      "max_abs_loglik_diff": diff, "bound": None if bound is None else str(bound),
-                     "passed": None if bound is None else bound.holds(value), "time": _now()})
+                     "passed": None if bound is None else bound.holds(value), "time": utc_now()})
     return rows
 
 
@@ -258,5 +248,3 @@ def _reference_lm(llm, suite: Suite):
                              f"pip install 'deepinfer[reference]'") from None
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

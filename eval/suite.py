@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from deepinfer.errors import DeepInferError
-from deepinfer.harness.sweep_config import DEVICES, DTYPES, NAME_RE, Validator, doubling_ladder
+from deepinfer.harness.sweep_config import DEVICES, DTYPES, NAME_RE, Validator, doubling_ladder, read_yaml_file
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 TOP_KEYS = ("name", "description", "model", "device", "dtype", "engine_args", "tasks", "limit", "concurrency",
@@ -103,25 +103,13 @@ def suite_names() -> list[str]:
 
 def load_suite(name_or_path: str | Path) -> Suite:
     """A suite by name (eval/suites/NAME.yaml) or by path."""
-    import yaml
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = SUITES_DIR / f"{name_or_path}.yaml"
         if not path.is_file():
             raise SuiteError(f"unknown suite {str(name_or_path)!r}; suites: {', '.join(suite_names())} "
                              f"(or pass a path to a suite YAML file)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SuiteError(f"{path}: suite file not found; suites: {', '.join(suite_names())}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SuiteError(f"{path}: cannot read suite file ({e})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
-        raise SuiteError(f"{path}: malformed YAML at {where}: {getattr(e, 'problem', None) or e}") from None
+    data = read_yaml_file(path, "suite", SuiteError, f"suites: {', '.join(suite_names())}")
     return parse_suite(data, str(path))
 
 

@@ -133,10 +133,8 @@ def batch_invariance_cmd(trials, **kw) -> None:
 
 
 def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: int | None) -> None:
-    import datetime as dt
-
     from .checks import run_checks
-    from .rows import SCHEMA_VERSION
+    from .rows import SCHEMA_VERSION, run_id_for
     from .sweep import build_llm
     from .sweep_config import parse_sweep
     from .workload import random_workload
@@ -151,7 +149,7 @@ def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: 
                        "seed": kw["seed"]}, f"deepinfer-bench {kind}")
     llm = build_llm(cfg)
     prompts = random_workload(num_prompts, kw["prompt_len"], 1, 0.5, llm.model.cfg.vocab_size, kw["seed"]).prompts
-    run_id = kw["run_id"] or f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{kind}"
+    run_id = run_id_for(kw["run_id"], kind)
     run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id
     modes = {"both": [False, True], "on": [True], "off": [False]}[kw["modes"]]
     rows = run_checks(llm, kind, modes, run_dir, prompts, runs or 0, trials or 0, kw["max_tokens"], kw["seed"])

@@ -32,6 +32,16 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def run_id_for(run_id: str | None, name: str) -> str:
+    """`run_id`, checked (it names a directory), or a new one: local time + `name`."""
+    from .sweep_config import NAME_RE
+    run_id = run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{name}"
+    if not NAME_RE.fullmatch(run_id):
+        raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only, starting with a letter or "
+                             f"digit")
+    return run_id
+
+
 def git_state(cwd: str | os.PathLike | None = None) -> dict:
     """{"sha": commit or None, "dirty": bool or None} of the checkout holding this package (or cwd)."""
     where = cwd or Path(__file__).resolve().parent

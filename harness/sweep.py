@@ -27,8 +27,8 @@ from .metrics import RequestTiming, chunk_gaps, compute_metrics
 from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
-from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, environment
-from .sweep_config import NAME_RE, SweepConfig, SweepPoint, parse_sweep
+from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, environment, run_id_for, utc_now
+from .sweep_config import SweepConfig, SweepPoint, parse_sweep
 from .workload import Workload, random_workload, run_workload
 
 log = logging.getLogger("deepinfer")
@@ -160,10 +160,7 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
 
 
 def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, continue_on_error, progress) -> Path:
-    run_id = share(ranks, run_id or f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.name}")
-    if not NAME_RE.fullmatch(run_id):
-        raise DeepInferError(f"--run-id {run_id!r}: use letters, digits and . _ - only, starting with a letter or "
-                             f"digit")
+    run_id = share(ranks, run_id_for(run_id, cfg.name))     # every rank checks its own; rank 0's time names it
     run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
     prepared = None
     if ranks.main:
@@ -193,13 +190,13 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
     for i, point in todo:
         row = {**identity, "key": point.key, "mode": point.mode, "isl": point.isl, "osl": point.osl,
                "concurrency": point.concurrency, "num_prompts": point.num_prompts, "warmup": point.warmup,
-               "gpus": point.ranks, "started": _now()}
+               "gpus": point.ranks, "started": utc_now()}
         t0 = time.perf_counter()
         try:
             fields, raw = run_point(llm, cfg, point, i, ranks)
         except Exception as e:           # noqa: BLE001  a failed point is recorded, never silently lost
             if store is not None:
-                store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": _now()})
+                store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": utc_now()})
                 log.warning(f"{point.key}: failed after {time.perf_counter() - t0:.1f} s ({type(e).__name__}: {e})")
             if not continue_on_error:
                 where = store.path if store is not None else f"{run_dir}/rows.jsonl"
@@ -209,7 +206,7 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
         else:
             if store is not None:
                 store.write_raw(point.key, raw)
-                store.append({**row, **fields, "status": "ok", "finished": _now()})
+                store.append({**row, **fields, "status": "ok", "finished": utc_now()})
                 log.info(f"{point.key}: done in {time.perf_counter() - t0:.1f} s")
         if bar is not None:
             bar.update(1)
@@ -243,10 +240,6 @@ def _prepare_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> tuple[list[st
 
 def default_sweep() -> SweepConfig:
     return parse_sweep(DEFAULT_SWEEP, "<default tiny CPU sweep>")
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _progress(total: int, on: bool):

@@ -129,26 +129,30 @@ class SweepConfig:
 
 def load_sweep(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML file."""
-    import yaml
-
     path = Path(path)
-    source = str(path)
+    data = read_yaml_file(path, "sweep", SweepConfigError, "pass a YAML file such as sweeps/tiny-cpu.yaml")
+    return parse_sweep(data, str(path))
+
+
+def read_yaml_file(path: Path, what: str, error_type: type[DeepInferError], hint: str) -> Any:
+    """The parsed YAML of a `what` file (sweep, suite); a missing, unreadable or malformed one is one
+    `error_type` line naming the file (and line, column), with `hint` on what to pass instead."""
+    import yaml
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SweepConfigError(f"{source}: sweep file not found; pass a YAML file such as sweeps/tiny-cpu.yaml")
+        raise error_type(f"{path}: {what} file not found; {hint}") from None
     except IsADirectoryError:
-        raise SweepConfigError(f"{source}: is a directory; pass a sweep YAML file inside it")
+        raise error_type(f"{path}: is a directory; pass a {what} YAML file inside it") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise SweepConfigError(f"{source}: cannot read sweep file ({_one_line(e)})")
+        raise error_type(f"{path}: cannot read {what} file ({_one_line(e)})") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
         problem = getattr(e, "problem", None) or _one_line(e)
-        raise SweepConfigError(f"{source}: malformed YAML at {where}: {_one_line(problem)}")
-    return parse_sweep(data, source)
+        raise error_type(f"{path}: malformed YAML at {where}: {_one_line(problem)}") from None
 
 
 def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
