@@ -1,7 +1,6 @@
 """Every DEEPINFER_* environment variable the engine reads, in one place (README lists them).
 
-DEEPINFER_BATCH_INVARIANT is read by the kernels' dispatch (deepinfer.kernels.matmul), which the model calls
-without an engine in between; DEEPINFER_HF_MODEL_DIR by checkpoint/hub.py."""
+DEEPINFER_HF_MODEL_DIR is read by checkpoint/hub.py."""
 
 from __future__ import annotations
 
@@ -72,10 +71,28 @@ def check_device(device) -> str:
     return str(dev)
 
 
+def kernel_backend(requested: str | None = None) -> str:
+    """The kernel backend set an engine is built with (kernels/registry.py): `requested` (LLM's kernel_backend)
+    else DEEPINFER_KERNEL_BACKEND else `reference`; DEEPINFER_BATCH_INVARIANT=1 selects `invariant` and
+    cannot be combined with another choice."""
+    from deepinfer.kernels.registry import BACKEND_SETS
+    invariant = env_flag("DEEPINFER_BATCH_INVARIANT", False)
+    raw = os.environ.get("DEEPINFER_KERNEL_BACKEND", "").strip()
+    name = requested if requested is not None else (raw or None)
+    source = "kernel_backend" if requested is not None else "DEEPINFER_KERNEL_BACKEND"
+    if name is not None and name not in BACKEND_SETS:
+        raise DeepInferError(f"{source}={name!r} is not a kernel backend; use one of {list(BACKEND_SETS)}")
+    if invariant:
+        if name not in (None, "invariant"):
+            raise DeepInferError(f"DEEPINFER_BATCH_INVARIANT=1 selects the 'invariant' kernels but {source}="
+                                 f"{name!r}; unset one of them")
+        return "invariant"
+    return name or "reference"
+
+
 def check_environment() -> None:
     """Read every DEEPINFER_* setting once, before any work, so a bad value is one error line up front."""
-    from deepinfer.kernels.matmul import is_batch_invariant
-    is_batch_invariant()
+    kernel_backend()
     async_scheduling_default()
     yoco_prefill()
     yoco_prefill_min_tokens()

@@ -16,17 +16,17 @@ import torch
 from .api import load_model, parse_dtype
 from .errors import DeepInferError
 from .cache.manager import StateManager
-from .env import accelerator, async_scheduling_default, check_device, check_environment
+from .env import accelerator, async_scheduling_default, check_device, check_environment, kernel_backend
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, Status
-from deepinfer.kernels.matmul import is_batch_invariant
+from deepinfer.kernels.registry import KernelTable, use
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
-                "keep_quantized": False}
+                "keep_quantized": False, "kernel_backend": None}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 
 
@@ -79,7 +79,8 @@ class LLM:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self.args = args
         self.rng = np.random.default_rng(seed)
-        self.batch_invariant = is_batch_invariant()
+        self.kernels = KernelTable(kernel_backend(args["kernel_backend"]))
+        self.batch_invariant = self.kernels.name == "invariant"
         self.async_scheduling = async_scheduling_default() if args["async_scheduling"] is None \
             else args["async_scheduling"]
         self.manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(),
@@ -142,7 +143,8 @@ class LLM:
             bar = tqdm(total=len(requests), desc="generate", unit="seq")
         steps = 0
         try:
-            steps = self._loop(sched, bar)
+            with use(self.kernels):
+                steps = self._loop(sched, bar)
         finally:                      # an error or interrupt mid-run: give every seat and block back
             for r in requests:
                 self.manager.release(r.request_id)

@@ -1,53 +1,89 @@
-"""Sink attention over one shared K=V latent (MQA, one KV head): the torch reference."""
+"""Sink attention over one shared K=V latent (MQA, one KV head).
+
+Two entry points:
+  sink_attention         one sequence, its queries sharing one key list with a visibility bias (the reference
+                         SequenceState forward and the DSpark draft block)
+  sparse_sink_attention  every query row with its own key list, given as index lists into key stores (the
+                         forward over the state pools: window rings, this step's new latents, pooled entries)
+The sink is a per-head logit that joins the softmax denominator only."""
+
+from __future__ import annotations
 
 import torch
-from .matmul import is_batch_invariant, row_tiles
+
 from .precision import upcast
+from .registry import call, implements
+from .tiles import row_tiles
 
-
-# fp32 scores per row block of the one-sequence reference: queries go through in blocks of about this many
-# scores (512 MiB; the softmax temporaries make the peak a few times that), so a 16k-token prefill never
-# materializes its whole [S, H, K] score tensor.
+# fp32 scores per row block: queries go through in blocks of about this many scores (512 MiB; the softmax
+# temporaries make the peak a few times that), so a 16k-token prefill never materializes all its scores.
 SCORE_BLOCK_ELEMENTS = 1 << 27
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
                    scale: float) -> torch.Tensor:
-    """One sequence.
-
-    q: [S, H, d]; kv: [K, d] (used as both key and value); bias: [S, K] (0 visible, -inf hidden);
-    sink: [H] fp32 logits that join the softmax denominator only. Returns [S, H, d].
-    Rows are independent: full blocks hold a row count fixed by H and K (the batch never changes it); S only
-    decides where the last block ends.
-    """
-    kv32 = upcast(kv)
-    rows = max(1, SCORE_BLOCK_ELEMENTS // (q.shape[1] * (kv.shape[0] + 1)))
-    if q.shape[0] <= rows:
-        return _sink_attention(q, kv32, bias, sink, scale)
-    return torch.cat([_sink_attention(q[i:i + rows], kv32, bias[i:i + rows], sink, scale)
-                      for i in range(0, q.shape[0], rows)])
+    """One sequence. q [S, H, d]; kv [K, d] (key and value); bias [S, K] (0 visible, -inf hidden);
+    sink [H] fp32. Returns [S, H, d]."""
+    return call("sink_attention")(q, kv, bias, sink, scale)
 
 
-def _sink_attention(q, kv32, bias, sink, scale, kv_dims: str = "kd"):
-    """The math: q [S, H, d]; kv32 [K, d] shared by every row ("kd") or [S, K, d] one per row ("skd")."""
+def sparse_sink_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Each query row attends to its own keys. q [N, H, d]; sources: (store [M_i, d], index [N, K_i] int64 rows
+    of the store, -1 = no key); row n's keys are the stores' rows its indices name, in source order. A row with
+    no key at all keeps only the sink (output 0). Returns [N, H, d]."""
+    return call("sparse_sink_attention")(q, sources, sink, scale)
+
+
+def _sink_math(q, kv32, bias, sink, scale, kv_dims: str = "kd"):
+    """q [S, H, d]; kv32 [K, d] shared by every row ("kd") or [S, K, d] one per row ("skd")."""
     scores = torch.einsum(f"shd,{kv_dims}->shk", upcast(q), kv32) * scale + upcast(bias).unsqueeze(1)
     logits = torch.cat([scores, upcast(sink).view(1, -1, 1).expand(scores.shape[0], -1, 1)], dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum(f"shk,{kv_dims}->shd", probs, kv32).to(q.dtype)
 
 
-def sink_attention_rows(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """A batch of single queries, each with its own keys (decode over the state pools).
-
-    q: [B, H, d]; kv: [B, K, d]; bias: [B, K] (0 visible, -inf hidden; a row may hide every key,
-    then only the sink remains and the output is 0). Returns [B, H, d].
-    Batch-invariant mode: fixed tiles of rows, so B cannot change a row's batched-GEMM blocking.
-    """
-    if is_batch_invariant():
-        return row_tiles(lambda q, kv, bias: _sink_attention_rows(q, kv, bias, sink, scale), q, kv, bias)
-    return _sink_attention_rows(q, kv, bias, sink, scale)
+@implements("sink_attention", "reference")
+def _sink_attention(q, kv, bias, sink, scale):
+    """Rows are independent: blocks hold a row count fixed by H and K (the batch never changes it)."""
+    kv32 = upcast(kv)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (q.shape[1] * (kv.shape[0] + 1)))
+    if q.shape[0] <= rows:
+        return _sink_math(q, kv32, bias, sink, scale)
+    return torch.cat([_sink_math(q[i:i + rows], kv32, bias[i:i + rows], sink, scale)
+                      for i in range(0, q.shape[0], rows)])
 
 
-def _sink_attention_rows(q, kv, bias, sink, scale):
-    return _sink_attention(q, upcast(kv), bias, sink, scale, kv_dims="skd")
+def gather_keys(sources: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index lists -> (keys [n, K, d] >= fp32, zero where there is no key, bias [n, K] fp32: 0 / -inf)."""
+    keys, present = [], []
+    for store, index in sources:
+        keys.append(upcast(store[index.clamp(min=0)]))
+        present.append(index >= 0)
+    keys, present = torch.cat(keys, dim=1), torch.cat(present, dim=1)
+    keys = torch.where(present.unsqueeze(-1), keys, 0)     # store rows nobody named may hold anything
+    bias = torch.zeros(present.shape, dtype=keys.dtype, device=keys.device).masked_fill(~present, float("-inf"))
+    return keys, bias
+
+
+def _sparse_rows(q, sources, sink, scale):
+    keys, bias = gather_keys(sources)
+    return _sink_math(q, keys, bias, sink, scale, kv_dims="skd")
+
+
+@implements("sparse_sink_attention", "reference")
+def _sparse_sink_attention(q, sources, sink, scale):
+    n, h, d = q.shape
+    k = sum(index.shape[1] for _, index in sources)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (max(h, d) * (k + 1)))
+    if n <= rows:
+        return _sparse_rows(q, sources, sink, scale)
+    return torch.cat([_sparse_rows(q[a:a + rows], [(s, i[a:a + rows]) for s, i in sources], sink, scale)
+                      for a in range(0, n, rows)])
+
+
+@implements("sparse_sink_attention", "invariant")
+def _sparse_sink_attention_tiles(q, sources, sink, scale):
+    stores = [s for s, _ in sources]
+    return row_tiles(lambda q, *idx: _sparse_rows(q, list(zip(stores, idx)), sink, scale), q,
+                     *(i for _, i in sources))

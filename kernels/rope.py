@@ -1,11 +1,19 @@
-"""Interleaved partial RoPE on the trailing channels: pairs (2i, 2i+1) rotate as one complex number."""
+"""Interleaved partial RoPE on the trailing channels: pairs (2i, 2i+1) rotate as one complex number.
+Elementwise per row, so one implementation serves every backend set."""
 
 import torch
+
 from .precision import upcast
+from .registry import call, implements
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x: [N, ..., d] with the rotary slice last; cos/sin: [N, rd/2] (fp32). inverse=True applies the conjugate."""
+    return call("rope")(x, cos, sin, inverse)
+
+
+@implements("rope", "reference")
+def _rope(x, cos, sin, inverse):
     half = cos.shape[-1]
     rd = 2 * half
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)

@@ -10,7 +10,8 @@ pools 2m slots: the A halves of window w-1 and the B halves of window w.
 from __future__ import annotations
 
 import torch
-from deepinfer.kernels.matmul import is_batch_invariant, row_tiles
+from deepinfer.kernels.compress import softmax_pool
+from deepinfer.kernels.indexer import index_scores
 from deepinfer.kernels.precision import upcast
 from torch import nn
 
@@ -67,7 +68,7 @@ class Compressor(nn.Module):
         if self.overlap:
             d = self.head_dim
             kv, score = torch.cat([prev_a[0], kv[..., d:]], dim=1), torch.cat([prev_a[1], score[..., d:]], dim=1)
-        pooled = (kv * score.softmax(dim=1)).sum(dim=1)                  # [n, d]
+        pooled = softmax_pool(kv, score)                                  # [n, d]
         return apply_rope(self.norm(pooled), *rope(windows * self.ratio))
 
     def _predecessors(self, kv: torch.Tensor, score: torch.Tensor, state: CompressorState):
@@ -86,19 +87,6 @@ class Compressor(nn.Module):
 def no_predecessor(a_kv: torch.Tensor, a_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The A halves window 0 pools from its missing predecessor: zero weight (kv 0, score -inf), shaped like these."""
     return torch.zeros_like(a_kv), torch.full_like(a_score, float("-inf"))
-
-
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """sum_h w_h * ReLU(q_h . k): q [..., h, dI], weights [..., h], keys [..., n, dI] (leading dims broadcast)
-    -> [..., n] >= fp32. Rows of several sequences (keys with a batch dim): fixed row tiles in batch-invariant mode."""
-    if is_batch_invariant() and keys.dim() > 2:
-        return row_tiles(_index_scores, q, weights, keys)
-    return _index_scores(q, weights, keys)
-
-
-def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    scores = torch.einsum("...hd,...nd->...hn", upcast(q), upcast(keys)).relu()
-    return (scores * weights.unsqueeze(-1)).sum(dim=-2)
 
 
 class Indexer(nn.Module):

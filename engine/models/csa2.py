@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels.matmul import is_batch_invariant, linear, row_tiles
+from deepinfer.kernels.compress import softmax_pool
+from deepinfer.kernels.indexer import index_scores
+from deepinfer.kernels.matmul import linear
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import fake_quant_fp4
 from deepinfer.kernels.rope import apply_rope
@@ -69,7 +71,7 @@ class Compressor(nn.Module):
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Closed groups kv, gate [n, r, d] (slots in position order) -> latents [n, d] in `dtype`."""
-        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)                       # [n, d]
+        pooled = softmax_pool(kv, gate)                                      # [n, d]
         return self.norm(pooled.to(dtype))
 
 
@@ -104,16 +106,8 @@ class Indexer(nn.Module):
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                ratio: int) -> torch.Tensor:
         """One sequence: q [T, H_I, dI], weights [T, H_I], keys [n, dI], positions [T] -> [T, n], -inf where not
-        yet visible. Leading batch dims broadcast: q [B, 1, H_I, dI], weights [B, 1, H_I], keys [B, n, dI],
-        positions [B, 1] -> [B, 1, n] (one query per row, each with its own keys: the paged decode; fixed row
-        tiles in batch-invariant mode)."""
-        if is_batch_invariant() and keys.dim() > 2:
-            return row_tiles(lambda q, w, k, p: self._scores(q, w, k, p, ratio), q, weights, keys, positions)
-        return self._scores(q, weights, keys, positions, ratio)
-
-    def _scores(self, q, weights, keys, positions, ratio: int) -> torch.Tensor:
-        s = torch.einsum("...thd,...nd->...thn", upcast(q), upcast(keys)).relu() * self.index_dim ** -0.5
-        s = (s * weights.unsqueeze(-1)).sum(dim=-2)
+        yet visible."""
+        s = index_scores(q, weights, keys, self.index_dim ** -0.5)
         return s.masked_fill(~visible_entries(positions, keys.shape[-2], ratio), float("-inf"))
 
 

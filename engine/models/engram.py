@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from deepinfer.config.deepseek_v41 import engram_prime_layout
-from deepinfer.kernels.matmul import is_batch_invariant, row_tiles
+from deepinfer.kernels.rowwise import rowwise
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import dequantize_fp8_blocks
 
@@ -320,11 +320,8 @@ class Engram(nn.Module):
     def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, dead: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """streams [N, hc, D], hash_ids [N, C] (this layer's slice), dead [N] bool or None (True: gate 0,
-        the stream passes unchanged) -> streams [N, hc, D] in the input dtype. Row-local: fixed row tiles in
-        batch-invariant mode (kernels.matmul)."""
-        if is_batch_invariant():
-            return row_tiles(self._forward, streams, hash_ids, dead)
-        return self._forward(streams, hash_ids, dead)
+        the stream passes unchanged) -> streams [N, hc, D] in the input dtype. Row-local (kernels.rowwise)."""
+        return rowwise(self._forward, streams, hash_ids, dead)
 
     def _forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
         hc, d = self.hc_mult, self.hidden_size

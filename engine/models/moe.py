@@ -6,7 +6,9 @@ import contextlib
 import threading
 
 import torch
-from deepinfer.kernels.matmul import is_batch_invariant, linear, row_tiles
+from deepinfer.kernels.matmul import linear
+from deepinfer.kernels.registry import active
+from deepinfer.kernels.rowwise import rowwise
 from deepinfer.kernels.precision import upcast
 import torch.nn.functional as F
 from torch import nn
@@ -56,9 +58,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
-        if is_batch_invariant():   # row-local: fixed tiles also fix the CPU vector tails of score_fn on [N, E]
-            return row_tiles(self._route, x, input_ids)
-        return self._route(x, input_ids)
+        return rowwise(self._route, x, input_ids)   # row-local (invariant: fixed tiles, CPU vector tails too)
 
     def _route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(upcast(x), upcast(self.weight))
@@ -142,7 +142,7 @@ class Experts(nn.Module):
             h = swiglu(linear(x, w1), linear(x, w3), self.limit)
             h = h * w.unsqueeze(-1).to(h.dtype)
             return upcast(linear(h.to(self.dtype), w2))
-        return row_tiles(mlp, x, w) if is_batch_invariant() else mlp(x, w)
+        return rowwise(mlp, x, w)
 
     def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, unrouted rows weighted 0: static shapes and no host sync (CUDA graphs),
@@ -153,7 +153,7 @@ class Experts(nn.Module):
         dense = dense.scatter(1, ids, weights)                                      # [N, E]
         x = x.to(self.dtype)
         out = upcast(torch.zeros_like(x))
-        if is_batch_invariant():   # per expert in fixed row tiles: bit for bit what forward gives
+        if active().name == "invariant":   # INTERIM (moe rework): per expert in fixed row tiles: bit for bit what forward gives
             for e in range(n_experts):
                 out += self._expert(e, x, dense[:, e])
             return out
@@ -197,8 +197,6 @@ class SharedExpert(nn.Module):
         self.w1, self.w2, self.w3 = Linear(dim, inter, dtype), Linear(inter, dim, dtype), Linear(dim, inter, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_batch_invariant():
-            return row_tiles(self._mlp, x)
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:

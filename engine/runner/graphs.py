@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.matmul import is_batch_invariant
+from deepinfer.kernels.registry import active
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -41,7 +41,7 @@ class DecodeGraphs:
             return self._replay(b, size, slots, positions, tokens, ctx_blocks)
 
     def _replay(self, b: int, size: int, slots, positions, tokens, ctx_blocks: int) -> torch.Tensor:
-        key = (size, ctx_blocks, is_batch_invariant())    # a graph holds the kernels of the mode it was captured in
+        key = (size, ctx_blocks, active().name)    # a graph holds the kernels of the mode it was captured in
         if key not in self.graphs:
             self.graphs[key] = self._capture(size, ctx_blocks)
         graph, out = self.graphs[key]
