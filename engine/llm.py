@@ -182,7 +182,8 @@ class LLM:
         """The host side of a finished step: append its tokens, finish sequences (their slots go back)."""
         results = out.resolve()
         now = time.perf_counter()
-        for s, tok, lp in results:
+        for s, toks, lps in results:
+            tok, lp = toks[0], lps[0]
             r = s.req
             r.num_inflight -= 1
             if r.status is Status.FINISHED:           # planned once more before its end was seen: dropped

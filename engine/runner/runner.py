@@ -35,7 +35,9 @@ class StepOutput:
     index: dict[str, int] = field(default_factory=dict)
     lp: tuple | None = None                          # (rows [R], chosen [R], top ids [R, k], top values [R, k])
 
-    def resolve(self) -> list[tuple[Scheduled, int, dict | None]]:
+    def resolve(self) -> list[tuple[Scheduled, list[int], list[dict | None]]]:
+        """Per sampled row: its sampled tokens (one per logit position, in position order) and their logprob
+        entries (None where not asked)."""
         if self.tokens is None:
             return []
         toks = self.tokens.tolist()
@@ -48,7 +50,7 @@ class StepOutput:
                 if ids is not None and k:
                     entry.update(zip(ids[j][:k], vals[j][:k]))
                 entries[r] = entry
-        return [(s, toks[i], entries.get(i)) for i, s in enumerate(self.sampled)]
+        return [(s, [toks[i]], [entries.get(i)]) for i, s in enumerate(self.sampled)]
 
 
 class ModelRunner:

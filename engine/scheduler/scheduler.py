@@ -24,9 +24,14 @@ from .request import Request, Status
 @dataclass(eq=False)
 class Scheduled:
     req: Request
-    start: int      # first position fed
-    n: int          # tokens fed
-    sample: bool    # this step reaches the end of the sequence's tokens: sample the next one
+    start: int        # first position fed
+    n: int            # tokens fed (positions start .. start+n-1)
+    num_logits: int   # trailing fed positions whose next token is sampled: 0 (a prefill piece short of the end),
+                      # 1 (reaches the end), q+1 (a verify row: the last token plus q drafts)
+
+    @property
+    def sample(self) -> bool:
+        return self.num_logits > 0
 
 
 class Scheduler:
@@ -102,7 +107,7 @@ class Scheduler:
     def _plan(self, req: Request, n: int) -> Scheduled:
         start = req.num_computed
         req.num_computed += n
-        return Scheduled(req, start, n, req.num_computed == req.num_tokens + req.num_inflight)
+        return Scheduled(req, start, n, int(req.num_computed == req.num_tokens + req.num_inflight))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
