@@ -92,7 +92,7 @@ def test_mtp_layer_runs_and_is_deterministic():
     model = our_model(TINY_V4, seed=6, qat=True)
     ids = _ids(50, 2)
     state = model.new_state()
-    streams = model.forward(ids, [(0, 50)], [state])
+    streams = model.forward_reference(ids, [(0, 50)], [state])
     next_ids = torch.cat([ids[1:], torch.tensor([3])])
     logits, out = model.mtp_forward(streams, next_ids, [(0, 50)], [state])
     again, _ = model.mtp_forward(streams, next_ids, [(0, 50)], [model.new_state()])

@@ -1,10 +1,11 @@
 """The state manager: sizes the pools from a memory budget once, then hands out sequence slots and entry blocks.
 
 Budget: explicit `state_memory_bytes`, else on a GPU `gpu_memory_utilization` x total memory minus what the
-model and a profiled forward already use (LLM does the profiling), else on a CPU enough for every seat at
-`max_model_len` capped at DEFAULT_CPU_BYTES. The pools must hold at least one sequence of max_model_len;
+model and a profiled forward already use (the engine does the profiling), else on a CPU enough for every seat
+at `max_model_len` capped at DEFAULT_CPU_BYTES. The pools must hold at least one sequence of max_model_len;
 seats (slots) are cut to what the budget leaves after that. A sequence owns one slot while it runs and
-ceil(tokens / block_tokens) blocks; when a step needs blocks none are free, the scheduler preempts."""
+ceil(tokens / block_tokens) blocks; when a step needs blocks none are free, the scheduler preempts.
+Snapshots keep a sequence's slot-fixed state at a position (speculative rollback, prefix caching)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,12 @@ DEFAULT_CPU_BYTES = 4 << 30
 
 
 class StateManager:
-    def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None,
-                 block_size: int | None = None):
-        layout = PoolLayout.for_model(model, block_size)
+    def __init__(self, layout: PoolLayout, device: torch.device, max_num_seqs: int, max_model_len: int,
+                 memory_bytes: int | None):
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
-        full_seq = layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block()
-        table_bytes = 4 * per_seq_blocks + 8 * max(layout.engram_lookback, 1)     # block table + engram, per slot
-        full_seq += table_bytes
+        table_bytes = 4 * per_seq_blocks                                    # the slot's block-table row
+        full_seq = layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block() + table_bytes
         scratch = layout.bytes_per_slot() + layout.bytes_per_block() + table_bytes     # slot 0 and block 0
         given = min(max_num_seqs * full_seq + scratch, DEFAULT_CPU_BYTES) if memory_bytes is None else memory_bytes
         memory_bytes = given - scratch
@@ -36,25 +35,29 @@ class StateManager:
                 f"the state budget ({given / 2**20:.1f} MiB) cannot hold one sequence of max_model_len="
                 f"{max_model_len} ({full_seq / 2**20:.1f} MiB): raise state_memory_bytes / gpu_memory_utilization "
                 f"or lower max_model_len")
-        spare = memory_bytes - full_seq
         slot_bytes = layout.bytes_per_slot() + table_bytes
-        slots = min(max_num_seqs, 1 + spare // slot_bytes)
+        slots = int(min(max_num_seqs, 1 + (memory_bytes - full_seq) // slot_bytes))
         blocks = (memory_bytes - slots * slot_bytes) // max(layout.bytes_per_block(), 1)
-        blocks = int(min(blocks, slots * per_seq_blocks)) if layout.streams else 0
-        self.pools = StatePools(layout, int(slots), blocks, max_model_len, model.device)
-        self.free_slots = list(range(int(slots), 0, -1))       # pop() hands out slot 1 first
+        blocks = int(min(blocks, slots * per_seq_blocks)) if layout.spec.entries else 0
+        self.pools = StatePools(layout, slots, blocks, max_model_len, device)
+        self.free_slots = list(range(slots, 0, -1))       # pop() hands out slot 1 first
         self.free_blocks = list(range(blocks, 0, -1))
         self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
+        self.snapshots: dict[str, tuple[int, dict]] = {}      # request id -> (num_tokens, ring copies)
         self.summary = (
             f"state pools: {layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
             f"tokens), {layout.bytes_per_slot() / 2**20:.2f} MiB fixed per sequence, "
-            f"{full_seq / 2**20:.1f} MiB per max_model_len={max_model_len} sequence; {int(slots)} seats, "
+            f"{full_seq / 2**20:.1f} MiB per max_model_len={max_model_len} sequence; {slots} seats, "
             f"{blocks} blocks ({blocks * layout.block_tokens} tokens), {self.pools.nbytes() / 2**30:.3f} GiB")
         log.info(self.summary)
 
     @property
     def num_slots(self) -> int:
         return self.pools.num_slots
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
 
     def slot(self, rid: str) -> int:
         return self.owned[rid][0]
@@ -74,15 +77,27 @@ class StateManager:
                 new, dtype=torch.int32).to(self.pools.device, non_blocking=True)
             blocks = blocks + new
         self.owned[rid] = (slot, blocks)
-        self.pools.slot_blocks[slot] = len(blocks)
         return True
 
     def release(self, rid: str) -> None:
+        self.snapshots.pop(rid, None)
         slot, blocks = self.owned.pop(rid, (None, []))
         if slot is None:
             return
         self.free_blocks.extend(reversed(blocks))
         self.free_slots.append(slot)
-        self.pools.slot_blocks[slot] = 0
-        # The table row keeps stale ids: the next owner overwrites the columns it writes; a decode reads up to
-        # ctx_blocks columns, but entries past a row's own count are masked, so stale ids are never attended.
+        # NOTE: the table row keeps stale ids: the next owner overwrites the columns it uses, and entries past a
+        # row's own count are never attended (hidden by position), so stale ids are never read.
+
+    # ---- snapshots ----
+    def snapshot(self, rid: str, num_tokens: int) -> None:
+        """Keep `rid`'s slot-fixed state as it is after num_tokens positions (replaces an older snapshot)."""
+        self.snapshots[rid] = (num_tokens, self.pools.snapshot(self.slot(rid)))
+
+    def restore(self, rid: str) -> int:
+        """Put back `rid`'s last snapshot; returns the number of positions it holds."""
+        if rid not in self.snapshots:
+            raise DeepInferError(f"internal: request {rid} has no state snapshot to restore")
+        num_tokens, snap = self.snapshots[rid]
+        self.pools.restore(self.slot(rid), snap)
+        return num_tokens

@@ -8,15 +8,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
+from deepinfer.kernels.indexer import sparse_index_scores, top_k_indices
 from deepinfer.kernels.matmul import grouped_linear
 from deepinfer.kernels.norm import rms_norm
+from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.rope import apply_rope
 
+from ..cache.forward_batch import ForwardBatch
 from ..cache.sequence_state import CompressorState, LayerState
+from ..cache.spec import Entries, Ring
 from ..config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
 from . import qat
 from .compressor import Compressor, Indexer
+from .pooled import gather_window, selected_entries
 from .selection import visible_entries
 from .layers import Linear, RMSNorm, fp32_param
 from .rope import RotaryEmbedding
@@ -95,7 +100,69 @@ class Attention(LatentAttention):
         return LayerState(compressor=None if self.compressor is None else CompressorState(),
                           indexer=None if self.indexer is None else CompressorState())
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice], layer: int) -> torch.Tensor:
+    def state_kinds(self, layer: int) -> list:
+        """What this layer keeps per sequence (cache/spec.py): its window ring; a compressor's entries and
+        open-window buffers (two windows with overlap: the next entry pools the previous window's A halves); the
+        indexer's keys and buffers."""
+        kinds = [Ring(f"{layer}.window", self.window, self.head_dim)]
+        for name, comp, width in ((f"{layer}.kv", self.compressor, self.head_dim),
+                                  (f"{layer}.index", self.indexer and self.indexer.compressor,
+                                   self.indexer and self.indexer.head_dim)):
+            if comp is None:
+                continue
+            span, c = (2 if comp.overlap else 1) * comp.ratio, (2 if comp.overlap else 1) * width
+            kinds += [Entries(name, comp.ratio, width), Ring(f"{name}.pending_kv", span, c, "accum"),
+                      Ring(f"{name}.pending_score", span, c, "accum")]
+        return kinds
+
+    # ---- the runtime forward: every row of a step over the state pools ----
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """x [N, D] normed input rows of a step -> [N, D]. Reads and writes the layer's pools in place."""
+        pools = batch.pools
+        q, kv, comp, idx, (cos, sin) = self.project(x, batch.positions)
+        sources = [gather_window(batch, pools.rings[f"{layer}.window"], kv, self.window)]
+        if self.compressor is not None:
+            store = pools.entries[f"{layer}.kv"]
+            self._compress_pooled(self.compressor, *comp, batch, f"{layer}.kv", self._quantize_entry)
+            entry_index = batch.entry_index(self.ratio, store.shape[1])                # [N, J]
+            if self.indexer is not None:
+                index_kv, index_gate, index_q, index_w = idx
+                self._compress_pooled(self.indexer.compressor, index_kv, index_gate, batch, f"{layer}.index",
+                                      self._quantize_index)
+                keys = pools.entries[f"{layer}.index"].flatten(0, 1)
+                scores = sparse_index_scores(index_q, index_w, keys, entry_index)         # [N, J]
+                entry_index = selected_entries(entry_index, top_k_indices(scores, self.indexer.topk))
+            sources.append((store.flatten(0, 1), entry_index))
+        out = sparse_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
+        return self.output(out, cos, sin)
+
+    def _compress_pooled(self, comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+                         name: str, quantize) -> None:
+        """One entry stream over the pools: kv, gate [N, c*d] (Compressor.project) of every row; each row that
+        closes a window pools it (with overlap: the previous window's A halves first) into the stream's entry
+        p // r. Rows of a window before this step come from the pending rings."""
+        r, d = comp.ratio, comp.head_dim
+        pend_kv, pend_score = batch.pools.rings[f"{name}.pending_kv"], batch.pools.rings[f"{name}.pending_score"]
+        span = pend_kv.shape[1]
+        kv, score = upcast(kv), comp.scores(gate, batch.positions)
+        kv_store, score_store = batch.store(pend_kv, kv), batch.store(pend_score, score)
+        batch.write_ring(pend_kv, kv)
+        batch.write_ring(pend_score, score)
+        rows, valid = batch.closing_rows(r)
+        slots = batch.positions_index(rows, span, span)                               # [C, span] oldest first
+        present = (slots >= 0).unsqueeze(-1)
+        win_kv = torch.where(present, kv_store[slots.clamp(min=0)], 0)
+        # a missing slot (window 0's predecessor) weighs 0: the lowest finite score, never NaN on an empty window
+        win_score = torch.where(present, score_store[slots.clamp(min=0)], torch.finfo(score.dtype).min)
+        prev_a = (win_kv[:, :r, :d], win_score[:, :r, :d]) if comp.overlap else None
+        cur_kv, cur_score = (win_kv[:, r:], win_score[:, r:]) if comp.overlap else (win_kv, win_score)
+        new = self.final_entries(comp.entries(cur_kv, cur_score, prev_a, batch.positions[rows] // r, self.rope),
+                                 quantize)
+        batch.write_entries(batch.pools.entries[name], rows, valid, r, new)
+
+    # ---- the reference forward (the oracle): one SequenceState per sequence ----
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
+                          layer: int) -> torch.Tensor:
         """x: [N, D] normed block input of all sequences' new tokens; positions: [N]. Returns [N, D]."""
         q, kv, comp, idx, (cos, sin) = self.project(x, positions)
         out = torch.empty_like(q)

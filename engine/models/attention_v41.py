@@ -12,14 +12,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
+from deepinfer.kernels.indexer import sparse_index_scores, top_k_indices
 from deepinfer.kernels.quant import fake_quant_fp8
 from deepinfer.kernels.rope import apply_rope
 
+from ..cache.forward_batch import ForwardBatch
 from ..cache.sequence_state import CompressorState, LayerState, SequenceState
+from ..cache.spec import Entries, Ring
 from ..config.deepseek_v41 import DeepseekV41Config
 from .attention import LatentAttention
 from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_mask
+from .pooled import gather_window, selected_entries
 from .rope import RotaryEmbedding
 
 WINDOW_FP8_BLOCK = 32
@@ -63,6 +67,19 @@ class AttentionV41(LatentAttention):
         return LayerState(compressor=CompressorState() if src else None,
                           indexer=CompressorState() if src and self.indexer is not None else None)
 
+    def state_kinds(self) -> list:
+        """What this layer keeps per sequence (cache/spec.py): its window ring; a KV source also its group's
+        entries (+ index keys) and, at ratio > 1, the open group's buffers."""
+        kinds = [Ring(f"{self.layer}.window", self.window, self.head_dim)]
+        if self.compressor is not None:
+            kinds.append(Entries(f"{self.layer}.kv", self.ratio, self.head_dim))
+            if self.indexer is not None:
+                kinds.append(Entries(f"{self.layer}.index", self.ratio, self.indexer.index_dim))
+            if self.ratio > 1:
+                kinds += [Ring(f"{self.layer}.kv.pending_kv", self.ratio, self.head_dim, "accum"),
+                          Ring(f"{self.layer}.kv.pending_score", self.ratio, self.head_dim, "accum")]
+        return kinds
+
     # ---- shared projections ----
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [Q, D] -> (q [Q, H, d] roped, qr [Q, q_lora] the low-rank residual the indexer reuses)."""
@@ -74,8 +91,67 @@ class AttentionV41(LatentAttention):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         return fake_quant_fp8(kv, WINDOW_FP8_BLOCK) if self.qat_fake_quant else kv
 
-    # ---- the flat-batch forward ----
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:
+    # ---- the runtime forward: every row of a step over the state pools ----
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [N, D] normed input rows -> [N, D]; reads and writes the layer's pools in place. The source group's
+        products (entries, keys, selection, candidates) pass from layer to layer in batch.shared."""
+        cos, sin = self.rope(batch.positions)
+        q, qr = self.queries(x, cos, sin)
+        sources = [gather_window(batch, batch.pools.rings[f"{self.layer}.window"], self.window_kv(x, cos, sin),
+                                 self.window)]
+        if self.ratio:
+            sh = batch.shared
+            if self.compressor is not None:
+                self._publish_pooled(x, batch)
+            if self.indexer is not None and sh.get("keys") is not None:
+                self._select_pooled(self.indexer.queries(qr, x, cos, sin, self.qat_fake_quant), batch)
+            if sh.get("selected") is not None:
+                sources.append((sh["entries"], sh["selected"]))
+        out = sparse_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
+        return self.output(out, cos, sin)
+
+    def _publish_pooled(self, x: torch.Tensor, batch: ForwardBatch) -> None:
+        """KV source: every row closing a group pools it (from the pending rings and this step's rows) and writes
+        entry p // r and its index key; the group's stores replace the previous group's in batch.shared."""
+        pools, r, comp = batch.pools, self.ratio, self.compressor
+        rows, valid = batch.closing_rows(r)
+        if comp.wgate is None:                                                  # ratio 1: every token is a group
+            latents = comp.norm(comp.wkv(x[rows]))
+        else:
+            name = f"{self.layer}.kv"
+            pend_kv, pend_score = pools.rings[f"{name}.pending_kv"], pools.rings[f"{name}.pending_score"]
+            kv, gate = comp.project(x)                                          # [N, d] each, >= fp32
+            kv_store, gate_store = batch.store(pend_kv, kv), batch.store(pend_score, gate)
+            batch.write_ring(pend_kv, kv)
+            batch.write_ring(pend_score, gate)
+            slots = batch.positions_index(rows, r, r).clamp(min=0)             # [C, r]: a closed group is whole
+            latents = comp.pool(kv_store[slots], gate_store[slots], x.dtype)
+        entries, keys = self.compress(latents, batch.positions[rows] // r)
+        store = pools.entries[f"{self.layer}.kv"]
+        batch.write_entries(store, rows, valid, r, entries)
+        sh = batch.shared
+        sh.clear()
+        sh["entries"], sh["index"] = store.flatten(0, 1), batch.entry_index(r, store.shape[1])
+        sh["keys"] = None
+        if keys is not None:
+            key_store = pools.entries[f"{self.layer}.index"]
+            batch.write_entries(key_store, rows, valid, r, keys)
+            sh["keys"] = key_store.flatten(0, 1)
+
+    def _select_pooled(self, index_q: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> None:
+        """Index source: score the group's visible keys, keep the top-k (inside the candidates where they
+        apply); the candidate source also publishes its candidate blocks."""
+        sh = batch.shared
+        scores = sparse_index_scores(*index_q, sh["keys"], sh["index"], self.indexer.index_dim ** -0.5)  # [N, J]
+        if self.is_candidate_source:
+            sh["candidates"] = candidate_blocks(scores, batch.positions, self.ratio, self.candidate_blocks,
+                                                self.candidate_block_size)
+        elif self.uses_candidates and sh.get("candidates") is not None:
+            scores = scores.masked_fill(~sh["candidates"], float("-inf"))
+        sh["selected"] = selected_entries(sh["index"], top_k_indices(scores, self.indexer.topk))
+
+    # ---- the reference forward (the oracle): one SequenceState per sequence ----
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:
         """x [I, D] normed input rows, positions [I] -> outputs [Q, D] for each sequence's query rows."""
         qrows = torch.cat([torch.arange(s.q_start, s.end) for s in seqs]).to(x.device)
         xq, qpos = x[qrows], positions[qrows]

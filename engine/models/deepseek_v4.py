@@ -3,8 +3,9 @@
 Top level: embed -> copy into hc_mult streams -> blocks -> hc_head -> norm -> head. A block is
   pre, post, comb = mixes(h);  h = hc_post(attn(attn_norm(collapse(h, pre))), h, post, comb)
   pre, post, comb = mixes(h);  h = hc_post(ffn(ffn_norm(collapse(h, pre))), h, post, comb)
-All forwards take a flat batch of new tokens [N] from any number of sequences, each with its own
-SequenceState, so a stateless full forward, chunked prefill and decode are one code path.
+`forward` is the runtime's: a flat batch of new tokens [N] of any number of sequences (prefill chunks, decode
+and verify rows alike) over the state pools (cache/forward_batch.py). `forward_reference` is the oracle tests
+compare against: the same blocks over one SequenceState per sequence (compute_logits, extend).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cache.forward_batch import ForwardBatch
 from ..cache.sequence_state import SequenceState
+from ..cache.spec import StateSpec
 from ..config.deepseek_v4 import MOE, SLIDING, DeepseekV4Config
 from .attention import Attention, SeqSlice
 from .flat_batch import FlatBatchLM
@@ -41,7 +44,7 @@ class Block(HyperConnectionSites):
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
                 state_index: int) -> torch.Tensor:
         """h: [N, hc, D] streams -> [N, hc, D]."""
-        return self.forward_with(h, input_ids, lambda x: self.attn(x, positions, seqs, state_index))
+        return self.forward_with(h, input_ids, lambda x: self.attn.forward_reference(x, positions, seqs, state_index))
 
     def forward_with(self, h: torch.Tensor, input_ids: torch.Tensor, attend) -> torch.Tensor:
         """The block around its attention: h [N, hc, D] -> [N, hc, D]; attend maps the normed attention
@@ -95,8 +98,20 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         return SequenceState(layers=[b.attn.new_state() for b in self.layers],
                              mtp=[m.attn.new_state() for m in self.mtp])
 
-    # ---- the flat-batch forward every caller goes through ----
-    def forward(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState]):
+    def state_spec(self) -> StateSpec:
+        """Every layer's per-sequence state (the MTP layers are not run by the runtime)."""
+        return StateSpec.of(k for i, b in enumerate(self.layers) for k in b.attn.state_kinds(i))
+
+    # ---- the runtime forward ----
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [N]: the step's rows (batch says whose and where). Returns the last streams [N, hc, D]."""
+        h = self.embed_streams(input_ids)
+        for i, block in enumerate(self.layers):
+            h = block.forward_with(h, input_ids, lambda x, attn=block.attn, i=i: attn(x, batch, i))
+        return h
+
+    # ---- the reference forward (the oracle) ----
+    def forward_reference(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState]):
         """input_ids: [N] new tokens of len(states) sequences, sequence i owning rows chunks[i] = (start, end).
         Advances each state; returns the last streams [N, hc, D] (before hc_head)."""
         positions, seqs = self._claim_positions(chunks, states, "layers", "num_tokens")
@@ -139,12 +154,12 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
     def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Stateless full forward: input_ids [B, T] -> logits [B, T, vocab] fp32 (the parity hook)."""
         ids, chunks = self.batch_chunks(input_ids)
-        streams = self.forward(ids, chunks, [self.new_state() for _ in chunks])
+        streams = self.forward_reference(ids, chunks, [self.new_state() for _ in chunks])
         return self.logits(streams).view(*input_ids.shape, -1)
 
     @torch.inference_mode()
     def extend(self, token_chunks: list[torch.Tensor], states: list[SequenceState]) -> list[torch.Tensor]:
         """Incremental forward: append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]."""
         ids, chunks = self.flat_chunks(token_chunks, states)
-        logits = self.logits(self.forward(ids, chunks, states))
+        logits = self.logits(self.forward_reference(ids, chunks, states))
         return [logits[s:e] for s, e in chunks]

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..cache.forward_batch import ForwardBatch
 from ..cache.sequence_state import LayerState, SequenceState
+from ..cache.spec import Ring, StateSpec
 from ..config.deepseek_v41 import DeepseekV41Config
 from ..errors import DeepInferError
 from .attention_v41 import AttentionV41, SeqRows
 from .dspark import DSpark, DraftOutput, build_stages, greedy
 from .flat_batch import FlatBatchLM
-from .engram import Engram, EngramHasher
+from .engram import BLOCKED, Engram, EngramHasher
 from .layers import Linear, RMSNorm
 from .mhc import HyperConnectionSites, hc_collapse, hc_post
 from .moe import MoE, Gate
@@ -100,9 +102,50 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         if self.cfg.engram_layer_ids:
             self.hasher = EngramHasher.from_tokenizer(self.cfg, tokenizer)
 
-    # ---- the flat-batch forward every caller goes through ----
-    def forward(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState],
-                last_only: bool = False, feature_window: int = 0) -> ForwardOutput:
+    def state_spec(self) -> StateSpec:
+        """Every layer's state, the engram look-back (the compressed ids of the last max_ngram - 1 positions) and
+        one ring per DSpark stage (K=V latents of the target features, one window)."""
+        kinds = [k for b in self.layers for k in b.attn.state_kinds()]
+        if self.cfg.engram_layer_ids:
+            kinds.append(Ring("engram", self.cfg.engram_max_ngram_size - 1, 1, "int64"))
+        kinds += [Ring(f"mtp.{i}.window", self.cfg.sliding_window, self.cfg.head_dim)
+                  for i in range(len(getattr(self, "mtp", ())))]
+        return StateSpec.of(kinds)
+
+    # ---- the runtime forward ----
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]."""
+        hash_ids = self._hash_pooled(input_ids, batch)
+        h, pre_mix = self.embed_streams(input_ids)
+        for block in self.layers:
+            if block.engram is not None:
+                h = block.engram(h, hash_ids[:, block.engram.layer_index])
+            h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, batch))
+        return self.norm(hc_collapse(h, pre_mix))
+
+    def _hash_pooled(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Engram hash ids [N, L, C]: each row's compressed id and its look-back (newest first), from the
+        look-back ring and this step's rows."""
+        if not self.cfg.engram_layer_ids:
+            return None
+        hasher = self._bound_hasher()
+        ring = batch.pools.rings["engram"]                                     # [S, n-1, 1]
+        ids = hasher.compressed(input_ids).unsqueeze(1)                        # [N, 1]
+        store = batch.store(ring, ids).squeeze(1)
+        at = batch.positions_index(None, ring.shape[1] + 1, ring.shape[1])     # [N, n] oldest first
+        window = torch.where(at >= 0, store[at.clamp(min=0)], BLOCKED).flip(1)
+        batch.write_ring(ring, ids)
+        return hasher.hash_window(window)
+
+    def _bound_hasher(self) -> EngramHasher:
+        if self.hasher is None:
+            raise DeepInferError("this model has engram layers: bind its tokenizer first "
+                                 "(model.bind_tokenizer(tokenizer)); load_model does it from the checkpoint")
+        return self.hasher
+
+    # ---- the reference forward (the oracle) ----
+    def forward_reference(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState],
+                          last_only: bool = False, feature_window: int = 0) -> ForwardOutput:
         """input_ids [N]: new tokens of len(states) sequences, sequence i owning rows chunks[i].
         last_only: only each chunk's last row needs an output (YOCO truncation).
         feature_window > 0: also return DSpark features for each chunk's last `feature_window` rows."""
@@ -124,7 +167,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
             if last_only and i >= cfg.truncation_start:
                 span = (cfg.num_hidden_layers - 1 - i) * (cfg.sliding_window - 1)
                 qrows = self._query_rows(seqs, [t - span for t in last_pos])
-            h, pre_mix = block(h, pre_mix, lambda x: block.attn(x, positions, seqs), qrows)
+            h, pre_mix = block(h, pre_mix, lambda x: block.attn.forward_reference(x, positions, seqs), qrows)
             if qrows is not None:
                 rows, positions = rows[qrows], positions[qrows]
                 seqs = self._shrink(seqs)
@@ -190,9 +233,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
     def _hash(self, input_ids: torch.Tensor, chunks, states) -> torch.Tensor | None:
         if not self.cfg.engram_layer_ids:
             return None
-        if self.hasher is None:
-            raise DeepInferError("this model has engram layers: bind its tokenizer first "
-                                 "(model.bind_tokenizer(tokenizer)); load_model does it from the checkpoint")
+        self._bound_hasher()
         before = [self.hasher.new_state(self.device) if st.engram is None else st.engram for st in states]
         ids, after = self.hasher.hash_ids_flat(input_ids, chunks, before)
         for st, new in zip(states, after):
@@ -204,7 +245,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
     def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Stateless full forward: input_ids [B, T] -> logits [B, T, vocab] fp32."""
         ids, chunks = self.batch_chunks(input_ids)
-        out = self.forward(ids, chunks, [self.new_state() for _ in chunks])
+        out = self.forward_reference(ids, chunks, [self.new_state() for _ in chunks])
         return self.logits(out.hidden).view(*input_ids.shape, -1)
 
     @staticmethod
@@ -225,7 +266,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         w = self.cfg.sliding_window
         for (s, e), st in zip(chunks, states):
             self.dspark.check_write(st, st.num_tokens + max(0, e - s - w), min(e - s, w))
-        out = self.forward(ids, chunks, states, last_only=True, feature_window=w)
+        out = self.forward_reference(ids, chunks, states, last_only=True, feature_window=w)
         logits = self.logits(out.hidden[self._last_rows(out.rows, chunks)])
         tokens = sample(logits)
         # feature rows -> (owner sequence, absolute position)
@@ -245,7 +286,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         """Append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]
         (last_only: [1, V], computed with YOCO truncation)."""
         ids, chunks = self.flat_chunks(token_chunks, states)
-        out = self.forward(ids, chunks, states, last_only=last_only)
+        out = self.forward_reference(ids, chunks, states, last_only=last_only)
         logits = self.logits(out.hidden)
         if last_only:
             return [logits[i:i + 1] for i in self._last_rows(out.rows, chunks).tolist()]

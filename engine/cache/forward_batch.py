@@ -1,0 +1,150 @@
+"""One step's rows over the state pools: where each row's inputs and state live, as index tensors.
+
+A step feeds G segments; segment g is n_g new tokens of the sequence in slot s_g that already holds a_g
+positions, so its rows (o_g .. o_g + n_g - 1 of the flat batch of N rows) sit at positions a_g .. a_g + n_g - 1.
+Prefill chunks, decode rows (n = 1) and verify rows (n = q + 1) are all segments; each row attends causally.
+
+A position tp < a_g of segment g lives in the pools, a position tp >= a_g in this step's rows. Every state
+read goes through a per-step *store*: a ring's rows of the step's segments, followed by the step's new values,
+`[G * span + N, width]`; `positions_index` turns positions into rows of such a store (-1: before position 0).
+Rows write rings only for the last `span` positions of their segment (the others would collide); writes that
+must go nowhere land on scratch slot / block 0.
+
+Two ways to build one: `ragged` (host lists of any segment sizes; compact per-step lists, e.g. only the rows
+that close a compressor window) and `uniform` (G segments of q rows from device tensors, static shapes: what a
+CUDA graph captures; per-row masks instead of compact lists). Index tensors are built once per step, on first
+use, and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pools import SCRATCH, StatePools
+
+
+class ForwardBatch:
+    def __init__(self, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor,
+                 row_seg: torch.Tensor, row_pos: torch.Tensor, seg_first_row: torch.Tensor, seg_ends: torch.Tensor,
+                 ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None):
+        self.pools = pools
+        self.seg_slots, self.seg_starts = seg_slots, seg_starts       # [G] int64
+        self.row_seg, self.positions = row_seg, row_pos               # [N] int64
+        self.row_slot = seg_slots[row_seg]                            # [N]
+        self.row_start = seg_starts[row_seg]                          # [N] a of the row's segment
+        self.row_first = seg_first_row[row_seg]                       # [N] o of the row's segment
+        self.row_end = seg_ends[row_seg]                              # [N] a + n of the row's segment
+        self.num_segments, self.num_rows = seg_slots.shape[0], row_pos.shape[0]
+        self.ctx_blocks = ctx_blocks
+        self.host = host                                              # (slots, starts, lens) when ragged
+        self.shared: dict = {}                                        # per-step products layers share (V4.1 groups)
+        self._cache: dict = {}
+
+    # ---- construction ----
+    @classmethod
+    def ragged(cls, pools: StatePools, slots: list[int], starts: list[int], lens: list[int],
+               ctx_blocks: int) -> "ForwardBatch":
+        dev = pools.device
+        first = [0]
+        for n in lens[:-1]:
+            first.append(first[-1] + n)
+        row_seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        row_pos = torch.tensor(starts)[row_seg] + torch.arange(row_seg.shape[0]) - torch.tensor(first)[row_seg]
+        seg = torch.tensor([slots, starts, first, [a + n for a, n in zip(starts, lens)]], dtype=torch.long)
+        seg = seg.to(dev, non_blocking=True)
+        rows = torch.stack([row_seg, row_pos]).to(dev, non_blocking=True)
+        return cls(pools, seg[0], seg[1], rows[0], rows[1], seg[2], seg[3], ctx_blocks,
+                   (list(slots), list(starts), list(lens)))
+
+    @classmethod
+    def uniform(cls, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor, q: int,
+                ctx_blocks: int) -> "ForwardBatch":
+        """G = len(seg_slots) segments of q rows each; seg_* are device tensors (static buffers under graphs)."""
+        g = seg_slots.shape[0]
+        rows = torch.arange(g * q, device=seg_slots.device)
+        row_seg = rows // q
+        first = torch.arange(g, device=seg_slots.device) * q
+        return cls(pools, seg_slots, seg_starts, row_seg, seg_starts[row_seg] + rows % q, first, seg_starts + q,
+                   ctx_blocks, None)
+
+    @property
+    def is_static(self) -> bool:
+        return self.host is None
+
+    def _cached(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    # ---- reading state: positions -> rows of a per-step store ----
+    def store(self, ring: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """ring [S, span, w] and this step's values new [N, w] -> the store [G*span + N, w] positions_index
+        points into (the ring rows of the step's segments, then the new rows)."""
+        return torch.cat([ring[self.seg_slots].flatten(0, 1), new.to(ring.dtype)])
+
+    def positions_index(self, rows: torch.Tensor | None, count: int, span: int) -> torch.Tensor:
+        """For each row in `rows` [C] (None: all rows) at position p, the `count` positions p-count+1 .. p (oldest
+        first) as rows of a store of ring span `span` -> [C, count] int64, -1 before position 0. Positions
+        older than the segment's start must still be in the ring (count - 1 <= span)."""
+        return self._cached(("pos", None if rows is None else id(rows), count, span),
+                            lambda: self._positions_index(rows, count, span))
+
+    def _positions_index(self, rows, count: int, span: int) -> torch.Tensor:
+        pos, start, first, seg = self.positions, self.row_start, self.row_first, self.row_seg
+        if rows is not None:
+            pos, start, first, seg = pos[rows], start[rows], first[rows], seg[rows]
+        tp = pos.unsqueeze(1) - (count - 1) + torch.arange(count, device=pos.device)          # [C, count]
+        new = self.num_segments * span + first.unsqueeze(1) + tp - start.unsqueeze(1)
+        old = seg.unsqueeze(1) * span + tp % span
+        idx = torch.where(tp >= start.unsqueeze(1), new, old)
+        return torch.where(tp >= 0, idx, -1)
+
+    # ---- writing rings ----
+    def write_ring(self, ring: torch.Tensor, new: torch.Tensor) -> None:
+        """Row values new [N, w] to ring [S, span, w] at p % span, for each segment's last `span` positions."""
+        span = ring.shape[1]
+        slot = self._cached(("ring_slot", span), lambda: torch.where(
+            self.positions >= self.row_end - span, self.row_slot, SCRATCH))
+        ring[slot, self.positions % span] = new.to(ring.dtype)
+
+    # ---- compressed entries ----
+    def closing_rows(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows whose position closes a window of `ratio` positions ((p + 1) % ratio == 0) -> (rows [C], valid
+        [C]): a compact list when ragged; every row with a mask when static."""
+        return self._cached(("close", ratio), lambda: self._closing_rows(ratio))
+
+    def _closing_rows(self, ratio: int):
+        if self.is_static:
+            return (torch.arange(self.num_rows, device=self.positions.device),
+                    (self.positions + 1) % ratio == 0)
+        rows, o = [], 0
+        for a, n in zip(self.host[1], self.host[2]):
+            first = a + (-(a + 1)) % ratio                    # first position >= a with (p + 1) % ratio == 0
+            rows.extend(range(o + first - a, o + n, ratio))
+            o += n
+        dev = self.positions.device
+        rows = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+        return rows, torch.ones(rows.shape[0], dtype=torch.bool, device=dev)
+
+    def write_entries(self, store: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, ratio: int,
+                      new: torch.Tensor) -> None:
+        """Entries new [C, w] closed by `rows` (entry p // ratio of each row's sequence) into store
+        [NB, E, w]; invalid ones to scratch block 0."""
+        per_block = store.shape[1]
+        j = self.positions[rows] // ratio
+        col = (j * ratio) // self.pools.block_tokens
+        block = self.pools.block_table[self.row_slot[rows], col.clamp(max=self.pools.max_blocks - 1)].long()
+        store[torch.where(valid, block, SCRATCH), j % per_block] = new.to(store.dtype)
+
+    def entry_index(self, ratio: int, per_block: int) -> torch.Tensor:
+        """[N, J] rows of the flattened entry store [NB * per_block, w] of entries 0 .. J-1 of each row's
+        sequence, -1 where not yet visible (entry j is visible at p once j < (p + 1) // ratio). J covers
+        ctx_blocks block-table columns."""
+        return self._cached(("entries", ratio, per_block), lambda: self._entry_index(ratio, per_block))
+
+    def _entry_index(self, ratio: int, per_block: int) -> torch.Tensor:
+        table = self.pools.block_table[self.row_slot, :self.ctx_blocks].long()           # [N, C]
+        flat = (table.unsqueeze(-1) * per_block + torch.arange(per_block, device=table.device)).flatten(1)
+        j = torch.arange(flat.shape[1], device=table.device)
+        visible = j.unsqueeze(0) < ((self.positions + 1) // ratio).unsqueeze(1)
+        return torch.where(visible, flat, -1)

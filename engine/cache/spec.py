@@ -1,0 +1,65 @@
+"""What state a model keeps per sequence, as the model declares it (`model.state_spec()`).
+
+Two kinds, which are all the cache needs to size, allocate, snapshot and restore a sequence's state:
+  Ring     per sequence slot, fixed size: the last `span` positions, position p at row p % span
+           (sliding-window latents, compressors' open-window buffers, the engram look-back, DSpark rings)
+  Entries  per block of positions, growing with the sequence: one entry per `ratio` positions
+           (compressed KV entries, indexer keys)
+A kind's dtype is "compute" (the model's dtype), "accum" (>= fp32: buffers the reference keeps in fp32) or
+"int64" (token-derived ids)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = ("compute", "accum", "int64")
+
+
+@dataclass(frozen=True)
+class Ring:
+    name: str
+    span: int         # positions held
+    width: int        # values per position
+    dtype: str = "compute"
+
+
+@dataclass(frozen=True)
+class Entries:
+    name: str
+    ratio: int        # positions per entry
+    width: int
+    dtype: str = "compute"
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    rings: tuple[Ring, ...]
+    entries: tuple[Entries, ...]
+
+    def __post_init__(self):
+        names = [k.name for k in self.rings + self.entries]
+        if len(set(names)) != len(names):
+            raise ValueError(f"state names must be unique; got {names}")
+        for k in self.rings + self.entries:
+            if k.dtype not in DTYPES:
+                raise ValueError(f"state {k.name}: dtype {k.dtype!r} is not one of {DTYPES}")
+
+    @classmethod
+    def of(cls, kinds) -> "StateSpec":
+        kinds = list(kinds)
+        return cls(tuple(k for k in kinds if isinstance(k, Ring)), tuple(k for k in kinds if isinstance(k, Entries)))
+
+    def block_multiple(self) -> int:
+        """Positions per block must be a multiple of every entry ratio."""
+        return math.lcm(*[e.ratio for e in self.entries]) if self.entries else 1
+
+
+def torch_dtype(kind: str, compute: torch.dtype) -> torch.dtype:
+    if kind == "int64":
+        return torch.int64
+    if kind == "accum":
+        return torch.float64 if compute == torch.float64 else torch.float32
+    return compute
