@@ -21,8 +21,11 @@ DEFAULT_CPU_BYTES = 4 << 30
 
 
 class StateManager:
-    def __init__(self, layout: PoolLayout, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 memory_bytes: int | None):
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None,
+                 block_size: int | None = None):
+        """model: anything with state_spec(), dtype and device (the cache knows the model by its spec only)."""
+        layout = PoolLayout.for_model(model, block_size)
+        device = model.device
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
         table_bytes = 4 * per_seq_blocks                                    # the slot's block-table row

@@ -1,5 +1,5 @@
 """Runs scheduled steps on the model."""
 
-from .runner import ModelRunner
+from .runner import ModelRunner, StepOutput
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "StepOutput"]

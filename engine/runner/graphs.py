@@ -1,15 +1,18 @@
-"""CUDA graphs of the paged decode step, one per (padded batch size, context blocks).
+"""CUDA graphs of uniform steps: G segments of q rows, every row sampled (decode: q = 1; verify: q = drafts + 1).
 
-Batch sizes are padded up a ladder (1, 2, 4, ... up to max_graph_batch); padding rows use scratch slot 0, so
-they compute garbage that no sequence reads. Context blocks are rounded up to a power of two by the runner.
-Graphs are captured on first use (warm-up and capture with every row on scratch, so real state is never
-touched) and share one memory pool; batches above the ladder run eagerly."""
+One graph per (padded segment count, q, context blocks, kernel table). Segment counts are padded up a ladder
+(1, 2, 4, ... up to max_graph_batch); padding segments use scratch slot 0, so they compute garbage that no
+sequence reads. Context blocks are rounded up to a power of two by the runner. Graphs are captured on first use
+(warm-up and capture with every segment on scratch, so real state is never touched) and share one memory pool;
+larger steps run eagerly."""
 
 from __future__ import annotations
 
 import torch
 
 from deepinfer.kernels.registry import active
+
+from ..cache.forward_batch import ForwardBatch
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -20,48 +23,57 @@ def ladder(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class DecodeGraphs:
-    def __init__(self, step, model, pools, max_batch: int):
-        self.step, self.model, self.pools = step, model, pools
-        self.sizes = ladder(max_batch)
+class _Graph:
+    """One captured step and its static inputs: seg_slots, seg_starts [G], tokens [G*q]; logits [G*q, V]."""
+
+    def __init__(self, model, pools, g: int, q: int, ctx_blocks: int, mempool):
         dev = model.device
-        self.slots = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.tokens = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.q = q
+        self.seg_slots = torch.zeros(g, dtype=torch.long, device=dev)
+        self.seg_starts = torch.zeros(g, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(g * q, dtype=torch.long, device=dev)
 
-    def run(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, ctx_blocks: int):
-        """Replays (capturing first if needed) the step for these rows; None when the batch is above the ladder."""
-        b = slots.shape[0]
-        size = next((s for s in self.sizes if s >= b), None)
-        if size is None:
-            return None
-        with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
-            return self._replay(b, size, slots, positions, tokens, ctx_blocks)
-
-    def _replay(self, b: int, size: int, slots, positions, tokens, ctx_blocks: int) -> torch.Tensor:
-        key = (size, ctx_blocks, active().name)    # a graph holds the kernels of the mode it was captured in
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(size, ctx_blocks)
-        graph, out = self.graphs[key]
-        for buf, val in ((self.slots, slots), (self.positions, positions), (self.tokens, tokens)):
-            buf[:b].copy_(val)
-            buf[b:size].zero_()
-        graph.replay()
-        return out[:b]
-
-    def _capture(self, size: int, ctx_blocks: int):
-        for buf in (self.slots, self.positions, self.tokens):
-            buf.zero_()
-        args = (self.model, self.pools, self.slots[:size], self.positions[:size], self.tokens[:size], ctx_blocks)
+        def step():
+            fb = ForwardBatch.uniform(pools, self.seg_slots, self.seg_starts, q, ctx_blocks)
+            return model.logits(model.forward(self.tokens, fb))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.step(*args)
+                step()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = self.step(*args)
-        return graph, out
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool):
+            self.logits = step()
+
+    def replay(self, slots: list[int], starts: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        g = len(slots)
+        host = torch.tensor([slots, starts], dtype=torch.long)
+        self.seg_slots.zero_()
+        self.seg_starts.zero_()
+        self.tokens.zero_()
+        self.seg_slots[:g].copy_(host[0], non_blocking=True)
+        self.seg_starts[:g].copy_(host[1], non_blocking=True)
+        self.tokens[:g * self.q].copy_(tokens)
+        self.graph.replay()
+        return self.logits[:g * self.q]
+
+
+class StepGraphs:
+    def __init__(self, model, pools, max_batch: int):
+        self.model, self.pools = model, pools
+        self.sizes = ladder(max_batch)
+        self.graphs: dict[tuple[int, int, int, str], _Graph] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+
+    def run(self, inputs, ctx_blocks: int) -> torch.Tensor | None:
+        """Logits [G*q, V] of a uniform step (replayed, capturing first if needed); None above the ladder."""
+        g, q = len(inputs.slots), inputs.uniform_q
+        size = next((s for s in self.sizes if s >= g), None)
+        if size is None:
+            return None
+        key = (size, q, ctx_blocks, active().name)    # a graph holds the kernels of the table it was captured with
+        with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
+            if key not in self.graphs:
+                self.graphs[key] = _Graph(self.model, self.pools, size, q, ctx_blocks, self.mempool)
+            return self.graphs[key].replay(inputs.slots, inputs.starts, inputs.tokens)

@@ -1,0 +1,115 @@
+"""A step's inputs from its plan: the segments (slot, start, length), the flat token ids (in-flight ones read on
+the device), and which rows need logits (sampled positions, prompt-logprob positions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.kernels.precision import upcast
+
+from ..scheduler.scheduler import Scheduled
+
+
+def wants_prompt_logprobs(s: Scheduled) -> bool:
+    """A fed position that predicts a prompt token whose logprob was asked for."""
+    return s.req.params.prompt_logprobs is not None and s.start + 1 < len(s.req.prompt_ids)
+
+
+def fed_token_ids(s: Scheduled) -> tuple[list[int], int]:
+    """The host-known ids of positions s.start .. s.start+n-1 (committed tokens, then drafts) and how many
+    trailing positions are still in flight (sampled by a step whose output the host has not seen: 0 or 1)."""
+    r = s.req
+    known = r.tokens(s.start, s.start + s.n)
+    drafts = list(getattr(r, "spec_token_ids", ()) or ())
+    if len(known) < s.n and drafts:
+        take = s.start + len(known) - r.num_tokens
+        known += drafts[take:take + s.n - len(known)]
+    return known, s.n - len(known)
+
+
+@dataclass
+class StepInputs:
+    batch: list[Scheduled]
+    slots: list[int]
+    starts: list[int]
+    lens: list[int]
+    tokens: torch.Tensor             # [N] int64 on the device
+    logit_rows: list[int]            # rows of the flat batch whose logits the step computes
+    max_position: int
+    uniform_q: int | None            # every segment is q rows, all sampled (a graph shape); else None
+
+    @classmethod
+    def build(cls, batch: list[Scheduled], manager, prev, device: torch.device) -> "StepInputs":
+        slots, starts, lens, host, patch, logit_rows = [], [], [], [], [], []
+        o = 0
+        for s in batch:
+            ids, in_flight = fed_token_ids(s)
+            if in_flight:
+                if in_flight != 1 or prev is None:
+                    raise RuntimeError(f"internal: request {s.req.request_id} feeds {in_flight} unknown tokens")
+                patch.append((o + s.n - 1, prev.index[s.req.request_id]))
+                ids = ids + [0]
+            host += ids
+            slots.append(manager.slot(s.req.request_id))
+            starts.append(s.start)
+            lens.append(s.n)
+            first_logit = 0 if wants_prompt_logprobs(s) else s.n - s.num_logits
+            logit_rows += range(o + first_logit, o + s.n)
+            o += s.n
+        tokens = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
+        if patch:
+            rows, src = (torch.tensor(v, dtype=torch.long).to(device, non_blocking=True) for v in zip(*patch))
+            tokens[rows] = prev.tokens[src]
+        q = lens[0] if batch else None
+        uniform = all(n == q and s.num_logits == q and not wants_prompt_logprobs(s) for s, n in zip(batch, lens))
+        return cls(batch, slots, starts, lens, tokens, logit_rows,
+                   max(a + n - 1 for a, n in zip(starts, lens)), q if uniform else None)
+
+    @property
+    def sampled(self) -> list[Scheduled]:
+        return [s for s in self.batch if s.num_logits > 0]
+
+    def logit_rows_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.logit_rows, dtype=torch.long).to(self.tokens.device, non_blocking=True)
+
+    def _segments_in_logits(self):
+        """(scheduled, first row of its logits, number of its logit rows) in the logits tensor."""
+        o = 0
+        for s in self.batch:
+            k = s.n if wants_prompt_logprobs(s) else s.num_logits
+            yield s, o, k
+            o += k
+
+    def prompt_logprob_rows(self):
+        """(scheduled, slice of its rows in the logits tensor) for pieces that record prompt logprobs."""
+        return [(s, slice(o, o + k)) for s, o, k in self._segments_in_logits() if wants_prompt_logprobs(s)]
+
+    def sample_rows_in_logits(self) -> torch.Tensor:
+        """Rows of the logits tensor that are sampled: each sampled segment's trailing num_logits rows."""
+        rows = [o + k - s.num_logits + j for s, o, k in self._segments_in_logits() for j in range(s.num_logits)]
+        return torch.tensor(rows, dtype=torch.long).to(self.tokens.device, non_blocking=True)
+
+
+def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor) -> None:
+    """Rows of prompt positions a..a+n-1 predict tokens a+1..a+n: log-softmax of each prompt token (+ top-k);
+    the first prompt token has none (as vLLM). One device->host copy per piece (not one per position)."""
+    req, a = s.req, s.start
+    if req.prompt_logprobs is None:
+        req.prompt_logprobs = [None]
+    first = max(len(req.prompt_logprobs) - a - 1, 0)   # rows already recorded before a preemption are skipped
+    last = min(s.n, len(req.prompt_ids) - a - 1)       # rows that predict a prompt token
+    if last <= first:
+        return
+    lp = torch.log_softmax(upcast(logits[first:last]), dim=-1)                     # [m, vocab]
+    targets = req.prompt_ids[a + first + 1:a + last + 1]
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1)).squeeze(1).tolist()
+    k = req.params.prompt_logprobs
+    top = lp.topk(k, dim=-1) if k else None
+    top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if k else ([], [])
+    for i, (tok, val) in enumerate(zip(targets, chosen)):
+        entry = {tok: val}
+        if k:
+            entry.update(zip(top_ids[i], top_vals[i]))
+        req.prompt_logprobs.append(entry)

@@ -1,0 +1,49 @@
+"""Driving the runtime forward (model.forward over state pools) directly, for tests: slots with their own
+block-table rows, steps given as {slot: tokens}, logits compared with the reference path."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.cache.pools import PoolLayout, StatePools
+
+
+class PooledSequences:
+    """`num_slots` sequences in pools of their own; slot s owns blocks (s-1)*per + 1 .. s*per."""
+
+    def __init__(self, model, num_slots: int, max_len: int, block_tokens: int | None = None):
+        self.model = model
+        self.layout = PoolLayout.for_model(model, block_tokens)
+        per = max(self.layout.blocks_for(max_len), 1)
+        self.pools = StatePools(self.layout, num_slots, num_slots * per, max_len, model.device)
+        for s in range(1, num_slots + 1):
+            self.pools.block_table[s, :per] = torch.arange((s - 1) * per + 1, s * per + 1)
+        self.done = {s: 0 for s in range(1, num_slots + 1)}
+
+    def ctx_blocks(self, max_position: int) -> int:
+        return min(max(self.layout.blocks_for(max_position + 1), 1), self.pools.max_blocks)
+
+    @torch.inference_mode()
+    def step(self, feeds: dict[int, torch.Tensor], uniform: bool = False) -> dict[int, torch.Tensor]:
+        """Feed each slot its tokens [n] in one flat batch -> {slot: logits [n, V]}. uniform: build the batch as a
+        CUDA graph would (static shapes, every slot the same n)."""
+        slots = list(feeds)
+        starts = [self.done[s] for s in slots]
+        lens = [feeds[s].numel() for s in slots]
+        ctx = self.ctx_blocks(max(a + n - 1 for a, n in zip(starts, lens)))
+        dev = self.model.device
+        if uniform:
+            assert len(set(lens)) == 1
+            fb = ForwardBatch.uniform(self.pools, torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
+                                      lens[0], ctx)
+        else:
+            fb = ForwardBatch.ragged(self.pools, slots, starts, lens, ctx)
+        ids = torch.cat([feeds[s] for s in slots]).to(dev)
+        logits = self.model.logits(self.model.forward(ids, fb))
+        out, o = {}, 0
+        for s, n in zip(slots, lens):
+            out[s] = logits[o:o + n]
+            o += n
+            self.done[s] += n
+        return out
