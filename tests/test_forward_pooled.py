@@ -15,10 +15,10 @@ from .pooled_helpers import PooledSequences
 TOL = 1e-9
 
 
-def _model(family: str, qat: bool):
+def _model(family: str, qat: bool, device: str = "cpu"):
     if family == "v4":
-        return our_model(dtype=torch.float64, qat=qat)
-    return tiny_v41_model(dtype=torch.float64, qat=qat)
+        return our_model(dtype=torch.float64, qat=qat, device=device)
+    return tiny_v41_model(dtype=torch.float64, qat=qat, device=device)
 
 
 def _tokens(model, n: int, seed: int) -> torch.Tensor:
@@ -87,3 +87,69 @@ def test_static_layout_equals_ragged(family, q):
     assert worst <= TOL
     for name, ring in a.pools.rings.items():
         assert torch.equal(ring[1:], b.pools.rings[name][1:]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["v4", "v41"])
+@pytest.mark.parametrize("q", [1, 3])
+def test_cuda_graph_replay_equals_eager(family, q):
+    """Uniform steps replayed from a captured CUDA graph (runner/graphs.py, padded segments on scratch) give
+    the eager ragged forward's logits and leave the same state, float64 on the GPU."""
+    from deepinfer.runner.graphs import StepGraphs
+    from deepinfer.runner.inputs import StepInputs
+
+    model = _model(family, qat=True, device="cuda")
+    a = PooledSequences(model, 3, 256, block_tokens=16 if family == "v41" else None)
+    b = PooledSequences(model, 3, 256, block_tokens=16 if family == "v41" else None)
+    prompts = {s: _tokens(model, 10 + 9 * s, seed=s) for s in (1, 2, 3)}
+    a.step(prompts)
+    b.step(prompts)
+    graphs = StepGraphs(model, b.pools, max_batch=4)
+    worst = 0.0
+    for i in range(10):
+        feeds = {s: _tokens(model, q, seed=100 * i + s) for s in (1, 2, 3)}
+        want = a.step(feeds)
+        slots, starts = list(feeds), [b.done[s] for s in feeds]
+        tokens = torch.cat(list(feeds.values())).cuda()
+        inputs = StepInputs([], slots, starts, [q] * 3, tokens, list(range(3 * q)), max(starts) + q - 1, q)
+        got = graphs.run(inputs, b.ctx_blocks(max(starts) + q - 1)).view(3, q, -1)
+        for j, s in enumerate(slots):
+            b.done[s] += q
+            worst = max(worst, (got[j] - want[s]).abs().max().item())
+    assert worst <= TOL and len(graphs.graphs) >= 1
+    for name, ring in a.pools.rings.items():
+        assert torch.equal(ring[1:], b.pools.rings[name][1:]), name
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_v41_last_only_segments_run_truncated_and_exact(qat):
+    """V4.1 YOCO truncation in the runtime forward: segments marked last_only give the full forward's last
+    logits and leave every state as it would (later steps equal), beside segments that need every row."""
+    from deepinfer.cache.forward_batch import ForwardBatch
+
+    model = _model("v41", qat)
+    full = PooledSequences(model, 3, 300, block_tokens=16)
+    cut = PooledSequences(model, 3, 300, block_tokens=16)
+    ids = {s: _tokens(model, 200, seed=s) for s in (1, 2, 3)}
+    pieces = [{1: 90, 2: 40, 3: 3}, {1: 60, 2: 1, 3: 70}]
+    for feeds in pieces:
+        chunks = {s: ids[s][full.done[s]:full.done[s] + n] for s, n in feeds.items()}
+        want = full.step(chunks)
+        slots = list(feeds)
+        starts, lens = [cut.done[s] for s in slots], [feeds[s] for s in slots]
+        fb = ForwardBatch.ragged(cut.pools, slots, starts, lens, cut.ctx_blocks(max(a + n for a, n in zip(starts, lens))),
+                                 last_only=[s != 2 for s in slots])          # slot 2 needs every row
+        with torch.inference_mode():
+            got = model.logits(model.forward(torch.cat(list(chunks.values())), fb))
+        o = 0
+        for s, n in zip(slots, lens):
+            rows = got[o:o + n] if s == 2 else got[o + n - 1:o + n]
+            ref = want[s] if s == 2 else want[s][-1:]
+            assert (rows - ref).abs().max().item() <= TOL, (s, n)
+            o += n
+            cut.done[s] += n
+    for step in range(5):                                  # the states the truncated pieces left are whole
+        feeds = {s: ids[s][full.done[s]:full.done[s] + 1] for s in (1, 2, 3)}
+        a, b = full.step(feeds), cut.step(feeds)
+        assert max((a[s] - b[s]).abs().max().item() for s in feeds) <= TOL

@@ -10,6 +10,9 @@ read goes through a per-step *store*: a ring's rows of the step's segments, foll
 Rows write rings only for the last `span` positions of their segment (the others would collide); writes that
 must go nowhere land on scratch slot / block 0.
 
+A ragged batch may mark segments `last_only`: only their last row's output is needed, so a model that can
+(V4.1's YOCO truncation) runs its later layers on a shrinking suffix of those segments (`keep_last`).
+
 Two ways to build one: `ragged` (host lists of any segment sizes; compact per-step lists, e.g. only the rows
 that close a compressor window) and `uniform` (G segments of q rows from device tensors, static shapes: what a
 CUDA graph captures; per-row masks instead of compact lists). Index tensors are built once per step, on first
@@ -26,7 +29,8 @@ from .pools import SCRATCH, StatePools
 class ForwardBatch:
     def __init__(self, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor,
                  row_seg: torch.Tensor, row_pos: torch.Tensor, seg_first_row: torch.Tensor, seg_ends: torch.Tensor,
-                 ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None):
+                 ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None,
+                 last_only: list[bool] | None = None, root_rows: int | None = None):
         self.pools = pools
         self.seg_slots, self.seg_starts = seg_slots, seg_starts       # [G] int64
         self.row_seg, self.positions = row_seg, row_pos               # [N] int64
@@ -37,13 +41,15 @@ class ForwardBatch:
         self.num_segments, self.num_rows = seg_slots.shape[0], row_pos.shape[0]
         self.ctx_blocks = ctx_blocks
         self.host = host                                              # (slots, starts, lens) when ragged
+        self.last_only = last_only                                    # [G] host flags, ragged only
+        self.root_rows = self.num_rows if root_rows is None else root_rows   # rows of the step's full batch
         self.shared: dict = {}                                        # per-step products layers share (V4.1 groups)
         self._cache: dict = {}
 
     # ---- construction ----
     @classmethod
     def ragged(cls, pools: StatePools, slots: list[int], starts: list[int], lens: list[int],
-               ctx_blocks: int) -> "ForwardBatch":
+               ctx_blocks: int, last_only: list[bool] | None = None, root_rows: int | None = None) -> "ForwardBatch":
         dev = pools.device
         first = [0]
         for n in lens[:-1]:
@@ -54,7 +60,19 @@ class ForwardBatch:
         seg = seg.to(dev, non_blocking=True)
         rows = torch.stack([row_seg, row_pos]).to(dev, non_blocking=True)
         return cls(pools, seg[0], seg[1], rows[0], rows[1], seg[2], seg[3], ctx_blocks,
-                   (list(slots), list(starts), list(lens)))
+                   (list(slots), list(starts), list(lens)), last_only, root_rows)
+
+    def keep_last(self, keep: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
+        """The batch of each segment's last keep[g] rows, and those rows' indices [M] in this batch."""
+        slots, starts, lens = self.host
+        rows, o = [], 0
+        for n, k in zip(lens, keep):
+            rows.extend(range(o + n - k, o + n))
+            o += n
+        sub = ForwardBatch.ragged(self.pools, slots, [a + n - k for a, n, k in zip(starts, lens, keep)], list(keep),
+                                  self.ctx_blocks, self.last_only, self.root_rows)
+        sub.shared = self.shared                 # the source group's products outlive the cut
+        return sub, torch.tensor(rows, dtype=torch.long).to(self.positions.device, non_blocking=True)
 
     @classmethod
     def uniform(cls, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor, q: int,

@@ -92,21 +92,30 @@ class AttentionV41(LatentAttention):
         return fake_quant_fp8(kv, WINDOW_FP8_BLOCK) if self.qat_fake_quant else kv
 
     # ---- the runtime forward: every row of a step over the state pools ----
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [N, D] normed input rows -> [N, D]; reads and writes the layer's pools in place. The source group's
-        products (entries, keys, selection, candidates) pass from layer to layer in batch.shared."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, qrows: torch.Tensor | None = None,
+                query_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, D] normed input rows -> [Q, D] for the query rows `qrows` (None: every row); reads and writes the
+        layer's pools in place. The source group's products pass from layer to layer in batch.shared; a
+        selection is kept by the query rows' indices in the whole step (`query_rows`, None: every row), since
+        YOCO-truncated layers see fewer rows than the layer that selected."""
         cos, sin = self.rope(batch.positions)
+        window = gather_window(batch, batch.pools.rings[f"{self.layer}.window"], self.window_kv(x, cos, sin),
+                               self.window)
+        x_in = x                                                  # the KV source compresses every input row
+        if qrows is not None:
+            x, cos, sin, window = x[qrows], cos[qrows], sin[qrows], (window[0], window[1][qrows])
         q, qr = self.queries(x, cos, sin)
-        sources = [gather_window(batch, batch.pools.rings[f"{self.layer}.window"], self.window_kv(x, cos, sin),
-                                 self.window)]
+        sources = [window]
         if self.ratio:
             sh = batch.shared
             if self.compressor is not None:
-                self._publish_pooled(x, batch)
+                self._publish_pooled(x_in, batch)
             if self.indexer is not None and sh.get("keys") is not None:
-                self._select_pooled(self.indexer.queries(qr, x, cos, sin, self.qat_fake_quant), batch)
-            if sh.get("selected") is not None:
-                sources.append((sh["entries"], sh["selected"]))
+                self._select_pooled(self.indexer.queries(qr, x, cos, sin, self.qat_fake_quant), batch, qrows,
+                                    query_rows)
+            selected = _rows_of(sh.get("selected"), query_rows)
+            if selected is not None:
+                sources.append((sh["entries"], selected))
         out = sparse_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         return self.output(out, cos, sin)
 
@@ -131,24 +140,29 @@ class AttentionV41(LatentAttention):
         batch.write_entries(store, rows, valid, r, entries)
         sh = batch.shared
         sh.clear()
-        sh["entries"], sh["index"] = store.flatten(0, 1), batch.entry_index(r, store.shape[1])
+        sh["entries"], sh["per_block"] = store.flatten(0, 1), store.shape[1]
         sh["keys"] = None
         if keys is not None:
             key_store = pools.entries[f"{self.layer}.index"]
             batch.write_entries(key_store, rows, valid, r, keys)
             sh["keys"] = key_store.flatten(0, 1)
 
-    def _select_pooled(self, index_q: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> None:
+    def _select_pooled(self, index_q: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                       qrows: torch.Tensor | None, query_rows: torch.Tensor | None) -> None:
         """Index source: score the group's visible keys, keep the top-k (inside the candidates where they
         apply); the candidate source also publishes its candidate blocks."""
         sh = batch.shared
-        scores = sparse_index_scores(*index_q, sh["keys"], sh["index"], self.indexer.index_dim ** -0.5)  # [N, J]
+        index = batch.entry_index(self.ratio, sh["per_block"])                          # [N, J]
+        index = index if qrows is None else index[qrows]
+        scores = sparse_index_scores(*index_q, sh["keys"], index, self.indexer.index_dim ** -0.5)  # [Q, J]
+        positions = batch.positions if qrows is None else batch.positions[qrows]
         if self.is_candidate_source:
-            sh["candidates"] = candidate_blocks(scores, batch.positions, self.ratio, self.candidate_blocks,
-                                                self.candidate_block_size)
+            _keep(sh, "candidates", candidate_blocks(scores, positions, self.ratio, self.candidate_blocks,
+                                                     self.candidate_block_size), query_rows, batch.root_rows)
         elif self.uses_candidates and sh.get("candidates") is not None:
-            scores = scores.masked_fill(~sh["candidates"], float("-inf"))
-        sh["selected"] = selected_entries(sh["index"], top_k_indices(scores, self.indexer.topk))
+            scores = scores.masked_fill(~_rows_of(sh["candidates"], query_rows), float("-inf"))
+        _keep(sh, "selected", selected_entries(index, top_k_indices(scores, self.indexer.topk)), query_rows,
+              batch.root_rows)
 
     # ---- the reference forward (the oracle): one SequenceState per sequence ----
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:
@@ -245,6 +259,18 @@ class AttentionV41(LatentAttention):
         elif inside is not None:
             scores = scores.masked_fill(~inside, float("-inf"))
         return top_k_mask(scores, self.indexer.topk), candidates
+
+
+def _keep(shared: dict, key: str, value: torch.Tensor, query_rows: torch.Tensor | None, root_rows: int) -> None:
+    """Keep a per-row product by the rows' indices in the whole step (scattered when only some rows have it)."""
+    if query_rows is None:
+        shared[key] = value
+    else:
+        shared[key] = value.new_zeros((root_rows,) + value.shape[1:]).index_copy_(0, query_rows, value)
+
+
+def _rows_of(value: torch.Tensor | None, query_rows: torch.Tensor | None) -> torch.Tensor | None:
+    return value if value is None or query_rows is None else value[query_rows]
 
 
 def visibility_bias(visible: torch.Tensor) -> torch.Tensor:

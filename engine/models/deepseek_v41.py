@@ -114,14 +114,37 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
 
     # ---- the runtime forward ----
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]."""
+        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]. Segments marked
+        last_only run YOCO-truncated (module docstring): their rows before the last one come back as zeros."""
         hash_ids = self._hash_pooled(input_ids, batch)
         h, pre_mix = self.embed_streams(input_ids)
-        for block in self.layers:
+        rows, cur = None, batch                     # rows: the current rows' indices in the step (None: all)
+        for i, block in enumerate(self.layers):
             if block.engram is not None:
-                h = block.engram(h, hash_ids[:, block.engram.layer_index])
-            h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, batch))
-        return self.norm(hc_collapse(h, pre_mix))
+                h = block.engram(h, (hash_ids if rows is None else hash_ids[rows])[:, block.engram.layer_index])
+            keep = self._truncated_counts(cur, i)
+            if keep is None:
+                h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, cur, query_rows=rows))
+                continue
+            nxt, qrows = cur.keep_last(keep)
+            out_rows = qrows if rows is None else rows[qrows]
+            h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, cur, qrows, out_rows), qrows)
+            rows, cur = out_rows, nxt
+        hidden = self.norm(hc_collapse(h, pre_mix))
+        if rows is None:
+            return hidden
+        return hidden.new_zeros(input_ids.shape[0], hidden.shape[-1]).index_copy_(0, rows, hidden)
+
+    def _truncated_counts(self, batch: ForwardBatch, layer: int) -> list[int] | None:
+        """Query rows each segment keeps at `layer` under YOCO truncation (None: every row, nothing to cut):
+        a last_only segment keeps the positions within (L-1-layer)(W-1) of its last one."""
+        cfg = self.cfg
+        if batch.last_only is None or layer < cfg.truncation_start or not any(batch.last_only):
+            return None
+        span = (cfg.num_hidden_layers - 1 - layer) * (cfg.sliding_window - 1)
+        lens = batch.host[2]
+        keep = [min(n, span + 1) if cut else n for n, cut in zip(lens, batch.last_only)]
+        return None if keep == lens else keep
 
     def _hash_pooled(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         """Engram hash ids [N, L, C]: each row's compressed id and its look-back (newest first), from the

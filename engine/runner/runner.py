@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.forward_batch import ForwardBatch
+from ..env import yoco_prefill, yoco_prefill_min_tokens
 from ..sampling.sampler import build_sampling_tensors, logprobs, sample
 from ..scheduler.scheduler import Scheduled
 from .graphs import StepGraphs
@@ -52,9 +53,15 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, manager, cuda_graphs: bool, max_graph_batch: int, fixed_context: bool = False):
+    def __init__(self, model, manager, cuda_graphs: bool, max_graph_batch: int, fixed_context: bool = False,
+                 truncate_prefill: bool | None = None, truncate_min_tokens: int | None = None):
+        """truncate_prefill (default DEEPINFER_YOCO_PREFILL): mark pieces that need at most their last row's logits
+        `last_only`, which a model that can (V4.1's exact YOCO truncation) runs on a shrinking suffix; pieces
+        shorter than truncate_min_tokens (default DEEPINFER_YOCO_PREFILL_MIN_TOKENS) are not marked."""
         self.model, self.manager, self.pools = model, manager, manager.pools
         self.fixed_context = fixed_context          # batch-invariant mode: every row reads all block columns
+        self.truncate = yoco_prefill() if truncate_prefill is None else truncate_prefill
+        self.truncate_min_tokens = yoco_prefill_min_tokens() if truncate_min_tokens is None else truncate_min_tokens
         self.graphs = StepGraphs(model, self.pools, max_graph_batch) \
             if cuda_graphs and model.device.type == "cuda" else None
         self.num_steps = self.num_graph_replays = 0
@@ -64,13 +71,14 @@ class ModelRunner:
         inputs = StepInputs.build(batch, self.manager, prev, self.model.device)
         ctx = self._context_blocks(inputs.max_position + 1)
         self.num_steps += 1
-        hidden = None
         if self.graphs is not None and inputs.uniform_q is not None:
             logits = self.graphs.run(inputs, ctx)
             if logits is not None:
                 self.num_graph_replays += 1
                 return self._sample(inputs, logits)
-        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx)
+        last_only = [self.truncate and s.num_logits <= 1 and s.n >= self.truncate_min_tokens
+                     and not wants_prompt_logprobs(s) for s in batch] if self.truncate else None
+        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only)
         hidden = self.model.forward(inputs.tokens, fb)
         logits = self.model.logits(hidden[inputs.logit_rows_tensor()])
         for s, rows in inputs.prompt_logprob_rows():

@@ -1,0 +1,90 @@
+"""StepProbe: one engine step of a chosen shape over synthetic state, for step benchmarks (deepinfer-bench step).
+
+    probe = StepProbe(llm, batch_size=64, context_len=8192)   # 64 sequences whose state holds 8192 positions
+    probe.run()                                               # one step: forward + logits + greedy pick
+    probe.close()
+
+Decode (query_len 1) and verify (query_len q+1) shapes run exactly as the engine runs them: a CUDA-graph replay
+where the engine captures graphs, else the eager forward. A prefill shape is batch_size=1, context_len=0,
+query_len=T (eager, logits of the last row only). The state is random (rings and owned entry blocks filled with
+normal noise of the compute dtype, look-back ids 0): timing does not depend on it, routing does only as any
+random input's would. run() does not synchronise the host; the caller times it."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.kernels.registry import use
+
+from ..cache.forward_batch import ForwardBatch
+from ..errors import DeepInferError
+from .inputs import StepInputs
+
+
+class StepProbe:
+    def __init__(self, llm, batch_size: int, context_len: int, query_len: int = 1, seed: int = 0):
+        engine = llm.engine
+        self.model, self.runner, self.manager, self.kernels = llm.model, engine.runner, engine.manager, engine.kernels
+        if batch_size < 1 or context_len < 0 or query_len < 1:
+            raise DeepInferError(f"a step needs batch >= 1, context >= 0 and query length >= 1; got {batch_size}, "
+                                 f"{context_len}, {query_len}")
+        if context_len + query_len > self.manager.max_model_len:
+            raise DeepInferError(f"context {context_len} + {query_len} new positions exceed max_model_len="
+                                 f"{self.manager.max_model_len}; build the engine with a larger max_model_len")
+        self.rids = [f"step-probe-{i}" for i in range(batch_size)]
+        for n, rid in enumerate(self.rids):
+            if not self.manager.reserve(rid, context_len + query_len):
+                self.close()
+                raise DeepInferError(f"the state pools hold {n} of {batch_size} sequences of {context_len + query_len}"
+                                     f" positions; raise gpu_memory_utilization / state_memory_bytes or lower the batch")
+        self.slots = [self.manager.slot(r) for r in self.rids]
+        self.batch_size, self.context_len, self.query_len = batch_size, context_len, query_len
+        self._fill_state(seed)
+        dev = self.model.device
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        tokens = torch.randint(0, self.model.cfg.vocab_size, (batch_size * query_len,), generator=g).to(dev)
+        n = batch_size * query_len
+        uniform = None if context_len == 0 and query_len > 1 else query_len
+        self.inputs = StepInputs([], self.slots, [context_len] * batch_size, [query_len] * batch_size, tokens,
+                                 list(range(n)) if uniform else [n - 1], context_len + query_len - 1, uniform)
+        self.ctx_blocks = self.runner._context_blocks(context_len + query_len)
+        self.graphed = self.runner.graphs is not None and uniform is not None and \
+            batch_size <= self.runner.graphs.sizes[-1]
+
+    def _fill_state(self, seed: int) -> None:
+        pools = self.manager.pools
+        g = torch.Generator(device=pools.device).manual_seed(seed)
+        slots = torch.tensor(self.slots, device=pools.device)
+        for ring in pools.rings.values():
+            if ring.dtype.is_floating_point:
+                ring[slots] = torch.randn(ring[slots].shape, generator=g, device=pools.device).to(ring.dtype)
+        blocks = torch.tensor(sorted(b for r in self.rids for b in self.manager.owned[r][1]), dtype=torch.long,
+                              device=pools.device)
+        for store in pools.entries.values():
+            if blocks.numel():
+                store[blocks] = torch.randn(store[blocks].shape, generator=g, device=pools.device).to(store.dtype)
+
+    @property
+    def state_bytes_read(self) -> int:
+        """Per sequence: every ring (windows, open-window buffers, look-back) and every entry stream up to the
+        context (an upper bound: CSA attention reads only its top-k kv entries, the indexer every key)."""
+        lay = self.manager.layout
+        per_seq = lay.bytes_per_slot() + (self.context_len + self.query_len) * lay.bytes_per_token()
+        return int(self.batch_size * per_seq)
+
+    @torch.inference_mode()
+    def run(self) -> torch.Tensor:
+        """One step; returns the greedy picks [rows] (on the device)."""
+        with use(self.kernels):
+            if self.graphed:
+                logits = self.runner.graphs.run(self.inputs, self.ctx_blocks)
+            else:
+                i = self.inputs
+                fb = ForwardBatch.ragged(self.manager.pools, i.slots, i.starts, i.lens, self.ctx_blocks)
+                hidden = self.model.forward(i.tokens, fb)
+                logits = self.model.logits(hidden[torch.tensor(i.logit_rows, device=i.tokens.device)])
+        return logits.argmax(dim=-1)
+
+    def close(self) -> None:
+        for rid in self.rids:
+            self.manager.release(rid)
