@@ -43,7 +43,7 @@ def implements(op: str, backend: str):
 
 def _load_ops() -> None:
     """Import every op module so each has registered its backends."""
-    from . import attention, compress, indexer, matmul, mhc, norm, rope, rowwise  # noqa: F401
+    from . import attention, compress, experts, indexer, matmul, mhc, norm, rope, rowwise  # noqa: F401
 
 
 class KernelTable:

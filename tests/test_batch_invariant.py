@@ -19,7 +19,8 @@ from deepinfer.kernels import matmul
 from deepinfer.kernels.attention import sink_attention_rows
 from deepinfer.kernels.matmul import (TILE, batch_invariant, env_batch_invariant, grouped_linear,
                                       is_batch_invariant, linear, row_tiles, set_batch_invariant)
-from deepinfer.models.moe import all_experts_routing
+from deepinfer.kernels.registry import use
+from deepinfer.models.moe import MoE
 
 from .helpers import our_model
 from .helpers_v41 import tiny_v41_model
@@ -205,20 +206,24 @@ def test_control_mode_off_differs(model):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_all_experts_routing_gives_routed_bits(model):
-    """In this mode Experts.forward_all (every expert on every row, for graph capture) sums each row's experts in
-    the same order and tiles as the routed forward, so decode logits agree bitwise across the two paths."""
-    target, others = _prompts(model.cfg.vocab_size)
-    seqs = [target] + others
-    with batch_invariant():
-        states = [model.new_state() for _ in seqs]
-        model.extend(seqs, states)
-        twin = copy.deepcopy(states)
-        step = [s[:1] for s in seqs]
-        routed = torch.cat(model.extend(step, states))
-        with all_experts_routing():
-            dense = torch.cat(model.extend(step, twin))
-    assert torch.equal(routed, dense)
+def test_moe_layers_give_a_row_the_same_bits_in_any_batch(model):
+    """Every MoE layer (scored and hash-routed; route -> dispatch -> grouped experts -> combine + shared expert)
+    under the invariant backend: a row's output is bitwise the same alone and at any place in batches of other
+    sizes, so graph-captured decode and eager prefill see the same MoE bits (no routing mode to switch)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers
+    g = _gen(7)
+    for moe in layers:
+        x = torch.randn(40, moe.gate.weight.shape[1], generator=g).to(moe.experts.dtype)
+        ids = torch.randint(0, model.cfg.vocab_size, (40,), generator=g) if moe.gate.is_hash else None
+        with use("invariant"):
+            alone = moe(x[5:6], None if ids is None else ids[5:6])[0]
+            for n in (2, 9, 16, 17, 40):
+                rows = [i for i in range(40) if i != 5][: n - 1]
+                for place in (0, len(rows) // 2, len(rows)):
+                    pick = rows[:place] + [5] + rows[place:]
+                    got = moe(x[pick], None if ids is None else ids[pick])[place]
+                    assert torch.equal(got, alone), (n, place)
 
 
 @pytest.mark.usefixtures("one_thread")

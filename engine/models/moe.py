@@ -1,38 +1,34 @@
-"""Mixture of experts: sqrt-softplus scores, noaux_tc bias for selection only, hash routing, SwiGLU clamp."""
+"""Mixture of experts: route -> dispatch -> experts -> combine, plus the shared expert.
+
+route     Gate (here): sqrt-softplus scores, noaux_tc bias for selection only, hash routing (tid2eid), V4.1 bias_vl
+dispatch  MoE.dispatch (engine/parallel/dispatch.py): rows grouped by expert, static shapes, no host sync
+experts   kernels.experts.grouped_experts: SwiGLU (clamped) per expert, routing weight before w2; how it computes
+          is the active backend's choice from the shapes it is given
+combine   MoE.dispatch.combine: each row's k outputs summed in ascending expert id, in >= fp32
+Nothing here reads a device tensor on the host, so the forward can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
-from deepinfer.kernels.matmul import linear
-from deepinfer.kernels.registry import active
-from deepinfer.kernels.rowwise import rowwise
-from deepinfer.kernels.precision import upcast
 import torch.nn.functional as F
 from torch import nn
 
-from ..config.deepseek_v4 import HASH_MOE, DeepseekV4Config
-from deepinfer.kernels.quant import dequantize_fp4
+from deepinfer.kernels.experts import FP4_BLOCK, ExpertWeights, grouped_experts, swiglu
+from deepinfer.kernels.matmul import linear
+from deepinfer.kernels.precision import upcast
+from deepinfer.kernels.rowwise import rowwise
 
+from ..config.deepseek_v4 import HASH_MOE, DeepseekV4Config
+from ..parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
-FP4_BLOCK = 32   # routed experts on disk: e2m1, one e8m0 scale per 32 along K
+__all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "swiglu"]
 
 SCORE_FUNCS = {
     "sqrtsoftplus": lambda z: F.softplus(z).sqrt(),
     "sigmoid": torch.sigmoid,
     "softmax": lambda z: z.softmax(dim=-1),
 }
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """In >= fp32 (the references upcast both branches), returned in >= fp32. limit <= 0: no clamp."""
-    gate, up = upcast(gate), upcast(up)
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 class Gate(nn.Module):
@@ -73,39 +69,20 @@ class Gate(nn.Module):
         return weights * self.scale, ids
 
 
-GATHER_FRACTION = 4   # all-experts routing gathers the routed experts instead when rows * k * 4 <= experts
-
-
-class _Routing(threading.local):
-    all_experts = False
-
-
-_ROUTING = _Routing()
-
-
-@contextlib.contextmanager
-def all_experts_routing():
-    """Inside: Experts run every expert on every row (Experts.forward_all), as graph-captured decode needs."""
-    before, _ROUTING.all_experts = _ROUTING.all_experts, True
-    try:
-        yield
-    finally:
-        _ROUTING.all_experts = before
-
-
 class Experts(nn.Module):
     """All routed experts stacked: w1, w3 [E, I, D] and w2 [E, D, I] (checkpoint `experts.{j}.w*`).
 
     storage="fp4" keeps them as the checkpoint stores them instead (e2m1 packed `w*_fp4` uint8
-    [E, out, in/2] + e8m0 `w*_scale` uint8 [E, out, in/32]) and dequantizes each expert when it
-    runs: 0.56 bytes per weight, which is what fits a released-size layer stack on one GPU."""
+    [E, out, in/2] + e8m0 `w*_scale` uint8 [E, out, in/32]); the expert op dequantizes only the experts it
+    computes: 0.56 bytes per weight, which is what fits a released-size layer stack on one GPU.
+    The compute is kernels.experts.grouped_experts over rows a dispatcher grouped by expert."""
 
     SHAPES = {"w1": ("inter", "dim"), "w2": ("dim", "inter"), "w3": ("inter", "dim")}
 
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype,
                  storage: str = "dense"):
         super().__init__()
-        self.limit, self.dtype, self.storage = limit, dtype, storage
+        self.limit, self.dtype, self.storage, self.n_experts = limit, dtype, storage, n_experts
         size = {"dim": dim, "inter": inter}
         for name, (rows, cols) in self.SHAPES.items():
             r, c = size[rows], size[cols]
@@ -116,78 +93,27 @@ class Experts(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(n_experts, r, c, dtype=dtype), requires_grad=False))
         self.quantized: dict = {}   # "w1"|"w2"|"w3" -> list of per-expert QuantizedWeight
 
+    def stacked(self) -> ExpertWeights:
+        """The op's view of these weights (no copy)."""
+        if self.storage == "fp4":
+            return ExpertWeights(self.w1_fp4, self.w2_fp4, self.w3_fp4, self.dtype, self.limit,
+                                 scales=(self.w1_scale, self.w2_scale, self.w3_scale))
+        return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
+
     def weight(self, name: str, e: int | torch.Tensor) -> torch.Tensor:
         """Expert e's weight (e a tensor of ids: stacked [len(e), rows, cols]) in the compute dtype."""
-        if self.storage == "fp4":
-            return dequantize_fp4(getattr(self, f"{name}_fp4")[e], getattr(self, f"{name}_scale")[e], FP4_BLOCK,
-                                  self.dtype)
-        return getattr(self, name)[e]
+        return self.stacked().get(name, e)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if _ROUTING.all_experts:
-            return self.forward_all(x, weights, ids)
-        out = upcast(torch.zeros_like(x))
-        x = x.to(self.dtype)
-        for e in ids.unique().tolist():          # ascending ids: each row adds its experts in expert-id order
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, self._expert(e, x[token], weights[token, slot]))
-        return out   # >= fp32: the MoE adds the shared expert before the one cast back
+    def compute(self, d: Dispatched) -> torch.Tensor:
+        """The dispatched rows through their experts -> [N*k, D] >= fp32, in sorted order."""
+        return grouped_experts(d.x, d.expert_ids, d.offsets, d.weights, self.stacked())
 
-    def _expert(self, e: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Rows x [M, D] through expert e, scaled by their routing weights w [M] before w2 (as the reference)
-        -> [M, D] >= fp32. Batch-invariant mode: in fixed row tiles, so M (the rows routed to e) cannot matter."""
-        w1, w2, w3 = self.weight("w1", e), self.weight("w2", e), self.weight("w3", e)
-
-        def mlp(x, w):
-            h = swiglu(linear(x, w1), linear(x, w3), self.limit)
-            h = h * w.unsqueeze(-1).to(h.dtype)
-            return upcast(linear(h.to(self.dtype), w2))
-        return rowwise(mlp, x, w)
-
-    def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every expert on every row, unrouted rows weighted 0: static shapes and no host sync (CUDA graphs),
-        and each row's expert sum in expert-id order whatever the batch. x [N, D] -> [N, D] >= fp32.
-        At decode batch sizes nearly every expert is routed anyway, so it reads the same weights."""
-        n_experts = self.w1.shape[0] if self.storage != "fp4" else self.w1_fp4.shape[0]
-        dense = torch.zeros(x.shape[0], n_experts, dtype=weights.dtype, device=x.device)
-        dense = dense.scatter(1, ids, weights)                                      # [N, E]
-        x = x.to(self.dtype)
-        out = upcast(torch.zeros_like(x))
-        if active().name == "invariant":   # INTERIM (moe rework): per expert in fixed row tiles: bit for bit what forward gives
-            for e in range(n_experts):
-                out += self._expert(e, x, dense[:, e])
-            return out
-        if x.shape[0] * ids.shape[1] * GATHER_FRACTION <= n_experts:
-            return self._forward_gathered(x, weights, ids)
-        if self.storage == "fp4":
-            for e in range(n_experts):
-                h = swiglu(x @ self.weight("w1", e).T, x @ self.weight("w3", e).T, self.limit)
-                out += upcast((h * dense[:, e:e + 1].to(h.dtype)).to(self.dtype) @ self.weight("w2", e).T)
-            return out
-        h = swiglu(torch.matmul(x, self.w1.transpose(1, 2)), torch.matmul(x, self.w3.transpose(1, 2)), self.limit)
-        h = h * dense.T.unsqueeze(-1).to(h.dtype)                                  # [E, N, I]
-        y = upcast(torch.matmul(h.to(self.dtype), self.w2.transpose(1, 2)))       # [E, N, D]
-        for e in range(n_experts):                                                 # fixed order
-            out += y[e]
-        return out
-
-    def _forward_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Few rows (N*k well below E): each row's k experts' weights gathered ([N*k] slices, static shapes, no
-        host sync) instead of reading every expert; each row still sums its experts in expert-id order.
-        x [N, D] (compute dtype), weights/ids [N, k] -> [N, D] >= fp32."""
-        n, k = ids.shape
-        ids, perm = ids.sort(dim=1)
-        weights = weights.gather(1, perm)
-        flat = ids.reshape(-1)                                                     # [N*k]
-        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)                            # [N*k, 1, D]
-        w1, w3, w2 = (self.weight(name, flat) for name in ("w1", "w3", "w2"))      # [N*k, I, D] / [N*k, D, I]
-        h = swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), self.limit)
-        h = h * weights.reshape(-1, 1, 1).to(h.dtype)                              # [N*k, 1, I]
-        y = upcast(torch.bmm(h.to(self.dtype), w2.transpose(1, 2))).view(n, k, -1)
-        out = torch.zeros_like(y[:, 0])
-        for j in range(k):                                                         # ascending expert id
-            out += y[:, j]
-        return out
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                dispatch: LocalDispatch | None = None) -> torch.Tensor:
+        """x [N, D], routing weights / ids [N, k] -> [N, D] >= fp32 (dispatch, compute, combine)."""
+        dispatch = dispatch or LocalDispatch(self.n_experts)
+        d = dispatch.dispatch(x.to(self.dtype), weights, ids)
+        return dispatch.combine(self.compute(d), d)
 
 
 class SharedExpert(nn.Module):
@@ -210,6 +136,7 @@ class MoE(nn.Module):
         self.gate = gate
         self.experts = Experts(gate.n_experts, dim, inter, limit, dtype, expert_storage)
         self.shared_experts = SharedExpert(dim, inter * n_shared, limit, dtype)
+        self.dispatch = LocalDispatch(gate.n_experts)   # the engine swaps this for expert parallelism
 
     @classmethod
     def for_v4(cls, cfg: DeepseekV4Config, mlp_type: str, dtype: torch.dtype) -> "MoE":
@@ -219,5 +146,8 @@ class MoE(nn.Module):
         return cls(gate, cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
-        return (self.experts(x, weights, ids) + upcast(self.shared_experts(x))).to(x.dtype)
+        """x [N, D] (input_ids [N] for hash layers) -> [N, D] in x's dtype."""
+        weights, ids = self.gate(x, input_ids)                              # route
+        d = self.dispatch.dispatch(x.to(self.experts.dtype), weights, ids)  # dispatch
+        routed = self.dispatch.combine(self.experts.compute(d), d)          # experts, combine (>= fp32)
+        return (routed + upcast(self.shared_experts(x))).to(x.dtype)

@@ -1,0 +1,139 @@
+"""MoE dispatch and combine: the rows of a batch permuted so each expert's rows are contiguous, and back.
+
+One interface, `dispatch(x, weights, ids) -> Dispatched` and `combine(y_sorted, d) -> [N, D]`, between the
+router (engine/models/moe.py) and the grouped expert op (kernels/experts.py). `LocalDispatch` is the one
+implementation today: everything on this device, a stable sort of the N*k (row, slot) pairs by expert, static
+shapes (N*k sorted rows, E+1 offsets) and no host sync, so a forward that uses it can be captured in a CUDA graph.
+
+Where the later work plugs in:
+  EPLB    `logical_to_physical` maps the router's logical expert ids to physical expert slots (replicas of hot
+          experts; the stacked weights are then held in physical order). It is the identity today. A map with
+          replicas would pick one replica per (row, slot) here; the combine order stays ascending *logical* id
+          (slots are ordered by logical id before the map), so routing results do not depend on the placement.
+  EP      an expert-parallel dispatcher keeps this interface: `dispatch` sends each (row, slot) to the rank that
+          holds its physical expert (all-to-all) and returns that rank's rows grouped by its local experts;
+          `combine` sends the outputs back and sums them per row in the same fixed order. The model only calls
+          `moe.dispatch.dispatch / combine`, so an engine swaps the `MoE.dispatch` attribute and nothing else.
+
+`record_routing()` collects the routed ids of each dispatch (for benchmarks: which experts a step touched)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.kernels.precision import upcast
+
+
+@dataclass
+class Dispatched:
+    """One batch's rows grouped by expert. M = N * k sorted (row, slot) pairs; every tensor is on x's device.
+
+    x        [M, D]  the rows, sorted by (physical) expert, stable: within an expert by row, then slot
+    weights  [M]     their routing weights (the router's dtype)
+    expert_ids [M]   int64, ascending: the expert of each sorted row
+    offsets  [E+1]   int64: rows of expert e are offsets[e]:offsets[e+1] (device tensor; no host copy)
+    order    [M]     flat source index row * k + slot of each sorted row (slots ordered by ascending logical id)
+    inverse  [M]     sorted position of each flat (row, slot): the inverse permutation of `order`
+    """
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    expert_ids: torch.Tensor
+    offsets: torch.Tensor
+    order: torch.Tensor
+    inverse: torch.Tensor
+    n_rows: int
+    top_k: int
+
+
+class LocalDispatch:
+    """Dispatch over the experts of this device. `n_experts`: physical experts (= logical, identity map)."""
+
+    def __init__(self, n_experts: int, name: str | None = None):
+        self.n_experts = n_experts
+        self.name = name                     # a label for routing records (label_dispatchers sets module names)
+        self.logical_to_physical: torch.Tensor | None = None   # EPLB hook: [E_logical] int64 -> physical slot
+
+    def physical(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logical expert ids -> the physical slots whose weights compute them (identity unless a map is set)."""
+        return ids if self.logical_to_physical is None else self.logical_to_physical[ids]
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+        """x [N, D], weights [N, k], ids [N, k] (logical expert ids) -> the N*k rows grouped by expert."""
+        if _RECORDERS:
+            for rec in _RECORDERS:
+                rec.add(self.name, ids)
+        n, k = ids.shape
+        ids, perm = ids.sort(dim=1, stable=True)           # each row's slots in ascending logical id: the combine order
+        weights = weights.gather(1, perm).reshape(-1)
+        expert_ids, order = self.physical(ids).reshape(-1).sort(stable=True)
+        positions = torch.arange(n * k, device=ids.device)
+        inverse = torch.empty_like(order).scatter_(0, order, positions)
+        offsets = torch.searchsorted(expert_ids, torch.arange(self.n_experts + 1, device=ids.device))
+        return Dispatched(x=x.index_select(0, order // k), weights=weights.index_select(0, order),
+                          expert_ids=expert_ids, offsets=offsets, order=order, inverse=inverse, n_rows=n, top_k=k)
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        """y [M, D] (one output per sorted row) -> [N, D] >= fp32: each row's k outputs summed one by one in
+        ascending expert id, starting from the lowest (a fixed order whatever the batch)."""
+        per_row = upcast(y).index_select(0, d.inverse).view(d.n_rows, d.top_k, y.shape[-1])
+        out = per_row[:, 0].clone()
+        for j in range(1, d.top_k):
+            out += per_row[:, j]
+        return out
+
+
+# ------------------------------------------------------------------------------------------- routing records
+
+@dataclass
+class RoutingRecord:
+    """The routed ids of every dispatch while recording: `calls` in call order, (dispatcher name, ids [N, k]).
+    The ids are the router's own device tensors (no copy, no sync). Python runs only on eager forwards: a CUDA
+    graph replay dispatches without recording."""
+
+    calls: list[tuple[str | None, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, name: str | None, ids: torch.Tensor) -> None:
+        self.calls.append((name, ids.detach()))
+
+    def touched(self, n_experts: int) -> torch.Tensor:
+        """[calls, n_experts] bool on the ids' device: whether each call routed any row to each expert."""
+        if not self.calls:
+            return torch.zeros(0, n_experts, dtype=torch.bool)
+        rows = []
+        for _, ids in self.calls:
+            hit = torch.zeros(n_experts, dtype=torch.bool, device=ids.device)
+            rows.append(hit.index_fill_(0, ids.reshape(-1), True))
+        return torch.stack(rows)
+
+    def counts(self, n_experts: int) -> torch.Tensor:
+        """[calls, n_experts] int64: (row, slot) pairs routed to each expert per call."""
+        if not self.calls:
+            return torch.zeros(0, n_experts, dtype=torch.long)
+        return torch.stack([torch.zeros(n_experts, dtype=torch.long, device=ids.device)
+                            .index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1))) for _, ids in self.calls])
+
+
+_RECORDERS: list[RoutingRecord] = []   # process-wide (the engine may run forwards on another thread); empty: no cost
+
+
+@contextlib.contextmanager
+def record_routing():
+    """`with record_routing() as rec: ...` appends each dispatch's routed ids to rec.calls."""
+    rec = RoutingRecord()
+    _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDERS.remove(rec)
+
+
+def label_dispatchers(model: torch.nn.Module) -> None:
+    """Name every MoE's dispatcher after its module (`layers.3.ffn`), so routing records say which layer."""
+    for name, module in model.named_modules():
+        dispatcher = getattr(module, "dispatch", None)
+        if isinstance(dispatcher, LocalDispatch):
+            dispatcher.name = name
