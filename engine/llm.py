@@ -3,12 +3,13 @@
     llm = LLM(model="path/or/hub-id", device="cuda", dtype="bfloat16", seed=0)
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 
-Requests are validated up front (one clear error, before any work); then a scheduler / runner loop runs
-them with continuous batching (engine/scheduler, engine/runner)."""
+Requests are validated up front (one clear error, before any work); then the engine core (engine/core.py:
+scheduler -> runner -> output processor) runs them to completion with continuous batching. `llm.engine` is
+that core, `llm.stats` its statistics."""
 
 from __future__ import annotations
 
-import time
+import copy
 
 import numpy as np
 import torch
@@ -16,12 +17,14 @@ import torch
 from .api import load_model, parse_dtype
 from .errors import DeepInferError
 from .cache.manager import StateManager
+from .core import EngineConfig, EngineCore, unsupported
 from .env import accelerator, async_scheduling_default, check_device, check_environment, kernel_backend
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import Request, Scheduler, Status
-from deepinfer.kernels.registry import KernelTable, use
+from .scheduler import Request
+from .stats import EngineStats
+from deepinfer.kernels.registry import BACKEND_SETS, KernelTable, use
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
@@ -58,6 +61,7 @@ class LLM:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
         device = check_device(accelerator() if device is None else device)
         check_environment()
+        backend = kernel_backend(args["kernel_backend"])        # a bad name is one line before the model loads
         if args["max_num_batched_tokens"] < args["max_num_seqs"]:
             raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
                                  f"{args['max_num_seqs']}: every running sequence needs a token of each step's budget")
@@ -77,18 +81,51 @@ class LLM:
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
         if not 1 <= self.max_model_len <= limit:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
-        self.args = args
+        self._args = args
         self.rng = np.random.default_rng(seed)
-        self.kernels = KernelTable(kernel_backend(args["kernel_backend"]))
-        self.batch_invariant = self.kernels.name == "invariant"
-        self.async_scheduling = async_scheduling_default() if args["async_scheduling"] is None \
+        async_scheduling = async_scheduling_default() if args["async_scheduling"] is None \
             else args["async_scheduling"]
-        self.manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(),
-                                    args["block_size"])
-        self.runner = ModelRunner(self.model, self.manager, cuda_graphs=not args["enforce_eager"],
-                                  max_graph_batch=min(args["max_graph_batch"], self.manager.num_slots),
-                                  fixed_context=self.batch_invariant)
+        self._config = EngineConfig(args["max_num_seqs"], args["max_num_batched_tokens"], self.max_model_len,
+                                    async_scheduling)
+        kernels = KernelTable(backend)
+        manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
+                               args["block_size"])
+        self.engine = self._build_engine(kernels, manager)
         self._next_id = 0
+
+    def _build_engine(self, kernels: KernelTable, manager: StateManager) -> EngineCore:
+        """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant)."""
+        runner = ModelRunner(self.model, manager, cuda_graphs=not self._args["enforce_eager"],
+                             max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
+                             fixed_context=kernels.name == "invariant")
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id)
+
+    def with_kernel_backend(self, name: str) -> "LLM":
+        """This engine under another kernel backend set ("reference" | "invariant"): `self` when it already runs
+        it, else a twin that shares the model, the tokenizer and the state pools (so no second memory budget):
+        use the two one at a time."""
+        if name not in BACKEND_SETS:
+            raise DeepInferError(f"kernel backend {name!r} is not known; use one of {list(BACKEND_SETS)}")
+        if name == self.engine.kernel_backend:
+            return self
+        twin = copy.copy(self)
+        twin.engine = self._build_engine(KernelTable(name), self.engine.manager)
+        return twin
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether the engine runs the batch-invariant kernels (and the scheduler's fixed chunk grid)."""
+        return self.engine.kernel_backend == "invariant"
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.engine.async_scheduling
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's statistics (counters since it was built or `llm.engine.reset_stats()`)."""
+        return self.engine.stats
 
     def get_tokenizer(self):
         """The checkpoint's tokenizer (a `tokenizers.Tokenizer`)."""
@@ -129,127 +166,48 @@ class LLM:
 
     # ---- the loop ----
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        """Plan, launch, then read the previous step's tokens: with asynchronous scheduling the host plans and
-        launches step N+1 before it waits for step N's tokens (steps whose rows need host-side outputs, the
-        penalties, wait first)."""
-        align = invariant_chunk(self.args["max_num_batched_tokens"]) if self.batch_invariant else None
-        sched = Scheduler(min(self.args["max_num_seqs"], self.manager.num_slots), self.args["max_num_batched_tokens"],
-                          self.manager, self.max_model_len, align)
-        for r in requests:
-            sched.add(r)
+        """Run the requests to completion on the engine core; an error or interrupt mid-run gives every seat and
+        block back (the engine stays usable)."""
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(requests), desc="generate", unit="seq")
-        steps = 0
         try:
-            with use(self.kernels):
-                steps = self._loop(sched, bar)
-        finally:                      # an error or interrupt mid-run: give every seat and block back
             for r in requests:
-                self.manager.release(r.request_id)
+                self.engine.add_request(r)
+            while self.engine.has_unfinished():
+                done = self.engine.step()
+                if bar is not None and done:
+                    bar.update(len(done))
+        except BaseException:
+            self.engine.abort_all()
+            raise
+        finally:
             if bar is not None:
                 bar.close()
-        self.last_run = {"preemptions": sched.num_preemptions, "steps": steps}
 
-    def _loop(self, sched: Scheduler, bar) -> int:
-        prev, steps = None, 0
-        while sched.has_unfinished():
-            if prev is not None and (not self.async_scheduling or _needs_host_outputs(sched)):
-                self._process(prev, sched, bar)
-                prev = None
-                continue
-            batch = sched.schedule()
-            if not batch:
-                if prev is None:
-                    raise DeepInferError("internal: the scheduler planned nothing with nothing in flight")
-                self._process(prev, sched, bar)
-                prev = None
-                continue
-            now = time.perf_counter()
-            for s in batch:
-                s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-            out = self.runner.execute(batch, prev)
-            steps += 1
-            for s in out.sampled:
-                s.req.num_inflight += 1
-            if prev is not None:
-                self._process(prev, sched, bar)
-            prev = out
-        return steps
-
-    def _process(self, out, sched: Scheduler, bar) -> None:
-        """The host side of a finished step: append its tokens, finish sequences (their slots go back)."""
-        results = out.resolve()
-        now = time.perf_counter()
-        for s, toks, lps in results:
-            tok, lp = toks[0], lps[0]
-            r = s.req
-            r.num_inflight -= 1
-            if r.status is Status.FINISHED:           # planned once more before its end was seen: dropped
-                continue
-            if lp is not None:
-                r.logprobs = r.logprobs if r.logprobs is not None else []
-                r.logprobs.append(lp)
-            if self._append(r, tok, now):
-                sched.finish(r)
-                if bar is not None:
-                    bar.update(1)
-
-    def _state_budget(self) -> int | None:
+    def _state_budget(self, kernels: KernelTable) -> int | None:
         """Bytes for the state pools: explicit, else (GPU) gpu_memory_utilization of the device minus the peak
         a profiled prefill of max_num_batched_tokens reaches, else None (the manager's CPU default)."""
-        if self.args["state_memory_bytes"] is not None:
-            return self.args["state_memory_bytes"]
+        if self._args["state_memory_bytes"] is not None:
+            return self._args["state_memory_bytes"]
         dev = self.model.device
         if dev.type != "cuda":
             return None
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        n = min(self.args["max_num_batched_tokens"], self.max_model_len - 1)
+        n = min(self._args["max_num_batched_tokens"], self.max_model_len - 1)
         ids = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-        self.model.extend([ids], [self.model.new_state()])
+        profile_prefill(self.model, ids.to(dev), self._args["block_size"], kernels)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         total = torch.cuda.get_device_properties(dev).total_memory
-        budget = int(self.args["gpu_memory_utilization"] * total) - peak
+        budget = int(self._args["gpu_memory_utilization"] * total) - peak
         if budget <= 0:
             raise DeepInferError(f"no memory left for the state pools: the model and a {n}-token prefill peak at "
                                  f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization "
                                  f"or lower max_num_batched_tokens")
         return budget
-
-    def _append(self, r: Request, tok: int, now: float) -> bool:
-        """Record a sampled token; True when the sequence is finished. Order as vLLM: length limits, then (from
-        min_tokens on) EOS, stop token ids, stop strings."""
-        r.output_ids.append(tok)
-        r.metrics.first_token_time = r.metrics.first_token_time or now
-        r.metrics.token_times.append(now)
-        p, n_out = r.params, len(r.output_ids)
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or r.num_tokens >= self.max_model_len:
-            r.finish_reason = "length"
-        elif n_out >= p.min_tokens:
-            if tok == self.model.cfg.eos_token_id and not p.ignore_eos:
-                r.finish_reason = "stop"
-            elif tok in p.stop_token_ids:
-                r.finish_reason, r.stop_reason = "stop", tok
-        if p.stop:
-            self._check_stop_strings(r, n_out >= p.min_tokens and r.finish_reason != "stop")
-        if r.finish_reason is not None:
-            r.metrics.finished_time = now
-            return True
-        return False
-
-    def _check_stop_strings(self, r: Request, active: bool) -> None:
-        """Find the earliest stop string in the text the new token added (a match may start up to
-        len(stop) - 1 characters earlier); text produced before min_tokens is never matched."""
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        if active:      # a match may start up to len(s) - 1 characters before the new text, never earlier
-            hits = [(i, s) for s in r.params.stop if (i := text.find(s, max(0, r.stop_checked - len(s) + 1))) >= 0]
-            if hits:
-                r.stop_at, r.stop_reason = min(hits)
-                r.finish_reason = "stop"
-        r.stop_checked = len(text)
 
     # ---- inputs ----
     @staticmethod
@@ -294,7 +252,11 @@ class LLM:
         return text, ids
 
     def _check_params(self, i: int, sp: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: ids against the vocabulary, logprob counts."""
+        """What SamplingParams cannot check alone: what the engine supports, ids against the vocabulary, logprob
+        counts."""
+        why = unsupported(sp)
+        if why is not None:
+            raise DeepInferError(f"request {i}: {why}")
         vocab = self.model.cfg.vocab_size
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
@@ -320,8 +282,7 @@ class LLM:
                              all(r.finish_reason for r in reqs), [r.metrics for r in reqs])
 
     def _text(self, r: Request) -> str:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        return text if r.stop_at is None else text[:r.stop_at]   # the stop string is not part of the output
+        return self.engine.output_text(r)          # a matched stop string is not part of the output
 
     def _load_tokenizer(self):
         from tokenizers import Tokenizer
@@ -359,14 +320,18 @@ class LLM:
                                                  eos_token=special(config.get("eos_token")))
 
 
-def _needs_host_outputs(sched: Scheduler) -> bool:
-    """Penalties count the generated ids on the host: a running sequence that uses them cannot be planned
-    while its last token is in flight."""
-    return any(r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
-               for r in sched.running)
+@torch.inference_mode()
+def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable) -> None:
+    """One prefill of ids [n] through the runtime forward, on throw-away pools of one sequence (the peak memory
+    of the largest step the budget allows; decode activations at the largest batch are smaller and not profiled)."""
+    from .cache.forward_batch import ForwardBatch
+    from .cache.pools import PoolLayout, StatePools
+    layout = PoolLayout.for_model(model, block_size)
+    n = ids.shape[0]
+    blocks = max(layout.blocks_for(n), 1)
+    pools = StatePools(layout, 1, blocks, n, model.device)
+    pools.block_table[1, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
+    with use(kernels):
+        hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], blocks, [True]))
+        model.logits(hidden[-1:])
 
-
-def invariant_chunk(budget: int) -> int:
-    """Batch-invariant mode's prefill piece grid: a quarter of the step budget (at most 512), so decodes sharing
-    a step rarely leave too little room for a whole piece (which then waits a step)."""
-    return max(1, min(512, budget // 4))

@@ -41,15 +41,15 @@ class DeepInferLM(TemplateLM):
         if llm is None:
             llm = build_engine(pretrained, device, dtype, seed, qat_fake_quant, engine_args)
         if batch_invariant is not None:              # None: keep the engine's mode (DEEPINFER_BATCH_INVARIANT)
-            from deepinfer.harness.checks import set_mode
-            set_mode(llm, bool(batch_invariant))
+            from deepinfer.harness.checks import with_mode
+            llm = with_mode(llm, bool(batch_invariant))     # an engine of that kernel backend on the same model
         self.llm, self.seed, self.max_gen_toks = llm, int(seed), int(max_gen_toks)
         self.progress, self.think_end_token = bool(progress), think_end_token
         self.tokenizer = llm.get_tokenizer()
-        self.concurrency = int(concurrency or llm.args["max_num_seqs"])
-        if not 1 <= self.concurrency <= llm.args["max_num_seqs"]:
+        self.concurrency = int(concurrency or llm.engine.max_num_seqs)
+        if not 1 <= self.concurrency <= llm.engine.max_num_seqs:
             raise DeepInferError(f"concurrency={self.concurrency} must be in 1..max_num_seqs "
-                                 f"({llm.args['max_num_seqs']})")
+                                 f"({llm.engine.max_num_seqs})")
         self.name = str(pretrained)
         self._device, self._rank, self._world_size = llm.model.device, 0, 1
         cfg = llm.model.cfg

@@ -21,7 +21,6 @@ import yaml
 
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.rows import SCHEMA_VERSION, RowStore, atomic_write_text, environment, run_id_for, utc_now
-from deepinfer.kernels.matmul import is_batch_invariant, set_batch_invariant
 
 from .suite import Bound, Suite
 
@@ -66,13 +65,10 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     store = RowStore(run_dir)     # after the task checks (no empty run for a bad task), before the model loads
     llm = build_engine(suite.model, suite.device, suite.dtype, suite.seed, qat_fake_quant=reference is None,
                        engine_args=dict(suite.engine_args))
-    mode_before = is_batch_invariant()
-    try:
-        lm = DeepInferLM(llm=llm, pretrained=suite.model, seed=suite.seed, batch_invariant=suite.batch_invariant,
-                         progress=progress)
-        return _run(suite, lm, entries, task_manager, store, run_dir, run_id, reference, progress, unsafe_code)
-    finally:
-        set_batch_invariant(mode_before)            # the suite's mode does not outlive the run
+    # the suite's mode is the engine's kernel backend (an engine of its own): nothing process-wide to restore
+    lm = DeepInferLM(llm=llm, pretrained=suite.model, seed=suite.seed, batch_invariant=suite.batch_invariant,
+                     progress=progress)
+    return _run(suite, lm, entries, task_manager, store, run_dir, run_id, reference, progress, unsafe_code)
 
 
 def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path, run_id: str,
@@ -90,7 +86,7 @@ def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path
                 "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"]}
     run = EvalRun(run_dir)
     samples_by_c = {}
-    for c in suite.concurrencies(llm.args["max_num_seqs"]):
+    for c in suite.concurrencies(llm.engine.max_num_seqs):
         lm.concurrency = c
         log.info(f"eval {suite.name}: concurrency {c}")
         result = _evaluate(lm, entries, suite, task_manager, progress, unsafe_code)
@@ -242,7 +238,7 @@ def _reference_lm(llm, suite: Suite):
     try:
         from lm_eval.models.huggingface import HFLM
         return HFLM(pretrained=str(llm.model.checkpoint_dir), dtype=suite.dtype, device=suite.device,
-                    batch_size=llm.args["max_num_seqs"], max_length=llm.max_model_len - 2)
+                    batch_size=llm.engine.max_num_seqs, max_length=llm.max_model_len - 2)
     except ImportError as e:
         raise DeepInferError(f"--reference transformers needs transformers==5.23.0, accelerate and peft ({e}); "
                              f"pip install 'deepinfer[reference]'") from None

@@ -60,6 +60,7 @@ def main() -> None:
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)    # warm-up: captures the graphs the
     llm.generate(prompts[:1], warm, use_tqdm=False)                         # timed run uses (batch 1 and the
     llm.generate(prompts, warm, use_tqdm=False)                             # full batch at this context)
+    llm.engine.reset_stats()                                                # stats of the timed run only
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     if torch.cuda.is_available():
@@ -70,6 +71,7 @@ def main() -> None:
     tpot = [(o.metrics[0].finished_time - o.metrics[0].first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in outs if len(o.outputs[0].token_ids) > 1]
     stats = lambda xs: {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": percentile(xs, 0.99)}  # noqa: E731
+    engine = llm.stats           # steps, tokens, preemptions, graph replays, kernel backends, state pools
     row = {
         "schema": "deepinfer.throughput/1", "model": args.model, "model_type": llm.model.cfg.model_type,
         "layers": llm.model.cfg.num_hidden_layers, "device": args.device, "dtype": args.dtype,
@@ -78,9 +80,9 @@ def main() -> None:
         "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_out + args.num_prompts * args.input_len) / elapsed,
         "ttft_s": stats(ttft), "tpot_s": stats(tpot) if tpot else None, "measured": True,
-        "async_scheduling": llm.async_scheduling, "cuda_graphs": llm.runner.graphs is not None,
-        "graphs_captured": sorted(llm.runner.graphs.graphs) if llm.runner.graphs is not None else [],
-        "batch_invariant": llm.batch_invariant, "state_pools": llm.manager.summary,
+        "async_scheduling": llm.async_scheduling, "cuda_graphs": engine.cuda_graphs,
+        "graphs_captured": engine.graphs_captured, "batch_invariant": llm.batch_invariant,
+        "state_pools": engine.state_summary, "engine": engine.to_dict(),
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "git_sha": git_state()["sha"]},
     }
@@ -114,7 +116,7 @@ def transformers_generate(llm, prompts: list[list[int]], output_len: int, ours) 
     d.pop("model_type"), d.pop("architectures")
     cfg = DeepseekV4Config(**d)
     state = {k: v.to("cpu") for k, v in hf_tensors(model) if not k.startswith("mtp.")}
-    del llm.model, llm.runner, llm.manager, model
+    del llm.model, llm.engine, model
     import gc
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -2,6 +2,9 @@
 (and logprobs) whatever runs beside it? Both run with batch-invariant mode off and on and write one row per
 (mode, sampling) to a run directory, plus a short table.
 
+Each mode is its own engine over the one loaded model (`LLM.with_kernel_backend`: "reference" or "invariant"),
+so the mode never outlives the check and nothing process-wide is switched.
+
 determinism: the same prompts N times, greedy and with fixed seeds; run r shuffles the prompts (seeded by r)
 and cycles the concurrency through 1, 2, 4 and all, so rows change places and neighbours between runs. Per
 prompt: how many distinct outputs the N runs gave, and the first token position where any run departs from
@@ -17,7 +20,6 @@ import time
 import numpy as np
 
 from deepinfer import SamplingParams
-from deepinfer.kernels.matmul import set_batch_invariant
 
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment
 from .workload import random_workload, seats
@@ -26,12 +28,10 @@ log = logging.getLogger("deepinfer")
 SAMPLINGS = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=0.8, top_p=0.95, seed=1234)}
 
 
-def set_mode(llm, on: bool) -> None:
-    """Switch batch-invariant mode for an already built engine (the kernels' switch and the runner's fixed
-    decode shapes)."""
-    set_batch_invariant(on)
-    llm.batch_invariant = on
-    llm.runner.fixed_context = on
+def with_mode(llm, on: bool):
+    """The engine in batch-invariant mode (on: the "invariant" kernel backend, fixed decode shapes and chunk
+    grid) or not ("reference"): `llm` itself when it runs that mode, else a twin sharing its model and pools."""
+    return llm.with_kernel_backend("invariant" if on else "reference")
 
 
 def _generate(llm, prompts, params, concurrency: int):
@@ -100,22 +100,20 @@ def run_checks(llm, kind: str, modes: list[bool], run_dir, prompts, runs: int, t
     (mode, sampling)."""
     store, env = RowStore(run_dir), environment()
     rows = []
-    try:
-        for on in modes:
-            set_mode(llm, on)
-            t0 = time.perf_counter()
-            res = determinism(llm, prompts, runs, max_tokens) if kind == "determinism" else \
-                batch_invariance(llm, prompts[0], trials, max_tokens, seed)
-            log.info(f"{kind}, batch-invariant mode {'on' if on else 'off'}: {time.perf_counter() - t0:.1f} s")
-            for sampling, stats in res.items():
-                row = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "check": kind,
-                       "key": f"{kind}/{'invariant' if on else 'default'}/{sampling}", "status": "ok",
-                       "batch_invariant": on, "sampling": sampling, "model_type": llm.model.cfg.model_type,
-                       "device": str(llm.model.device), "dtype": str(llm.model.dtype).replace("torch.", ""),
-                       "max_tokens": max_tokens, "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
-                       "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], **stats}
-                store.append(row)
-                rows.append(row)
-    finally:
-        set_mode(llm, False)
+    for on in modes:
+        engine = with_mode(llm, on)
+        t0 = time.perf_counter()
+        res = determinism(engine, prompts, runs, max_tokens) if kind == "determinism" else \
+            batch_invariance(engine, prompts[0], trials, max_tokens, seed)
+        log.info(f"{kind}, batch-invariant mode {'on' if on else 'off'}: {time.perf_counter() - t0:.1f} s")
+        for sampling, stats in res.items():
+            row = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "check": kind,
+                   "key": f"{kind}/{'invariant' if on else 'default'}/{sampling}", "status": "ok",
+                   "batch_invariant": engine.batch_invariant, "kernel_backend": engine.stats.kernel_backend,
+                   "sampling": sampling, "model_type": llm.model.cfg.model_type,
+                   "device": str(llm.model.device), "dtype": str(llm.model.dtype).replace("torch.", ""),
+                   "max_tokens": max_tokens, "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
+                   "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], **stats}
+            store.append(row)
+            rows.append(row)
     return rows

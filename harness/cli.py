@@ -98,6 +98,63 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
     click.echo(f"index: {write_index(root)}")
 
 
+@cli.command("step", epilog="""Example (one H200, bf16 V4 flash-width, 4 layers):
+
+\b
+  deepinfer-bench step --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16 \\
+      --batch 1,16,64,256 --context 1024,8192 --prefill 8192
+  deepinfer-bench step --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
+      --expert-storage fp4 --batch 1,16,64,256 --context 1024,8192
+
+Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seconds).""")
+@click.option("--model", default=None, help="random:ARCH:PRESET:LAYERS, tiny, a checkpoint dir or hub id "
+                                            "[default: random:deepseek_v4:tiny:4]")
+@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--dtype", default="float32", show_default=True, help="float32 | bfloat16 | ...")
+@click.option("--expert-storage", type=click.Choice(["dense", "fp4"]), default="dense", show_default=True)
+@click.option("--kernel-backend", type=click.Choice(["reference", "invariant"]), default=None,
+              help="kernel backend set [default: the engine's, DEEPINFER_KERNEL_BACKEND or reference]")
+@click.option("--batch", "batches", default=None, help="rows per decode step, comma-separated [default: 1,8]")
+@click.option("--context", "contexts", default=None,
+              help="positions already in each row's state, comma-separated [default: 128,512]")
+@click.option("--query-len", type=int, default=1, show_default=True,
+              help="tokens per row (1: decode; > 1: verify-shaped rows)")
+@click.option("--prefill", default=None, help="also prefill points: one row of T tokens from an empty state, "
+                                              "comma-separated T (alone: prefill points only)")
+@click.option("--iters", type=int, default=20, show_default=True, help="timed steps per point")
+@click.option("--warmup", type=int, default=3, show_default=True, help="untimed steps per point first")
+@click.option("--trace-steps", type=int, default=5, show_default=True, help="steps in the GPU idle trace")
+@click.option("--no-graphs", is_flag=True, help="eager steps (the engine's enforce_eager)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--report-dir", default="reports", show_default=True)
+@click.option("--run-id", default=None, help="run directory name [default: step-<time>]")
+@click.option("--out", default=None, type=click.Path(file_okay=False),
+              help="run directory (overrides --report-dir / --run-id)")
+@click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished points")
+@click.option("--continue-on-error", is_flag=True, help="record a failed point and go on")
+def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, contexts, query_len, prefill, iters,
+             warmup, trace_steps, no_graphs, seed, report_dir, run_id, out, resume, continue_on_error) -> None:
+    """Decode / verify / prefill step time against its roofline: one row per point (docs/bench.md).
+
+    Per point: measured step time (CUDA events over graph replays on a GPU), the roofline from the bytes the
+    step must read (dense weights, the experts its routing selects, state) and its FLOPs over copy bandwidth
+    and GEMM peak measured in the same run, their ratio, and the GPU idle fraction between steps."""
+    from .step_bench import DEFAULT_MODEL, StepConfig, parse_int_list, run_step_bench, table
+    if resume and not (run_id or out):
+        raise click.UsageError("--resume needs the --run-id (or --out) of the run to continue")
+    pre = parse_int_list(prefill, "--prefill")
+    b, c = parse_int_list(batches, "--batch"), parse_int_list(contexts, "--context", minimum=0)
+    if not pre or batches is not None or contexts is not None:
+        b, c = b or (1, 8), c or (128, 512)
+    cfg = StepConfig(model=model or DEFAULT_MODEL, device=device, dtype=dtype, expert_storage=expert_storage,
+                     kernel_backend=kernel_backend, batches=b, contexts=c, query_len=query_len, prefill=pre,
+                     iters=iters, warmup=warmup, trace_steps=trace_steps, graphs=not no_graphs, seed=seed)
+    run_dir, rows = run_step_bench(cfg, report_dir, run_id, out, resume, continue_on_error, echo=click.echo)
+    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
+    for line in table(rows):
+        click.echo("  " + line)
+
+
 def _check_options(f):
     for opt in reversed([
         click.option("--model", default="tiny", show_default=True, help="dir, hub id, tiny or random:ARCH:PRESET:N"),

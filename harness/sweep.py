@@ -32,6 +32,8 @@ from .sweep_config import SweepConfig, SweepPoint, parse_sweep
 from .workload import Workload, random_workload, run_workload
 
 log = logging.getLogger("deepinfer")
+ENGINE_STAT_KEYS = ("steps", "preemptions", "graph_replays", "fed_tokens", "committed_tokens", "max_step_rows",
+                    "max_step_tokens", "num_seats", "num_blocks")      # EngineStats fields a point row carries
 
 # The README's main job: the embedded tiny model on CPU, about three minutes (= sweeps/tiny-cpu.yaml).
 DEFAULT_SWEEP = {
@@ -95,24 +97,27 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
     else:
         records, duration = _measure_replicas(llm, work, warmup, point, ranks)
     metrics = compute_metrics(records, duration=duration, num_gpus=point.ranks)
+    stats = llm.stats                    # this rank's engine, over the timed requests
+    engine_stats = {k: getattr(stats, k) for k in ENGINE_STAT_KEYS}
     raw = {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "deepinfer", "model_id": cfg.model,
            "num_prompts": point.num_prompts, "request_rate": "inf", "max_concurrency": point.concurrency,
            **metrics.to_vllm_dict(),
            "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
            "ttfts": [r.token_times[0] - r.start if r.success and r.token_times else 0.0 for r in records],
            "itls": [chunk_gaps(r) if r.success else [] for r in records]}
-    return metrics.to_row(), raw
+    return {**metrics.to_row(), "engine_stats": engine_stats}, raw
 
 
 def _measure(llm, work: Workload, warmup: Workload, concurrency: int) -> tuple[list[RequestTiming], float]:
     """Warm-up (unmeasured), then the timed requests at `concurrency` on this engine."""
-    seats, budget = llm.manager.num_slots, llm.args["max_num_batched_tokens"]
+    seats, budget = llm.engine.num_seats, llm.engine.max_num_batched_tokens
     if concurrency > min(seats, budget):
         raise DeepInferError(f"concurrency {concurrency} exceeds what the engine can run at once ({seats} "
                              f"seats in the state pools, {budget}-token step budget): raise engine_args "
                              f"max_num_seqs / max_num_batched_tokens (or the memory budget)")
     if warmup.prompts:
         run_workload(llm, warmup, concurrency)
+    llm.engine.reset_stats()             # the point's engine_stats count the timed requests only
     return run_workload(llm, work, concurrency)
 
 
@@ -131,6 +136,7 @@ def _measure_replicas(llm, work: Workload, warmup: Workload, point: SweepPoint, 
         except Exception as e:           # noqa: BLE001  reported through the gather, so no rank waits forever
             error = f"{type(e).__name__}: {e}"
     barrier(ranks)
+    llm.engine.reset_stats()             # a rank without a share reports an idle engine
     t0 = time.perf_counter()
     if mine is not None and error is None:
         try:
@@ -181,8 +187,8 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
                 "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
                 "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
                 "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
-                "engine": "deepinfer",
-                "spec_mode": "none", "is_projected": False, "git_sha": env["git"]["sha"],
+                "engine": "deepinfer", "kernel_backend": llm.stats.kernel_backend,
+                "kernel_backends": llm.stats.kernel_backends, "spec_mode": "none", "is_projected": False, "git_sha": env["git"]["sha"],
                 "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
                 "topology": cfg.to_dict()["topology"], "engine_args": dict(cfg.engine_args),
                 "range_ratio": cfg.range_ratio, "launch_ranks": ranks.world}

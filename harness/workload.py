@@ -42,12 +42,8 @@ def random_workload(n: int, isl: int, osl: int, range_ratio: float, vocab_size: 
 @contextlib.contextmanager
 def seats(llm, concurrency: int):
     """Inside: the engine runs at most `concurrency` sequences at once (the pools were sized for its maximum)."""
-    before = llm.args["max_num_seqs"]
-    llm.args["max_num_seqs"] = concurrency
-    try:
+    with llm.engine.concurrency_limit(concurrency):
         yield
-    finally:
-        llm.args["max_num_seqs"] = before
 
 
 def client_send_times(t0: float, finished: list[float], concurrency: int) -> list[float]:

@@ -12,8 +12,10 @@ from deepinfer.cache.pools import PoolLayout, StatePools
 class PooledSequences:
     """`num_slots` sequences in pools of their own; slot s owns blocks (s-1)*per + 1 .. s*per."""
 
-    def __init__(self, model, num_slots: int, max_len: int, block_tokens: int | None = None):
-        self.model = model
+    def __init__(self, model, num_slots: int, max_len: int, block_tokens: int | None = None,
+                 fixed_context: bool = False):
+        """fixed_context: every step reads all block-table columns (batch-invariant mode's fixed shapes)."""
+        self.model, self.fixed_context = model, fixed_context
         self.layout = PoolLayout.for_model(model, block_tokens)
         per = max(self.layout.blocks_for(max_len), 1)
         self.pools = StatePools(self.layout, num_slots, num_slots * per, max_len, model.device)
@@ -22,12 +24,16 @@ class PooledSequences:
         self.done = {s: 0 for s in range(1, num_slots + 1)}
 
     def ctx_blocks(self, max_position: int) -> int:
+        if self.fixed_context:
+            return self.pools.max_blocks
         return min(max(self.layout.blocks_for(max_position + 1), 1), self.pools.max_blocks)
 
     @torch.inference_mode()
-    def step(self, feeds: dict[int, torch.Tensor], uniform: bool = False) -> dict[int, torch.Tensor]:
+    def step(self, feeds: dict[int, torch.Tensor], uniform: bool = False, last_only: bool = False
+             ) -> dict[int, torch.Tensor]:
         """Feed each slot its tokens [n] in one flat batch -> {slot: logits [n, V]}. uniform: build the batch as a
-        CUDA graph would (static shapes, every slot the same n)."""
+        CUDA graph would (static shapes, every slot the same n). last_only: mark every segment so (only its last
+        row's logits are meaningful)."""
         slots = list(feeds)
         starts = [self.done[s] for s in slots]
         lens = [feeds[s].numel() for s in slots]
@@ -38,7 +44,7 @@ class PooledSequences:
             fb = ForwardBatch.uniform(self.pools, torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
                                       lens[0], ctx)
         else:
-            fb = ForwardBatch.ragged(self.pools, slots, starts, lens, ctx)
+            fb = ForwardBatch.ragged(self.pools, slots, starts, lens, ctx, [last_only] * len(slots))
         ids = torch.cat([feeds[s] for s in slots]).to(dev)
         logits = self.model.logits(self.model.forward(ids, fb))
         out, o = {}, 0

@@ -28,8 +28,10 @@ def test_row_blocks_match_one_block(monkeypatch):
     torch.testing.assert_close(one, whole, rtol=1e-6, atol=1e-6)
 
 
-def test_rows_version_matches_shared_keys():
+def test_sparse_version_matches_shared_keys():
+    """Every row naming the visible keys of the shared list as its index list gives the shared result."""
     q, kv, bias, sink = _inputs(6, 4, 11, 8, seed=5)
     shared = attention.sink_attention(q, kv, bias, sink, 0.3)
-    rows = attention.sink_attention_rows(q, kv.expand(6, -1, -1), bias, sink, 0.3)
+    index = torch.where(bias == 0, torch.arange(11), -1)
+    rows = attention.sparse_sink_attention(q, [(kv, index)], sink, 0.3)
     torch.testing.assert_close(rows, shared, rtol=1e-6, atol=1e-6)

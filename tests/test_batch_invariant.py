@@ -1,4 +1,5 @@
-"""Batch-invariant mode (kernels/matmul.py): a sequence's logits are bitwise the same alone or in any batch.
+"""Batch-invariant mode (the `invariant` kernel table): a sequence's logits are bitwise the same alone or in any
+batch, through the reference forward (extend) and the runtime forward over the pools.
 
 Model tests run the tiny V4 (fp32, no QAT) and V4.1 (fp32, QAT) models: one target sequence is prefilled and
 then decoded alone, and again inside batches of 2, 5 and 9 other sequences of different lengths (first, middle
@@ -15,15 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.errors import DeepInferError
-from deepinfer.kernels import matmul
-from deepinfer.kernels.attention import sink_attention_rows
-from deepinfer.kernels.matmul import (TILE, batch_invariant, env_batch_invariant, grouped_linear,
-                                      is_batch_invariant, linear, row_tiles, set_batch_invariant)
+from deepinfer.env import kernel_backend
+from deepinfer.kernels.attention import sparse_sink_attention
+from deepinfer.kernels.matmul import grouped_linear, linear
 from deepinfer.kernels.registry import use
+from deepinfer.kernels.tiles import TILE, row_tiles
 from deepinfer.models.moe import MoE
 
 from .helpers import our_model
 from .helpers_v41 import tiny_v41_model
+from .pooled_helpers import PooledSequences
 
 OTHER_LENGTHS = (5, 24, 17, 1, 33, 9, 20, 12, 28)   # the other sequences' prompt lengths
 TARGET_LENGTH = 23
@@ -36,24 +38,23 @@ def _gen(seed: int) -> torch.Generator:
 
 # ---------------------------------------------------------------------------------------------- the switch
 
-def test_switch_and_env(monkeypatch):
-    before = is_batch_invariant()
-    with batch_invariant():
-        assert is_batch_invariant()
-        with batch_invariant(False):
-            assert not is_batch_invariant()
-        assert is_batch_invariant()
-    assert is_batch_invariant() == before
-    prev = set_batch_invariant(True)
-    assert prev == before and set_batch_invariant(prev) is True
-    for raw, want in (("1", True), ("true", True), (" ON ", True), ("0", False), ("", False), ("off", False)):
-        monkeypatch.setenv(matmul.ENV, raw)
-        assert env_batch_invariant() is want
-    monkeypatch.delenv(matmul.ENV)
-    assert env_batch_invariant() is False
-    monkeypatch.setenv(matmul.ENV, "sometimes")
+def test_backend_choice_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_KERNEL_BACKEND", raising=False)
+    for raw, want in (("1", "invariant"), ("true", "invariant"), (" ON ", "invariant"), ("0", "reference"),
+                      ("", "reference"), ("off", "reference")):
+        monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", raw)
+        assert kernel_backend() == want
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert kernel_backend("invariant") == "invariant"
+    with pytest.raises(DeepInferError, match="selects the 'invariant' kernels"):
+        kernel_backend("reference")
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "sometimes")
     with pytest.raises(DeepInferError, match="DEEPINFER_BATCH_INVARIANT='sometimes'"):
-        env_batch_invariant()
+        kernel_backend()
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT")
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "fastest")
+    with pytest.raises(DeepInferError, match="DEEPINFER_KERNEL_BACKEND='fastest' is not a kernel backend"):
+        kernel_backend()
 
 
 def test_row_tiles_structure():
@@ -78,17 +79,17 @@ def test_linear_matches_torch(dtype):
     g = _gen(0)
     for shape, n in (((1, 64), 96), ((37, 64), 96), ((5, 3, 48), 130), ((64,), 7), ((200, 256), 33)):
         x, w = torch.randn(*shape, generator=g, dtype=dtype), torch.randn(n, shape[-1], generator=g, dtype=dtype)
-        with batch_invariant(False):
+        with use("reference"):
             assert torch.equal(linear(x, w), F.linear(x, w))          # normal mode: the torch op itself
-        with batch_invariant():
+        with use("invariant"):
             got = linear(x, w)
         assert got.shape == F.linear(x, w).shape
         torch.testing.assert_close(got, F.linear(x, w))
     x, w = torch.randn(45, 2, 192, generator=g, dtype=dtype), torch.randn(2, 32, 192, generator=g, dtype=dtype)
     want = torch.einsum("ngi,gri->ngr", x, w)
-    with batch_invariant(False):
+    with use("reference"):
         assert torch.equal(grouped_linear(x, w), want)
-    with batch_invariant():
+    with use("invariant"):
         torch.testing.assert_close(grouped_linear(x, w), want)
 
 
@@ -109,10 +110,12 @@ def test_ops_are_tile_invariant():
     q, kv = torch.randn(80, 4, 96, generator=g), torch.randn(80, 24, 96, generator=g)
     bias = torch.zeros(80, 24).masked_fill(torch.rand(80, 24, generator=g) < 0.3, float("-inf"))
     sink = torch.randn(4, generator=g)
-    with batch_invariant():
+    with use("invariant"):
         _assert_rows_invariant(lambda t: linear(t, w), 80, x)
         _assert_rows_invariant(lambda t: grouped_linear(t, wg), 80, xg)
-        _assert_rows_invariant(lambda a, b, c: sink_attention_rows(a, b, c, sink, 0.1), 80, q, kv, bias)
+        store = kv.flatten(0, 1)                                        # each row its own 24 keys
+        index = torch.where(bias == 0, torch.arange(80 * 24).view(80, 24), -1)
+        _assert_rows_invariant(lambda a, i: sparse_sink_attention(a, [(store, i)], sink, 0.1), 80, q, index)
 
 
 def test_plain_linear_is_not_row_invariant_here():
@@ -184,21 +187,52 @@ def _differences(model, batches=BATCHES, **extend) -> list[tuple[int, int, int]]
 
 @pytest.mark.usefixtures("one_thread")
 def test_logits_independent_of_batch(model):
-    with batch_invariant():
+    with use("invariant"):
         assert _differences(model) == []
+
+
+def _run_pooled(model, target, others, slot: int, last_only: bool = False) -> list[torch.Tensor]:
+    """_run through the runtime forward over the pools, every step reading all block columns (the engine's
+    fixed context in this mode): the target's last logits of the prefill, then of each decode step."""
+    vocab = model.cfg.vocab_size
+    seqs = others[:slot] + [target] + others[slot:]
+    pooled = PooledSequences(model, len(seqs), 128, block_tokens=16 if model.cfg.model_type == "deepseek_v41" else None,
+                             fixed_context=True)
+    slots = list(range(1, len(seqs) + 1))
+    got = [pooled.step(dict(zip(slots, seqs)), last_only=last_only)[slot + 1][-1:]]
+    for step in range(DECODE_STEPS):
+        g = _gen(100 + step)
+        chunks = [torch.randint(0, vocab, (1 if i == slot else int(torch.randint(1, 6, (1,), generator=g)),),
+                                generator=g) for i in range(len(seqs))]
+        chunks[slot] = torch.randint(0, vocab, (1,), generator=_gen(200 + step))
+        got.append(pooled.step(dict(zip(slots, chunks)))[slot + 1])
+    return got
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("last_only", [False, True])
+def test_runtime_forward_independent_of_batch(model, last_only):
+    """The pooled forward (what the engine runs): the target's logits alone = inside batches of others that
+    prefill in chunks while it decodes; with last_only the V4.1 prefill pieces run YOCO-truncated."""
+    target, others = _prompts(model.cfg.vocab_size)
+    with use("invariant"):
+        alone = _run_pooled(model, target, [], 0, last_only)
+        for n_others, slot in [(2, 1), (5, 5), (9, 0)]:
+            got = _run_pooled(model, target, others[:n_others], slot, last_only)
+            assert all(torch.equal(a, b) for a, b in zip(alone, got)), (n_others, slot)
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_yoco_prefill_independent_of_batch():
     """V4.1's truncated prefill (last_only) too."""
-    with batch_invariant():
+    with use("invariant"):
         assert _differences(tiny_v41_model(dtype=torch.float32), [(2, 2), (9, 4)], last_only=True) == []
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_control_mode_off_differs(model):
     """Without the mode the same comparisons are not bitwise equal on this CPU (so the test above can fail)."""
-    with batch_invariant(False):
+    with use("reference"):
         target, others = _prompts(model.cfg.vocab_size)
         alone = _run(model, target, [], 0)
         got = _run(model, target, others[:5], 2)
@@ -231,7 +265,7 @@ def test_v41_drafts_independent_of_batch():
     """extend_and_draft: target logits, DSpark draft logits and confidences of a sequence alone = in a batch."""
     model = tiny_v41_model(dtype=torch.float32)
     target, others = _prompts(model.cfg.vocab_size)
-    with batch_invariant():
+    with use("invariant"):
         _, logits, drafts = model.extend_and_draft([target], [model.new_state()])
         seqs = others[:3] + [target] + others[3:6]
         _, logits_b, drafts_b = model.extend_and_draft(seqs, [model.new_state() for _ in seqs])
@@ -247,9 +281,9 @@ def test_v41_drafts_independent_of_batch():
 def test_cuda_logits_independent_of_batch(arch, dtype):
     """The same on a GPU (cuBLAS GEMMs of one tile shape, torch reductions on fixed tiles), fp32 and bf16."""
     model = our_model(dtype=dtype, device="cuda") if arch == "v4" else tiny_v41_model(dtype=dtype, device="cuda")
-    with batch_invariant():
+    with use("invariant"):
         assert _differences(model) == []
-    with batch_invariant(False):
+    with use("reference"):
         off = _differences(model)
     print(f"\n[batch invariance, cuda {arch} {dtype}] mode off: {len(off)} of {len(BATCHES) * (DECODE_STEPS + 1)} "
           f"target logits differ from alone")

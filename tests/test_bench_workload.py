@@ -20,8 +20,10 @@ def test_random_workload_lengths_and_seed():
 def test_run_workload_respects_concurrency():
     llm = LLM(embedded_tiny_dir("deepseek_v41"), max_model_len=128)
     w = random_workload(6, 24, 6, 0.8, llm.model.cfg.vocab_size, seed=1)
+    seats = llm.engine.scheduler.max_num_seqs
     records, duration = run_workload(llm, w, concurrency=2)
-    assert duration > 0 and llm.args["max_num_seqs"] == 256          # restored
+    assert duration > 0 and llm.engine.max_num_seqs == 256 and llm.engine.scheduler.max_num_seqs == seats  # restored
+    assert llm.stats.max_step_rows <= 2
     for r, k in zip(records, w.output_lens):
         assert r.success and r.output_tokens == k == len(r.token_times)
         assert r.start <= r.token_times[0] and r.token_times == sorted(r.token_times)

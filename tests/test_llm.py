@@ -55,7 +55,7 @@ def test_gpu_graphs_async_preempted_greedy_equals_one_at_a_time(llm):
     """The same on the GPU: decode through CUDA graphs, asynchronous scheduling, slots reused after preemption
     while the previous step may still run; tokens equal the CPU reference decoding."""
     small = check_preempted_run(llm, "cuda", True)
-    assert small.runner.graphs is not None and small.runner.graphs.graphs
+    assert small.stats.cuda_graphs and small.stats.graphs_captured
 
 
 def check_preempted_run(llm, device: str, async_scheduling: bool):
@@ -69,11 +69,15 @@ def check_preempted_run(llm, device: str, async_scheduling: bool):
                 state_memory_bytes=6 * lay.bytes_per_slot() + 7 * lay.bytes_per_block())
     n = 20
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    steps, execute = [], small.runner.execute
-    small.runner.execute = lambda batch, prev: steps.append([s.n for s in batch]) or execute(batch, prev)
+    steps = []
+    small.engine.step_observers.append(lambda batch: steps.append([s.n for s in batch]))
     outs = small.generate(PROMPTS, sp, use_tqdm=False)
-    assert small.last_run["preemptions"] > 0          # the small pools forced recomputes
+    stats = small.stats
+    assert stats.preemptions > 0                      # the small pools forced recomputes
     assert all(sum(s) <= 16 and len(s) <= 6 for s in steps) and any(max(s) > 1 and len(s) > 1 for s in steps)
+    assert stats.steps == len(steps) and stats.committed_tokens == n * len(PROMPTS)
+    assert stats.requests_finished == len(PROMPTS) and stats.free_seats == stats.num_seats <= 6
+    assert stats.free_blocks == stats.num_blocks                 # every seat and block given back
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt).ids
         assert out.prompt_token_ids == ids
@@ -232,14 +236,17 @@ def test_state_pools_are_sized_from_the_budget_and_logged(caplog):
     import logging
     with caplog.at_level(logging.INFO, logger="deepinfer"):
         small = LLM(embedded_tiny_dir("deepseek_v41"), max_model_len=256, max_num_seqs=8)
-    lay = small.manager.layout
-    assert small.manager.num_slots == 8 and small.manager.pools.num_blocks == 8 * lay.blocks_for(256)
-    assert "B/token" in caplog.text and "seats" in caplog.text
+    from deepinfer.cache.pools import PoolLayout
+    lay = PoolLayout.for_model(small.model, None)
+    st = small.stats
+    assert st.num_seats == 8 and st.num_blocks == 8 * lay.blocks_for(256) and st.block_tokens == lay.block_tokens
+    assert "B/token" in caplog.text and "seats" in caplog.text and st.state_summary in caplog.text
     budget = lay.bytes_per_slot() * 3 + lay.bytes_per_block() * 5
     tight = LLM(embedded_tiny_dir("deepseek_v41"), max_model_len=256, max_num_seqs=8, state_memory_bytes=budget)
-    m = tight.manager
-    assert m.num_slots * lay.bytes_per_slot() + m.pools.num_blocks * lay.bytes_per_block() <= budget
-    assert m.pools.num_blocks >= lay.blocks_for(256) and 1 <= m.num_slots < 8   # one full sequence fits; seats cut
+    t = tight.stats
+    assert t.num_seats * lay.bytes_per_slot() + t.num_blocks * lay.bytes_per_block() <= budget
+    assert t.num_blocks >= lay.blocks_for(256) and 1 <= t.num_seats < 8   # one full sequence fits; seats cut
+    assert 0 < t.state_bytes <= budget
 
 
 @pytest.mark.parametrize("name, value, match", [
@@ -249,35 +256,39 @@ def test_state_pools_are_sized_from_the_budget_and_logged(caplog):
     ("DEEPINFER_YOCO_PREFILL_MIN_TOKENS", "0", "DEEPINFER_YOCO_PREFILL_MIN_TOKENS=0 must be >= 1"),
 ])
 def test_bad_environment(monkeypatch, name, value, match):
-    from deepinfer.kernels import matmul
-    monkeypatch.setattr(matmul, "_enabled", None)        # read the environment again
-    monkeypatch.setenv(name, value)
+    monkeypatch.setenv(name, value)                      # every LLM reads the environment when it is built
     with pytest.raises(DeepInferError, match=match):
         LLM(embedded_tiny_dir("deepseek_v41"))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v41", "deepseek_v4"])
 def test_batch_invariant_mode_seeded_sampling_is_bitwise_batch_independent(arch):
-    """fp32, DEEPINFER_BATCH_INVARIANT on: a seeded request's tokens and logprobs are bitwise the same alone and
+    """fp32, kernel_backend="invariant": a seeded request's tokens and logprobs are bitwise the same alone and
     inside batches of other compositions (chunked prefill pieces on fixed boundaries, paged decode of fixed
     shape); with the engine's chunk boundaries fixed, a 16-token step budget cannot change them."""
-    from deepinfer.kernels.matmul import batch_invariant
     before = torch.get_num_threads()
     torch.set_num_threads(1)                # small tiled calls; spinning OpenMP threads only slow them down
     try:
-        with batch_invariant(True):
-            llm = LLM(embedded_tiny_dir(arch), max_model_len=96, max_num_batched_tokens=16, max_num_seqs=16)
-            assert llm.batch_invariant and llm.runner.fixed_context
-            sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=6, logprobs=2, ignore_eos=True)
-            other = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
-            target = PROMPTS[2]
-            alone = llm.generate(target, sp, use_tqdm=False)[0].outputs[0]
-            for mates in (PROMPTS[3:5], PROMPTS[5:11]):
-                batch = mates[:1] + [target] + mates[1:]
-                outs = llm.generate(batch, [other] + [sp] + [other] * (len(batch) - 2), use_tqdm=False)
-                got = outs[1].outputs[0]
-                assert got.token_ids == alone.token_ids
-                assert got.logprobs == alone.logprobs           # float equality: bitwise
+        llm = LLM(embedded_tiny_dir(arch), max_model_len=96, max_num_batched_tokens=16, max_num_seqs=16,
+                  kernel_backend="invariant")
+        assert llm.batch_invariant and llm.stats.kernel_backend == "invariant"
+        assert llm.stats.kernel_backends["linear"] == "invariant"
+        sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=6, logprobs=2, ignore_eos=True)
+        other = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+        target = PROMPTS[2]
+        alone = llm.generate(target, sp, use_tqdm=False)[0].outputs[0]
+        for mates in (PROMPTS[3:5], PROMPTS[5:11]):
+            batch = mates[:1] + [target] + mates[1:]
+            outs = llm.generate(batch, [other] + [sp] + [other] * (len(batch) - 2), use_tqdm=False)
+            got = outs[1].outputs[0]
+            assert got.token_ids == alone.token_ids
+            assert got.logprobs == alone.logprobs           # float equality: bitwise
+        ref = llm.with_kernel_backend("reference")          # a twin on the same model and pools
+        assert not ref.batch_invariant and ref.model is llm.model and ref.engine.manager is llm.engine.manager
+        steps = llm.stats.steps
+        assert len(ref.generate(target, sp, use_tqdm=False)[0].outputs[0].token_ids) == 6
+        assert ref.stats.kernel_backend == "reference" and ref.stats.steps > 0 and llm.stats.steps == steps
+        assert llm.batch_invariant and llm.with_kernel_backend("invariant") is llm
     finally:
         torch.set_num_threads(before)
 
@@ -287,8 +298,8 @@ def test_prompt_logprobs_survive_one_token_pieces(llm):
     must still record their prompt logprobs): every prompt position gets its entry, equal to an unchunked run's."""
     sp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1, ignore_eos=True)
     small = LLM(llm.model.checkpoint_dir, dtype="float64", max_num_batched_tokens=2, max_num_seqs=2)
-    steps, execute = [], small.runner.execute
-    small.runner.execute = lambda batch, prev: steps.append([(s.n, s.start) for s in batch]) or execute(batch, prev)
+    steps = []
+    small.engine.step_observers.append(lambda batch: steps.append([(s.n, s.start) for s in batch]))
     chunked = small.generate([PROMPTS[1], PROMPTS[2]], sp, use_tqdm=False)
     assert any(len(st) == 2 and st[1] == (1, st[1][1]) and st[1][1] > 0 for st in steps)   # 1-token pieces
     for out in chunked:
@@ -308,21 +319,20 @@ def test_cuda_device_without_a_gpu_is_one_error_line():
 
 def test_an_interrupted_run_gives_its_seats_back(llm):
     """An error or Ctrl-C inside a step must not leak slots and blocks: the next generate still runs."""
-    free = len(llm.manager.free_slots), len(llm.manager.free_blocks)
-    execute, calls = llm.runner.execute, []
+    free = llm.stats.free_seats, llm.stats.free_blocks
+    calls = []
 
-    def failing(batch, prev):
+    def failing(batch):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return execute(batch, prev)
-    llm.runner.execute = failing
+    llm.engine.step_observers.append(failing)
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     finally:
-        llm.runner.execute = execute
-    assert (len(llm.manager.free_slots), len(llm.manager.free_blocks)) == free
+        llm.engine.step_observers.remove(failing)
+    assert (llm.stats.free_seats, llm.stats.free_blocks) == free and not llm.engine.has_unfinished()
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
@@ -339,3 +349,23 @@ def test_stop_strings_ignore_text_before_min_tokens(llm):
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, min_tokens=3, stop=[stop, "x" * 40])
     out = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids and out.finish_reason == "length"
+
+
+def test_so_args_is_refused_before_any_work(llm):
+    """Structured outputs are not applied yet: a request asking for them fails in one line, before any step."""
+    steps = llm.stats.steps
+    with pytest.raises(DeepInferError) as err:
+        llm.generate(["fine", "also fine"], [SamplingParams(), SamplingParams(so_args={"regex": "a+"})],
+                     use_tqdm=False)
+    assert str(err.value) == "request 1: so_args (structured outputs) is not supported yet; remove it"
+    assert llm.stats.steps == steps and not llm.engine.has_unfinished()
+
+
+def test_n_samples_and_logprobs_through_the_engine(llm):
+    """n > 1 samples are separate sequences; every committed token has its logprob entry (sampled id + top-k)."""
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.9, seed=5, n=3, max_tokens=4, logprobs=2,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2] and len(out.metrics) == 3
+    for o in out.outputs:
+        assert len(o.logprobs) == len(o.token_ids) == 4
+        assert all(t in e and len(e) <= 3 for t, e in zip(o.token_ids, o.logprobs))

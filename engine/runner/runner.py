@@ -64,17 +64,20 @@ class ModelRunner:
         self.truncate_min_tokens = yoco_prefill_min_tokens() if truncate_min_tokens is None else truncate_min_tokens
         self.graphs = StepGraphs(model, self.pools, max_graph_batch) \
             if cuda_graphs and model.device.type == "cuda" else None
-        self.num_steps = self.num_graph_replays = 0
+        self.num_steps = self.graph_replays = 0
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], prev: StepOutput | None) -> StepOutput:
         inputs = StepInputs.build(batch, self.manager, prev, self.model.device)
+        for s in batch:
+            if s.num_logits > 1:             # a verify row: keep the rings as they are before it (rollback)
+                self.manager.snapshot(s.req.request_id, s.start)
         ctx = self._context_blocks(inputs.max_position + 1)
         self.num_steps += 1
         if self.graphs is not None and inputs.uniform_q is not None:
             logits = self.graphs.run(inputs, ctx)
             if logits is not None:
-                self.num_graph_replays += 1
+                self.graph_replays += 1
                 return self._sample(inputs, logits)
         last_only = [self.truncate and s.num_logits <= 1 and s.n >= self.truncate_min_tokens
                      and not wants_prompt_logprobs(s) for s in batch] if self.truncate else None
@@ -84,6 +87,11 @@ class ModelRunner:
         for s, rows in inputs.prompt_logprob_rows():
             record_prompt_logprobs(s, logits[rows])
         return self._sample(inputs, logits[inputs.sample_rows_in_logits()])
+
+    def rollback(self, request_id: str, num_tokens: int) -> int:
+        """A verify row rejected drafts: put back the rings as they were before it; returns the positions the
+        state now holds (<= num_tokens: the accepted ones after it are fed again, entries are rewritten)."""
+        return self.manager.restore(request_id)
 
     def _context_blocks(self, num_tokens: int) -> int:
         """Block-table columns the step reads: the longest row's blocks rounded up to a power of two (few graph

@@ -8,7 +8,8 @@ Same names, defaults and ranges as `vllm.SamplingParams` for the fields we have.
 - greedy means temperature == 0 exactly; tiny positive temperatures are kept as given (vLLM clamps
   values below 0.01 up to 0.01; here the sampler owns numerics). Greedy with n > 1 is rejected, as in vLLM.
 - logprobs / prompt_logprobs=-1 (vLLM's "whole vocabulary") is not supported.
-- so_args replaces vLLM's `structured_outputs`; it is validated for shape only, and applied later.
+- so_args replaces vLLM's `structured_outputs`; it is validated for shape here, and the engine refuses a
+  request that sets it (one DeepInferError line, before any work) until structured outputs land.
 - Any other keyword (best_of, logit_bias, skip_special_tokens, ...) is an error, never silently ignored.
 - Instances are frozen: derive variants with `clone(**changes)`, which validates again.
 Every invalid value raises SamplingParamsError (a ValueError and a DeepInferError) in one line:
@@ -160,8 +161,8 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     """Return the log-probabilities of this many top tokens per prompt token, plus the prompt's own (None = off)."""
     so_args: Optional[dict] = None
-    """Structured output: {"regex": str} | {"json": schema dict or str} | {"ebnf": str}. Validated for shape
-    only for now; constraining the tokens is applied by the structured-outputs work later."""
+    """Structured output: {"regex": str} | {"json": schema dict or str} | {"ebnf": str}. Validated for shape;
+    the engine refuses it (one error line, before any work) until the structured-outputs work applies it."""
 
     __hash__ = None  # holds lists, like vLLM's: not hashable
 

@@ -18,8 +18,10 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """A sequence (one of the n samples of a prompt). `all_ids` = prompt + generated tokens the host has seen;
-    `num_computed` of them are planned into steps (after a preemption that restarts at 0: recompute)."""
+    """A sequence (one of the n samples of a prompt). Its token stream = prompt + committed outputs + its current
+    draft tokens (`spec_token_ids`, proposed for the positions after the committed ones); `num_computed`
+    positions of it are planned into steps (after a preemption that restarts at 0: recompute; after a verify
+    row that rejected drafts it rolls back to the positions whose state stays valid)."""
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -27,7 +29,8 @@ class Request:
     index: int = 0                   # which of the n samples
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0            # positions planned into steps (advanced when a step is planned)
-    num_inflight: int = 0            # sampled tokens of planned steps not yet seen by the host
+    num_inflight: int = 0            # sampled rows of planned steps not yet seen by the host (each commits >= 1)
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts for positions num_tokens.. (none by default)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -42,16 +45,18 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def token_at(self, i: int) -> int:
-        """Token i of prompt + outputs, without building the whole list."""
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+        """Token i of the stream (prompt + outputs + drafts), without building the whole list."""
+        n, m = len(self.prompt_ids), self.num_tokens
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n] if i < m else self.spec_token_ids[i - m]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens start .. end-1 of prompt + outputs."""
-        n = len(self.prompt_ids)
-        return self.prompt_ids[start:min(end, n)] + self.output_ids[max(start - n, 0):max(end - n, 0)]
+        """Tokens start .. end-1 of the stream (prompt + outputs + drafts)."""
+        n, m = len(self.prompt_ids), self.num_tokens
+        return (self.prompt_ids[start:min(end, n)] + self.output_ids[max(start - n, 0):max(end - n, 0)]
+                + self.spec_token_ids[max(start - m, 0):max(end - m, 0)])
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + committed outputs (drafts not included)."""
         return len(self.prompt_ids) + len(self.output_ids)
 

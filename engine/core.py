@@ -1,0 +1,253 @@
+"""EngineCore: the engine apart from the `LLM` API. One `step()` = schedule -> execute -> update from output.
+
+    core = EngineCore(runner, manager, KernelTable("reference"), EngineConfig(...), decode, eos_token_id)
+    core.add_request(req)
+    while core.has_unfinished():
+        finished = core.step()
+
+Asynchronous scheduling (on by default): a step plans and launches step N+1 before it reads step N's tokens,
+so the host never waits for the device before a launch; a row whose input token is still in flight reads it
+on the device from the previous StepOutput (the runner's part; Request.num_inflight is the host's). A step
+waits for the previous tokens first when the host needs them to plan: a running request uses penalties (the
+counts are built from host output ids) or has draft tokens (a verify row commits 1..q+1 tokens, so the
+positions after it are not known before it is read), and always while a drafter is set (it proposes from the
+committed tokens).
+
+Each sampled row commits 0..q+1 tokens (engine/spec/verify.py); the output processor advances each request
+from its committed tokens only. After a verify row rejects drafts, num_computed rolls back to the positions
+whose state stays valid and `on_rollback(request, num_tokens)` tells the cache (default: the runner's, else the
+state manager's `rollback(request_id, num_tokens)`, else nothing).
+
+Every step runs under the engine's kernel table (`with use(table)`); an error or interrupt inside a step
+leaves the engine usable once `abort_all()` has given every seat back (LLM does it)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from deepinfer.kernels.registry import KernelTable, use
+
+from .errors import DeepInferError
+from .output_processor import OutputProcessor
+from .scheduler import Request, Scheduled, Scheduler, Status
+from .spec.verify import committed_tokens
+from .stats import Counters, EngineStats, runner_fields, state_fields
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int                 # most sequences running at once (cut to the state manager's seats)
+    max_num_batched_tokens: int       # positions fed per step
+    max_model_len: int                # prompt + output positions per sequence
+    async_scheduling: bool = True
+
+
+def unsupported(params) -> str | None:
+    """Why the engine cannot run these SamplingParams as asked (None when it can); one line, said up front."""
+    if params.so_args is not None:
+        return "so_args (structured outputs) is not supported yet; remove it"
+    return None
+
+
+def invariant_chunk(budget: int) -> int:
+    """Batch-invariant mode's prefill piece grid: a quarter of the step budget (at most 512), so decodes sharing
+    a step rarely leave too little room for a whole piece (which then waits a step)."""
+    return max(1, min(512, budget // 4))
+
+
+class EngineCore:
+    def __init__(self, runner, manager, kernels: KernelTable, config: EngineConfig,
+                 decode: Callable[[list[int]], str], eos_token_id: int | None,
+                 drafter: Callable[[Request], list[int]] | None = None):
+        """runner: `execute(batch, prev) -> StepOutput`; manager: a scheduler.SeatManager; decode: output ids ->
+        text (stop strings); drafter: proposes a request's next draft tokens after it commits (none yet)."""
+        self.runner, self.manager, self.kernels, self.config = runner, manager, kernels, config
+        self.processor = OutputProcessor(decode, eos_token_id, config.max_model_len)
+        align = invariant_chunk(config.max_num_batched_tokens) if kernels.name == "invariant" else None
+        self.scheduler = Scheduler(min(config.max_num_seqs, manager.num_slots), config.max_num_batched_tokens,
+                                   manager, config.max_model_len, align)
+        self.drafter = drafter
+        self.on_rollback: Callable[[Request, int], None] = self._rollback
+        self.step_observers: list[Callable[[list[Scheduled]], None]] = []   # called with each batch before launch
+        self._prev = None                         # the launched step not yet read (StepOutput)
+        self._prev_drafts: dict[int, list[int]] = {}   # id(Scheduled) -> the drafts its verify row fed
+        self._counters = Counters()
+        self._base = {"preemptions": 0, "graph_replays": 0}
+
+    # ---- read-only settings ----
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def num_seats(self) -> int:
+        """State slots: sequences that can hold state at once."""
+        return self.manager.num_slots
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.config.async_scheduling
+
+    @property
+    def kernel_backend(self) -> str:
+        return self.kernels.name
+
+    @contextlib.contextmanager
+    def concurrency_limit(self, n: int):
+        """Inside: at most n sequences run at once (the pools stay sized for max_num_seqs; n above the seats
+        runs at the seats)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise DeepInferError(f"concurrency={n!r} must be an integer >= 1")
+        before = self.scheduler.max_num_seqs
+        self.scheduler.max_num_seqs = min(n, self.num_seats)
+        try:
+            yield
+        finally:
+            self.scheduler.max_num_seqs = before
+
+    # ---- requests ----
+    def add_request(self, req: Request) -> None:
+        why = unsupported(req.params)
+        if why is not None:
+            raise DeepInferError(f"request {req.request_id}: {why}")
+        if not 0 < req.num_tokens < self.max_model_len:
+            raise DeepInferError(f"request {req.request_id} has {req.num_tokens} tokens; max_model_len is "
+                                 f"{self.max_model_len}, which must leave room for at least one generated token")
+        self.scheduler.add(req)
+        self._counters.requests_added += 1
+        self._counters.prompt_tokens += len(req.prompt_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> list[Request]:
+        """Stop every unfinished request (finish_reason "abort"): every seat and block goes back, nothing stays
+        in flight. Returns them."""
+        aborted = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for r in aborted:
+            r.finish_reason = "abort"
+            self.scheduler.finish(r)
+        self._prev, self._prev_drafts = None, {}
+        return aborted
+
+    def output_text(self, req: Request) -> str:
+        return self.processor.text(req)
+
+    # ---- the loop ----
+    def step(self) -> list[Request]:
+        """One turn: (read the previous step first if the host needs its tokens to plan) -> plan and launch a step
+        -> read the previous one. Returns the requests that finished in this turn."""
+        finished: list[Request] = []
+        with use(self.kernels):
+            if self._prev is not None and (not self.async_scheduling or self._needs_host_outputs()):
+                finished += self._update()
+            batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
+            launched = self._launch(batch) if batch else None
+            if self._prev is not None:
+                finished += self._update()
+            elif launched is None and self.scheduler.has_unfinished():
+                raise DeepInferError("internal: the scheduler planned nothing with nothing in flight")
+            if launched is not None:
+                self._prev, self._prev_drafts = launched
+            if not self.scheduler.has_unfinished():   # what is still in flight belongs to finished requests: its
+                self._prev, self._prev_drafts = None, {}   # tokens would be dropped; the device finishes it alone
+        return finished
+
+    def _needs_host_outputs(self) -> bool:
+        """Penalty counts are built from host output ids; drafts (and the positions after a verify row) need the
+        committed tokens, and a drafter proposes from them: such requests are not planned while a row of them
+        is in flight."""
+        return self.drafter is not None or any(
+            r.spec_token_ids or r.params.repetition_penalty != 1 or r.params.presence_penalty
+            or r.params.frequency_penalty for r in self.scheduler.running)
+
+    def _launch(self, batch: list[Scheduled]):
+        for fn in self.step_observers:
+            fn(batch)
+        now = time.perf_counter()
+        for s in batch:
+            s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
+        drafts = {id(s): list(s.req.spec_token_ids) for s in batch if s.num_logits > 1}
+        out = self.runner.execute(batch, self._prev)
+        c, fed = self._counters, sum(s.n for s in batch)
+        c.steps += 1
+        c.fed_tokens += fed
+        c.draft_tokens += sum(len(d) for d in drafts.values())
+        c.max_step_rows, c.max_step_tokens = max(c.max_step_rows, len(batch)), max(c.max_step_tokens, fed)
+        for s in out.sampled:
+            s.req.num_inflight += 1
+        return out, drafts
+
+    def _update(self) -> list[Request]:
+        """The host side of the previous step: commit each sampled row's tokens, finish requests (their seats go
+        back), roll back rejected drafts."""
+        out, drafts = self._prev, self._prev_drafts
+        self._prev, self._prev_drafts = None, {}
+        results = out.resolve()
+        now, c, finished = time.perf_counter(), self._counters, []
+        for s, toks, lps in results:
+            r = s.req
+            r.num_inflight -= 1
+            c.generated_tokens += len(toks)
+            if r.status is Status.FINISHED:           # planned once more before its end was seen: dropped
+                continue
+            fed_drafts = drafts.get(id(s), [])
+            keep = committed_tokens(toks, fed_drafts)
+            if fed_drafts:
+                r.spec_token_ids = []                 # consumed by this row
+                c.accepted_draft_tokens += len(keep) - 1
+            c.committed_tokens += self.processor.commit(r, keep, lps[:len(keep)], now)
+            if r.finish_reason is not None:
+                self.scheduler.finish(r)
+                c.requests_finished += 1
+                finished.append(r)
+                continue
+            if r.status is not Status.RUNNING:        # preempted meanwhile: recomputed from scratch anyway
+                continue
+            if len(keep) <= len(fed_drafts):          # a draft was rejected: its position's state is stale
+                r.num_computed -= len(fed_drafts) + 1 - len(keep)
+                c.rollbacks += 1
+                self.on_rollback(r, r.num_computed)
+            if self.drafter is not None and r.num_inflight == 0:
+                r.spec_token_ids = list(self.drafter(r))
+        return finished
+
+    def _rollback(self, req: Request, num_tokens: int) -> None:
+        """The cache restores what it can; when its state holds fewer positions than num_tokens (a snapshot from
+        before the verify row), the positions after it are planned again."""
+        for owner in (self.runner, self.manager):
+            fn = getattr(owner, "rollback", None)
+            if fn is not None:
+                kept = fn(req.request_id, num_tokens)
+                if kept is not None and kept < req.num_computed:
+                    req.num_computed = kept
+                return
+
+    # ---- statistics ----
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot: counters since the engine was built or reset_stats(), and what it holds now."""
+        runner = runner_fields(self.runner)
+        runner["graph_replays"] -= self._base["graph_replays"]
+        return EngineStats(**dataclasses.asdict(self._counters),
+                           preemptions=self.scheduler.num_preemptions - self._base["preemptions"],
+                           kernel_backend=self.kernels.name, kernel_backends=dict(self.kernels.backends),
+                           async_scheduling=self.async_scheduling, **runner, **state_fields(self.manager))
+
+    def reset_stats(self) -> None:
+        """Start the counters again (e.g. after a warm-up run)."""
+        self._counters = Counters()
+        self._base = {"preemptions": self.scheduler.num_preemptions,
+                      "graph_replays": runner_fields(self.runner)["graph_replays"]}

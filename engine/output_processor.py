@@ -1,0 +1,66 @@
+"""Per-request output state, advanced from committed tokens only: output ids, logprobs, finish reasons, stop
+strings, timings.
+
+A step commits 0..q+1 tokens per row (engine/spec/verify.py). They are appended one at a time with the finish
+checks after each, so a multi-token commit ends exactly where one-at-a-time decoding would have: the token
+that reaches max_tokens / max_model_len, an EOS or stop id, or the token whose text completes a stop string
+is kept, every token after it (and its logprob) is dropped. Check order as vLLM: length limits, then (from
+min_tokens on) EOS, stop token ids, stop strings; a stop string found on the token that also reaches
+max_tokens reports "stop" (as vLLM v1)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .scheduler.request import Request
+
+
+class OutputProcessor:
+    def __init__(self, decode: Callable[[list[int]], str], eos_token_id: int | None, max_model_len: int):
+        self.decode, self.eos_token_id, self.max_model_len = decode, eos_token_id, max_model_len
+
+    def commit(self, r: Request, tokens: list[int], logprobs: list[dict | None], now: float) -> int:
+        """Append a row's committed tokens (with their logprob entries, None where not asked); returns how many
+        were kept (fewer than given when one of them finished the request)."""
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            self._append(r, tok, lp, now)
+            if r.finish_reason is not None:
+                r.metrics.finished_time = now
+                return i + 1
+        return len(tokens)
+
+    def text(self, r: Request) -> str:
+        """The output text; a matched stop string and what follows it are not part of it (vLLM's default)."""
+        text = self.decode(r.output_ids)
+        return text if r.stop_at is None else text[:r.stop_at]
+
+    # ---- one token ----
+    def _append(self, r: Request, tok: int, lp: dict | None, now: float) -> None:
+        r.output_ids.append(tok)
+        if lp is not None:
+            r.logprobs = r.logprobs if r.logprobs is not None else []
+            r.logprobs.append(lp)
+        r.metrics.first_token_time = r.metrics.first_token_time or now
+        r.metrics.token_times.append(now)                  # one per committed token
+        p, n_out = r.params, len(r.output_ids)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or r.num_tokens >= self.max_model_len:
+            r.finish_reason = "length"
+        elif n_out >= p.min_tokens:
+            if tok == self.eos_token_id and not p.ignore_eos:
+                r.finish_reason = "stop"
+            elif tok in p.stop_token_ids:
+                r.finish_reason, r.stop_reason = "stop", tok
+        if p.stop:
+            self._check_stop_strings(r, n_out >= p.min_tokens and r.finish_reason != "stop")
+
+    def _check_stop_strings(self, r: Request, active: bool) -> None:
+        """Find the earliest stop string in the text the new token added (a match may start up to
+        len(stop) - 1 characters earlier, never earlier: text already scanned had no match); text produced
+        before min_tokens is scanned but never matched."""
+        text = self.decode(r.output_ids)
+        if active:
+            hits = [(i, s) for s in r.params.stop if (i := text.find(s, max(0, r.stop_checked - len(s) + 1))) >= 0]
+            if hits:
+                r.stop_at, r.stop_reason = min(hits)
+                r.finish_reason = "stop"
+        r.stop_checked = len(text)

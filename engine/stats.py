@@ -1,0 +1,70 @@
+"""EngineStats: what an engine did (counters since it was built or since `reset_stats()`) and what it holds now
+(kernel backends, seats, blocks, state bytes, CUDA graphs), so the harness and eval read one object instead of
+the runner's and the state manager's internals."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Counters:
+    """Counted by the engine core as steps run (reset by reset_stats)."""
+    steps: int = 0                  # launched steps (runner.execute calls)
+    requests_added: int = 0
+    requests_finished: int = 0      # finished normally (length / stop); aborted ones are not counted
+    prompt_tokens: int = 0          # prompt tokens of the added requests (each of n samples counts)
+    fed_tokens: int = 0             # positions fed to the model: prompts (again after a preemption), newest
+                                    # tokens and drafts
+    generated_tokens: int = 0       # tokens sampled on the device and read back (rejected drafts and the extra
+                                    # token of a request that had already finished included)
+    committed_tokens: int = 0       # tokens appended to outputs (what the caller gets back)
+    draft_tokens: int = 0           # drafts fed in verify rows
+    accepted_draft_tokens: int = 0  # drafts equal to the target's sample at their position
+    rollbacks: int = 0              # verify rows that rejected a draft (num_computed rolled back)
+    max_step_rows: int = 0          # most rows one step fed
+    max_step_tokens: int = 0        # most positions one step fed (<= max_num_batched_tokens)
+
+
+@dataclass
+class EngineStats(Counters):
+    """A snapshot: the counters plus what the engine holds at the time it was taken. Fields the runner or the
+    state manager does not report are None (graph_replays: 0 when the runner keeps no `graph_replays` count)."""
+    preemptions: int = 0            # sequences preempted (recomputed later)
+    graph_replays: int = 0          # CUDA-graph replays of the decode step (runner.graph_replays)
+    kernel_backend: str = "reference"                           # the backend set every step runs under
+    kernel_backends: dict[str, str] = field(default_factory=dict)   # op -> backend actually used
+    async_scheduling: bool = True
+    cuda_graphs: bool = False
+    graphs_captured: list = field(default_factory=list)         # the runner's captured graph keys
+    num_seats: int = 0              # state slots (sequences that can run at once)
+    free_seats: int | None = None
+    num_blocks: int | None = None   # entry blocks in the state pools
+    free_blocks: int | None = None
+    block_tokens: int | None = None  # positions per block
+    state_bytes: int | None = None   # bytes of the state pools
+    state_summary: str | None = None  # the start-up log line of the state manager
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def runner_fields(runner) -> dict:
+    """What the runner says about CUDA graphs (a runner without graphs reports none)."""
+    graphs = getattr(runner, "graphs", None)
+    captured = getattr(graphs, "graphs", None) or {}
+    return {"cuda_graphs": graphs is not None, "graphs_captured": [list(k) if isinstance(k, tuple) else k
+                                                                   for k in sorted(captured, key=repr)],
+            "graph_replays": int(getattr(runner, "graph_replays", 0) or 0)}
+
+
+def state_fields(manager) -> dict:
+    """Seats, blocks and bytes of a state manager (engine/cache/manager.py); None where it does not say."""
+    pools, layout = getattr(manager, "pools", None), getattr(manager, "layout", None)
+    free = lambda name: len(getattr(manager, name)) if hasattr(manager, name) else None  # noqa: E731
+    return {"num_seats": int(manager.num_slots), "free_seats": free("free_slots"),
+            "num_blocks": getattr(pools, "num_blocks", None), "free_blocks": free("free_blocks"),
+            "block_tokens": getattr(layout, "block_tokens", None),
+            "state_bytes": int(pools.nbytes()) if hasattr(pools, "nbytes") else None,
+            "state_summary": getattr(manager, "summary", None)}
