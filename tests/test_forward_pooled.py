@@ -118,8 +118,8 @@ def test_cuda_graph_replay_equals_eager(family, q):
             b.done[s] += q
             worst = max(worst, (got[j] - want[s]).abs().max().item())
     assert worst <= TOL and len(graphs.graphs) >= 1
-    for name, ring in a.pools.rings.items():
-        assert torch.equal(ring[1:], b.pools.rings[name][1:]), name
+    for name, ring in a.pools.rings.items():   # not bitwise: the padded graph batch runs GEMMs of another M
+        assert torch.allclose(ring[1:], b.pools.rings[name][1:], atol=TOL, rtol=0), name
 
 
 @pytest.mark.parametrize("qat", [False, True])
