@@ -59,7 +59,7 @@ class SequenceState:
 
 
 def packed_kv_bytes_per_token(cfg) -> float:
-    """V4.1 cached-state growth per token in the packed QAT layout (what a paged pool would store):
+    """V4.1 cached-state growth per token in the packed QAT layout (what a packed pool would store):
     per KV source and per entry, the FP4 latent (d/2 bytes + one e4m3 scale per 16) and the FP4 index
     key (dI/2 + one ue8m0 scale per 32), one entry every `ratio` tokens. 890 B for the release."""
     entry = cfg.head_dim // 2 + cfg.head_dim // 16 + cfg.index_head_dim // 2 + cfg.index_head_dim // 32

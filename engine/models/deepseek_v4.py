@@ -48,7 +48,7 @@ class Block(HyperConnectionSites):
 
     def forward_with(self, h: torch.Tensor, input_ids: torch.Tensor, attend) -> torch.Tensor:
         """The block around its attention: h [N, hc, D] -> [N, hc, D]; attend maps the normed attention
-        input [N, D] to the attention output [N, D] (the reference per-sequence path or the paged decode)."""
+        input [N, D] to the attention output [N, D] (the reference per-sequence path or the runtime forward over the pools)."""
         x, post, comb = self._pre(h, "attn")
         h = hc_post(attend(self.attn_norm(x)), h, post, comb)
         x, post, comb = self._pre(h, "ffn")

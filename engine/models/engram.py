@@ -259,7 +259,7 @@ class EngramHasher:
 
     def hash_window(self, window: torch.Tensor) -> torch.Tensor:
         """Compressed ids [N, M] of each new token and its look-back, newest first (t, t-1, ..., BLOCKED where
-        none) -> hash ids int64 [N, L, C]. No host synchronisation (the paged decode calls it directly)."""
+        none) -> hash ids int64 [N, L, C]. No host synchronisation (the runtime forward calls it directly)."""
         t = self.tables(window.device)
         m = self.max_ngram
         blocked = (window == BLOCKED).cumsum(dim=1) > 0          # a gap blocks its slot and every farther one
