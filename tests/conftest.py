@@ -41,3 +41,18 @@ def warm_cpu_kernels():
     model = build_model(TINY_V4, "cpu", torch.float32, qat_fake_quant=True)
     init_random_weights(model, 0)
     model.compute_logits(torch.arange(40).view(1, 40))
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded CPU torch for tests that run many small kernel calls (fixed-tile invariant ops): a 2-thread
+    OpenMP pool spins at every call when other processes share the cores (minutes instead of seconds). The same
+    comparisons pass with the default thread count too."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

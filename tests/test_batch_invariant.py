@@ -129,19 +129,6 @@ def test_plain_linear_is_not_row_invariant_here():
 
 # ---------------------------------------------------------------------------------------------- the models
 
-@pytest.fixture
-def one_thread():
-    """The model tests run single-threaded: the mode's many small kernel calls make a 2-thread OpenMP pool spin
-    at every call when other processes share the cores (minutes instead of seconds). The same comparisons pass
-    with the default thread count too; the op tests above keep it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module", params=["v4", "v41"])
 def model(request):
     if request.param == "v4":

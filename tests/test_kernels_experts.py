@@ -179,12 +179,6 @@ def test_invariant_rows_independent_of_batch(how, storage):
             assert torch.equal(_target_bits(fn, x, ids, r, gen, E, others, place), alone), (others, place)
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------------------------- GPU

@@ -114,12 +114,6 @@ def test_invariant_close_to_reference(storage):
     assert rel_err(inv, ref) <= BOUND[torch.float32]
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _row_in_batches(moe, x, tok, target: int):
