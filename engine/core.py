@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from deepinfer.kernels.registry import KernelTable, use
+from deepinfer.kernels.table import KernelTable, use
 
 from .errors import DeepInferError
 from .output_processor import OutputProcessor

@@ -72,10 +72,10 @@ def check_device(device) -> str:
 
 
 def kernel_backend(requested: str | None = None) -> str:
-    """The kernel backend set an engine is built with (kernels/registry.py): `requested` (LLM's kernel_backend)
+    """The kernel backend set an engine is built with (kernels/table.py): `requested` (LLM's kernel_backend)
     else DEEPINFER_KERNEL_BACKEND else `reference`; DEEPINFER_BATCH_INVARIANT=1 selects `invariant` and
     cannot be combined with another choice."""
-    from deepinfer.kernels.registry import BACKEND_SETS
+    from deepinfer.kernels.table import BACKEND_SETS
     invariant = env_flag("DEEPINFER_BATCH_INVARIANT", False)
     raw = os.environ.get("DEEPINFER_KERNEL_BACKEND", "").strip()
     name = requested if requested is not None else (raw or None)

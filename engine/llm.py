@@ -24,7 +24,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request
 from .stats import EngineStats
-from deepinfer.kernels.registry import BACKEND_SETS, KernelTable, use
+from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,

@@ -490,7 +490,7 @@ def engine_context(llm):
         stack.enter_context(torch.inference_mode())
         kernels = getattr(_engine(llm), "kernels", None)
         if kernels is not None:
-            from deepinfer.kernels.registry import use
+            from deepinfer.kernels.table import use
             stack.enter_context(use(kernels))
         yield
 

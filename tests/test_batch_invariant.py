@@ -19,7 +19,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.env import kernel_backend
 from deepinfer.kernels.attention import sparse_sink_attention
 from deepinfer.kernels.matmul import grouped_linear, linear
-from deepinfer.kernels.registry import use
+from deepinfer.kernels.table import use
 from deepinfer.kernels.tiles import TILE, row_tiles
 from deepinfer.models.moe import MoE
 

@@ -16,7 +16,7 @@ import pytest
 
 from deepinfer.core import EngineConfig, EngineCore, invariant_chunk
 from deepinfer.errors import DeepInferError
-from deepinfer.kernels.registry import KernelTable
+from deepinfer.kernels.table import KernelTable
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.sampling import SamplingParams
 from deepinfer.scheduler import Request, Scheduler, Status

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from deepinfer.kernels import experts as kx
 from deepinfer.kernels.experts import ExpertWeights, grouped_experts
 from deepinfer.kernels.quant import dequantize_fp4
-from deepinfer.kernels.registry import use
+from deepinfer.kernels.table import use
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,4 +1,4 @@
-"""Every op of the op table (kernels/registry.py): each backend against the reference on fresh random inputs,
+"""Every op of the op table (kernels/registry.py, kernels/table.py): each backend against the reference on fresh random inputs,
 the sparse ops against a plain dense computation, and the invariant backends' batch invariance (a row alone
 gives the same bits as inside a batch of another size, at another position).
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import attention, compress, indexer, matmul, mhc, norm, rope, rowwise
-from deepinfer.kernels.registry import BACKEND_SETS, KernelBackendError, KernelTable, active, use
+from deepinfer.kernels.table import BACKEND_SETS, KernelBackendError, KernelTable, active, use
 
 G = torch.Generator().manual_seed(0)
 F64 = torch.float64

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.kernels.quant import dequantize_fp4
-from deepinfer.kernels.registry import use
+from deepinfer.kernels.table import use
 from deepinfer.models.moe import Gate, MoE
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

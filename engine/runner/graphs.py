@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.registry import active
+from deepinfer.kernels.table import active
 
 from ..cache.forward_batch import ForwardBatch
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.registry import use
+from deepinfer.kernels.table import use
 
 from ..cache.forward_batch import ForwardBatch
 from ..errors import DeepInferError
