@@ -207,8 +207,10 @@ class EngineCore:
             keep = committed_tokens(toks, fed_drafts)
             if fed_drafts:
                 r.spec_token_ids = []                 # consumed by this row
-                c.accepted_draft_tokens += len(keep) - 1
-            c.committed_tokens += self.processor.commit(r, keep, lps[:len(keep)], now)
+            kept = self.processor.commit(r, keep, lps[:len(keep)], now)
+            c.committed_tokens += kept
+            if fed_drafts:                            # a finish inside the commit drops the drafts after it
+                c.accepted_draft_tokens += min(len(keep) - 1, kept)
             if r.finish_reason is not None:
                 self.scheduler.finish(r)
                 c.requests_finished += 1

@@ -198,7 +198,7 @@ class LLM:
         torch.cuda.reset_peak_memory_stats(dev)
         n = min(self._args["max_num_batched_tokens"], self.max_model_len - 1)
         ids = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-        profile_prefill(self.model, ids.to(dev), self._args["block_size"], kernels)
+        profile_prefill(self.model, ids.to(dev), self._args["block_size"], kernels, self.max_model_len)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         total = torch.cuda.get_device_properties(dev).total_memory
@@ -321,17 +321,19 @@ class LLM:
 
 
 @torch.inference_mode()
-def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable) -> None:
-    """One prefill of ids [n] through the runtime forward, on throw-away pools of one sequence (the peak memory
-    of the largest step the budget allows; decode activations at the largest batch are smaller and not profiled)."""
+def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable, max_model_len: int) -> None:
+    """The largest step the budget allows, through the runtime forward on throw-away pools of one sequence: a
+    prefill of ids [n], untruncated, with every row's logits and their log-softmax (what a prompt-logprob piece
+    computes), reading all block columns under the invariant table (as its engine does). Decode activations at
+    the largest batch are not profiled."""
     from .cache.forward_batch import ForwardBatch
     from .cache.pools import PoolLayout, StatePools
     layout = PoolLayout.for_model(model, block_size)
     n = ids.shape[0]
     blocks = max(layout.blocks_for(n), 1)
-    pools = StatePools(layout, 1, blocks, n, model.device)
+    pools = StatePools(layout, 1, blocks, max_model_len, model.device)
     pools.block_table[1, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
+    ctx = pools.max_blocks if kernels.name == "invariant" else blocks
     with use(kernels):
-        hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], blocks, [True]))
-        model.logits(hidden[-1:])
-
+        hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], ctx))
+        torch.log_softmax(model.logits(hidden), dim=-1)

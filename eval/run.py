@@ -81,7 +81,8 @@ def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path
                 "run_id": run_id, "suite": suite.name, "model": suite.model, "model_type": llm.model.cfg.model_type,
                 "config_hash": llm.model.cfg.config_hash(), "precision": suite.dtype, "device": suite.device,
                 "engine": "deepinfer", "engine_args": dict(suite.engine_args), "seed": suite.seed,
-                "batch_invariant": llm.batch_invariant, "qat_fake_quant": reference is None,
+                "batch_invariant": llm.batch_invariant, "kernel_backend": llm.stats.kernel_backend,
+                "kernel_backends": llm.stats.kernel_backends, "qat_fake_quant": reference is None,
                 "limit": suite.limit, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
                 "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"]}
     run = EvalRun(run_dir)

@@ -236,35 +236,12 @@ def inventory(model, excluded: tuple[str, ...] = EXCLUDED_PREFIXES) -> Inventory
     return inv
 
 
-def attention_layers(cfg) -> list[dict]:
-    """Per layer: window, compress ratio (0: window only), experts-style selection top-k of the compressed
-    entries (None: every visible entry), whether it runs an indexer and how many entries that indexer may
-    score (None: all visible)."""
-    out = []
-    if cfg.model_type == "deepseek_v41":
-        for layer in range(cfg.num_hidden_layers):
-            r = cfg.compress_ratios[layer]
-            index = layer in cfg.index_source_layer_ids
-            cand = 0 <= cfg.candidate_source_layer_id < layer
-            out.append({"window": cfg.sliding_window, "ratio": r, "topk": cfg.index_topk if r else None,
-                        "indexer": index and r > 0,
-                        "scored_limit": cfg.candidate_topk_blocks * cfg.candidate_block_size if cand else None})
-        return out
-    rates = dict(cfg.compress_rates)
-    for kind in cfg.layer_types:
-        r = rates.get(kind, 0)
-        csa = kind == "compressed_sparse_attention"
-        out.append({"window": cfg.sliding_window, "ratio": r, "topk": cfg.index_topk if csa else None,
-                    "indexer": csa, "scored_limit": None})
-    return out
-
-
 def attention_flops(cfg, positions: list[int], rows_per_position: int = 1) -> tuple[int, int]:
     """(attention, indexer) FLOPs of query rows at `positions` (each repeated rows_per_position times)."""
     h, d = cfg.num_attention_heads, cfg.head_dim
     ih, idim = getattr(cfg, "index_n_heads", 0), getattr(cfg, "index_head_dim", 0)
     attn = index = 0
-    for lay in attention_layers(cfg):
+    for lay in cfg.attention_layout():
         for p in positions:
             keys = min(lay["window"], p + 1)
             if lay["ratio"]:
@@ -424,6 +401,8 @@ def gpu_idle(run, device: torch.device, steps: int) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------- engine glue
+# NOTE: the fallbacks below (no StepProbe, no dispatch recorder, no LLM.engine) are how the same code measures a
+# pre-rebuild engine (reports/1/step-h200-method/); this build always takes the first branch.
 
 def default_probe_factory():
     """deepinfer.runner.probe.StepProbe, or one error line when this build has none."""

@@ -53,7 +53,8 @@ def test_offline_smoke_suite(tmp_path):
     assert all(r["value"] == 1.0 and r["max_abs_loglik_diff"] == 0.0 for r in agreement)   # batch-invariant mode
     for r in rows:
         assert r["schema_version"] == "1" and r["model"] == "tiny" and "git_sha" in r
-        assert r["batch_invariant"] is True and r["seed"] == 1234 and "packages" in r and r["config_hash"]
+        assert r["batch_invariant"] is True and r["kernel_backend"] == "invariant" and r["seed"] == 1234
+        assert "packages" in r and r["config_hash"]
     result = json.loads((run_dir / "results_c8.json").read_text())
     assert set(result["results"]) == {"deepinfer_arith", "deepinfer_choice", "deepinfer_text"}
     assert result["configs"]["deepinfer_arith"]["num_fewshot"] == 2
@@ -71,7 +72,7 @@ def test_default_mode_and_agreement_of_scores(tmp_path):
             "--no-batch-invariant", "--out", str(tmp_path / "eval"), "--run-id", "d")
     assert p.returncode == 0, p.stderr[-2000:]
     rows = rows_of(tmp_path / "eval" / "d")
-    assert all(r["batch_invariant"] is False for r in rows)
+    assert all(r["batch_invariant"] is False and r["kernel_backend"] == "reference" for r in rows)
     a = {"t": [{"doc_id": 0, "resps": [[-10.0]], "filtered_resps": [-10.0]}]}
     b = {"t": [{"doc_id": 0, "resps": [[-10.5]], "filtered_resps": [-10.5]}]}
     assert agreement_rows(a, a, None, {})[0]["value"] == 1.0

@@ -264,8 +264,8 @@ def test_bad_environment(monkeypatch, name, value, match):
 @pytest.mark.parametrize("arch", ["deepseek_v41", "deepseek_v4"])
 def test_batch_invariant_mode_seeded_sampling_is_bitwise_batch_independent(arch):
     """fp32, kernel_backend="invariant": a seeded request's tokens and logprobs are bitwise the same alone and
-    inside batches of other compositions (chunked prefill pieces on fixed boundaries, paged decode of fixed
-    shape); with the engine's chunk boundaries fixed, a 16-token step budget cannot change them."""
+    inside batches of other compositions (chunked prefill pieces on fixed boundaries, decode rows reading
+    every block column); with the engine's chunk boundaries fixed, a 16-token step budget cannot change them."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)                # small tiled calls; spinning OpenMP threads only slow them down
     try:

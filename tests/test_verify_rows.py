@@ -13,11 +13,17 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there li
 N = 24
 
 
+# Penalties that reward repeats, so the greedy tokens depend on the output counts (a tiny random model rarely
+# repeats on its own, and then a repeat penalty changes nothing).
+PENALTIES = {"frequency_penalty": -1.0, "repetition_penalty": 0.5}
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41"])
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_drafts_commit_greedy_tokens_and_roll_back(arch, async_scheduling):
+@pytest.mark.parametrize("async_scheduling,penalties", [(True, False), (False, False), (True, True)])
+def test_drafts_commit_greedy_tokens_and_roll_back(arch, async_scheduling, penalties):
+    """With penalties, each logit position of a verify row counts the drafts before it as outputs."""
     llm = LLM(embedded_tiny_dir(arch), dtype="float64", async_scheduling=async_scheduling)
-    greedy = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, **(PENALTIES if penalties else {}))
     llm.engine.reset_stats()
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     plain_steps = llm.stats.steps

@@ -122,6 +122,15 @@ class DeepseekV4Config:
     def num_hash_layers(self) -> int:
         return sum(t == HASH_MOE for t in self.mlp_layer_types)
 
+    def attention_layout(self) -> list[dict]:
+        """Per layer, for cost models (deepinfer-bench step): window, compress ratio (0: window only), top-k of the
+        compressed entries attended (None: every visible entry), whether an indexer scores them, and how many it
+        may score (None: every visible entry)."""
+        rates = dict(self.compress_rates)
+        return [{"window": self.sliding_window, "ratio": rates.get(kind, 0),
+                 "topk": self.index_topk if kind == CSA else None, "indexer": kind == CSA, "scored_limit": None}
+                for kind in self.layer_types]
+
     def config_hash(self) -> str:
         blob = json.dumps(self.to_hf_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

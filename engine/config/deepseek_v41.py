@@ -121,6 +121,18 @@ class DeepseekV41Config:
         """The released config.json spelling (composite; engram_pad_token_id, rope_scaling, MTP ratio zeros)."""
         return _deepseek_dict(self)
 
+    def attention_layout(self) -> list[dict]:
+        """Per layer, as DeepseekV4Config.attention_layout: a layer with ratio > 0 attends to its group's top-k;
+        index sources score the group's entries, inside the candidate blocks after the candidate source."""
+        out = []
+        for layer in range(self.num_hidden_layers):
+            r = self.compress_ratios[layer]
+            inside = 0 <= self.candidate_source_layer_id < layer
+            out.append({"window": self.sliding_window, "ratio": r, "topk": self.index_topk if r else None,
+                        "indexer": layer in self.index_source_layer_ids and r > 0,
+                        "scored_limit": self.candidate_topk_blocks * self.candidate_block_size if inside else None})
+        return out
+
     def config_hash(self) -> str:
         blob = json.dumps(self.to_hf_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

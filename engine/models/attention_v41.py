@@ -21,7 +21,7 @@ from ..cache.forward_batch import ForwardBatch
 from ..cache.sequence_state import CompressorState, LayerState, SequenceState
 from ..cache.spec import Entries, Ring
 from ..config.deepseek_v41 import DeepseekV41Config
-from .attention import LatentAttention
+from .attention import LatentAttention, visibility_bias
 from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_mask
 from .pooled import gather_window, selected_entries
 from .rope import RotaryEmbedding
@@ -272,11 +272,6 @@ def _keep(shared: dict, key: str, value: torch.Tensor, query_rows: torch.Tensor 
 def _rows_of(value: torch.Tensor | None, query_rows: torch.Tensor | None) -> torch.Tensor | None:
     return value if value is None or query_rows is None else value[query_rows]
 
-
-def visibility_bias(visible: torch.Tensor) -> torch.Tensor:
-    """[..., K] bool -> fp32 additive attention bias (0 visible, -inf hidden)."""
-    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible,
-                                                                                              float("-inf"))
 
 
 def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -100,10 +100,6 @@ class Experts(nn.Module):
                                  scales=(self.w1_scale, self.w2_scale, self.w3_scale))
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
 
-    def weight(self, name: str, e: int | torch.Tensor) -> torch.Tensor:
-        """Expert e's weight (e a tensor of ids: stacked [len(e), rows, cols]) in the compute dtype."""
-        return self.stacked().get(name, e)
-
     def compute(self, d: Dispatched) -> torch.Tensor:
         """The dispatched rows through their experts -> [N*k, D] >= fp32, in sorted order."""
         return grouped_experts(d.x, d.expert_ids, d.offsets, d.weights, self.stacked())

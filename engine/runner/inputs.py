@@ -18,14 +18,10 @@ def wants_prompt_logprobs(s: Scheduled) -> bool:
 
 
 def fed_token_ids(s: Scheduled) -> tuple[list[int], int]:
-    """The host-known ids of positions s.start .. s.start+n-1 (committed tokens, then drafts) and how many
-    trailing positions are still in flight (sampled by a step whose output the host has not seen: 0 or 1)."""
-    r = s.req
-    known = r.tokens(s.start, s.start + s.n)
-    drafts = list(getattr(r, "spec_token_ids", ()) or ())
-    if len(known) < s.n and drafts:
-        take = s.start + len(known) - r.num_tokens
-        known += drafts[take:take + s.n - len(known)]
+    """The host-known ids of positions s.start .. s.start+n-1 (committed tokens, then drafts: Request.tokens) and
+    how many trailing positions are still in flight (sampled by a step whose output the host has not seen: 0 or
+    1)."""
+    known = s.req.tokens(s.start, s.start + s.n)
     return known, s.n - len(known)
 
 

@@ -80,7 +80,8 @@ class StepProbe:
                 logits = self.runner.graphs.run(self.inputs, self.ctx_blocks)
             else:
                 i = self.inputs
-                fb = ForwardBatch.ragged(self.manager.pools, i.slots, i.starts, i.lens, self.ctx_blocks)
+                fb = ForwardBatch.ragged(self.manager.pools, i.slots, i.starts, i.lens, self.ctx_blocks,
+                                         [self.runner.truncate and len(i.logit_rows) == 1] * len(i.slots))
                 hidden = self.model.forward(i.tokens, fb)
                 logits = self.model.logits(hidden[torch.tensor(i.logit_rows, device=i.tokens.device)])
         return logits.argmax(dim=-1)

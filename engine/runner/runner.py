@@ -64,7 +64,7 @@ class ModelRunner:
         self.truncate_min_tokens = yoco_prefill_min_tokens() if truncate_min_tokens is None else truncate_min_tokens
         self.graphs = StepGraphs(model, self.pools, max_graph_batch) \
             if cuda_graphs and model.device.type == "cuda" else None
-        self.num_steps = self.graph_replays = 0
+        self.graph_replays = 0
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], prev: StepOutput | None) -> StepOutput:
@@ -73,7 +73,6 @@ class ModelRunner:
             if s.num_logits > 1:             # a verify row: keep the rings as they are before it (rollback)
                 self.manager.snapshot(s.req.request_id, s.start)
         ctx = self._context_blocks(inputs.max_position + 1)
-        self.num_steps += 1
         if self.graphs is not None and inputs.uniform_q is not None:
             logits = self.graphs.run(inputs, ctx)
             if logits is not None:
@@ -107,15 +106,18 @@ class ModelRunner:
         sampled = inputs.sampled
         if not sampled:
             return StepOutput([], None)
-        reqs, positions, n_out = [], [], []
+        reqs, positions, outputs, n_out = [], [], [], []
         for s in sampled:
             r = s.req
             for j in range(s.num_logits):
+                p = s.start + s.n - s.num_logits + j                # this logit row's position; it samples p + 1
+                drafts = r.spec_token_ids[:max(0, p + 1 - r.num_tokens)]   # drafts before it count as outputs
                 reqs.append(r)
-                positions.append(s.start + s.n - s.num_logits + j + 1)     # the position being sampled
-                n_out.append(len(r.output_ids) + r.num_inflight + j)
+                positions.append(p + 1)
+                outputs.append(r.output_ids + drafts if drafts else r.output_ids)
+                n_out.append(len(r.output_ids) + r.num_inflight + len(drafts))
         t = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], positions, logits.shape[-1],
-                                   logits.device, [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+                                   logits.device, [r.prompt_ids for r in reqs], outputs,
                                    self.model.cfg.eos_token_id, n_out)
         tokens = sample(logits, t)
         offsets, o = [], 0
