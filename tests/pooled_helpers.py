@@ -29,8 +29,8 @@ class PooledSequences:
         return min(max(self.layout.blocks_for(max_position + 1), 1), self.pools.max_blocks)
 
     @torch.inference_mode()
-    def step(self, feeds: dict[int, torch.Tensor], uniform: bool = False, last_only: bool = False
-             ) -> dict[int, torch.Tensor]:
+    def step(self, feeds: dict[int, torch.Tensor], uniform: bool = False, last_only: bool = False,
+             draft_rings: bool = False) -> dict[int, torch.Tensor]:
         """Feed each slot its tokens [n] in one flat batch -> {slot: logits [n, V]}. uniform: build the batch as a
         CUDA graph would (static shapes, every slot the same n). last_only: mark every segment so (only its last
         row's logits are meaningful)."""
@@ -44,7 +44,8 @@ class PooledSequences:
             fb = ForwardBatch.uniform(self.pools, torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
                                       lens[0], ctx)
         else:
-            fb = ForwardBatch.ragged(self.pools, slots, starts, lens, ctx, [last_only] * len(slots))
+            fb = ForwardBatch.ragged(self.pools, slots, starts, lens, ctx, [last_only] * len(slots),
+                                     draft_rings=draft_rings)
         ids = torch.cat([feeds[s] for s in slots]).to(dev)
         logits = self.model.logits(self.model.forward(ids, fb))
         out, o = {}, 0

@@ -153,3 +153,24 @@ def test_v41_last_only_segments_run_truncated_and_exact(qat):
         feeds = {s: ids[s][full.done[s]:full.done[s] + 1] for s in (1, 2, 3)}
         a, b = full.step(feeds), cut.step(feeds)
         assert max((a[s] - b[s]).abs().max().item() for s in feeds) <= TOL
+
+
+def test_v41_draft_rings_written_in_place_equal_reference():
+    """With draft_rings, the runtime forward keeps every DSpark stage's ring as extend_and_draft's observe does:
+    kv(main_x) of the target features at each segment's last window positions, YOCO-truncated pieces included."""
+    model = _model("v41", qat=True)
+    seqs = PooledSequences(model, 2, 200, block_tokens=16)
+    ids = {s: _tokens(model, 120, seed=10 + s) for s in (1, 2)}
+    ref = {s: model.new_state() for s in (1, 2)}
+    window = model.cfg.sliding_window
+    for feeds in [{1: 40, 2: 5}, {1: 1, 2: 23}, {1: 3, 2: 1}, {1: 1, 2: 1}, {1: 17, 2: 2}]:
+        chunks = {s: ids[s][seqs.done[s]:seqs.done[s] + n] for s, n in feeds.items()}
+        seqs.step(chunks, last_only=True, draft_rings=True)
+        for s, chunk in chunks.items():
+            model.extend_and_draft([chunk], [ref[s]])
+            end = ref[s].num_mtp_tokens
+            positions = torch.arange(end - ref[s].mtp[0].window.shape[0], end)
+            assert positions.numel() == min(window, end)
+            for i, layer in enumerate(ref[s].mtp):
+                got = seqs.pools.rings[f"mtp.{i}.window"][s, positions % window]
+                assert (got - layer.window).abs().max().item() <= TOL, (s, i)

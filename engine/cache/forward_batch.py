@@ -30,7 +30,7 @@ class ForwardBatch:
     def __init__(self, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor,
                  row_seg: torch.Tensor, row_pos: torch.Tensor, seg_first_row: torch.Tensor, seg_ends: torch.Tensor,
                  ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None,
-                 last_only: list[bool] | None = None, root_rows: int | None = None):
+                 last_only: list[bool] | None = None, root_rows: int | None = None, draft_rings: bool = False):
         self.pools = pools
         self.seg_slots, self.seg_starts = seg_slots, seg_starts       # [G] int64
         self.row_seg, self.positions = row_seg, row_pos               # [N] int64
@@ -43,13 +43,15 @@ class ForwardBatch:
         self.host = host                                              # (slots, starts, lens) when ragged
         self.last_only = last_only                                    # [G] host flags, ragged only
         self.root_rows = self.num_rows if root_rows is None else root_rows   # rows of the step's full batch
+        self.draft_rings = draft_rings                                # keep the model's draft rings current
         self.shared: dict = {}                                        # per-step products layers share (V4.1 groups)
         self._cache: dict = {}
 
     # ---- construction ----
     @classmethod
     def ragged(cls, pools: StatePools, slots: list[int], starts: list[int], lens: list[int],
-               ctx_blocks: int, last_only: list[bool] | None = None, root_rows: int | None = None) -> "ForwardBatch":
+               ctx_blocks: int, last_only: list[bool] | None = None, root_rows: int | None = None,
+               draft_rings: bool = False) -> "ForwardBatch":
         dev = pools.device
         first = [0]
         for n in lens[:-1]:
@@ -60,7 +62,7 @@ class ForwardBatch:
         seg = seg.to(dev, non_blocking=True)
         rows = torch.stack([row_seg, row_pos]).to(dev, non_blocking=True)
         return cls(pools, seg[0], seg[1], rows[0], rows[1], seg[2], seg[3], ctx_blocks,
-                   (list(slots), list(starts), list(lens)), last_only, root_rows)
+                   (list(slots), list(starts), list(lens)), last_only, root_rows, draft_rings)
 
     def keep_last(self, keep: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
         """The batch of each segment's last keep[g] rows, and those rows' indices [M] in this batch."""
@@ -76,14 +78,14 @@ class ForwardBatch:
 
     @classmethod
     def uniform(cls, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor, q: int,
-                ctx_blocks: int) -> "ForwardBatch":
+                ctx_blocks: int, draft_rings: bool = False) -> "ForwardBatch":
         """G = len(seg_slots) segments of q rows each; seg_* are device tensors (static buffers under graphs)."""
         g = seg_slots.shape[0]
         rows = torch.arange(g * q, device=seg_slots.device)
         row_seg = rows // q
         first = torch.arange(g, device=seg_slots.device) * q
         return cls(pools, seg_slots, seg_starts, row_seg, seg_starts[row_seg] + rows % q, first, seg_starts + q,
-                   ctx_blocks, None)
+                   ctx_blocks, None, draft_rings=draft_rings)
 
     @property
     def is_static(self) -> bool:
@@ -124,6 +126,21 @@ class ForwardBatch:
         slot = self._cached(("ring_slot", span), lambda: torch.where(
             self.positions >= self.row_end - span, self.row_slot, SCRATCH))
         ring[slot, self.positions % span] = new.to(ring.dtype)
+
+    def last_rows(self, span: int) -> torch.Tensor:
+        """Rows at each segment's last `span` positions (the ones whose ring writes stay) -> [M] int64. Static:
+        every row (a uniform step's q rows are within any window)."""
+        if self.is_static:
+            return torch.arange(self.num_rows, device=self.positions.device)
+        rows, o = [], 0
+        for n in self.host[2]:
+            rows.extend(range(o + max(0, n - span), o + n))
+            o += n
+        return torch.tensor(rows, dtype=torch.long).to(self.positions.device, non_blocking=True)
+
+    def write_ring_rows(self, ring: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
+        """Values new [M, w] of `rows` (each segment's last ring.shape[1] positions at most) into ring at p % span."""
+        ring[self.row_slot[rows], self.positions[rows] % ring.shape[1]] = new.to(ring.dtype)
 
     # ---- compressed entries ----
     def closing_rows(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,9 +119,13 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         hash_ids = self._hash_pooled(input_ids, batch)
         h, pre_mix = self.embed_streams(input_ids)
         rows, cur = None, batch                     # rows: the current rows' indices in the step (None: all)
+        targets = set(self.cfg.dspark_target_layer_ids) if batch.draft_rings and hasattr(self, "mtp") else ()
+        features = {}
         for i, block in enumerate(self.layers):
             if block.engram is not None:
                 h = block.engram(h, (hash_ids if rows is None else hash_ids[rows])[:, block.engram.layer_index])
+            if i in targets:
+                features[i] = (rows, h.mean(dim=1))
             keep = self._truncated_counts(cur, i)
             if keep is None:
                 h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, cur, query_rows=rows))
@@ -130,10 +134,31 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
             out_rows = qrows if rows is None else rows[qrows]
             h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, cur, qrows, out_rows), qrows)
             rows, cur = out_rows, nxt
+        if targets:
+            self._write_draft_rings(batch, features)
         hidden = self.norm(hc_collapse(h, pre_mix))
         if rows is None:
             return hidden
         return hidden.new_zeros(input_ids.shape[0], hidden.shape[-1]).index_copy_(0, rows, hidden)
+
+    def _write_draft_rings(self, batch: ForwardBatch, features: dict) -> None:
+        """DSpark observe over the pools: each segment's last window positions write kv(main_x) of their target
+        features (the streams entering each target layer, averaged over hc) into every stage's ring."""
+        wanted = batch.last_rows(self.cfg.sliding_window)                    # [M] step rows
+        parts = []
+        for layer in self.cfg.dspark_target_layer_ids:
+            rows, feat = features[layer]                                     # feat [rows at that layer, D]
+            if rows is not None:                                             # YOCO: fewer rows at that layer
+                at = torch.full((batch.num_rows,), -1, dtype=torch.long, device=feat.device)
+                at[rows] = torch.arange(rows.shape[0], device=feat.device)
+                feat = feat[at[wanted]]
+            else:
+                feat = feat[wanted]
+            parts.append(feat)
+        main_x = self.dspark.main_x(torch.cat(parts, dim=-1))                 # [M, D]
+        cos, sin = self.mtp[0].attn.rope(batch.positions[wanted])
+        for i, stage in enumerate(self.mtp):
+            batch.write_ring_rows(batch.pools.rings[f"mtp.{i}.window"], wanted, stage.attn.window_kv(main_x, cos, sin))
 
     def _truncated_counts(self, batch: ForwardBatch, layer: int) -> list[int] | None:
         """Query rows each segment keeps at `layer` under YOCO truncation (None: every row, nothing to cut):

@@ -1,6 +1,6 @@
 """CUDA graphs of uniform steps: G segments of q rows, every row sampled (decode: q = 1; verify: q = drafts + 1).
 
-One graph per (padded segment count, q, context blocks, kernel table). Segment counts are padded up a ladder
+One graph per (padded segment count, q, context blocks, kernel table, whether draft rings are kept). Segment counts are padded up a ladder
 (1, 2, 4, ... up to max_graph_batch); padding segments use scratch slot 0, so they compute garbage that no
 sequence reads. Context blocks are rounded up to a power of two by the runner. Graphs are captured on first use
 (warm-up and capture with every segment on scratch, so real state is never touched) and share one memory pool;
@@ -26,7 +26,7 @@ def ladder(max_batch: int) -> list[int]:
 class _Graph:
     """One captured step and its static inputs: seg_slots, seg_starts [G], tokens [G*q]; logits [G*q, V]."""
 
-    def __init__(self, model, pools, g: int, q: int, ctx_blocks: int, mempool):
+    def __init__(self, model, pools, g: int, q: int, ctx_blocks: int, mempool, draft_rings: bool):
         dev = model.device
         self.q = q
         self.seg_slots = torch.zeros(g, dtype=torch.long, device=dev)
@@ -34,7 +34,7 @@ class _Graph:
         self.tokens = torch.zeros(g * q, dtype=torch.long, device=dev)
 
         def step():
-            fb = ForwardBatch.uniform(pools, self.seg_slots, self.seg_starts, q, ctx_blocks)
+            fb = ForwardBatch.uniform(pools, self.seg_slots, self.seg_starts, q, ctx_blocks, draft_rings)
             return model.logits(model.forward(self.tokens, fb))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -66,14 +66,14 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int, int, str], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
-    def run(self, inputs, ctx_blocks: int) -> torch.Tensor | None:
+    def run(self, inputs, ctx_blocks: int, draft_rings: bool = False) -> torch.Tensor | None:
         """Logits [G*q, V] of a uniform step (replayed, capturing first if needed); None above the ladder."""
         g, q = len(inputs.slots), inputs.uniform_q
         size = next((s for s in self.sizes if s >= g), None)
         if size is None:
             return None
-        key = (size, q, ctx_blocks, active().name)    # a graph holds the kernels of the table it was captured with
+        key = (size, q, ctx_blocks, active().name, draft_rings)   # a graph holds the kernels it was captured with
         with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
             if key not in self.graphs:
-                self.graphs[key] = _Graph(self.model, self.pools, size, q, ctx_blocks, self.mempool)
+                self.graphs[key] = _Graph(self.model, self.pools, size, q, ctx_blocks, self.mempool, draft_rings)
             return self.graphs[key].replay(inputs.slots, inputs.starts, inputs.tokens)

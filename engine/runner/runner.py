@@ -65,6 +65,8 @@ class ModelRunner:
         self.graphs = StepGraphs(model, self.pools, max_graph_batch) \
             if cuda_graphs and model.device.type == "cuda" else None
         self.graph_replays = 0
+        # A drafter that reads the model's draft rings (DSpark) turns this on: every step then keeps them current.
+        self.keep_draft_rings = False
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], prev: StepOutput | None) -> StepOutput:
@@ -74,13 +76,14 @@ class ModelRunner:
                 self.manager.snapshot(s.req.request_id, s.start)
         ctx = self._context_blocks(inputs.max_position + 1)
         if self.graphs is not None and inputs.uniform_q is not None:
-            logits = self.graphs.run(inputs, ctx)
+            logits = self.graphs.run(inputs, ctx, self.keep_draft_rings)
             if logits is not None:
                 self.graph_replays += 1
                 return self._sample(inputs, logits)
         last_only = [self.truncate and s.num_logits <= 1 and s.n >= self.truncate_min_tokens
                      and not wants_prompt_logprobs(s) for s in batch] if self.truncate else None
-        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only)
+        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only,
+                                 draft_rings=self.keep_draft_rings)
         hidden = self.model.forward(inputs.tokens, fb)
         logits = self.model.logits(hidden[inputs.logit_rows_tensor()])
         for s, rows in inputs.prompt_logprob_rows():
