@@ -10,6 +10,7 @@ that core, `llm.stats` its statistics."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from .sampling import SamplingParams
 from .scheduler import Request
 from .stats import EngineStats
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
+
+log = logging.getLogger("deepinfer")
+INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width entry lists get costly (docs/runtime.md)
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
@@ -88,6 +92,9 @@ class LLM:
         self._config = EngineConfig(args["max_num_seqs"], args["max_num_batched_tokens"], self.max_model_len,
                                     async_scheduling)
         kernels = KernelTable(backend)
+        if kernels.name == "invariant" and self.max_model_len > INVARIANT_CONTEXT_HINT:
+            log.warning("batch-invariant mode reads every block column: with max_model_len=%d each row's entry "
+                        "lists cover the whole length; set max_model_len to what the run needs", self.max_model_len)
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
                                args["block_size"])
         self.engine = self._build_engine(kernels, manager)
