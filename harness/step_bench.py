@@ -26,7 +26,6 @@ indexer's 2 x index heads x index dim x entries it scores."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -477,25 +476,8 @@ def engine_context(llm):
 def eager_run(probe, llm) -> str:
     """One run() outside graph replay (Python must run for the recorder to see the routing); returns how.
     A graph replay (or its capture, which runs on scratch rows) would record nothing, or the wrong rows."""
-    try:
-        if "eager" in inspect.signature(probe.run).parameters:
-            probe.run(eager=True)
-            return "probe.run(eager=True)"
-    except (TypeError, ValueError):
-        pass
-    if not probe.graphed:
-        probe.run()
-        return "eager step"
-    try:
-        probe.graphed = False             # StepProbe.run() picks graph replay by this flag
-    except AttributeError:                # a read-only property: nothing to switch
-        probe.run()
-        return "run() (could not switch graphs off)"
-    try:
-        probe.run()
-    finally:
-        probe.graphed = True
-    return "eager step (probe.graphed switched off for one run)"
+    probe.run(eager=True)
+    return "probe.run(eager=True)"
 
 
 def kernel_info(llm) -> tuple[str | None, dict | None]:

@@ -41,7 +41,7 @@ class FakeProbe:
         self.state_bytes_read = 1000 * batch_size
         FakeProbe.created.append(self)
 
-    def run(self):
+    def run(self, eager=False):
         for moe in self.moes:
             moe(self.x.to(self.llm.model.dtype), self.ids)
         self.runs += 1

@@ -21,7 +21,7 @@ from ..cache.spec import Entries, Ring
 from ..config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
 from . import qat
 from .compressor import Compressor, Indexer
-from .pooled import gather_window, selected_entries
+from .pooled import gather_window, open_windows, selected_entries
 from .selection import visible_entries
 from .layers import Linear, RMSNorm, fp32_param
 from .rope import RotaryEmbedding
@@ -142,18 +142,8 @@ class Attention(LatentAttention):
         closes a window pools it (with overlap: the previous window's A halves first) into the stream's entry
         p // r. Rows of a window before this step come from the pending rings."""
         r, d = comp.ratio, comp.head_dim
-        pend_kv, pend_score = batch.pools.rings[f"{name}.pending_kv"], batch.pools.rings[f"{name}.pending_score"]
-        span = pend_kv.shape[1]
-        kv, score = upcast(kv), comp.scores(gate, batch.positions)
-        kv_store, score_store = batch.store(pend_kv, kv), batch.store(pend_score, score)
-        batch.write_ring(pend_kv, kv)
-        batch.write_ring(pend_score, score)
         rows, valid = batch.closing_rows(r)
-        slots = batch.positions_index(rows, span, span)                               # [C, span] oldest first
-        present = (slots >= 0).unsqueeze(-1)
-        win_kv = torch.where(present, kv_store[slots.clamp(min=0)], 0)
-        # a missing slot (window 0's predecessor) weighs 0: the lowest finite score, never NaN on an empty window
-        win_score = torch.where(present, score_store[slots.clamp(min=0)], torch.finfo(score.dtype).min)
+        win_kv, win_score = open_windows(batch, name, upcast(kv), comp.scores(gate, batch.positions), rows)
         prev_a = (win_kv[:, :r, :d], win_score[:, :r, :d]) if comp.overlap else None
         cur_kv, cur_score = (win_kv[:, r:], win_score[:, r:]) if comp.overlap else (win_kv, win_score)
         new = self.final_entries(comp.entries(cur_kv, cur_score, prev_a, batch.positions[rows] // r, self.rope),

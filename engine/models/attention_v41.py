@@ -23,7 +23,7 @@ from ..cache.spec import Entries, Ring
 from ..config.deepseek_v41 import DeepseekV41Config
 from .attention import LatentAttention, visibility_bias
 from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_mask
-from .pooled import gather_window, selected_entries
+from .pooled import gather_window, open_windows, selected_entries
 from .rope import RotaryEmbedding
 
 WINDOW_FP8_BLOCK = 32
@@ -127,14 +127,8 @@ class AttentionV41(LatentAttention):
         if comp.wgate is None:                                                  # ratio 1: every token is a group
             latents = comp.norm(comp.wkv(x[rows]))
         else:
-            name = f"{self.layer}.kv"
-            pend_kv, pend_score = pools.rings[f"{name}.pending_kv"], pools.rings[f"{name}.pending_score"]
             kv, gate = comp.project(x)                                          # [N, d] each, >= fp32
-            kv_store, gate_store = batch.store(pend_kv, kv), batch.store(pend_score, gate)
-            batch.write_ring(pend_kv, kv)
-            batch.write_ring(pend_score, gate)
-            slots = batch.positions_index(rows, r, r).clamp(min=0)             # [C, r]: a closed group is whole
-            latents = comp.pool(kv_store[slots], gate_store[slots], x.dtype)
+            latents = comp.pool(*open_windows(batch, f"{self.layer}.kv", kv, gate, rows), x.dtype)   # [C, r, d]
         entries, keys = self.compress(latents, batch.positions[rows] // r)
         store = pools.entries[f"{self.layer}.kv"]
         batch.write_entries(store, rows, valid, r, entries)

@@ -18,6 +18,25 @@ def gather_window(batch: ForwardBatch, ring: torch.Tensor, kv: torch.Tensor, win
     return source
 
 
+def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compressor's windows: this step's kv, score [N, w] (>= fp32) join the pending rings `{name}.pending_kv` /
+    `.pending_score` [S, span, w]; each row in `rows` [C] gets the `span` positions ending at its own, oldest
+    first -> (kv, score) [C, span, w]. A slot before position 0 (window 0's predecessor) has kv 0 and the lowest
+    finite score, so it weighs 0 and an all-missing window pools to finite garbage, never NaN. Then writes kv and
+    score into the rings."""
+    pend_kv, pend_score = batch.pools.rings[f"{name}.pending_kv"], batch.pools.rings[f"{name}.pending_score"]
+    span = pend_kv.shape[1]
+    kv_store, score_store = batch.store(pend_kv, kv), batch.store(pend_score, score)
+    batch.write_ring(pend_kv, kv)
+    batch.write_ring(pend_score, score)
+    slots = batch.positions_index(rows, span, span)                                  # [C, span]
+    present = (slots >= 0).unsqueeze(-1)
+    win_kv = torch.where(present, kv_store[slots.clamp(min=0)], 0)
+    win_score = torch.where(present, score_store[slots.clamp(min=0)], torch.finfo(score.dtype).min)
+    return win_kv, win_score
+
+
 def selected_entries(entry_index: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """entry_index [N, J] store rows of each row's candidate entries, top [N, k] positions into J (-1: none)
     -> the selected store rows [N, k] (-1: none)."""

@@ -73,10 +73,11 @@ class StepProbe:
         return int(self.batch_size * per_seq)
 
     @torch.inference_mode()
-    def run(self) -> torch.Tensor:
-        """One step; returns the greedy picks [rows] (on the device)."""
+    def run(self, eager: bool = False) -> torch.Tensor:
+        """One step; returns the greedy picks [rows] (on the device). eager: skip the graph replay, so Python
+        runs (a routing recorder sees the step)."""
         with use(self.kernels):
-            if self.graphed:
+            if self.graphed and not eager:
                 logits = self.runner.graphs.run(self.inputs, self.ctx_blocks)
             else:
                 i = self.inputs

@@ -56,14 +56,15 @@ class StepProbe:
         return int(self.batch_size * (lay.bytes_per_slot() + (self.context_len + self.query_len) * lay.bytes_per_token()))
 
     @torch.inference_mode()
-    def run(self):
+    def run(self, eager: bool = False):
         if self.prefill:
             st = self.pools.load_state(self.slots[0], 0, self.model.new_state())
             kw = {"last_only": True} if self.model.cfg.model_type == "deepseek_v41" else {}
             out = self.model.extend([self.tokens.cpu()], [st], **kw)[0][-1:]
             self.pools.store_state(self.slots[0], st, 0)
             return out.argmax(-1)
-        logits = self.runner.graphs.run(self.slots_t, self.positions_t, self.tokens, self.ctx) if self.graphed else None
+        logits = self.runner.graphs.run(self.slots_t, self.positions_t, self.tokens, self.ctx) \
+            if self.graphed and not eager else None
         if logits is None:
             logits = self.runner.decode_step(self.model, self.pools, self.slots_t, self.positions_t, self.tokens,
                                              self.ctx)
