@@ -14,20 +14,9 @@ from .checkpoint.loader import load_checkpoint, shard_map
 from .config import load_model_config
 from .errors import CheckpointError, DeepInferError
 from .models import build_model
+from .validate import parse_dtype
 
 log = logging.getLogger("deepinfer")
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise DeepInferError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
 
 def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, qat_fake_quant: bool = True,
@@ -42,6 +31,13 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     expert_storage="fp4" (V4.1) keeps the routed experts as the checkpoint stores them (packed e2m1 + e8m0
     scales, 0.56 bytes per weight) and dequantizes each when it runs.
     """
+    from .env import check_environment
+    from .validate import EMBEDDED, check_device
+    check_environment()
+    device = check_device(device)
+    if path_or_id == EMBEDDED:
+        from .checkpoint.make import embedded_tiny_dir
+        path_or_id = embedded_tiny_dir()
     ckpt_dir = resolve_model_dir(path_or_id)
     cfg = _without_absent_mtp(load_model_config(ckpt_dir), ckpt_dir)
     options = {}

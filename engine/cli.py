@@ -7,93 +7,175 @@ import time
 
 import click
 
-from .env import accelerator
 from .errors import DeepInferError
+from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, PRESETS
 
 
 def run_cli(entry) -> None:
-    """Invoke a click group (or a plain function, e.g. an example's main); a DeepInferError (bad
-    SamplingParams included) becomes one line on stderr and exit status 2."""
+    """Invoke a click group (or a plain function, e.g. an example's main) under the error contract
+    (docs/errors.md): the DEEPINFER_* environment is checked first; a DeepInferError (bad SamplingParams
+    included), a usage error or an OS error on a path the user named becomes one `error:` line on stderr and
+    exit status 2; Ctrl-C exits 130."""
+    from .env import check_environment
     try:
+        check_environment()
         entry(standalone_mode=False) if isinstance(entry, click.Command) else entry()
     except DeepInferError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
-    except click.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
+        _fail(str(err))
     except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        ctx = getattr(err, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _fail(f"{err.format_message()}{hint}", err.exit_code)
+    except OSError as err:            # a path the user gave: unreadable, read-only, full disk, busy mount point
+        where = f"{err.filename}: " if err.filename else ""
+        _fail(f"{where}{err.strerror or err}; check the path and its permissions")
+    except KeyboardInterrupt:
         click.echo("aborted", err=True)
         sys.exit(130)
 
 
-@click.group(help="deepinfer: run DeepSeek-V4-family models (V4.1-Flash first) offline.")
+def _fail(message: str, code: int = 2) -> None:
+    click.echo("error: " + " ".join(message.split()), err=True)
+    sys.exit(code)
+
+
+@click.group(help="deepinfer: run DeepSeek-V4-family models (V4.1-Flash first) offline.", epilog="""Examples:
+
+\b
+  deepinfer run                      # greedy-decode a prompt on the embedded tiny model (CPU)
+  deepinfer generate --prompt hi     # the LLM API: continuous batching, sampling
+  deepinfer make-checkpoint --out /tmp/tiny   # a seeded random checkpoint in the release layout""")
 def cli() -> None:
     """Command group; the subcommands below do the work."""
 
 
-@cli.command("make-checkpoint", help="Write a seeded random model in the real on-disk layout.")
-@click.option("--arch", default="deepseek_v41", show_default=True, help="HF model_type: deepseek_v41 or deepseek_v4")
-@click.option("--preset", default="tiny", show_default=True, help="tiny (CPU seconds) or flash (released dims)")
+MAKE_EXAMPLES = """Examples:
+
+\b
+  deepinfer make-checkpoint --out /tmp/tiny-v41                      # tiny V4.1, DeepSeek layout (seconds)
+  deepinfer make-checkpoint --arch deepseek_v4 --format hf --seed 3 --out /tmp/tiny-v4-hf
+  deepinfer make-checkpoint --preset flash --layers 4 --out /data/v41-flash-4l   # released widths, 4 layers"""
+
+RUN_EXAMPLES = """Examples:
+
+\b
+  deepinfer run                                            # the embedded tiny V4.1 model on CPU
+  deepinfer run --arch deepseek_v4 --prompt "Hello" --max-tokens 16
+  deepinfer run --model /data/DeepSeek-V4.1-Flash --device cuda --dtype bfloat16 --expert-storage fp4
+
+The embedded model is untrained (random weights): its text is random; it exists to exercise the engine."""
+
+GENERATE_EXAMPLES = """Examples:
+
+\b
+  deepinfer generate --prompt "The capital of France is" --max-tokens 8
+  deepinfer generate --model tiny --prompt a --prompt b --temperature 0.8 --seed 1 --n 2 --json"""
+
+MODEL_HELP = "checkpoint dir, hub id, tiny or random:ARCH:PRESET:LAYERS [default: the embedded tiny model]"
+DEVICE_HELP = "cpu, cuda or cuda:N [default: $DEEPINFER_ACCELERATOR, else cpu]"
+
+
+@cli.command("make-checkpoint", epilog=MAKE_EXAMPLES,
+             help="Write a seeded random model in the real on-disk layout.")
+@click.option("--arch", type=click.Choice(ARCHS), default="deepseek_v41", show_default=True, help="HF model_type")
+@click.option("--preset", type=click.Choice(PRESETS), default="tiny", show_default=True,
+              help="tiny (CPU seconds) or flash (released dims)")
 @click.option("--format", "fmt", type=click.Choice(["deepseek", "hf"]), default="deepseek", show_default=True)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--layers", default=None, type=int, help="reduced depth (N layers of the preset)")
-@click.option("--engram-vocab-size", default=None, type=int,
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--layers", default=None, type=click.IntRange(1), help="reduced depth (N layers of the preset)")
+@click.option("--engram-vocab-size", default=None, type=click.IntRange(1),
               help="deepseek_v41: smaller engram tables (bucket primes start here; the release uses 16000000)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, out, overwrite) -> None:
     from .checkpoint.make import make_checkpoint
+    if engram_vocab_size is not None and arch != "deepseek_v41":
+        raise DeepInferError(f"--engram-vocab-size sizes V4.1's engram tables; {arch} has none: drop it")
     t0 = time.perf_counter()
     path = make_checkpoint(arch, preset, fmt, seed, out, layers, overwrite, engram_vocab_size=engram_vocab_size)
     click.echo(f"wrote {arch}/{preset} seed {seed} ({fmt} format) to {path} in {time.perf_counter() - t0:.1f}s")
 
 
-@cli.command("run", help="Greedy-decode a prompt (default: the embedded tiny model on CPU).")
-@click.option("--model", default=None, help="checkpoint dir or hub id (default: the embedded tiny model)")
-@click.option("--arch", default="deepseek_v41", show_default=True,
-              help="the embedded tiny model's arch when --model is not given (deepseek_v41 or deepseek_v4)")
+@cli.command("run", epilog=RUN_EXAMPLES, help="Greedy-decode one prompt on the engine, with timing and progress.")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--arch", type=click.Choice(ARCHS), default=None,
+              help="which embedded tiny model (without --model, or with --model tiny) [default: deepseek_v41]; "
+                   "with a checkpoint it must match its config.json")
 @click.option("--prompt", default="The quick brown fox", show_default=True)
-@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: $DEEPINFER_ACCELERATOR, else cpu)")
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--device", default=None, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--no-qat", is_flag=True, help="turn off the reference's QAT fake-quant steps")
-@click.option("--expert-storage", type=click.Choice(["dense", "fp4"]), default="dense", show_default=True,
+@click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True,
               help="fp4: keep V4.1 routed experts packed as stored (0.56 B/weight), dequantized per use")
-def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_storage) -> None:
-    import torch
+@click.option("--no-progress", is_flag=True, help="no progress bar")
+def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_storage, no_progress) -> None:
+    from .llm import LLM
+    from .sampling import SamplingParams
+    from .validate import check_checkpoint_arch, check_model_spec
+    model = check_model_spec(model)
+    if model is None or model == EMBEDDED:
+        from .checkpoint.make import embedded_tiny_dir
+        model = embedded_tiny_dir(arch or "deepseek_v41")
+    elif arch is not None and isinstance(model, str) and model.startswith("random:"):
+        check_checkpoint_arch(arch, model, model.split(":")[1])
+    if not (isinstance(model, str) and model.startswith("random:")):
+        _check_prompt_first(model, arch, prompt)
+    t0 = time.perf_counter()
+    llm = LLM(model=model, device=device, dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage,
+              max_num_seqs=1)
+    cfg = llm.model.cfg
+    check_checkpoint_arch(arch, llm.model.checkpoint_dir, cfg.model_type)
+    ids = llm.tokenizer.encode(prompt).ids
+    click.echo(f"loaded {cfg.model_type} ({cfg.num_hidden_layers} layers) from {llm.model.checkpoint_dir} "
+               f"in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens")
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    bar = None if no_progress else _token_bar(llm, len(ids) + max_tokens)
+    try:
+        out = llm.generate(prompt, sp, use_tqdm=False)[0]
+    finally:
+        if bar is not None:
+            bar.close()
+    done, m = out.outputs[0], out.metrics[0]
+    n, decode_s = len(done.token_ids), m.token_times[-1] - m.first_token_time
+    click.echo(f"output: {done.text!r} ({done.finish_reason})")
+    click.echo(f"prefill {len(ids)} tok, first token after {m.ttft * 1e3:.1f} ms; decode {n - 1} more tok at "
+               f"{(n - 1) / decode_s if n > 1 and decode_s > 0 else float('nan'):.1f} tok/s; "
+               f"{llm.stats.steps} engine steps")
+
+
+def _check_prompt_first(model, arch, prompt: str) -> None:
+    """Before the weights load (minutes at released widths): the checkpoint's config and tokenizer decide whether
+    --arch fits and the prompt is empty or too long, with the checks LLM.generate makes."""
     from tokenizers import Tokenizer
 
-    from .api import load_model
-    from .checkpoint.make import embedded_tiny_dir
-    path = model if model is not None else embedded_tiny_dir(arch)
-    t0 = time.perf_counter()
-    llm = load_model(path, device=device or accelerator(), dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage)
-    tok_file = llm.checkpoint_dir / "tokenizer.json"
-    if not tok_file.is_file():
-        raise DeepInferError(f"{llm.checkpoint_dir} has no tokenizer.json; the run command needs one")
-    tokenizer = Tokenizer.from_file(str(tok_file))
-    ids = tokenizer.encode(prompt).ids
-    click.echo(f"loaded {llm.cfg.model_type} ({llm.cfg.num_hidden_layers} layers) from {llm.checkpoint_dir} "
-               f"in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens")
-    state, out = llm.new_state(), []
-    t1 = time.perf_counter()
-    logits = llm.extend([torch.tensor(ids)], [state])[0][-1]
-    t2 = time.perf_counter()
-    for _ in range(max_tokens):
-        nxt = int(logits.argmax())
-        out.append(nxt)
-        if nxt == llm.cfg.eos_token_id or len(out) == max_tokens:
-            break
-        logits = llm.extend([torch.tensor([nxt])], [state])[0][-1]
-    t3 = time.perf_counter()
-    click.echo(f"output: {tokenizer.decode(out)!r}")
-    click.echo(f"prefill {len(ids)} tok in {(t2 - t1) * 1e3:.1f} ms; decode {len(out)} tok at "
-               f"{len(out) / max(t3 - t2, 1e-9):.1f} tok/s; state {state.nbytes() / 1024:.1f} KiB")
+    from .checkpoint.hub import resolve_model_dir
+    from .config import load_model_config
+    from .validate import check_checkpoint_arch, encode_prompt
+    ckpt = resolve_model_dir(model)
+    cfg = load_model_config(ckpt)
+    check_checkpoint_arch(arch, ckpt, cfg.model_type)
+    tok_file = ckpt / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None   # LLM names a missing one
+    if tokenizer is not None or not prompt:
+        encode_prompt(0, prompt, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
 
 
-@cli.command("generate", help="Generate with continuous batching (the LLM API) for one or more prompts.")
-@click.option("--model", default=None, help="checkpoint dir or hub id (default: the embedded tiny model)")
+def _token_bar(llm, total: int):
+    """A tqdm bar over the tokens the engine feeds (prompt chunks, then one per decode step), fed by a step
+    observer; shown on stderr, only when it is a terminal (tqdm's default)."""
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total, desc="run", unit="tok", leave=False, disable=None)
+    llm.engine.step_observers.append(lambda batch: bar.update(sum(s.n for s in batch)))
+    return bar
+
+
+@cli.command("generate", epilog=GENERATE_EXAMPLES,
+             help="Generate with continuous batching (the LLM API) for one or more prompts.")
+@click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--prompt", "prompts", multiple=True, required=True, help="a prompt (repeat for several)")
 @click.option("--max-tokens", default=32, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float)
@@ -101,8 +183,8 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
 @click.option("--top-k", default=-1, show_default=True, type=int)
 @click.option("--n", default=1, show_default=True, type=int)
 @click.option("--seed", default=None, type=int, help="per-request seed (reproducible draws)")
-@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: $DEEPINFER_ACCELERATOR, else cpu)")
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--device", default=None, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON line per prompt")
 def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed, device, dtype, as_json) -> None:
     import json

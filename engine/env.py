@@ -1,74 +1,122 @@
-"""Every DEEPINFER_* environment variable the engine reads, in one place (README lists them).
+"""Every DEEPINFER_* environment variable, in one table with one rule each (README's table lists the same ones; a
+test keeps them equal). Every entry point (LLM, load_model, the three CLIs) calls `check_environment()` before any
+work, so a bad value, or a DEEPINFER_* name that is not one of these, is the same one error line wherever it is
+read. An empty value means unset.
 
-DEEPINFER_HF_MODEL_DIR is read by checkpoint/hub.py."""
+Kinds: flag = 1/0 (also true/false, yes/no, on/off, any case); int = a decimal integer >= a minimum; choice = one
+of a list; path = any non-empty string (checked where it is used); build = read by build.sh only."""
 
 from __future__ import annotations
 
+import difflib
 import os
+from dataclasses import dataclass
 
 from .errors import DeepInferError
 
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+PREFIX = "DEEPINFER_"
 
 
-def env_flag(name: str, default: bool) -> bool:
+@dataclass(frozen=True)
+class Var:
+    kind: str                    # flag | int | choice | path | build
+    default: object = None
+    minimum: int = 0             # int
+    choices: tuple = ()          # choice (cuda:N is also taken by DEEPINFER_ACCELERATOR)
+    doc: str = ""
+
+
+VARIABLES = {
+    "DEEPINFER_ACCELERATOR": Var("choice", "cpu", choices=("cpu", "nvidia", "cuda", "auto"),
+                                 doc="default device (nvidia/cuda/cuda:N -> that GPU, auto -> a GPU when visible); "
+                                     "build.sh's wheel choice"),
+    "DEEPINFER_KERNEL_BACKEND": Var("choice", None, choices=("reference", "invariant"),
+                                    doc="kernel backend set when LLM(kernel_backend=) is not given"),
+    "DEEPINFER_BATCH_INVARIANT": Var("flag", False, doc="1 = the invariant kernel backend"),
+    "DEEPINFER_ASYNC_SCHEDULING": Var("flag", True, doc="plan step N+1 while the device runs step N"),
+    "DEEPINFER_YOCO_PREFILL": Var("flag", True, doc="V4.1 YOCO-truncated prefill of last-logit pieces"),
+    "DEEPINFER_YOCO_PREFILL_MIN_TOKENS": Var("int", 2, minimum=1, doc="shorter pieces run untruncated"),
+    "DEEPINFER_CONFIGURE_LOGGING": Var("flag", True, doc="INFO handler for the deepinfer logger on stderr"),
+    "DEEPINFER_HF_MODEL_DIR": Var("path", None, doc="local checkpoint directory used instead of a hub download"),
+    "DEEPINFER_V41_REFERENCE": Var("path", None, doc="tests: transformers main's deepseek_v41 package directory"),
+    "DEEPINFER_TORCH_SPEC": Var("build", doc="build.sh: torch requirement"),
+    "DEEPINFER_TORCH_INDEX_URL": Var("build", doc="build.sh: extra torch wheel index"),
+    "DEEPINFER_NO_TEST_DEPS": Var("build", doc="build.sh: 1 skips the test dependencies (a flag, same spellings)"),
+}
+
+
+def _raw(name: str) -> str | None:
     raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    v = raw.strip().lower()
-    if v not in _TRUE | _FALSE:
-        raise DeepInferError(f"{name}={raw!r} is not a boolean; use 1 or 0")
-    return v in _TRUE
+    return None if raw is None or not raw.strip() else raw.strip()
 
 
-def env_int(name: str, default: int, minimum: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise DeepInferError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise DeepInferError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
-def async_scheduling_default() -> bool:
-    """DEEPINFER_ASYNC_SCHEDULING (default 1): plan step N+1 while the device runs step N."""
-    return env_flag("DEEPINFER_ASYNC_SCHEDULING", True)
-
-
-def accelerator() -> str:
-    """DEEPINFER_ACCELERATOR (also build.sh's wheel choice): the device used when none is given.
-    nvidia | cuda | cuda:N -> that GPU, cpu -> cpu, auto -> cuda when a GPU is visible; unset -> cpu."""
-    raw = os.environ.get("DEEPINFER_ACCELERATOR", "cpu").strip().lower() or "cpu"
-    if raw == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if raw == "nvidia":
-        return "cuda"
-    if raw != "cpu" and raw != "cuda" and not (raw.startswith("cuda:") and raw[5:].isdigit()):
-        raise DeepInferError(f"DEEPINFER_ACCELERATOR={raw!r}: use cpu, nvidia, cuda, cuda:N or auto")
+def read(name: str):
+    """The value of DEEPINFER_<...> `name` under its rule (its default when unset or empty)."""
+    var = VARIABLES[name]
+    raw = _raw(name)
+    if raw is None:
+        return var.default
+    if var.kind == "flag":
+        v = raw.lower()
+        if v not in _TRUE + _FALSE:
+            raise DeepInferError(f"{name}={raw!r} is not a flag; use 1 or 0")
+        return v in _TRUE
+    if var.kind == "int":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise DeepInferError(f"{name}={raw!r} is not an integer; use an integer >= {var.minimum}") from None
+        if value < var.minimum:
+            raise DeepInferError(f"{name}={value} must be >= {var.minimum}")
+        return value
+    if var.kind == "choice":
+        v = raw.lower() if name == "DEEPINFER_ACCELERATOR" else raw
+        gpu_index = name == "DEEPINFER_ACCELERATOR" and v.startswith("cuda:") and v[5:].isdigit()
+        if v not in var.choices and not gpu_index:
+            extra = ", cuda:N" if name == "DEEPINFER_ACCELERATOR" else ""
+            raise DeepInferError(f"{name}={raw!r}: use one of {', '.join(var.choices)}{extra}")
+        return v
     return raw
 
 
-def check_device(device) -> str:
-    """A device string LLM can use, or one error line (unknown name, no CUDA build / GPU, index out of range)."""
-    import torch
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeepInferError(f"device={device!r} is not a device; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeepInferError(f"device={device!r}: no CUDA GPU is visible to this torch build "
-                                 f"(torch {torch.__version__}); use cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise DeepInferError(f"device={device!r}: only {torch.cuda.device_count()} GPU(s) are visible")
-    elif dev.type != "cpu":
-        raise DeepInferError(f"device={device!r}: deepinfer runs on cpu or cuda")
-    return str(dev)
+def check_environment() -> None:
+    """Read every DEEPINFER_* variable under its rule, before any work: a bad value or an unknown DEEPINFER_* name
+    (a typo would otherwise be ignored) is one error line."""
+    for name in sorted(os.environ):
+        if name.startswith(PREFIX) and name not in VARIABLES:
+            hint = difflib.get_close_matches(name, list(VARIABLES), n=1)
+            raise DeepInferError(f"{name} is not a deepinfer setting" + (f" (did you mean {hint[0]}?)" if hint else "")
+                                 + f"; unset it (the known ones are listed in the README)")
+    for name in VARIABLES:
+        read(name)
+    kernel_backend()
+
+
+def accelerator() -> str:
+    """DEEPINFER_ACCELERATOR as a device name: nvidia -> cuda, auto -> cuda when a GPU is visible, else as given."""
+    v = read("DEEPINFER_ACCELERATOR")
+    if v == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if v == "nvidia" else v
+
+
+def async_scheduling_default() -> bool:
+    return read("DEEPINFER_ASYNC_SCHEDULING")
+
+
+def yoco_prefill() -> bool:
+    """V4.1 prefill pieces that need only their last logits run with YOCO truncation (exact; docs/model-v41.md)."""
+    return read("DEEPINFER_YOCO_PREFILL")
+
+
+def yoco_prefill_min_tokens() -> int:
+    return read("DEEPINFER_YOCO_PREFILL_MIN_TOKENS")
+
+
+def hf_model_dir() -> str | None:
+    return read("DEEPINFER_HF_MODEL_DIR")
 
 
 def kernel_backend(requested: str | None = None) -> str:
@@ -76,9 +124,8 @@ def kernel_backend(requested: str | None = None) -> str:
     else DEEPINFER_KERNEL_BACKEND else `reference`; DEEPINFER_BATCH_INVARIANT=1 selects `invariant` and
     cannot be combined with another choice."""
     from deepinfer.kernels.table import BACKEND_SETS
-    invariant = env_flag("DEEPINFER_BATCH_INVARIANT", False)
-    raw = os.environ.get("DEEPINFER_KERNEL_BACKEND", "").strip()
-    name = requested if requested is not None else (raw or None)
+    invariant = read("DEEPINFER_BATCH_INVARIANT")
+    name = requested if requested is not None else read("DEEPINFER_KERNEL_BACKEND")
     source = "kernel_backend" if requested is not None else "DEEPINFER_KERNEL_BACKEND"
     if name is not None and name not in BACKEND_SETS:
         raise DeepInferError(f"{source}={name!r} is not a kernel backend; use one of {list(BACKEND_SETS)}")
@@ -90,36 +137,17 @@ def kernel_backend(requested: str | None = None) -> str:
     return name or "reference"
 
 
-def check_environment() -> None:
-    """Read every DEEPINFER_* setting once, before any work, so a bad value is one error line up front."""
-    kernel_backend()
-    async_scheduling_default()
-    yoco_prefill()
-    yoco_prefill_min_tokens()
-
-
-def yoco_prefill() -> bool:
-    """DEEPINFER_YOCO_PREFILL (default 1): V4.1 prefill pieces that need only their last logits run with YOCO
-    truncation (exact; docs/model-v41.md). 0 runs every layer on every row."""
-    return env_flag("DEEPINFER_YOCO_PREFILL", True)
-
-
-def yoco_prefill_min_tokens() -> int:
-    """DEEPINFER_YOCO_PREFILL_MIN_TOKENS (default 2): pieces shorter than this run untruncated."""
-    return env_int("DEEPINFER_YOCO_PREFILL_MIN_TOKENS", 2, 1)
-
-
 def configure_logging() -> None:
     """DEEPINFER_CONFIGURE_LOGGING (default 1): give the `deepinfer` logger an INFO handler on stderr (as vLLM
-    does), so start-up lines such as the state-pool sizes are seen; 0 leaves logging to the application."""
+    does), so start-up lines such as the state-pool sizes are seen; 0 leaves logging to the application. At import
+    a bad value is not raised (nothing may fail at import); every entry point refuses it in check_environment."""
     import logging
     import sys
     logger = logging.getLogger("deepinfer")
     try:
-        wanted = env_flag("DEEPINFER_CONFIGURE_LOGGING", True)
-    except DeepInferError as e:          # at import: say it, keep the default, never a traceback
-        print(f"deepinfer: {e}; configuring logging as by default", file=sys.stderr)
-        wanted = True
+        wanted = read("DEEPINFER_CONFIGURE_LOGGING")
+    except DeepInferError:
+        wanted = False
     if not wanted or logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)

@@ -15,16 +15,18 @@ import logging
 import numpy as np
 import torch
 
-from .api import load_model, parse_dtype
+from .api import load_model
 from .errors import DeepInferError
 from .cache.manager import StateManager
 from .core import EngineConfig, EngineCore, unsupported
-from .env import accelerator, async_scheduling_default, check_device, check_environment, kernel_backend
-from .outputs import CompletionOutput, RequestOutput
+from .env import async_scheduling_default, check_environment, kernel_backend
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request
 from .stats import EngineStats
+from .validate import (check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list, resolve_model,
+                       sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 log = logging.getLogger("deepinfer")
@@ -33,7 +35,7 @@ INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width e
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
-                "keep_quantized": False, "kernel_backend": None}
+                "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 
 
@@ -58,29 +60,26 @@ class LLM:
         util = args["gpu_memory_utilization"]
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
-        for name in ("enforce_eager", "async_scheduling", "keep_quantized"):
+        for name in ("enforce_eager", "async_scheduling", "keep_quantized", "skip_tokenizer_init"):
             if args[name] is not None and not isinstance(args[name], bool):
                 raise DeepInferError(f"{name}={args[name]!r} must be True or False")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
-        device = check_device(accelerator() if device is None else device)
         check_environment()
+        model = check_model_spec(model)
+        device = device_or_default(device)
+        dtype = parse_dtype(dtype)
         backend = kernel_backend(args["kernel_backend"])        # a bad name is one line before the model loads
         if args["max_num_batched_tokens"] < args["max_num_seqs"]:
             raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
                                  f"{args['max_num_seqs']}: every running sequence needs a token of each step's budget")
-        if model is None:
-            from .checkpoint.make import embedded_tiny_dir
-            model = embedded_tiny_dir()
-        if isinstance(model, torch.nn.Module):      # an already built model (load_model / random_model)
-            if not hasattr(model, "checkpoint_dir"):
-                raise DeepInferError("a model object passed to LLM needs .checkpoint_dir (a directory holding its "
-                                     "tokenizer.json)")
+        model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant)
+        if isinstance(model, torch.nn.Module):      # an already built model (load_model / random:... / random_model)
             self.model = model
         else:
-            self.model = load_model(model, device=device, dtype=parse_dtype(dtype), qat_fake_quant=qat_fake_quant,
+            self.model = load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
                                     keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
         if not 1 <= self.max_model_len <= limit:
@@ -105,7 +104,8 @@ class LLM:
         runner = ModelRunner(self.model, manager, cuda_graphs=not self._args["enforce_eager"],
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
                              fixed_context=kernels.name == "invariant")
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        decode = (lambda ids: "") if self.tokenizer is None else \
+            (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
         return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id)
 
     def with_kernel_backend(self, name: str) -> "LLM":
@@ -135,17 +135,19 @@ class LLM:
         return self.engine.stats
 
     def get_tokenizer(self):
-        """The checkpoint's tokenizer (a `tokenizers.Tokenizer`)."""
+        """The checkpoint's tokenizer (a `tokenizers.Tokenizer`; None with skip_tokenizer_init=True)."""
         return self.tokenizer
 
     # ---- generation ----
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these.
+        A flat sequence of ints (list, tuple, 1-D numpy / torch integer array) is one prompt of token ids.
         One SamplingParams for all prompts or one per prompt. Returns one RequestOutput per prompt, in order."""
-        prompts = self._as_list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]   # every request checked before any work
+        prompts = prompt_list(prompts)
+        params = sampling_params_list(sampling_params, len(prompts))
+        encoded = [encode_prompt(i, p, self.tokenizer, self.model.cfg.vocab_size, self.max_model_len)
+                   for i, p in enumerate(prompts)]                    # every request checked before any work
         for i, sp in enumerate(params):
             self._check_params(i, sp)
         groups = []
@@ -217,47 +219,6 @@ class LLM:
         return budget
 
     # ---- inputs ----
-    @staticmethod
-    def _as_list(prompts) -> list:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            return [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise DeepInferError("prompts must be a string, a list of token ids, a {'prompt_token_ids': [...]} "
-                                 "dict, or a non-empty list of these")
-        return list(prompts)
-
-    @staticmethod
-    def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
-        if sp is None:
-            return [SamplingParams()] * n
-        if isinstance(sp, SamplingParams):
-            return [sp] * n
-        sp = list(sp)
-        if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
-            raise DeepInferError(f"give one SamplingParams, or one per prompt ({n}); got {len(sp)}")
-        return sp
-
-    def _encode(self, i: int, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
-            text, ids = None, prompt["prompt_token_ids"]
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, prompt
-        else:
-            raise DeepInferError(f"prompt {i} is a {type(prompt).__name__}; give a string, a list of token ids or "
-                                 f"{{'prompt_token_ids': [...]}}")
-        ids = list(ids)
-        vocab = self.model.cfg.vocab_size
-        if not ids or (isinstance(prompt, str) and not prompt):
-            raise DeepInferError(f"prompt {i} is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise DeepInferError(f"prompt {i} holds token ids outside 0..{vocab - 1} (or non-integers)")
-        if len(ids) >= self.max_model_len:
-            raise DeepInferError(f"prompt {i} has {len(ids)} tokens; max_model_len is {self.max_model_len}, which "
-                                 f"must leave room for at least one generated token")
-        return text, ids
-
     def _check_params(self, i: int, sp: SamplingParams) -> None:
         """What SamplingParams cannot check alone: what the engine supports, ids against the vocabulary, logprob
         counts."""
@@ -268,6 +229,9 @@ class LLM:
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise DeepInferError(f"request {i}: stop_token_ids {bad} are outside the vocabulary (0..{vocab - 1})")
+        if sp.stop and self.tokenizer is None:
+            raise DeepInferError(f"request {i}: stop strings need the tokenizer, but the engine was built with "
+                                 f"skip_tokenizer_init=True; use stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(sp, name)
             if k is not None and k > min(MAX_LOGPROBS, vocab):
@@ -280,13 +244,26 @@ class LLM:
         return Request(f"{rid}-{j}" if sp.n > 1 else rid, list(ids), sp, seed, index=j)
 
     def _output(self, rid: str, text, ids, reqs: list[Request]) -> RequestOutput:
-        outs = [CompletionOutput(r.index, self._text(r), list(r.output_ids), r.logprobs, r.finish_reason,
-                                 r.stop_reason) for r in reqs]
-        prompt_lp = reqs[0].prompt_logprobs
+        outs = [CompletionOutput(r.index, self._text(r), list(r.output_ids), self._decoded(r.logprobs),
+                                 r.finish_reason, r.stop_reason) for r in reqs]
+        prompt_lp = self._decoded(reqs[0].prompt_logprobs)
         if prompt_lp is None and reqs[0].params.prompt_logprobs is not None:
             prompt_lp = [None]                   # a 1-token prompt: its only token has no logprob (as vLLM)
         return RequestOutput(rid, text, list(ids), prompt_lp, outs,
                              all(r.finish_reason for r in reqs), [r.metrics for r in reqs])
+
+    def _decoded(self, entries: list[dict | None] | None) -> list[dict[int, Logprob] | None] | None:
+        """Logprob entries with each token's text (vLLM's decoded_token); unchanged without a tokenizer."""
+        if entries is None or self.tokenizer is None:
+            return entries
+        text: dict[int, str] = {}
+
+        def decoded(t: int) -> str:
+            if t not in text:
+                text[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+            return text[t]
+        return [None if e is None else {t: Logprob(lp.logprob, lp.rank, decoded(t)) for t, lp in e.items()}
+                for e in entries]
 
     def _text(self, r: Request) -> str:
         return self.engine.output_text(r)          # a matched stop string is not part of the output
@@ -295,11 +272,14 @@ class LLM:
         from tokenizers import Tokenizer
         path = self.model.checkpoint_dir / "tokenizer.json"
         if not path.is_file():
-            raise DeepInferError(f"{self.model.checkpoint_dir} has no tokenizer.json; LLM needs the checkpoint's "
-                                 f"tokenizer")
+            raise DeepInferError(f"{self.model.checkpoint_dir} has no tokenizer.json; copy the checkpoint's "
+                                 f"tokenizer there, or pass skip_tokenizer_init=True and give token-id prompts")
         return Tokenizer.from_file(str(path))
 
     def _render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise DeepInferError("chat renders text through the tokenizer, but the engine was built with "
+                                 "skip_tokenizer_init=True; use generate with token ids")
         return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
 
     def chat_template(self) -> tuple[str, dict]:

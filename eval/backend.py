@@ -112,16 +112,15 @@ class DeepInferLM(TemplateLM):
             ids = (list(ctx) + list(cont))[-(self.max_length + 1):]
             prompts.append({"prompt_token_ids": ids})
             spans.append(len(cont))
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)   # each token's Logprob has its rank
         outs = self._generate(prompts, params, disable_tqdm)
         results = []
         for out, n in zip(outs, spans):
             ids, lps = out.prompt_token_ids, out.prompt_logprobs
             total, greedy = 0.0, True
             for tok, entry in zip(ids[-n:], lps[-n:]):
-                lp = entry[tok]
-                total += lp
-                greedy = greedy and lp >= max(entry.values())
+                total += entry[tok].logprob
+                greedy = greedy and entry[tok].rank == 1            # ties with the best token count as greedy
             results.append((total, greedy))
         return results
 
@@ -196,7 +195,7 @@ class DeepInferLM(TemplateLM):
 def build_engine(model: str, device: str | None, dtype: str, seed: int, qat_fake_quant: bool, engine_args: dict):
     """LLM for a model name: a checkpoint dir, a hub id, `tiny` (the embedded model) or random:ARCH:PRESET:N."""
     from deepinfer import LLM
-    from deepinfer.checkpoint.make import resolve_model
+    from deepinfer.validate import resolve_model
     from deepinfer.env import accelerator
     device = device or accelerator()
     model = resolve_model(str(model), device, dtype, engine_args.get("expert_storage", "dense"),

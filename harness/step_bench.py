@@ -503,7 +503,7 @@ def check_model_spec(spec: str) -> None:
 
 def build_engine(cfg: StepConfig):
     from deepinfer import LLM
-    from deepinfer.checkpoint.make import resolve_model
+    from deepinfer.validate import resolve_model
     model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage)
     return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, **cfg.engine_args())
 
@@ -599,7 +599,7 @@ def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", r
     todo = [p for p in cfg.points() if p.key not in done]
     if not todo:
         return run_dir, store.rows()
-    from deepinfer.api import parse_dtype
+    from deepinfer.validate import parse_dtype
     echo(f"ceilings on {cfg.device} ...")
     ceilings = measure_ceilings(cfg.device, parse_dtype(cfg.dtype))
     extra = [f"{name} {ceilings[k] / 1e12:.1f}" for name, k in (("bf16", "gemm_bf16_flops_per_s"),

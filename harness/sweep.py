@@ -1,10 +1,11 @@
 """`deepinfer-bench sweep`: run every point of a sweep definition on the engine and write one row per point.
 
 Run directory: `<report_dir>/<schema_version>/<run_id>/` with `sweep.yaml` (the normalized definition),
-`env.json` (identity and environment), `rows.jsonl` and `raw/<point>.json` (vLLM-bench-compatible). Points are
-independent and each row is durable when written, so `--resume` (same run id) skips finished points and a
-killed sweep loses at most the point it was running; a failing point writes a failure row and, with
-`--continue-on-error`, the sweep goes on.
+`env.json` (identity and environment), `rows.jsonl` and `raw/<point>.json` (vLLM-bench-compatible). It is made
+once every check has passed and the engine is built (a bad device, model or --resume leaves nothing), and
+removed again when the run fails before its first row. Points are independent and each row is durable when
+written, so `--resume` (same run id) skips finished points and a killed sweep loses at most the point it was
+running; a failing point writes a failure row and, with `--continue-on-error`, the sweep goes on.
 
 Point semantics (docs/bench.md): prefill points feed random prompts of the scenario's ISL and generate one
 token (input tokens/s per GPU against TTFT); decode points run the scenario's ISL/OSL (output tokens/s per GPU
@@ -12,6 +13,7 @@ against tokens/s/user = 1000 / median TPOT in ms). Warm-up requests run before e
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -22,12 +24,14 @@ from pathlib import Path
 import yaml
 
 from deepinfer.errors import DeepInferError
+from deepinfer.validate import check_device
 
 from .metrics import RequestTiming, chunk_gaps, compute_metrics
 from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
-from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, environment, run_id_for, utc_now
+from .rows import (METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
+                   run_dir_guard, run_id_for, utc_now)
 from .sweep_config import SweepConfig, SweepPoint, parse_sweep
 from .workload import Workload, random_workload, run_workload
 
@@ -62,6 +66,9 @@ def check_topology(cfg: SweepConfig) -> None:
     found, where = ranks_found(cfg.device)
     for mode in cfg.modes:
         want = cfg.topology.ranks(mode)
+        if want > 1 and ":" in cfg.device:
+            raise TopologyError(f"device {cfg.device} pins one GPU, but {mode} points ask for {want} ranks: use device "
+                                f"cuda (torchrun gives each rank its own GPU), or {mode}_ranks: 1")
         if want > found:
             raise TopologyError(
                 f"the sweep asks for {want} {mode} ranks but this launch has {found} ({where}); launch it across "
@@ -78,7 +85,7 @@ def check_topology(cfg: SweepConfig) -> None:
 def build_llm(cfg: SweepConfig, device: str | None = None):
     """The sweep's engine, on `device` (default: the sweep's; a rank of a multi-GPU launch passes its own GPU)."""
     from deepinfer import LLM
-    from deepinfer.checkpoint.make import resolve_model
+    from deepinfer.validate import resolve_model
     args, device = dict(cfg.engine_args), device or cfg.device
     model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"))
     return LLM(model=model, device=device, dtype=cfg.dtype, seed=cfg.seed, **args)
@@ -157,6 +164,7 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
               continue_on_error: bool = False, progress: bool = True) -> Path:
     """Run the sweep's points not yet done; returns the run directory. Under torchrun every rank calls this:
     rank 0 owns the files, the others run their replicas' shares."""
+    check_device(cfg.device)             # one line on a machine without the GPU, before any topology advice
     check_topology(cfg)
     ranks = init_ranks(cfg.device)
     try:
@@ -168,31 +176,35 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
 def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, continue_on_error, progress) -> Path:
     run_id = share(ranks, run_id_for(run_id, cfg.name))     # every rank checks its own; rank 0's time names it
     run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
-    prepared = None
-    if ranks.main:
-        try:
-            prepared = ("ok", *_prepare_run(cfg, run_dir, resume))
-        except Exception as e:           # noqa: BLE001  shared, so the other ranks stop too instead of waiting
-            prepared = ("error", str(e) if isinstance(e, DeepInferError) else f"{type(e).__name__}: {e}")
-    prepared = share(ranks, prepared)
-    if prepared[0] == "error":
-        raise DeepInferError(prepared[1])
-    _, todo_keys, env = prepared
-    store = RowStore(run_dir) if ranks.main else None
+    todo_keys = _on_main(ranks, lambda: _check_run(cfg, run_dir, resume))
     todo = [(i, p) for i, p in enumerate(cfg.points()) if p.key in todo_keys]
     if not todo:
         return run_dir
-    llm = build_llm(cfg, ranks.device(cfg.device))
-    identity = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "run_id": run_id,
-                "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
-                "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
-                "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
-                "engine": "deepinfer", "kernel_backend": llm.stats.kernel_backend,
-                "kernel_backends": llm.stats.kernel_backends, "spec_mode": "none", "is_projected": False, "git_sha": env["git"]["sha"],
-                "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
-                "topology": cfg.to_dict()["topology"], "engine_args": dict(cfg.engine_args),
-                "range_ratio": cfg.range_ratio, "launch_ranks": ranks.world}
-    bar = _progress(len(todo), progress and ranks.main)
+    llm = build_llm(cfg, ranks.device(cfg.device))          # a bad model fails here: no run directory yet
+    with run_dir_guard(run_dir) if ranks.main else contextlib.nullcontext():
+        store, env = _on_main(ranks, lambda: _open_run(cfg, run_dir, resume))
+        _run_points(llm, cfg, ranks, todo, store if ranks.main else None, _identity(llm, cfg, ranks, run_id, env),
+                    continue_on_error, progress and ranks.main)
+    return run_dir
+
+
+def _identity(llm, cfg: SweepConfig, ranks: Ranks, run_id: str, env: dict) -> dict:
+    """The fields every row of the run carries."""
+    return {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "run_id": run_id,
+            "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
+            "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
+            "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
+            "engine": "deepinfer", "kernel_backend": llm.stats.kernel_backend,
+            "kernel_backends": llm.stats.kernel_backends, "spec_mode": "none", "is_projected": False,
+            "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"],
+            "seed": cfg.seed, "topology": cfg.to_dict()["topology"], "engine_args": dict(cfg.engine_args),
+            "range_ratio": cfg.range_ratio, "launch_ranks": ranks.world}
+
+
+def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore | None, identity: dict,
+                continue_on_error: bool, progress: bool) -> None:
+    """Measure each point; rank 0 (`store`) appends its row (a failure row when it raises)."""
+    bar = _progress(len(todo), progress)
     for i, point in todo:
         row = {**identity, "key": point.key, "mode": point.mode, "isl": point.isl, "osl": point.osl,
                "concurrency": point.concurrency, "num_prompts": point.num_prompts, "warmup": point.warmup,
@@ -205,7 +217,7 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
                 store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": utc_now()})
                 log.warning(f"{point.key}: failed after {time.perf_counter() - t0:.1f} s ({type(e).__name__}: {e})")
             if not continue_on_error:
-                where = store.path if store is not None else f"{run_dir}/rows.jsonl"
+                where = store.path if store is not None else "rank 0's rows.jsonl"
                 raise DeepInferError(f"point {point.key} failed ({type(e).__name__}: {e}); its failure row is in "
                                      f"{where}; rerun with --resume (and --continue-on-error to go on past "
                                      f"failures)") from e
@@ -218,30 +230,56 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
             bar.update(1)
     if bar is not None:
         bar.close()
-    return run_dir
 
 
-def _prepare_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> tuple[list[str], dict]:
-    """Rank 0: check --resume against the stored definition, write sweep.yaml / env.json for a new run; returns
-    (keys of the points still to run, environment)."""
-    definition = cfg.to_dict()
+def _on_main(ranks: Ranks, fn):
+    """fn() on rank 0 and its result on every rank; when it raises, every rank raises (none waits forever)."""
+    result, error = None, None
+    if ranks.main:
+        try:
+            result = fn()
+        except Exception as e:           # noqa: BLE001  shared, so the other ranks stop too instead of waiting
+            error = e
+    message = None if error is None else str(error) if isinstance(error, DeepInferError) else \
+        f"{type(error).__name__}: {error}"
+    shared = share(ranks, ("ok", result) if error is None else ("error", message))
+    if error is not None:
+        raise error
+    if shared[0] == "error":
+        raise DeepInferError(shared[1])
+    return result if ranks.main else shared[1]
+
+
+def _check_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> list[str]:
+    """Rank 0, before anything is written: check --resume against the stored definition (or refuse to reuse a run
+    with rows); returns the keys of the points still to run."""
     if resume:
-        if not (run_dir / "sweep.yaml").exists():
+        stored = run_dir / "sweep.yaml"
+        if not stored.exists():
             raise DeepInferError(f"--resume: no sweep run {run_dir} (no sweep.yaml there); check --run-id and "
                                  f"--report-dir")
-        if yaml.safe_load((run_dir / "sweep.yaml").read_text()) != definition:
-            raise DeepInferError(f"--resume: {run_dir}/sweep.yaml differs from this sweep's definition; resume with "
-                                 f"the same sweep, or start a new --run-id")
+        try:
+            same = yaml.safe_load(stored.read_text()) == cfg.to_dict()
+        except yaml.YAMLError:
+            same = False
+        if not same:
+            raise DeepInferError(f"--resume: {stored} differs from this sweep's definition; resume with the same "
+                                 f"sweep, or start a new --run-id")
     elif (run_dir / "rows.jsonl").exists():
         raise DeepInferError(f"run {run_dir} already has rows: pass --resume to continue it, or a new --run-id")
+    done = done_keys(read_rows(run_dir))         # a corrupt row stops here, before the model loads
+    log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {run_dir}")
+    return [p.key for p in cfg.points() if p.key not in done]
+
+
+def _open_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> tuple[RowStore, dict]:
+    """Rank 0, once the engine is built: the run directory (sweep.yaml, env.json for a new run) and its store."""
     store = RowStore(run_dir)
     env = environment()
     if not resume:
-        atomic_write_text(run_dir / "sweep.yaml", yaml.safe_dump(definition, sort_keys=False))
+        atomic_write_text(run_dir / "sweep.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
-    done = store.done_keys()
-    log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {run_dir}")
-    return [p.key for p in cfg.points() if p.key not in done], env
+    return store, env
 
 
 def default_sweep() -> SweepConfig:

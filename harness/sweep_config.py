@@ -18,15 +18,11 @@ from types import MappingProxyType
 from typing import Any
 
 from deepinfer.errors import DeepInferError
+from deepinfer.validate import DTYPE_NAMES as DTYPES
+from deepinfer.validate import EXPERT_STORAGE, check_model_spec
 
-# dtype names LLM(dtype=...) accepts (deepinfer.api.DTYPES, in the order error messages list them; a test keeps
-# the two sets equal).
-DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64")
 DEVICES = ("cpu", "cuda")
 MODES = ("prefill", "decode", "both")
-RANDOM_ARCHS = ("deepseek_v4", "deepseek_v41")
-RANDOM_PRESETS = ("tiny", "flash")
-EXPERT_STORAGE = ("dense", "fp4")
 MIN_PROMPTS_PER_CONCURRENCY = 5
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -268,13 +264,10 @@ class Validator:
 
     def model(self, x: Any, path: str) -> str:
         model = self.string(x, path)
-        if model.startswith("random:"):
-            parts = model.split(":")
-            form = (f"random:ARCH:PRESET:LAYERS with ARCH in {'|'.join(RANDOM_ARCHS)}, PRESET in "
-                    f"{'|'.join(RANDOM_PRESETS)}, LAYERS an integer >= 1")
-            if (len(parts) != 4 or parts[1] not in RANDOM_ARCHS or parts[2] not in RANDOM_PRESETS
-                    or not parts[3].isdigit() or int(parts[3]) < 1):
-                raise self.error(path, f"got {model!r}; allowed: {form}")
+        try:
+            check_model_spec(model)                  # the form every entry point shares (deepinfer.validate)
+        except DeepInferError as e:
+            raise self.error(path, str(e)) from None
         return model
 
     def engine_args(self, x: Any, path: str) -> dict:

@@ -354,8 +354,8 @@ def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (("--preset", "huge"), "no preset 'huge'"),
-    (("--arch", "deepseek_v4", "--engram-vocab-size", "70"), "engram_vocab_size"),
+    (("--preset", "huge"), "'huge' is not one of 'tiny', 'flash'"),
+    (("--arch", "deepseek_v4", "--engram-vocab-size", "70"), "--engram-vocab-size sizes V4.1's engram tables"),
 ], ids=["bad-preset", "engram-size-for-v4"])
 def test_cli_make_checkpoint_errors_are_one_line(monkeypatch, capsys, tmp_path, args, fragment):
     code, _, err = _main(monkeypatch, capsys, "make-checkpoint", "--arch", "deepseek_v41", *args,

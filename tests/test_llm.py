@@ -214,7 +214,9 @@ def test_v4_greedy_and_prompt_logprobs_match_transformers():
         assert out.prompt_logprobs[0] is None
         for j, entry in enumerate(out.prompt_logprobs[1:], start=1):
             tok = out.prompt_token_ids[j]
-            assert abs(entry[tok] - lp[j - 1, tok].item()) <= 1e-4
+            assert abs(entry[tok].logprob - lp[j - 1, tok].item()) <= 1e-4
+            row, val = lp[j - 1], lp[j - 1, tok]     # its rank in the reference distribution, up to the tolerance
+            assert 1 + int((row > val + 1e-4).sum()) <= entry[tok].rank <= 1 + int((row > val - 1e-4).sum())
 
 
 def test_generate_cli(tmp_path):
@@ -250,7 +252,7 @@ def test_state_pools_are_sized_from_the_budget_and_logged(caplog):
 
 
 @pytest.mark.parametrize("name, value, match", [
-    ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "DEEPINFER_ASYNC_SCHEDULING='maybe' is not a boolean"),
+    ("DEEPINFER_ASYNC_SCHEDULING", "maybe", "DEEPINFER_ASYNC_SCHEDULING='maybe' is not a flag; use 1 or 0"),
     ("DEEPINFER_ACCELERATOR", "tpu", "DEEPINFER_ACCELERATOR='tpu'"),
     ("DEEPINFER_BATCH_INVARIANT", "sometimes", "DEEPINFER_BATCH_INVARIANT='sometimes'"),
     ("DEEPINFER_YOCO_PREFILL_MIN_TOKENS", "0", "DEEPINFER_YOCO_PREFILL_MIN_TOKENS=0 must be >= 1"),
@@ -306,7 +308,7 @@ def test_prompt_logprobs_survive_one_token_pieces(llm):
         whole = llm.generate({"prompt_token_ids": out.prompt_token_ids}, sp, use_tqdm=False)[0]
         assert len(whole.prompt_logprobs) == len(whole.prompt_token_ids) == len(out.prompt_logprobs)
         for a, b in zip(whole.prompt_logprobs[1:], out.prompt_logprobs[1:]):
-            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-9 for k in a)
+            assert a.keys() == b.keys() and all(abs(a[k].logprob - b[k].logprob) < 1e-9 for k in a)
         assert whole.outputs[0].token_ids == out.outputs[0].token_ids
 
 
@@ -369,3 +371,9 @@ def test_n_samples_and_logprobs_through_the_engine(llm):
     for o in out.outputs:
         assert len(o.logprobs) == len(o.token_ids) == 4
         assert all(t in e and len(e) <= 3 for t, e in zip(o.token_ids, o.logprobs))
+        for t, e in zip(o.token_ids, o.logprobs):     # vLLM's Logprob: value, rank (1 = best), decoded text
+            by_rank = {lp.rank: lp.logprob for lp in e.values()}
+            assert {1, 2} <= set(by_rank) and by_rank[1] >= by_rank[2] >= e[t].logprob
+            assert e[t].rank <= 2 or e[t].logprob < by_rank[2]
+            assert all(lp.decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
+                       for tok, lp in e.items())

@@ -124,9 +124,12 @@ def test_banned_ids_are_never_drawn():
 
 def test_logprobs_are_the_raw_log_softmax():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
-    chosen, ids, values = logprobs(logits, torch.tensor([1]), k=2)
+    chosen, rank, ids, values = logprobs(logits, torch.tensor([1]), k=2)
     ref = torch.log_softmax(logits, -1)
     assert math.isclose(chosen.item(), ref[0, 1].item(), rel_tol=1e-6)
+    assert rank.tolist() == [2]
+    tied = logprobs(torch.tensor([[3.0, 1.0, 3.0]]), torch.tensor([2]))
+    assert tied[1].tolist() == [1] and tied[2] is None       # a tie with the best token is rank 1
     assert ids.tolist() == [[2, 1]] and torch.allclose(values, ref[:, [2, 1]])
     assert SALT_TARGET != SALT_DRAFT
 

@@ -264,11 +264,10 @@ def test_error_from_file_names_file_and_path(tmp_path):
 
 
 def test_constants_match_the_engine():
-    """The schema keeps its own copies (loading a sweep builds nothing); they must track the engine's."""
-    from deepinfer.api import DTYPES
+    """The shared validation layer's names cover the engine's presets; the schema's engine args are LLM's."""
+    from deepinfer import validate
     from deepinfer.config.presets import PRESETS
     from deepinfer.harness import sweep_config as sc
     from deepinfer.llm import _ENGINE_ARGS
-    assert set(sc.DTYPES) == set(DTYPES)
-    assert {(a, p) for a in sc.RANDOM_ARCHS for p in sc.RANDOM_PRESETS} == set(PRESETS)
+    assert {(a, p) for a in validate.ARCHS for p in validate.PRESETS} == set(PRESETS)
     assert set(sc.ENGINE_ARG_KINDS) <= set(_ENGINE_ARGS)

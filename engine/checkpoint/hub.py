@@ -15,14 +15,19 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
     """An existing local directory wins; else DEEPINFER_HF_MODEL_DIR; else the hub id (default
     DEFAULT_MODEL_ID) fetched with huggingface_hub into its cache. Failures: one clear line."""
+    from ..env import hf_model_dir
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ModelNotFoundError(f"model={model!r} is a {type(model).__name__}; give a checkpoint directory or a "
+                                 f"hub id (org/name)")
     if model is not None and Path(model).expanduser().is_dir():
         return _checked(Path(model).expanduser(), "--model")
-    env = os.environ.get(MODEL_DIR_ENV)
+    env = hf_model_dir()
     if env:
         return _checked(Path(env).expanduser(), MODEL_DIR_ENV)
     repo_id = str(model or DEFAULT_MODEL_ID)
     if repo_id.startswith((".", "/", "~")) or repo_id.count("/") != 1:
-        raise ModelNotFoundError(f"model {repo_id!r} is neither a local directory nor a hub id (org/name)")
+        raise ModelNotFoundError(f"model {repo_id!r} is neither a local directory nor a hub id (org/name); LLM and "
+                                 f"the CLIs also take 'tiny' (the embedded tiny model) and random:ARCH:PRESET:LAYERS")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
     try:

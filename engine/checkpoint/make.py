@@ -97,7 +97,7 @@ def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str 
     model.checkpoint_dir). For benchmarks of released widths without writing a checkpoint."""
     import tempfile
 
-    from ..api import parse_dtype
+    from ..validate import parse_dtype
     from .tokenizer import write_tokenizer
     parts = spec.split(":")
     if len(parts) != 4 or parts[0] != "random" or not parts[3].isdigit():
@@ -111,13 +111,3 @@ def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str 
     model.checkpoint_dir = Path(tempfile.mkdtemp(prefix="deepinfer-tok-"))
     write_tokenizer(model.checkpoint_dir, cfg.vocab_size, cfg.max_position_embeddings, tokenizer=tokenizer)
     return model
-
-
-def resolve_model(spec: str, device: str, dtype: str, expert_storage: str = "dense", qat: bool = True):
-    """A model name as the CLIs take it -> what LLM(model=...) takes: `tiny` -> the embedded checkpoint dir,
-    random:ARCH:PRESET:LAYERS -> a built model, anything else (a checkpoint dir, a hub id) unchanged."""
-    if spec == "tiny":
-        return embedded_tiny_dir()
-    if spec.startswith("random:"):
-        return random_preset_model(spec, device, dtype, expert_storage, qat)
-    return spec

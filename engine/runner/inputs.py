@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels.precision import upcast
-
+from ..outputs import Logprob
+from ..sampling.sampler import logprobs
 from ..scheduler.scheduler import Scheduled
 
 
@@ -98,14 +98,18 @@ def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor) -> None:
     last = min(s.n, len(req.prompt_ids) - a - 1)       # rows that predict a prompt token
     if last <= first:
         return
-    lp = torch.log_softmax(upcast(logits[first:last]), dim=-1)                     # [m, vocab]
     targets = req.prompt_ids[a + first + 1:a + last + 1]
-    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1)).squeeze(1).tolist()
     k = req.params.prompt_logprobs
-    top = lp.topk(k, dim=-1) if k else None
-    top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if k else ([], [])
-    for i, (tok, val) in enumerate(zip(targets, chosen)):
-        entry = {tok: val}
-        if k:
-            entry.update(zip(top_ids[i], top_vals[i]))
-        req.prompt_logprobs.append(entry)
+    chosen, rank, top_ids, top_vals = (t.tolist() if t is not None else None for t in logprobs(
+        logits[first:last], torch.tensor(targets, device=logits.device), k))
+    for i, tok in enumerate(targets):
+        req.prompt_logprobs.append(logprob_entry(tok, chosen[i], rank[i], top_ids[i] if k else (),
+                                                 top_vals[i] if k else ()))
+
+
+def logprob_entry(token: int, value: float, rank: int, top_ids, top_values) -> dict[int, Logprob]:
+    """{token: Logprob} for a sampled (or prompt) token and the top-k tokens of the same distribution (ranks 1..k;
+    a top-k token equal to `token` keeps the top-k entry, as vLLM). decoded_token is filled by LLM's output."""
+    entry = {token: Logprob(value, rank)}
+    entry.update((t, Logprob(v, j + 1)) for j, (t, v) in enumerate(zip(top_ids, top_values)))
+    return entry

@@ -19,7 +19,7 @@ from ..env import yoco_prefill, yoco_prefill_min_tokens
 from ..sampling.sampler import build_sampling_tensors, logprobs, sample
 from ..scheduler.scheduler import Scheduled
 from .graphs import StepGraphs
-from .inputs import StepInputs, record_prompt_logprobs, wants_prompt_logprobs
+from .inputs import StepInputs, logprob_entry, record_prompt_logprobs, wants_prompt_logprobs
 
 
 @dataclass
@@ -30,7 +30,7 @@ class StepOutput:
     tokens: torch.Tensor | None                      # [M] on the device
     offsets: list[int] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)   # request id -> its last sampled token in `tokens`
-    lp: tuple | None = None                          # (token rows [R], chosen [R], top ids [R, k], top values [R, k])
+    lp: tuple | None = None              # (token rows [R], chosen [R], rank [R], top ids [R, k], top values [R, k])
 
     def resolve(self) -> list[tuple[Scheduled, list[int], list[dict | None]]]:
         """Per sampled row: its sampled tokens (one per logit position, in position order) and their logprob
@@ -40,14 +40,11 @@ class StepOutput:
         toks = self.tokens.tolist()
         entries: dict[int, dict] = {}
         if self.lp is not None:
-            rows, chosen, ids, vals = (t.tolist() if t is not None else None for t in self.lp)
+            rows, chosen, rank, ids, vals = (t.tolist() if t is not None else None for t in self.lp)
             owner = {o + j: r for r, (s, o) in enumerate(zip(self.sampled, self.offsets)) for j in range(s.num_logits)}
             for j, t in enumerate(rows):
-                entry = {toks[t]: chosen[j]}
                 k = self.sampled[owner[t]].req.params.logprobs
-                if ids is not None and k:
-                    entry.update(zip(ids[j][:k], vals[j][:k]))
-                entries[t] = entry
+                entries[t] = logprob_entry(toks[t], chosen[j], rank[j], ids[j][:k] if k else (), vals[j][:k] if k else ())
         return [(s, toks[o:o + s.num_logits], [entries.get(t) for t in range(o, o + s.num_logits)])
                 for s, o in zip(self.sampled, self.offsets)]
 
@@ -133,8 +130,7 @@ class ModelRunner:
         if want:
             k = max(reqs[i].params.logprobs for i in want)
             idx = torch.tensor(want, device=logits.device)
-            chosen, ids, vals = logprobs(logits[idx], tokens[idx], k)
-            out.lp = (idx, chosen, ids, vals)
+            out.lp = (idx, *logprobs(logits[idx], tokens[idx], k))
         return out
 
 

@@ -186,11 +186,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors, salt: int = SALT_TARGET) ->
 
 
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0):
-    """Raw-model log-probabilities (as vLLM returns by default): (logprob of `tokens` [B], top-k ids [B, k],
-    top-k logprobs [B, k])."""
+    """Raw-model log-probabilities (as vLLM returns by default): (logprob of `tokens` [B], their rank [B] (1 + how
+    many tokens are strictly more likely, so ties share the better rank), top-k ids [B, k], top-k logprobs [B, k])."""
     lp = torch.log_softmax(upcast(logits), dim=-1)
     chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
+    rank = (lp > chosen.unsqueeze(1)).sum(dim=-1) + 1
     if k <= 0:
-        return chosen, None, None
+        return chosen, rank, None, None
     top = lp.topk(k, dim=-1)
-    return chosen, top.indices, top.values
+    return chosen, rank, top.indices, top.values

@@ -36,8 +36,8 @@ class Request:
     stop_reason: int | str | None = None
     stop_at: int | None = None       # where the matched stop string starts in the output text
     stop_checked: int = 0            # output text length already scanned for stop strings
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict] | None = None           # per committed token: {id: Logprob}
+    prompt_logprobs: list[dict | None] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

@@ -1,0 +1,204 @@
+"""The checks every entry point shares: `LLM`, `load_model`, `deepinfer run|generate|make-checkpoint`, `deepinfer-bench`
+(sweep files included) and `deepinfer-eval` (suite files included). One function per kind of input; each returns
+the normalized value or raises one DeepInferError line that says what is wrong and what to do (docs/errors.md is
+the contract). Environment variables have their own reader, env.py."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import DeepInferError
+
+# dtype names every entry point takes, in the order messages and --help list them
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
+DTYPE_NAMES = tuple(DTYPES)
+ARCHS = ("deepseek_v41", "deepseek_v4")
+PRESETS = ("tiny", "flash")
+EXPERT_STORAGE = ("dense", "fp4")
+EMBEDDED = "tiny"                     # the embedded tiny checkpoint (built once into the user cache)
+MODEL_FORMS = (f"a checkpoint directory, a hub id (org/name), '{EMBEDDED}' (the embedded tiny model) or "
+               f"random:ARCH:PRESET:LAYERS (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """A dtype name (DTYPE_NAMES) or a torch.dtype -> the torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise DeepInferError(f"dtype={dtype}: deepinfer computes in one of {', '.join(DTYPE_NAMES)}")
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise DeepInferError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}")
+    return DTYPES[dtype]
+
+
+def check_device(device) -> str:
+    """A device string the engine can use, or one line (unknown name, no CUDA build / GPU, index out of range)."""
+    if not isinstance(device, (str, torch.device)):
+        raise DeepInferError(f"device={device!r} is a {type(device).__name__}; use 'cpu', 'cuda' or 'cuda:N'")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise DeepInferError(f"device={device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeepInferError(f"device={str(device)!r}: no CUDA GPU is visible to this torch build "
+                                 f"(torch {torch.__version__}); use cpu (or unset DEEPINFER_ACCELERATOR)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeepInferError(f"device={str(device)!r}: only {torch.cuda.device_count()} GPU(s) are visible")
+    elif dev.type != "cpu":
+        raise DeepInferError(f"device={str(device)!r}: deepinfer runs on cpu or cuda")
+    return str(dev)
+
+
+def device_or_default(device) -> str:
+    """`device`, or DEEPINFER_ACCELERATOR's when None; checked either way."""
+    from .env import accelerator
+    return check_device(accelerator() if device is None else device)
+
+
+def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
+    """What `model=` may be: None (the embedded tiny model), a str / PathLike (MODEL_FORMS) or a built model
+    holding `.checkpoint_dir`. Form only: whether a directory or hub id resolves is checked when it loads."""
+    if model is None:
+        return None
+    if isinstance(model, torch.nn.Module):
+        if not hasattr(model, "checkpoint_dir"):
+            raise DeepInferError("a model object passed to LLM needs .checkpoint_dir (a directory holding its "
+                                 "tokenizer.json); load it with deepinfer.load_model")
+        return model
+    if isinstance(model, os.PathLike):
+        return model
+    if not isinstance(model, str):
+        raise DeepInferError(f"model={model!r} is a {type(model).__name__}; give {MODEL_FORMS}")
+    if not model.strip():
+        raise DeepInferError(f"model='' is empty; give {MODEL_FORMS}")
+    if model.startswith("random:"):
+        parts = model.split(":")
+        if (len(parts) != 4 or parts[1] not in ARCHS or parts[2] not in PRESETS or not parts[3].isdigit()
+                or int(parts[3]) < 1):
+            raise DeepInferError(f"model={model!r}: a random model is random:ARCH:PRESET:LAYERS with ARCH in "
+                                 f"{'|'.join(ARCHS)}, PRESET in {'|'.join(PRESETS)}, LAYERS an integer >= 1, "
+                                 f"e.g. random:deepseek_v41:flash:4")
+    return model
+
+
+def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat: bool = True):
+    """A checked model spec -> what load_model / LLM build from: None or 'tiny' -> the embedded checkpoint dir
+    (built once), random:ARCH:PRESET:LAYERS -> a model built on `device`, a model object or a directory / hub id
+    unchanged."""
+    model = check_model_spec(model)
+    if model is None or (isinstance(model, str) and model == EMBEDDED):
+        from .checkpoint.make import embedded_tiny_dir
+        return embedded_tiny_dir()
+    if isinstance(model, str) and model.startswith("random:"):
+        from .checkpoint.make import random_preset_model
+        if expert_storage not in EXPERT_STORAGE:
+            raise DeepInferError(f"expert_storage={expert_storage!r}: use one of {', '.join(EXPERT_STORAGE)}")
+        return random_preset_model(model, device, dtype, expert_storage, qat)
+    return model
+
+
+# ---- prompts and sampling params (LLM.generate) ----
+def _is_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, torch.Tensor) or type(x).__module__ == "numpy"
+
+
+def _as_ids(prompt):
+    """A 1-D sequence of integer token ids (list, tuple, numpy / torch integer array) -> list[int]; else None."""
+    if _is_array(prompt):
+        integer = not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool \
+            if isinstance(prompt, torch.Tensor) else prompt.dtype.kind in "iu"
+        return [int(t) for t in prompt.tolist()] if getattr(prompt, "ndim", None) == 1 and integer else None
+    if isinstance(prompt, (list, tuple)) and prompt and all(_is_id(t) for t in prompt):
+        return [int(t) for t in prompt]
+    return None
+
+
+PROMPT_FORMS = ("a string, a sequence of token ids (list, tuple or 1-D integer array), a {'prompt_token_ids': "
+                "[...]} dict")
+
+
+def prompt_list(prompts) -> list:
+    """One prompt or a list of them -> a non-empty list of prompts (each still to be checked by `encode_prompt`).
+    A flat sequence of integers is one prompt of token ids, never one prompt per integer."""
+    if isinstance(prompts, (str, dict)) or _as_ids(prompts) is not None:
+        return [prompts]
+    if _is_array(prompts):
+        raise DeepInferError(f"prompts is a {getattr(prompts, 'ndim', '?')}-D {type(prompts).__name__} of "
+                             f"{prompts.dtype}; give {PROMPT_FORMS}, or a list of these")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise DeepInferError(f"prompts must be {PROMPT_FORMS}, or a non-empty list of these; got "
+                             f"{type(prompts).__name__}" + (" (empty)" if isinstance(prompts, (list, tuple)) else ""))
+    return list(prompts)
+
+
+def encode_prompt(i: int, prompt, tokenizer, vocab_size: int, max_model_len: int) -> tuple[str | None, list[int]]:
+    """Prompt i -> (its text or None, its token ids), checked: not empty, ids in the vocabulary, room for one
+    generated token within max_model_len. `tokenizer` None: text prompts are refused (skip_tokenizer_init)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DeepInferError(f"prompt {i} is empty; give at least one character or token id")
+        if tokenizer is None:
+            raise DeepInferError(f"prompt {i} is text, but the engine was built with skip_tokenizer_init=True; "
+                                 f"give token ids ({{'prompt_token_ids': [...]}})")
+        text, ids = prompt, tokenizer.encode(prompt).ids
+    elif isinstance(prompt, dict):
+        if set(prompt) != {"prompt_token_ids"}:
+            raise DeepInferError(f"prompt {i} is a dict with keys {sorted(prompt)}; the dict form is "
+                                 f"{{'prompt_token_ids': [...]}}")
+        text, ids = None, _as_ids(prompt["prompt_token_ids"])
+        if ids is None:
+            raise DeepInferError(f"prompt {i}: prompt_token_ids must be a non-empty sequence of integer token ids")
+    else:
+        text, ids = None, _as_ids(prompt)
+        if ids is None and isinstance(prompt, (list, tuple)) and not prompt:
+            raise DeepInferError(f"prompt {i} is empty (no token ids); give at least one token id")
+        if ids is None:
+            raise DeepInferError(f"prompt {i} is a {type(prompt).__name__}; give {PROMPT_FORMS}")
+    if not ids:
+        raise DeepInferError(f"prompt {i} encodes to no tokens; give a longer prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise DeepInferError(f"prompt {i} holds token ids outside 0..{vocab_size - 1}, e.g. {bad[:3]}")
+    if len(ids) >= max_model_len:
+        raise DeepInferError(f"prompt {i} has {len(ids)} tokens; max_model_len is {max_model_len}, which must leave "
+                             f"room for at least one generated token: shorten it or raise max_model_len")
+    return text, ids
+
+
+def sampling_params_list(sp, n: int) -> list:
+    """None, one SamplingParams, or one per prompt -> n SamplingParams."""
+    from .sampling import SamplingParams
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    if isinstance(sp, dict):
+        raise DeepInferError("sampling_params is a dict; pass SamplingParams(**that_dict) (unknown keys are "
+                             "named there)")
+    if not isinstance(sp, (list, tuple)):
+        raise DeepInferError(f"sampling_params is a {type(sp).__name__}; give a SamplingParams or a list of them, "
+                             f"one per prompt")
+    wrong = [f"{j} ({type(p).__name__})" for j, p in enumerate(sp) if not isinstance(p, SamplingParams)]
+    if wrong:
+        raise DeepInferError(f"sampling_params entries {', '.join(wrong[:3])} are not SamplingParams; build each "
+                             f"with SamplingParams(...)")
+    if len(sp) != n:
+        raise DeepInferError(f"{len(sp)} SamplingParams for {n} prompt(s); give one for all, or one per prompt")
+    return list(sp)
+
+
+def check_checkpoint_arch(arch: str | None, ckpt_dir: Path, model_type: str) -> None:
+    """--arch given with --model: it must name the checkpoint's own model_type (config.json decides the model)."""
+    if arch is not None and arch != model_type:
+        raise DeepInferError(f"--arch {arch} but {ckpt_dir} holds a {model_type} checkpoint (its config.json decides "
+                             f"the model); drop --arch, or point --model at a {arch} checkpoint")
