@@ -19,7 +19,6 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.checkpoint.make import embedded_tiny_dir, random_preset_model
 from deepinfer.cli import run_cli
 from deepinfer.harness.rows import atomic_write_text, git_state
 
@@ -47,10 +46,7 @@ def main() -> None:
     ap.add_argument("--vs-transformers", action="store_true", help="also time transformers' generate (V4)")
     ap.add_argument("--out", default=None, help="write the JSON row here (atomically)")
     args = ap.parse_args()
-    model = embedded_tiny_dir() if args.model == "tiny" else args.model
-    if args.model.startswith("random:"):
-        model = random_preset_model(args.model, args.device, args.dtype, args.expert_storage, not args.no_qat)
-    llm = LLM(model=model, device=args.device, dtype=args.dtype, seed=args.seed, qat_fake_quant=not args.no_qat, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed, qat_fake_quant=not args.no_qat, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, expert_storage=args.expert_storage,
               max_model_len=args.max_model_len or args.input_len + args.output_len + 1)
     gen = torch.Generator().manual_seed(args.seed)
@@ -91,7 +87,6 @@ def main() -> None:
             lambda p: llm.generate([p], sp, use_tqdm=False), prompts[:BATCH1_PROMPTS], args.output_len)}
         print(json.dumps({k: row[k] for k in ("output_tokens_per_s", "tpot_s", "graphs_captured", "batch1")}),
               flush=True)
-        model = None                                  # only llm holds the model now; transformers_generate frees it
         row["transformers"] = tf = transformers_generate(llm, prompts, args.output_len, outs)
         row["speedup_vs_transformers_batch1"] = row["batch1"]["output_tokens_per_s"] / tf["batch1"]["output_tokens_per_s"]
         if "output_tokens_per_s" in tf:

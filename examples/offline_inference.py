@@ -11,7 +11,6 @@ import argparse
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.hub import DEFAULT_MODEL_ID
-from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.cli import run_cli
 
 PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is",
@@ -25,8 +24,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
-    model = embedded_tiny_dir() if args.model == "tiny" else args.model
-    llm = LLM(model=model, device=args.device, dtype=args.dtype)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=0))
     for out in outputs:
         print(f"Prompt: {out.prompt!r}, Generated text: {out.outputs[0].text!r}")
