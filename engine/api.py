@@ -32,9 +32,11 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     scales, 0.56 bytes per weight) and dequantizes each when it runs.
     """
     from .env import check_environment
-    from .validate import EMBEDDED, check_device
+    from .validate import EMBEDDED, check_device, check_flag
     check_environment()
     device = check_device(device)
+    check_flag("qat_fake_quant", qat_fake_quant)
+    check_flag("keep_quantized", keep_quantized)
     if path_or_id == EMBEDDED:
         from .checkpoint.make import embedded_tiny_dir
         path_or_id = embedded_tiny_dir()

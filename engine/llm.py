@@ -25,7 +25,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request
 from .stats import EngineStats
-from .validate import (check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list, resolve_model,
+from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list, resolve_model,
                        sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
@@ -61,8 +61,8 @@ class LLM:
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
         for name in ("enforce_eager", "async_scheduling", "keep_quantized", "skip_tokenizer_init"):
-            if args[name] is not None and not isinstance(args[name], bool):
-                raise DeepInferError(f"{name}={args[name]!r} must be True or False")
+            check_flag(name, args[name], none_ok=name == "async_scheduling")
+        check_flag("qat_fake_quant", qat_fake_quant)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
         check_environment()
@@ -144,6 +144,7 @@ class LLM:
         """prompts: a string, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these.
         A flat sequence of ints (list, tuple, 1-D numpy / torch integer array) is one prompt of token ids.
         One SamplingParams for all prompts or one per prompt. Returns one RequestOutput per prompt, in order."""
+        check_flag("use_tqdm", use_tqdm)
         prompts = prompt_list(prompts)
         params = sampling_params_list(sampling_params, len(prompts))
         encoded = [encode_prompt(i, p, self.tokenizer, self.model.cfg.vocab_size, self.max_model_len)

@@ -25,6 +25,12 @@ MODEL_FORMS = (f"a checkpoint directory, a hub id (org/name), '{EMBEDDED}' (the 
                f"random:ARCH:PRESET:LAYERS (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")
 
 
+def check_flag(name: str, value, none_ok: bool = False) -> None:
+    """A True/False argument: anything else (a string "no" would be truthy) is one line."""
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        raise DeepInferError(f"{name}={value!r} must be True or False" + (" (or None)" if none_ok else ""))
+
+
 def parse_dtype(dtype) -> torch.dtype:
     """A dtype name (DTYPE_NAMES) or a torch.dtype -> the torch.dtype."""
     if isinstance(dtype, torch.dtype):
