@@ -159,9 +159,14 @@ def _check_prompt_first(model, arch, prompt: str) -> None:
     cfg = load_model_config(ckpt)
     check_checkpoint_arch(arch, ckpt, cfg.model_type)
     tok_file = ckpt / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None   # LLM names a missing one
-    if tokenizer is not None or not prompt:
-        encode_prompt(0, prompt, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
+    if not tok_file.is_file():
+        raise DeepInferError(f"{ckpt} has no tokenizer.json, which deepinfer run needs to encode --prompt; copy the "
+                             f"checkpoint's tokenizer there")
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_file))
+    except Exception:       # noqa: BLE001  tokenizers raises a bare Exception; LLM reports the file in its own line
+        return
+    encode_prompt(0, prompt, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
 
 
 def _token_bar(llm, total: int):
