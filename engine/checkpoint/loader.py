@@ -41,17 +41,23 @@ SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32, torch.bfloat16
 def shard_map(ckpt_dir: Path) -> dict[str, list[str]]:
     """shard file name -> tensor names it holds, from the index (or the single file)."""
     index = ckpt_dir / INDEX_FILE
+    for name in (INDEX_FILE, SINGLE_FILE):
+        if (ckpt_dir / name).is_dir():
+            raise CheckpointError(f"{ckpt_dir / name} is a directory, not a file; re-download the checkpoint")
     if index.is_file():
+        bad = (f"{index} is not a valid safetensors index (needs a non-empty 'weight_map' object of tensor name "
+               f"-> shard file); re-download or re-export the checkpoint")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            assert isinstance(weight_map, dict) and weight_map
-            assert all(isinstance(shard, str) and shard for shard in weight_map.values())
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a non-empty 'weight_map' "
-                                  f"object of tensor name -> shard file); re-download or re-export the checkpoint"
-                                  ) from None
+            raw = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(bad) from None
         except OSError as err:
             raise CheckpointError(f"{index} could not be read ({err.strerror or err}); check its permissions") from None
+        # Explicit checks, not asserts: `python -O` strips those.
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(shard, str) and shard for shard in weight_map.values()):
+            raise CheckpointError(bad)
         shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             shards.setdefault(shard, []).append(name)
@@ -60,10 +66,24 @@ def shard_map(ckpt_dir: Path) -> dict[str, list[str]]:
     else:
         raise CheckpointError(f"{ckpt_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}: not a safetensors checkpoint")
     for shard in shards:
-        if not (ckpt_dir / shard).is_file():
-            raise CheckpointError(f"shard {ckpt_dir / shard} listed in {INDEX_FILE} is missing; "
-                                  f"download the complete checkpoint")
+        _check_shard_path(ckpt_dir, shard)
     return shards
+
+
+def _check_shard_path(ckpt_dir: Path, shard: str) -> None:
+    """An index entry must name a file inside the checkpoint directory: not an absolute path, not `..`
+    (safetensors would open whatever it points at), not a directory, not missing."""
+    path = ckpt_dir / shard
+    parts = Path(shard).parts
+    if Path(shard).is_absolute() or ".." in parts or "\0" in shard:
+        raise CheckpointError(f"{ckpt_dir / INDEX_FILE} lists shard {shard!r}, which is not a file name inside "
+                              f"{ckpt_dir}; re-download or re-export the checkpoint")
+    if path.is_dir():
+        raise CheckpointError(f"shard {path} listed in {INDEX_FILE} is a directory, not a safetensors file; "
+                              f"re-download the checkpoint")
+    if not path.is_file():
+        what = "is not a regular file" if path.exists() else "is missing"
+        raise CheckpointError(f"shard {path} listed in {INDEX_FILE} {what}; download the complete checkpoint")
 
 
 @dataclass
@@ -86,6 +106,9 @@ class CheckpointLoader:
         self.seen: set[str] = set()
         self._dequantized: set[str] = set()
         self.pending: dict[str, _Pending] = {}
+        self._nonfinite: torch.Tensor | None = None          # this shard's screen (a sum), on the model's device
+        self._nan_scales: torch.Tensor | None = None         # this shard's count of NaN FP4-resident scales
+        self._finite_checked: list[tuple[str, torch.Tensor, str]] = []   # (key, loaded tensor, kind)
 
     def _expected_names(self) -> set[str]:
         """Every tensor (DeepSeek spelling, experts per index, no scales except FP4-resident experts') the
@@ -127,6 +150,7 @@ class CheckpointLoader:
                         # V4.1's two spellings differ by a prefix only: decide per tensor.
                         hf = key.startswith(("model.", "lm_head.")) if self.family == V41 else hf_scheme
                         self._take(key, f.get_tensor(key), hf, path)
+                self._check_finite(path)
             except SafetensorError as err:
                 raise CheckpointError(f"shard {path} is corrupt or truncated ({err}); re-download it") from None
             except (OSError, RuntimeError) as err:
@@ -231,6 +255,8 @@ class CheckpointLoader:
         with torch.no_grad():
             buf[j].copy_(tensor.view(torch.uint8))
         self.seen.add(key)
+        if is_scale:
+            self._count_nonfinite(key, buf[j], "e8m0")
 
     def _maybe_dequant(self, name: str, path: Path) -> None:
         p = self.pending[name]
@@ -257,7 +283,7 @@ class CheckpointLoader:
                                       f"{tuple(p.scale.shape)}, expected {want_w} / {want_s} (packed e2m1)")
             value = dequantize_fp4(p.weight, p.scale, FP4_BLOCK, self.dtype)
         quantized = QuantizedWeight(p.weight, p.scale, fmt, block) if self.keep_quantized else None
-        self._assign(name, value, name, path, quantized)
+        self._assign(name, value, name, path, quantized, tensor_was_quantized=True)
         self._dequantized.add(name)
 
     def _fold_engram_table(self, name: str, p: _Pending, target: tuple[int, ...], path: Path) -> None:
@@ -269,7 +295,8 @@ class CheckpointLoader:
             raise CheckpointError(f"{path}: engram table {name} is {p.weight.dtype} {tuple(p.weight.shape)} with scale "
                                   f"{tuple(p.scale.shape)}, expected float8_e4m3fn {target} with scale {want_s} "
                                   f"(one e8m0 scale per {block} channels of a row)")
-        self._assign(name, dequantize_engram_rows(p.weight, p.scale, self.dtype, block), name, path)
+        self._assign(name, dequantize_engram_rows(p.weight, p.scale, self.dtype, block), name, path,
+                     tensor_was_quantized=True)
         self._dequantized.add(name)
 
     def _target_shape(self, name: str, path: Path) -> tuple[int, ...]:
@@ -280,7 +307,7 @@ class CheckpointLoader:
         return tuple(param.shape[1:]) if expert else tuple(param.shape)
 
     def _assign(self, name: str, value: torch.Tensor, key: str, path: Path,
-                quantized: QuantizedWeight | None = None) -> None:
+                quantized: QuantizedWeight | None = None, tensor_was_quantized: bool = False) -> None:
         expert = split_expert_name(name)
         param = self.targets.get(f"{expert[0]}.{expert[2]}" if expert else name)
         if param is None or name not in self.expected:
@@ -301,17 +328,71 @@ class CheckpointLoader:
         with torch.no_grad():
             dest.copy_(value)
         self.seen.add(name)
+        if dest.dtype.is_floating_point:
+            self._count_nonfinite(key, dest, "dequantized" if tensor_was_quantized else "float")
         if quantized is not None:
             self._attach(name, expert, quantized)
 
     def _check_tid2eid(self, value: torch.Tensor, key: str, path: Path) -> None:
         """Hash routing indexes experts with these ids: out-of-range ids would only fail (or read garbage)
-        at run time, so reject them here."""
+        at run time, so reject them here. A row must also name distinct experts: with a repeat the reference
+        model sums both slots while the decode path keeps one, so the two disagree (no released table repeats)."""
         n_experts = self.model.cfg.n_routed_experts
         if value.numel() and (int(value.min()) < 0 or int(value.max()) >= n_experts):
             raise CheckpointError(f"{path}: tensor {key} holds expert ids in {int(value.min())}..{int(value.max())}, "
                                   f"outside 0..{n_experts - 1} (n_routed_experts); the checkpoint does not match "
                                   f"config.json")
+        if value.dim() == 2 and value.shape[1] > 1 and value.shape[0]:
+            ordered = value.sort(dim=-1).values
+            repeats = (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1)
+            if bool(repeats.any()):
+                token = int(repeats.nonzero()[0, 0])
+                row = value[token].tolist()
+                expert = next(e for e in row if row.count(e) > 1)
+                raise CheckpointError(f"{path}: tensor {key} routes token id {token} to expert {expert} more than "
+                                      f"once (row {row}); hash routing needs distinct experts per token: "
+                                      f"re-download or re-export the checkpoint")
+
+    # ---- non-finite weights
+    def _count_nonfinite(self, key: str, loaded: torch.Tensor, kind: str) -> None:
+        """Screen a just-loaded tensor for NaN/inf, as the model holds it (after dequantization, so FP8 NaN
+        codes, NaN e8m0 scales and scales that overflow all show up). kind "e8m0": FP4-resident expert
+        scales, kept as bytes (e2m1 weights have no NaN/inf; a scale byte 0xFF is NaN).
+
+        Cost, the choice made: the screen is the tensor's plain sum (one reduction kernel, no temporary; a sum
+        is non-finite whenever any term is), added to a per-shard total that stays on the device. The total
+        is read once per shard (`_check_finite`), so a GPU load of thousands of tensors adds one host sync
+        per shard, not one per tensor. Only a non-finite total (a bad tensor, or, harmlessly, finite sums
+        overflowing) makes `_check_finite` count each of that shard's tensors exactly to name the culprit."""
+        if kind == "e8m0":       # uint8 ops only: every device has them for any byte tensor
+            term = (loaded.view(torch.uint8) == 0xFF).sum()
+            self._nan_scales = term if self._nan_scales is None else self._nan_scales + term
+        else:
+            term = loaded.sum(dtype=torch.float64 if loaded.dtype == torch.float64 else torch.float32)
+            self._nonfinite = term if self._nonfinite is None else self._nonfinite + term
+        self._finite_checked.append((key, loaded, kind))
+
+    def _check_finite(self, path: Path) -> None:
+        """End of a shard: one host sync; if the screen tripped, one CheckpointError line naming the first
+        tensor that really holds non-finite values (none: the sums merely overflowed, and the shard is fine)."""
+        total, nan_scales, checked = self._nonfinite, self._nan_scales, self._finite_checked
+        self._nonfinite, self._nan_scales, self._finite_checked = None, None, []
+        ok = [torch.isfinite(total)] if total is not None else []
+        ok += [nan_scales == 0] if nan_scales is not None else []
+        if not ok or bool(torch.stack(ok).all()):      # the one host sync of this shard
+            return
+        for key, loaded, kind in checked:
+            n = int(_nonfinite_count(loaded, kind))
+            if n:
+                if kind == "e8m0":
+                    what = f"{n} of its {loaded.numel()} e8m0 scales are NaN (byte 0xFF)"
+                elif kind == "dequantized":
+                    scale = key[: -len(".weight")] + ".scale" if key.endswith(".weight") else key + ".scale"
+                    what = f"{n} of its {loaded.numel()} values are non-finite (NaN/inf) once dequantized with {scale}"
+                else:
+                    what = f"{n} of its {loaded.numel()} values are non-finite (NaN/inf)"
+                raise CheckpointError(f"shard {path}: tensor {key}: {what}; the checkpoint is corrupt: "
+                                      f"re-download or re-export it")
 
     def _attach(self, name: str, expert, quantized: QuantizedWeight) -> None:
         if expert:
@@ -334,6 +415,13 @@ class CheckpointLoader:
         for part, piece in zip(parts, pieces):
             for j in range(piece.shape[0]):
                 self._assign(f"{base}.{j}.{part}.weight", piece[j], key, path)
+
+
+def _nonfinite_count(t: torch.Tensor, kind: str = "float") -> int:
+    """Exact number of NaN/inf values of `t` (kind "e8m0": of 0xFF bytes); only run to locate a bad tensor."""
+    if kind == "e8m0":
+        return int((t.view(torch.uint8) == 0xFF).sum())
+    return int(t.numel() - torch.isfinite(t).sum())
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, keep_quantized: bool = False) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from importlib import resources
 from pathlib import Path
 
@@ -104,7 +104,15 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write `text` to a temporary sibling, then rename it over `path`. The file gets the mode of any
+    normal write (0o666 & ~umask; tempfile.mkstemp would make it 0o600, unreadable to other users)."""
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
