@@ -8,10 +8,14 @@ per-sample log (`samples_c{c}.jsonl`). Rows (`rows.jsonl`, the harness row store
 model, engine config, seeds, environment and git state, and the suite's bound on it; `agreement` rows compare
 the per-sample predictions of every concurrency with the first one's; with `--reference transformers` the same
 tasks also run through lm-eval's HF backend on the same checkpoint (`*_reference.*`), with agreement rows.
+The run directory is made once the device, the tasks and the model have loaded, and removed again when the run
+fails before its first row. lm-eval's results carry our checkout's commit as `git_hash` (never a `git describe`
+of the working directory, which prints to the terminal outside a checkout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -20,7 +24,9 @@ from pathlib import Path
 import yaml
 
 from deepinfer.errors import DeepInferError
-from deepinfer.harness.rows import SCHEMA_VERSION, RowStore, atomic_write_text, environment, run_id_for, utc_now
+from deepinfer.harness.rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, refuse_existing_rows,
+                                   run_dir_guard, run_id_for, utc_now)
+from deepinfer.validate import check_device
 
 from .suite import Bound, Suite
 
@@ -48,10 +54,10 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     from .tasks import task_configs
     if reference is not None and reference not in REFERENCES:
         raise DeepInferError(f"--reference {reference!r}: allowed: {', '.join(REFERENCES)}")
+    check_device(suite.device)
     run_id = run_id_for(run_id, suite.name)
     run_dir = Path(out_root) / run_id
-    if (run_dir / "rows.jsonl").exists():
-        raise DeepInferError(f"eval run {run_dir} already exists; choose a new --run-id")
+    refuse_existing_rows(run_dir, resumable=False)
     managers: dict[bool, TaskManager] = {}         # lm-eval's task index is slow to build: once per run
 
     def manager(with_defaults: bool = True) -> TaskManager:
@@ -62,13 +68,14 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     task_manager = managers.get(True) or manager(False)   # the full index only if a non-offline task needed it
     if reference is not None:
         _check_reference_model(suite.model)
-    store = RowStore(run_dir)     # after the task checks (no empty run for a bad task), before the model loads
     llm = build_engine(suite.model, suite.device, suite.dtype, suite.seed, qat_fake_quant=reference is None,
                        engine_args=dict(suite.engine_args))
     # the suite's mode is the engine's kernel backend (an engine of its own): nothing process-wide to restore
     lm = DeepInferLM(llm=llm, pretrained=suite.model, seed=suite.seed, batch_invariant=suite.batch_invariant,
                      progress=progress)
-    return _run(suite, lm, entries, task_manager, store, run_dir, run_id, reference, progress, unsafe_code)
+    with run_dir_guard(run_dir):         # made now that everything has loaded; removed if no row gets written
+        store = RowStore(run_dir)
+        return _run(suite, lm, entries, task_manager, store, run_dir, run_id, reference, progress, unsafe_code)
 
 
 def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path, run_id: str,
@@ -90,7 +97,7 @@ def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path
     for c in suite.concurrencies(llm.engine.max_num_seqs):
         lm.concurrency = c
         log.info(f"eval {suite.name}: concurrency {c}")
-        result = _evaluate(lm, entries, suite, task_manager, progress, unsafe_code)
+        result = _evaluate(lm, entries, suite, task_manager, progress, unsafe_code, env["git"]["sha"])
         samples_by_c[c] = _write_result(run_dir, f"c{c}", result)
         rows = metric_rows(result, suite, {**identity, "concurrency": c})
         _append(store, run, rows)
@@ -100,7 +107,7 @@ def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path
                                            {**identity, "kind": "agreement", "concurrency": c, "versus": f"c{first}"}))
     if reference is not None:
         ref_lm = _reference_lm(llm, suite)
-        result = _evaluate(ref_lm, entries, suite, task_manager, progress, unsafe_code)
+        result = _evaluate(ref_lm, entries, suite, task_manager, progress, unsafe_code, env["git"]["sha"])
         ref_samples = _write_result(run_dir, "reference", result)
         _append(store, run, metric_rows(result, suite, {**identity, "engine": "transformers", "concurrency": None},
                                         check=False))
@@ -122,15 +129,29 @@ def _append(store: RowStore, run: EvalRun, rows: list[dict]) -> None:
         run.rows.append(r)
 
 
-def _evaluate(lm, entries, suite: Suite, task_manager, progress: bool, unsafe_code: bool) -> dict:
+def _evaluate(lm, entries, suite: Suite, task_manager, progress: bool, unsafe_code: bool, git_sha: str | None) -> dict:
     import copy
 
     import lm_eval
-    return lm_eval.simple_evaluate(
-        model=lm, tasks=copy.deepcopy(entries), limit=suite.limit, task_manager=task_manager, log_samples=True,
-        apply_chat_template=suite.apply_chat_template, random_seed=suite.seed, numpy_random_seed=suite.seed,
-        torch_random_seed=suite.seed, fewshot_random_seed=suite.seed, confirm_run_unsafe_code=unsafe_code,
-        verbosity="WARNING" if not progress else None)
+    with _git_hash_of_this_checkout(git_sha):
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=copy.deepcopy(entries), limit=suite.limit, task_manager=task_manager, log_samples=True,
+            apply_chat_template=suite.apply_chat_template, random_seed=suite.seed, numpy_random_seed=suite.seed,
+            torch_random_seed=suite.seed, fewshot_random_seed=suite.seed, confirm_run_unsafe_code=unsafe_code,
+            verbosity="WARNING" if not progress else None)
+
+
+@contextlib.contextmanager
+def _git_hash_of_this_checkout(sha: str | None):
+    """lm-eval's results["git_hash"] is `git describe` of the working directory, run without capturing stderr
+    (`fatal: not a git repository` outside a checkout); for the call, it is the deepinfer checkout's commit."""
+    import lm_eval.evaluator as evaluator
+    before = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = lambda: sha
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = before
 
 
 def _write_result(run_dir: Path, tag: str, result: dict) -> dict:

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from deepinfer.errors import DeepInferError
-from deepinfer.harness.sweep_config import DEVICES, DTYPES, NAME_RE, Validator, doubling_ladder, read_yaml_file
+from deepinfer.harness.sweep_config import DTYPES, NAME_RE, Validator, doubling_ladder, read_yaml_file
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 TOP_KEYS = ("name", "description", "model", "device", "dtype", "engine_args", "tasks", "limit", "concurrency",
@@ -22,6 +22,9 @@ TOP_KEYS = ("name", "description", "model", "device", "dtype", "engine_args", "t
 REQUIRED_KEYS = ("name", "model", "tasks")
 CONCURRENCY_WORDS = ("max", "median")
 BOUND_KEYS = ("min", "max")
+# metrics that are fractions in [0, 1] (lm-eval's names before the filter): a bound on one that every value in
+# [0, 1] meets (e.g. acc >= 0) cannot fail, so a suite may not hold one
+FRACTION_METRICS = ("acc", "acc_norm", "exact_match", "pass@1", "f1", "agreement")
 
 
 class SuiteError(DeepInferError, ValueError):
@@ -127,7 +130,7 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     return Suite(
         name=name, model=v.model(data["model"], "model"), tasks=tasks,
         description=str(data.get("description", "")),
-        device=v.choice(data.get("device", "cpu"), "device", DEVICES),
+        device=v.device(data.get("device", "cpu"), "device"),
         dtype=v.choice(data.get("dtype", "float32"), "dtype", DTYPES),
         engine_args=MappingProxyType(v.engine_args(data.get("engine_args", {}), "engine_args")),
         limit=None if limit is None else v.integer(limit, "limit", 1),
@@ -136,7 +139,8 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
         apply_chat_template=_bool(v, data.get("apply_chat_template", False), "apply_chat_template"),
         batch_invariant=_bool(v, data.get("batch_invariant", False), "batch_invariant"),
         thresholds=MappingProxyType(_thresholds(v, data.get("thresholds", {}), known)),
-        agreement=None if data.get("agreement") is None else _bound(v, data["agreement"], "agreement"),
+        agreement=None if data.get("agreement") is None else _fraction_bound(v, data["agreement"], "agreement",
+                                                                               "agreement"),
         source=source)
 
 
@@ -192,6 +196,16 @@ def _bound(v: Validator, x: Any, path: str) -> Bound:
     return Bound(d.get("min"), d.get("max"))
 
 
+def _fraction_bound(v: Validator, x: Any, path: str, metric: str) -> Bound:
+    """A bound; on a fraction metric (FRACTION_METRICS) it must be one that some value in [0, 1] misses."""
+    bound = _bound(v, x, path)
+    if metric.split(",")[0] in FRACTION_METRICS and (bound.min is None or bound.min <= 0) and \
+            (bound.max is None or bound.max >= 1):
+        raise v.error(path, f"{bound} holds for every value of {metric} (0..1), so it can never fail; tighten it "
+                            f"or drop it")
+    return bound
+
+
 def _thresholds(v: Validator, x: Any, known: set[str]) -> dict:
     d = v.mapping(x, "thresholds", "task -> {metric: {min, max}}")
     out = {}
@@ -201,7 +215,7 @@ def _thresholds(v: Validator, x: Any, known: set[str]) -> dict:
             raise v.error(p, f"not one of the suite's tasks ({', '.join(sorted(known))})")
         ms = v.mapping(metrics, p, "metric -> {min, max}; metric as lm-eval names it, e.g. 'acc' or "
                                    "'exact_match,strict-match'")
-        out[task] = MappingProxyType({metric_key(m): _bound(v, b, f"{p}.{m}") for m, b in ms.items()})
+        out[task] = MappingProxyType({metric_key(m): _fraction_bound(v, b, f"{p}.{m}", m) for m, b in ms.items()})
     return out
 
 

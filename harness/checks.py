@@ -21,7 +21,7 @@ import numpy as np
 
 from deepinfer import SamplingParams
 
-from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment
+from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment, run_dir_guard
 from .workload import random_workload, seats
 
 log = logging.getLogger("deepinfer")
@@ -97,23 +97,29 @@ def batch_invariance(llm, needle: list[int], trials: int, max_tokens: int, seed:
 def run_checks(llm, kind: str, modes: list[bool], run_dir, prompts, runs: int, trials: int, max_tokens: int,
                seed: int) -> list[dict]:
     """Run `kind` ("determinism" | "batch-invariance") in each mode; append and return one row per
-    (mode, sampling)."""
-    store, env = RowStore(run_dir), environment()
-    rows = []
-    for on in modes:
-        engine = with_mode(llm, on)
-        t0 = time.perf_counter()
-        res = determinism(engine, prompts, runs, max_tokens) if kind == "determinism" else \
-            batch_invariance(engine, prompts[0], trials, max_tokens, seed)
-        log.info(f"{kind}, batch-invariant mode {'on' if on else 'off'}: {time.perf_counter() - t0:.1f} s")
-        for sampling, stats in res.items():
-            row = {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "check": kind,
-                   "key": f"{kind}/{'invariant' if on else 'default'}/{sampling}", "status": "ok",
-                   "batch_invariant": engine.batch_invariant, "kernel_backend": engine.stats.kernel_backend,
-                   "sampling": sampling, "model_type": llm.model.cfg.model_type,
-                   "device": str(llm.model.device), "dtype": str(llm.model.dtype).replace("torch.", ""),
-                   "max_tokens": max_tokens, "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
-                   "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], **stats}
-            store.append(row)
-            rows.append(row)
+    (mode, sampling). `run_dir` is made here and removed again if the check fails before its first row."""
+    with run_dir_guard(run_dir):
+        store, env = RowStore(run_dir), environment()
+        rows = []
+        for on in modes:
+            engine = with_mode(llm, on)
+            t0 = time.perf_counter()
+            res = determinism(engine, prompts, runs, max_tokens) if kind == "determinism" else \
+                batch_invariance(engine, prompts[0], trials, max_tokens, seed)
+            log.info(f"{kind}, batch-invariant mode {'on' if on else 'off'}: {time.perf_counter() - t0:.1f} s")
+            for sampling, stats in res.items():
+                row = {**_identity(llm, engine, kind, env, max_tokens), "sampling": sampling,
+                       "key": f"{kind}/{'invariant' if on else 'default'}/{sampling}", **stats}
+                store.append(row)
+                rows.append(row)
     return rows
+
+
+def _identity(llm, engine, kind: str, env: dict, max_tokens: int) -> dict:
+    """The fields every row of a check run carries (`engine`: the mode's engine)."""
+    return {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "check": kind, "status": "ok",
+            "batch_invariant": engine.batch_invariant, "kernel_backend": engine.stats.kernel_backend,
+            "model_type": llm.model.cfg.model_type, "device": str(llm.model.device),
+            "dtype": str(llm.model.dtype).replace("torch.", ""), "max_tokens": max_tokens,
+            "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
+            "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"]}

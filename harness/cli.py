@@ -1,14 +1,26 @@
 """The `deepinfer-bench` command (docs/bench.md). `deepinfer-bench sweep` with no arguments runs the default
-tiny CPU sweep (about three minutes) and writes its report under reports/."""
+tiny CPU sweep (about three minutes) and writes its run under reports/1/ (git-ignored until published: `git add -f`
+the run, then `deepinfer-bench report --all` rewrites reports/index.md)."""
 
 from __future__ import annotations
-
 
 from pathlib import Path
 
 import click
 
 from deepinfer.cli import run_cli
+from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE
+
+DEVICE_HELP = "cpu | cuda | cuda:N (GPU N)"
+
+
+def not_blank(ctx, param, value):
+    """click callback: an option or argument given as an empty or blank string is refused in one line (never
+    read as 'not given')."""
+    if isinstance(value, str) and not value.strip():
+        raise click.BadParameter(f"{value!r} is empty; give a value, or leave {param.get_error_hint(ctx)} out",
+                                 ctx, param)
+    return value
 
 
 @click.group(help="deepinfer-bench: benchmark sweeps (prefill / decode Pareto points) into versioned reports.")
@@ -16,14 +28,24 @@ def cli() -> None:
     """Command group; the subcommands below do the work."""
 
 
-@cli.command("sweep")
-@click.argument("sweep_file", required=False)
-@click.option("--model", default=None, help="override the sweep's model (dir, hub id, tiny, random:ARCH:PRESET:N)")
-@click.option("--device", default=None, help="override the sweep's device (cpu | cuda)")
+@cli.command("sweep", epilog="""Examples:
+
+\b
+  deepinfer-bench sweep                                   # the tiny CPU sweep (about 3 minutes)
+  deepinfer-bench sweep sweeps/h200-v4-flash-4l.yaml --run-id h200-v4-flash-4l
+  deepinfer-bench sweep sweeps/h200-v4-flash-4l.yaml --run-id h200-v4-flash-4l --resume
+  torchrun --nproc-per-node 2 $(which deepinfer-bench) sweep sweeps/h200x2-v4-flash-4l-dp.yaml
+
+The run goes to REPORT_DIR/1/RUN_ID/ (under reports/: git-ignored until published with git add -f);
+reports/index.md is rewritten by deepinfer-bench report only.""")
+@click.argument("sweep_file", required=False, callback=not_blank)
+@click.option("--model", default=None, callback=not_blank,
+              help="override the sweep's model (dir, hub id, tiny, random:ARCH:PRESET:N)")
+@click.option("--device", default=None, callback=not_blank, help=f"override the sweep's device: {DEVICE_HELP}")
 @click.option("--prefill-ranks", type=int, default=None, help="ranks for prefill points")
 @click.option("--decode-ranks", type=int, default=None, help="ranks for decode points")
-@click.option("--report-dir", default="reports", show_default=True)
-@click.option("--run-id", default=None, help="run directory name (default: time + sweep name)")
+@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@click.option("--run-id", default=None, callback=not_blank, help="run directory name (default: time + sweep name)")
 @click.option("--resume", is_flag=True, help="continue the run --run-id: skip finished points, retry failed ones")
 @click.option("--continue-on-error", is_flag=True, help="record a failed point and go on")
 @click.option("--no-progress", is_flag=True)
@@ -31,10 +53,11 @@ def cli() -> None:
                                                 "(e.g. where plotly and a browser are installed)")
 def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir, run_id, resume, continue_on_error,
               no_progress, no_report) -> None:
-    """Run SWEEP_FILE (a sweeps/*.yaml definition; default: the tiny CPU sweep) and write one row per point."""
+    """Run SWEEP_FILE (a sweeps/*.yaml definition; default: the tiny CPU sweep) and write one row per point, then
+    the run's summary.csv and charts."""
     from .sweep import default_sweep, run_sweep
     from .sweep_config import load_sweep, parse_sweep
-    cfg = load_sweep(sweep_file) if sweep_file else default_sweep()
+    cfg = load_sweep(sweep_file) if sweep_file is not None else default_sweep()
     if resume and not run_id:
         raise click.UsageError("--resume needs the --run-id of the run to continue")
     overrides = {k: v for k, v in (("model", model), ("device", device)) if v is not None}
@@ -50,9 +73,8 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
         return
     written = []
     if not no_report:
-        from .report import report_run, write_index
+        from .report import report_run
         written = report_run(run_dir)
-        write_index(Path(report_dir))
     rows = [r for r in _rows(run_dir) if r["status"] == "ok"]
     click.echo(f"{len(rows)} points in {run_dir}; " + (", ".join(p.name for p in written) if written else
                                                        f"no report: deepinfer-bench report {run_dir.name}"))
@@ -63,22 +85,37 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
         else:
             click.echo(f"  {r['key']:<28} {_num(r['input_tput_per_gpu'], '9.1f')} in tok/s/GPU   "
                        f"TTFT p99 {_num(r['p99_ttft'], '.3f')} s")
+    click.echo(index_hint(report_dir, run_dir))
 
 
-@cli.command("report")
-@click.argument("run_ids", nargs=-1)
+def index_hint(report_dir, run_dir) -> str:
+    """The line sweep / eval print instead of rewriting the index (publishing is `deepinfer-bench report`)."""
+    where = "" if str(report_dir) == "reports" else f" --report-dir {report_dir}"
+    return (f"{Path(report_dir) / 'index.md'} not rewritten; to publish this run: git add -f {run_dir}, then "
+            f"deepinfer-bench report --all{where}")
+
+
+@cli.command("report", epilog="""Examples:
+
+\b
+  deepinfer-bench report 20250101-120000-tiny-cpu          # one run's summary.csv and charts, and the index
+  deepinfer-bench report --all --no-png                   # every run under reports/, HTML and CSV only
+  git add -f reports/1/RUN && deepinfer-bench report --all # publish a run: list it in reports/index.md""")
+@click.argument("run_ids", nargs=-1, callback=lambda ctx, param, value: [not_blank(ctx, param, v) for v in value])
 @click.option("--all", "all_runs", is_flag=True, help="every run under the report dir")
-@click.option("--report-dir", default="reports", show_default=True)
+@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--no-png", is_flag=True, help="HTML and CSV only")
 def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
-    """Regenerate summary.csv and the Pareto charts of RUN_IDS (or --all) from their stored rows, and the index."""
+    """Regenerate summary.csv and the Pareto charts of RUN_IDS (or --all) from their stored rows, and the index
+    (reports/index.md: the only command that writes it). A corrupt row in a named run is an error before anything
+    is written; with --all such a run is listed as unreadable."""
     from deepinfer.errors import DeepInferError
 
-    from .report import report_run, write_index
+    from .report import ok_rows, report_run, sweep_runs, write_index
+    from .rows import CorruptRowError
     root = Path(report_dir)
     if not root.is_dir():
         raise DeepInferError(f"no report directory {root}: run a sweep first, or pass --report-dir")
-    from .report import sweep_runs
     runs = sweep_runs(root)
     if not all_runs:
         if not run_ids:
@@ -88,12 +125,18 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
             raise DeepInferError(f"no stored rows for run(s) {missing} under {root} (runs there: "
                                  f"{[d.name for d in runs][:10]})")
         runs = [d for d in runs if d.name in run_ids]
-    from .report import ok_rows
-    for run_dir in runs:
-        if not ok_rows(run_dir):
+    loaded = {}
+    for run_dir in runs:                 # every named run is read before anything is written
+        try:
+            loaded[run_dir] = ok_rows(run_dir)
+        except CorruptRowError:
+            if not all_runs:
+                raise
+    for run_dir, rows in loaded.items():   # with --all, the index names the unreadable ones (one warning each)
+        if not rows:
             click.echo(f"{run_dir}: no sweep points (a check run or nothing finished): no charts")
             continue
-        written = report_run(run_dir, png=not no_png)
+        written = report_run(run_dir, png=not no_png, rows=rows)
         click.echo(f"{run_dir}: " + ", ".join(p.name for p in written))
     click.echo(f"index: {write_index(root)}")
 
@@ -106,29 +149,34 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
   deepinfer-bench step --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
       --expert-storage fp4 --batch 1,16,64,256 --context 1024,8192
 
-Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seconds).""")
-@click.option("--model", default=None, help="random:ARCH:PRESET:LAYERS, tiny, a checkpoint dir or hub id "
-                                            "[default: random:deepseek_v4:tiny:4]")
-@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
-@click.option("--dtype", default="float32", show_default=True, help="float32 | bfloat16 | ...")
-@click.option("--expert-storage", type=click.Choice(["dense", "fp4"]), default="dense", show_default=True)
+Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seconds):
+
+\b
+  deepinfer-bench step --iters 5 --report-dir /tmp/reports""")
+@click.option("--model", default=None, callback=not_blank,
+              help="random:ARCH:PRESET:LAYERS, tiny, a checkpoint dir or hub id [default: random:deepseek_v4:tiny:4]")
+@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
+@click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
 @click.option("--kernel-backend", type=click.Choice(["reference", "invariant"]), default=None,
               help="kernel backend set [default: the engine's, DEEPINFER_KERNEL_BACKEND or reference]")
-@click.option("--batch", "batches", default=None, help="rows per decode step, comma-separated [default: 1,8]")
-@click.option("--context", "contexts", default=None,
+@click.option("--batch", "batches", default=None, callback=not_blank,
+              help="rows per decode step, comma-separated [default: 1,8]")
+@click.option("--context", "contexts", default=None, callback=not_blank,
               help="positions already in each row's state, comma-separated [default: 128,512]")
 @click.option("--query-len", type=int, default=1, show_default=True,
               help="tokens per row (1: decode; > 1: verify-shaped rows)")
-@click.option("--prefill", default=None, help="also prefill points: one row of T tokens from an empty state, "
-                                              "comma-separated T (alone: prefill points only)")
+@click.option("--prefill", default=None, callback=not_blank,
+              help="also prefill points: one row of T tokens from an empty state, comma-separated T (alone: prefill "
+                   "points only)")
 @click.option("--iters", type=int, default=20, show_default=True, help="timed steps per point")
 @click.option("--warmup", type=int, default=3, show_default=True, help="untimed steps per point first")
 @click.option("--trace-steps", type=int, default=5, show_default=True, help="steps in the GPU idle trace")
 @click.option("--no-graphs", is_flag=True, help="eager steps (the engine's enforce_eager)")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--report-dir", default="reports", show_default=True)
-@click.option("--run-id", default=None, help="run directory name [default: step-<time>]")
-@click.option("--out", default=None, type=click.Path(file_okay=False),
+@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: step-<time>]")
+@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
               help="run directory (overrides --report-dir / --run-id)")
 @click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished points")
 @click.option("--continue-on-error", is_flag=True, help="record a failed point and go on")
@@ -157,21 +205,26 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
 
 def _check_options(f):
     for opt in reversed([
-        click.option("--model", default="tiny", show_default=True, help="dir, hub id, tiny or random:ARCH:PRESET:N"),
-        click.option("--device", default="cpu", show_default=True),
-        click.option("--dtype", default="float32", show_default=True),
+        click.option("--model", default="tiny", show_default=True, callback=not_blank,
+                     help="dir, hub id, tiny or random:ARCH:PRESET:N"),
+        click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP),
+        click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True),
         click.option("--max-tokens", type=int, default=32, show_default=True),
         click.option("--prompt-len", type=int, default=48, show_default=True),
         click.option("--mode", "modes", type=click.Choice(["both", "on", "off"]), default="both", show_default=True,
                      help="batch-invariant mode off, on, or both"),
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--report-dir", default="reports", show_default=True),
-        click.option("--run-id", default=None)]):
+        click.option("--report-dir", default="reports", show_default=True, callback=not_blank),
+        click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: time + check]")]):
         f = opt(f)
     return f
 
 
-@cli.command("determinism")
+@cli.command("determinism", epilog="""Examples:
+
+\b
+  deepinfer-bench determinism --runs 8 --mode on           # tiny model on CPU, batch-invariant mode only
+  deepinfer-bench determinism --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16""")
 @_check_options
 @click.option("--runs", type=int, default=50, show_default=True, help="repetitions of the same prompts")
 @click.option("--num-prompts", type=int, default=8, show_default=True)
@@ -181,7 +234,11 @@ def determinism_cmd(runs, num_prompts, **kw) -> None:
     _run_check("determinism", kw, runs=runs, num_prompts=num_prompts, trials=None)
 
 
-@cli.command("batch-invariance")
+@cli.command("batch-invariance", epilog="""Examples:
+
+\b
+  deepinfer-bench batch-invariance --trials 4              # tiny model on CPU, mode off and on
+  deepinfer-bench batch-invariance --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16""")
 @_check_options
 @click.option("--trials", type=int, default=20, show_default=True, help="batches the needle is placed in")
 def batch_invariance_cmd(trials, **kw) -> None:
@@ -190,8 +247,10 @@ def batch_invariance_cmd(trials, **kw) -> None:
 
 
 def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: int | None) -> None:
+    from deepinfer.validate import check_device
+
     from .checks import run_checks
-    from .rows import SCHEMA_VERSION, run_id_for
+    from .rows import SCHEMA_VERSION, refuse_existing_rows, run_id_for
     from .sweep import build_llm
     from .sweep_config import parse_sweep
     from .workload import random_workload
@@ -199,15 +258,16 @@ def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: 
                         ("--max-tokens", kw["max_tokens"]), ("--prompt-len", kw["prompt_len"])):
         if value is not None and value < 1:
             raise click.UsageError(f"{name} must be at least 1")
+    check_device(kw["device"])
     max_len = kw["prompt_len"] * 2 + kw["max_tokens"] + 8
     cfg = parse_sweep({"name": kind, "model": kw["model"], "device": kw["device"], "dtype": kw["dtype"],
                        "engine_args": {"max_model_len": max_len, "max_num_seqs": 32},
                        "scenarios": [{"isl": kw["prompt_len"], "osl": kw["max_tokens"]}], "concurrency": [1],
                        "seed": kw["seed"]}, f"deepinfer-bench {kind}")
-    llm = build_llm(cfg)
+    run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id_for(kw["run_id"], kind)
+    refuse_existing_rows(run_dir, resumable=False)
+    llm = build_llm(cfg)                      # a bad model fails here, before the run directory is made
     prompts = random_workload(num_prompts, kw["prompt_len"], 1, 0.5, llm.model.cfg.vocab_size, kw["seed"]).prompts
-    run_id = run_id_for(kw["run_id"], kind)
-    run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id
     modes = {"both": [False, True], "on": [True], "off": [False]}[kw["modes"]]
     rows = run_checks(llm, kind, modes, run_dir, prompts, runs or 0, trials or 0, kw["max_tokens"], kw["seed"])
     click.echo(f"{kind}: rows in {run_dir}")

@@ -3,7 +3,9 @@
 Per run directory: `summary.csv` (pandas; one line per successful point, fixed column order, stable float
 format), `prefill_pareto.html/.png` (input tok/s/GPU against p99 TTFT) and `decode_pareto.html/.png` (output
 tok/s/GPU against tok/s/user = 1000 / median TPOT), with the Pareto frontier drawn per (hardware, engine,
-spec mode, measured/projected) group and every point's details on hover. `reports/index.md` lists the runs.
+spec mode, measured/projected) group and every point's details on hover. `reports/index.md` lists the runs;
+only `deepinfer-bench report` writes it (the publish step: sweeps and evals leave it alone), and a run whose rows
+cannot be read is listed as unreadable with one warning line, so one corrupt run never stops the others.
 
 Charts are plotly figures written as HTML (plotly.js once for all runs, `<report root>/plotly.min.js`, so
 the pages work offline) and PNG through kaleido. Kaleido drives a Chrome / Chromium: it uses the browser at
@@ -20,7 +22,7 @@ from pathlib import Path
 from .frontier import DEFAULT_GROUP_KEYS, frontiers
 from deepinfer.errors import DeepInferError
 
-from .rows import atomic_write_text, read_rows
+from .rows import CorruptRowError, atomic_write_text, read_rows
 
 log = logging.getLogger("deepinfer")
 
@@ -108,49 +110,69 @@ def sweep_runs(report_root: Path) -> list[Path]:
     return sorted(p.parent for p in report_root.glob("*/*/rows.jsonl") if p.parent.parent.name != EVAL_DIR)
 
 
+def readable_rows(run_dir: Path) -> tuple[list[dict], str]:
+    """(the run's rows, "") or, when a row is corrupt, ([], " (unreadable: rows.jsonl:N is not a JSON row)") and
+    one warning line."""
+    try:
+        return read_rows(run_dir), ""
+    except CorruptRowError as e:
+        log.warning(f"{e}; the index lists {run_dir.name} as unreadable")
+        return [], f" (unreadable: {e.short})"
+
+
 def write_index(report_root: Path) -> Path:
     """reports/index.md: every sweep run under <root>/<schema_version>/<run_id>/ with its points and charts, and
-    every eval run under <root>/eval/<run_id>/ with its tasks and thresholds."""
-    lines = ["# Benchmark runs", "", "Regenerate with `deepinfer-bench report --all`.", "",
-             "| run | schema | points (ok / failed) | charts |", "| --- | --- | --- | --- |"]
+    every eval run under <root>/eval/<run_id>/ with its tasks and thresholds; a run with a corrupt row is listed
+    as unreadable (one warning line), not an error."""
     if not report_root.is_dir():
         raise DeepInferError(f"no report directory {report_root}: run a sweep first, or pass --report-dir")
-    for run_dir in sweep_runs(report_root):
-        rows = read_rows(run_dir)
-        ok_keys = {r["key"] for r in rows if r.get("status") == "ok"}
-        failed = {r["key"] for r in rows if r.get("status") != "ok"} - ok_keys     # points, not attempts
-        ok = len(ok_keys)
-        charts = ", ".join(f"[{p.stem}]({p.relative_to(report_root).as_posix()})"
-                           for p in sorted(run_dir.glob("*_pareto.*")))
-        lines.append(f"| {run_dir.name} | {run_dir.parent.name} | {ok} / {len(failed)} | {charts} |")
+    lines = ["# Benchmark runs", "", "Regenerate with `deepinfer-bench report --all`.", "",
+             "| run | schema | points (ok / failed) | charts |", "| --- | --- | --- | --- |"]
+    lines += [_sweep_line(report_root, run_dir) for run_dir in sweep_runs(report_root)]
     evals = sorted(p.parent for p in (report_root / EVAL_DIR).glob("*/rows.jsonl"))
     if evals:
         lines += ["", "## Eval runs (deepinfer-eval)", "",
                   "| run | suite | model | tasks | concurrency | thresholds (held / missed) | min agreement |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
-    for run_dir in evals:
-        rows = read_rows(run_dir)
-        metrics = [r for r in rows if r.get("kind") == "eval" and r.get("engine") == "deepinfer"]
-        agree = [r["value"] for r in rows if r.get("kind") == "agreement" and isinstance(r.get("value"), float)
-                 and r["value"] == r["value"]]
-        whole = any(r.get("kind") == "summary" and r.get("complete") for r in rows)
-        state = "" if whole else " (method 1: no completion marker)" if rows and rows[0].get("method_version") == "1" \
-            else " (incomplete)"
-        checked = [r for r in rows if r.get("passed") is not None]
-        first = rows[0] if rows else {}
-        agreement = f"{min(agree):.3f}" if agree else ""
-        lines.append(f"| {run_dir.name}{state} | {first.get('suite', '')} | {first.get('model', '')} | "
-                     f"{', '.join(sorted({r['task'] for r in metrics}))} | "
-                     f"{', '.join(str(c) for c in sorted({r['concurrency'] for r in metrics}))} | "
-                     f"{sum(r['passed'] for r in checked)} / {sum(not r['passed'] for r in checked)} | "
-                     f"{agreement} |")
+    lines += [_eval_line(run_dir) for run_dir in evals]
     path = report_root / "index.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 
-def report_run(run_dir: Path, png: bool = True) -> list[Path]:
-    rows = ok_rows(run_dir)
+def _sweep_line(report_root: Path, run_dir: Path) -> str:
+    rows, unreadable = readable_rows(run_dir)
+    if unreadable:
+        return f"| {run_dir.name}{unreadable} | {run_dir.parent.name} |  |  |"
+    ok_keys = {r["key"] for r in rows if r.get("status") == "ok"}
+    failed = {r["key"] for r in rows if r.get("status") != "ok"} - ok_keys     # points, not attempts
+    charts = ", ".join(f"[{p.stem}]({p.relative_to(report_root).as_posix()})"
+                       for p in sorted(run_dir.glob("*_pareto.*")))
+    return f"| {run_dir.name} | {run_dir.parent.name} | {len(ok_keys)} / {len(failed)} | {charts} |"
+
+
+def _eval_line(run_dir: Path) -> str:
+    rows, unreadable = readable_rows(run_dir)
+    if unreadable:
+        return f"| {run_dir.name}{unreadable} |  |  |  |  |  |  |"
+    metrics = [r for r in rows if r.get("kind") == "eval" and r.get("engine") == "deepinfer"]
+    agree = [r["value"] for r in rows if r.get("kind") == "agreement" and isinstance(r.get("value"), float)
+             and r["value"] == r["value"]]
+    whole = any(r.get("kind") == "summary" and r.get("complete") for r in rows)
+    state = "" if whole else " (method 1: no completion marker)" if rows and rows[0].get("method_version") == "1" \
+        else " (incomplete)"
+    checked = [r for r in rows if r.get("passed") is not None]
+    first = rows[0] if rows else {}
+    agreement = f"{min(agree):.3f}" if agree else ""
+    return (f"| {run_dir.name}{state} | {first.get('suite', '')} | {first.get('model', '')} | "
+            f"{', '.join(sorted({r['task'] for r in metrics}))} | "
+            f"{', '.join(str(c) for c in sorted({r['concurrency'] for r in metrics}))} | "
+            f"{sum(r['passed'] for r in checked)} / {sum(not r['passed'] for r in checked)} | {agreement} |")
+
+
+def report_run(run_dir: Path, png: bool = True, rows: list[dict] | None = None) -> list[Path]:
+    """summary.csv and the charts of one run, from its ok sweep rows (`rows`: ok_rows(run_dir), already read)."""
+    rows = ok_rows(run_dir) if rows is None else rows
     out = [write_summary(run_dir, rows)]
     return out + write_charts(run_dir, rows, png)
 

@@ -1,18 +1,26 @@
 """Result rows of a benchmark run: identity and environment, and a store that never loses a finished row.
 
 A run directory holds `rows.jsonl` (one JSON object per finished point, appended and fsync'd as each point
-finishes: a kill -9 can at most tear the line being written, which the next open drops) and `raw/<key>.json`
-(the vLLM-bench-compatible raw result of each point, written atomically: temp file, then rename). Resume reads
-the keys of the complete rows and skips those points; failure rows (`"status": "failed"`) are kept but not
-counted as done, so a resumed run retries them."""
+finishes) and `raw/<key>.json` (the vLLM-bench-compatible raw result of each point, written atomically: temp
+file, then rename). A row is durable once its newline is: a last line without its newline is a torn write (a
+kill -9 mid-append), which readers skip and the writer cuts off when it reopens the run. A newline-terminated
+line that is not a JSON row (invalid JSON, not an object, no key / status) is corruption, wherever it is: one
+`CorruptRowError` line naming file:line and what to do; nothing drops it. Resume reads the keys of the complete
+rows and skips those points; failure rows (`"status": "failed"`) are kept but not counted as done, so a resumed
+run retries them.
+
+Run directories are made only once a run's checks have passed (`run_dir_guard` removes one this invocation
+made when the run fails before its first row)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -26,6 +34,20 @@ PACKAGES = ("deepinfer", "torch", "transformers", "tokenizers", "numpy", "safete
 
 class ReportDirError(DeepInferError):
     """The report directory cannot be created or written."""
+
+
+class CorruptRowError(DeepInferError):
+    """A complete line of rows.jsonl is not a JSON row (`path`, `line`: where)."""
+
+    def __init__(self, path: Path, line: int, why: str):
+        self.path, self.line, self.why = Path(path), line, why
+        super().__init__(f"{path}:{line}: not a JSON row ({why}); repair or remove that line (the run's other "
+                         f"rows are intact), then rerun")
+
+    @property
+    def short(self) -> str:
+        """'rows.jsonl:7 is not a JSON row', for listings."""
+        return f"{self.path.name}:{self.line} is not a JSON row"
 
 
 def utc_now() -> str:
@@ -42,18 +64,27 @@ def run_id_for(run_id: str | None, name: str) -> str:
     return run_id
 
 
+# what `dirty` looks at: the whole checkout but reports/ (results are data, not the code that ran)
+CODE_PATHSPEC = ("--", ":(top)", ":(top,exclude)reports")
+
+
 def git_state(cwd: str | os.PathLike | None = None) -> dict:
-    """{"sha": commit or None, "dirty": bool or None} of the checkout holding this package (or cwd)."""
+    """{"sha": commit or None, "dirty": bool or None} of the checkout holding this package (or cwd): the code
+    that ran, so changes under reports/ do not make it dirty. Git's output never reaches the terminal."""
     where = cwd or Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=where).stdout.strip() or None
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True, timeout=10, cwd=where)
-        dirty = bool(status.stdout.strip()) if status.returncode == 0 and sha else None
+        sha = (_git(["rev-parse", "HEAD"], where) or "").strip() or None
+        status = _git(["status", "--porcelain", "--untracked-files=no", *CODE_PATHSPEC], where) if sha else None
     except (OSError, subprocess.SubprocessError):
-        sha, dirty = None, None
-    return {"sha": sha, "dirty": dirty}
+        sha, status = None, None
+    return {"sha": sha, "dirty": None if status is None else bool(status.strip())}
+
+
+def _git(args: list[str], cwd) -> str | None:
+    """stdout of `git ARGS` in cwd, or None when it fails (stderr captured, never printed)."""
+    out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=cwd,
+                         stdin=subprocess.DEVNULL)
+    return out.stdout if out.returncode == 0 else None
 
 
 def package_versions() -> dict:
@@ -123,32 +154,94 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_rows(run_dir: str | os.PathLike) -> list[dict]:
-    """The rows of a run, read only (a sweep may be appending): a last line without its newline is not a row
-    yet; any other line that is not JSON is one error line naming file and line."""
-    path = Path(run_dir) / "rows.jsonl"
-    if not path.exists():
-        return []
-    text = path.read_text()
-    lines = text.split("\n")[:-1]                  # what follows the last newline is still being written
+def _complete_lines(data: bytes) -> tuple[list[bytes], bytes]:
+    """(the newline-terminated lines, the torn tail after the last newline: b"" when there is none)."""
+    cut = data.rfind(b"\n") + 1
+    return data[:cut].split(b"\n")[:-1], data[cut:]
+
+
+def _parse_rows(path: Path, lines: list[bytes]) -> list[dict]:
+    """Every complete line as a row (blank lines carry nothing and are skipped); CorruptRowError otherwise."""
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except ValueError:
-            if n == len(lines):                      # the writer cuts a torn last line when it reopens
-                break
-            raise DeepInferError(f"{path}:{n}: not a JSON row; repair or remove that line, then rerun") from None
+            row = json.loads(line)
+        except ValueError as e:
+            why = "not UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON"
+            raise CorruptRowError(path, n, why) from None
+        if not isinstance(row, dict):
+            raise CorruptRowError(path, n, f"a JSON {type(row).__name__}, not an object")
+        if "key" not in row or "status" not in row:
+            raise CorruptRowError(path, n, "an object without 'key' and 'status'")
+        rows.append(row)
     return rows
 
 
+def read_rows(run_dir: str | os.PathLike) -> list[dict]:
+    """The rows of a run, read only (a sweep may be appending): a last line without its newline is not a row
+    yet and is skipped; any complete line that is not a JSON row is a CorruptRowError naming file and line."""
+    path = Path(run_dir) / "rows.jsonl"
+    if not path.exists():
+        return []
+    return _parse_rows(path, _complete_lines(path.read_bytes())[0])
+
+
+def check_writable(run_dir: str | os.PathLike) -> None:
+    """Before a run makes anything: its directory can be made there (the nearest existing folder on the way is a
+    directory we may write); one ReportDirError line otherwise."""
+    run_dir = there = Path(run_dir)
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    why = "is not a directory" if not there.is_dir() else \
+        "is not writable" if not os.access(there, os.W_OK | os.X_OK) else None
+    if why:
+        raise ReportDirError(f"cannot write the report directory {run_dir}: {there} {why}; choose a writable "
+                             f"--report-dir (deepinfer-eval: --out)")
+
+
+def refuse_existing_rows(run_dir: str | os.PathLike, resumable: bool = True) -> None:
+    """A new run may not reuse a run directory that has rows (one line saying what to do instead); the directory
+    must be one that can be written (check_writable)."""
+    check_writable(run_dir)
+    if (Path(run_dir) / "rows.jsonl").exists():
+        how = "pass --resume to continue it, or a new --run-id" if resumable else "choose a new --run-id"
+        raise DeepInferError(f"run {run_dir} already has rows: {how}")
+
+
+def has_rows(run_dir: str | os.PathLike) -> bool:
+    """Whether anything was ever appended to the run's rows.jsonl (a failure row, even a torn one, counts)."""
+    path = Path(run_dir) / "rows.jsonl"
+    return path.is_file() and path.stat().st_size > 0
+
+
+@contextlib.contextmanager
+def run_dir_guard(run_dir: str | os.PathLike):
+    """Around a run that may create `run_dir`: when the run raises (Ctrl-C included) before its first row, the
+    directories this invocation created (run_dir and any parents that were missing) are removed. A folder that
+    existed before (a --resume run's) or one holding rows stays: failure rows are results."""
+    run_dir = Path(run_dir)
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]    # deepest first
+    try:
+        yield
+    except BaseException:
+        if created and not has_rows(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            for parent in created[1:]:
+                with contextlib.suppress(OSError):     # rmdir: only while empty (another run may be there now)
+                    parent.rmdir()
+        raise
+
+
 class RowStore:
-    """The rows of one run directory (created if missing)."""
+    """The rows of one run directory (created if missing). Opening checks every complete row and cuts a torn
+    tail; a corrupt complete line is a CorruptRowError, and the file is left as it is."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.dir = Path(run_dir)
+        self.path = self.dir / "rows.jsonl"
+        self._cut_torn_tail()
         try:
             (self.dir / "raw").mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".write-test-{os.getpid()}"
@@ -157,15 +250,13 @@ class RowStore:
         except OSError as e:
             raise ReportDirError(f"cannot write the report directory {self.dir}: {e.strerror or e}; choose a "
                                  f"writable --report-dir") from None
-        self.path = self.dir / "rows.jsonl"
-        self._drop_torn_tail()
 
     def rows(self) -> list[dict]:
         return read_rows(self.dir)
 
     def done_keys(self) -> set[str]:
         """Keys of points that finished (failed points are retried on resume)."""
-        return {r["key"] for r in self.rows() if r.get("status") == "ok"}
+        return done_keys(self.rows())
 
     def append(self, row: dict) -> None:
         """Append one finished point's row and make it durable before returning."""
@@ -182,22 +273,23 @@ class RowStore:
         atomic_write_text(path, json.dumps(json_safe(raw), indent=1, sort_keys=True, allow_nan=False) + "\n")
         return path
 
-    def _drop_torn_tail(self) -> None:
-        """A kill mid-append can leave a last line without its newline (or not valid JSON): cut it off."""
-        if not self.path.exists():
+    def _cut_torn_tail(self) -> None:
+        """Check the complete rows (CorruptRowError, file untouched), then cut a torn last line (no newline)."""
+        if not self.path.is_file():
             return
-        data = self.path.read_bytes()
-        keep = data if data.endswith(b"\n") else data[:data.rfind(b"\n") + 1]
-        lines = keep.splitlines(keepends=True)
-        while lines:
-            try:
-                json.loads(lines[-1])
-                break
-            except ValueError:
-                lines.pop()
-        keep = b"".join(lines)
-        if keep != data:
-            with open(self.path, "wb") as f:
-                f.write(keep)
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise ReportDirError(f"cannot read {self.path}: {e.strerror or e}; check the run directory") from None
+        lines, torn = _complete_lines(data)
+        _parse_rows(self.path, lines)
+        if torn:
+            with open(self.path, "r+b") as f:
+                f.truncate(len(data) - len(torn))
                 f.flush()
                 os.fsync(f.fileno())
+
+
+def done_keys(rows: list[dict]) -> set[str]:
+    """Keys of the rows that finished ok."""
+    return {r["key"] for r in rows if r.get("status") == "ok"}

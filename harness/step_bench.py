@@ -38,9 +38,11 @@ from pathlib import Path
 import torch
 
 from deepinfer.errors import DeepInferError
+from deepinfer.validate import EXPERT_STORAGE, check_device, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
-from .rows import SCHEMA_VERSION, RowStore, atomic_write_text, environment, run_id_for, utc_now
+from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
+                   refuse_existing_rows, run_dir_guard, run_id_for, utc_now)
 
 log = logging.getLogger("deepinfer")
 
@@ -114,8 +116,9 @@ class StepConfig:
                 raise DeepInferError(f"--{name.replace('_', '-')} must be at least 1")
         if self.warmup < 0:
             raise DeepInferError("--warmup must be at least 0")
-        if self.expert_storage not in ("dense", "fp4"):
-            raise DeepInferError(f"--expert-storage {self.expert_storage!r}: use dense or fp4")
+        if self.expert_storage not in EXPERT_STORAGE:
+            raise DeepInferError(f"--expert-storage {self.expert_storage!r}: use one of {', '.join(EXPERT_STORAGE)}")
+        parse_dtype(self.dtype)
         if not self.points():
             raise DeepInferError("no points: give --batch and --context, or --prefill")
 
@@ -489,16 +492,14 @@ def kernel_info(llm) -> tuple[str | None, dict | None]:
     return getattr(kernels, "name", None), dict(getattr(kernels, "backends", {}) or {})
 
 
-def check_model_spec(spec: str) -> None:
-    """A random:ARCH:PRESET:LAYERS name checked without building anything (one error line if it is wrong)."""
-    if not spec.startswith("random:"):
-        return
-    parts = spec.split(":")
-    if len(parts) != 4 or not parts[3].isdigit():
-        raise DeepInferError(f"model {spec!r}: a random model is named random:ARCH:PRESET:LAYERS, "
-                             f"e.g. random:deepseek_v4:flash:4")
-    from deepinfer.config.presets import preset_config
-    preset_config(parts[1], parts[2], int(parts[3]))
+def check_model(spec: str) -> None:
+    """The model's form (deepinfer.validate) and, for random:ARCH:PRESET:LAYERS, that the preset has that many
+    layers, without building anything (one error line if it is wrong)."""
+    check_model_spec(spec)
+    if spec.startswith("random:"):
+        from deepinfer.config.presets import preset_config
+        _, arch, preset, layers = spec.split(":")
+        preset_config(arch, preset, int(layers))
 
 
 def build_engine(cfg: StepConfig):
@@ -564,23 +565,32 @@ def run_dir_for(report_dir: str | os.PathLike, run_id: str | None, out: str | os
     return Path(report_dir) / SCHEMA_VERSION / run_id_for(run_id or f"step-{datetime.now():%Y%m%d-%H%M%S}", "step")
 
 
-def prepare(cfg: StepConfig, run_dir: Path, resume: bool) -> tuple[RowStore, dict]:
-    definition = cfg.to_dict()
+def check_run(cfg: StepConfig, run_dir: Path, resume: bool) -> set[str]:
+    """Before anything is written: --resume against the stored definition (or refuse to reuse a run with rows);
+    returns the keys of the points already done."""
     stored = run_dir / "step.json"
     if resume:
         if not stored.exists():
             raise DeepInferError(f"--resume: no step run {run_dir} (no step.json there); check --run-id / --out")
-        before = json.loads(stored.read_text())
+        try:
+            before = json.loads(stored.read_text())
+        except ValueError:
+            before = {}
         old = {k: v for k, v in before.items() if k not in ("batches", "contexts", "prefill")}
         if old != cfg.identity():
-            diff = sorted(k for k in old if old.get(k) != cfg.identity().get(k))
+            diff = sorted(k for k in {*old, *cfg.identity()} if old.get(k) != cfg.identity().get(k))
             raise DeepInferError(f"--resume: {stored} was run with other settings ({', '.join(diff)}); resume with "
                                  f"the same model / dtype / storage / backend / device / timing, or a new --run-id")
-    elif (run_dir / "rows.jsonl").exists():
-        raise DeepInferError(f"run {run_dir} already has rows: pass --resume to continue it, or a new --run-id")
+    else:
+        refuse_existing_rows(run_dir)
+    return done_keys(read_rows(run_dir))
+
+
+def open_run(cfg: StepConfig, run_dir: Path) -> tuple[RowStore, dict]:
+    """Once the engine is built: the run directory (step.json, env.json unless a resumed run has one) and its store."""
     store = RowStore(run_dir)
     env = environment()
-    atomic_write_text(stored, json.dumps(definition, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(run_dir / "step.json", json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     if not (run_dir / "env.json").exists():
         atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
     return store, env
@@ -589,17 +599,18 @@ def prepare(cfg: StepConfig, run_dir: Path, resume: bool) -> tuple[RowStore, dic
 def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", run_id: str | None = None,
                    out: str | os.PathLike | None = None, resume: bool = False, continue_on_error: bool = False,
                    probe_factory=None, echo=None) -> tuple[Path, list[dict]]:
-    """Measure every point of cfg not yet done in the run directory; returns (run dir, every row there)."""
+    """Measure every point of cfg not yet done in the run directory; returns (run dir, every row there). The
+    directory is made once the checks pass and the engine is built, and removed if the run fails before its first
+    row (unless it existed before)."""
     echo = echo or (lambda s: None)
+    check_device(cfg.device)
     run_dir = run_dir_for(report_dir, run_id, out)
     probe_cls = (probe_factory or default_probe_factory)()        # fail before any device work
-    check_model_spec(cfg.model)
-    store, env = prepare(cfg, run_dir, resume)
-    done = store.done_keys()
+    check_model(cfg.model)
+    done = check_run(cfg, run_dir, resume)
     todo = [p for p in cfg.points() if p.key not in done]
     if not todo:
-        return run_dir, store.rows()
-    from deepinfer.validate import parse_dtype
+        return run_dir, read_rows(run_dir)
     echo(f"ceilings on {cfg.device} ...")
     ceilings = measure_ceilings(cfg.device, parse_dtype(cfg.dtype))
     extra = [f"{name} {ceilings[k] / 1e12:.1f}" for name, k in (("bf16", "gemm_bf16_flops_per_s"),
@@ -611,39 +622,51 @@ def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", r
     label_moe(llm.model)
     inv = inventory(llm.model)
     storage = check_storage(inv, cfg.expert_storage)
+    echo(f"engine built in {time.perf_counter() - t0:.1f} s; {len(todo)} points")
+    with run_dir_guard(run_dir):
+        store, env = open_run(cfg, run_dir)
+        identity = _identity(cfg, llm, run_dir.name, storage, probe_cls, ceilings, env)
+        for point in todo:
+            _measure_one(llm, probe_cls, point, cfg, inv, ceilings, store, identity, continue_on_error, echo)
+    return run_dir, store.rows()
+
+
+def _identity(cfg: StepConfig, llm, run_name: str, storage: str, probe_cls, ceilings: dict, env: dict) -> dict:
+    """The fields every row of the run carries."""
     backend, backends = kernel_info(llm)
     mcfg = llm.model.cfg
-    echo(f"engine built in {time.perf_counter() - t0:.1f} s; {len(todo)} points")
-    run_name = run_dir.name
-    identity = {"schema_version": SCHEMA_VERSION, "method_version": STEP_METHOD_VERSION, "bench": "step",
-                "mode": "step", "run_id": run_name, "model": cfg.model, "model_type": mcfg.model_type,
-                "layers": mcfg.num_hidden_layers, "config_hash": mcfg.config_hash(), "precision": cfg.dtype,
-                "expert_storage": storage, "kernel_backend": backend, "kernel_backends": backends,
-                "device": cfg.device, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
-                "hardware_info": env["hardware"], "engine": "deepinfer", "git_sha": env["git"]["sha"],
-                "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
-                "cuda_graphs_allowed": cfg.graphs, "iters": cfg.iters, "warmup": cfg.warmup,
-                "probe": f"{probe_cls.__module__}.{probe_cls.__qualname__}", "ceilings": ceilings,
-                "is_projected": False}
-    for point in todo:
-        row = {**identity, "key": point.key, "shape": point.shape, "batch": point.batch, "context": point.context,
-               "query_len": point.query_len, "tokens": point.rows, "started": utc_now()}
-        t1 = time.perf_counter()
-        try:
-            fields = measure_point(llm, probe_cls, point, cfg, inv, ceilings)
-        except Exception as e:        # noqa: BLE001  a failed point is recorded, never silently lost
-            error = str(e) if isinstance(e, DeepInferError) else f"{type(e).__name__}: {e}"
-            store.append({**row, "status": "failed", "error": error, "finished": utc_now()})
-            first = (error.strip().splitlines() or [""])[0]     # CUDA errors run over lines: the row keeps them all
-            echo(f"  {point.key}: failed ({first})")
-            if not continue_on_error:
-                raise DeepInferError(f"point {point.key} failed ({first}); its failure row is in {store.path}; "
-                                     f"rerun with --resume (and --continue-on-error to go on past failures)") from e
-            continue
-        store.append({**row, **fields, "status": "ok", "finished": utc_now()})
-        echo(f"  {point.key}: {fields['step_ms_median']:.3f} ms (roofline {fields['roofline_ms']:.3f} ms, "
-             f"x{fields['ratio']:.1f}) in {time.perf_counter() - t1:.1f} s")
-    return run_dir, store.rows()
+    return {"schema_version": SCHEMA_VERSION, "method_version": STEP_METHOD_VERSION, "bench": "step",
+            "mode": "step", "run_id": run_name, "model": cfg.model, "model_type": mcfg.model_type,
+            "layers": mcfg.num_hidden_layers, "config_hash": mcfg.config_hash(), "precision": cfg.dtype,
+            "expert_storage": storage, "kernel_backend": backend, "kernel_backends": backends,
+            "device": cfg.device, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
+            "hardware_info": env["hardware"], "engine": "deepinfer", "git_sha": env["git"]["sha"],
+            "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
+            "cuda_graphs_allowed": cfg.graphs, "iters": cfg.iters, "warmup": cfg.warmup,
+            "probe": f"{probe_cls.__module__}.{probe_cls.__qualname__}", "ceilings": ceilings,
+            "is_projected": False}
+
+
+def _measure_one(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Inventory, ceilings: dict,
+                 store: RowStore, identity: dict, continue_on_error: bool, echo) -> None:
+    """One point's row (a failure row when it raises; without continue_on_error the run then stops)."""
+    row = {**identity, "key": point.key, "shape": point.shape, "batch": point.batch, "context": point.context,
+           "query_len": point.query_len, "tokens": point.rows, "started": utc_now()}
+    t1 = time.perf_counter()
+    try:
+        fields = measure_point(llm, probe_cls, point, cfg, inv, ceilings)
+    except Exception as e:        # noqa: BLE001  a failed point is recorded, never silently lost
+        error = str(e) if isinstance(e, DeepInferError) else f"{type(e).__name__}: {e}"
+        store.append({**row, "status": "failed", "error": error, "finished": utc_now()})
+        first = (error.strip().splitlines() or [""])[0]     # CUDA errors run over lines: the row keeps them all
+        echo(f"  {point.key}: failed ({first})")
+        if not continue_on_error:
+            raise DeepInferError(f"point {point.key} failed ({first}); its failure row is in {store.path}; "
+                                 f"rerun with --resume (and --continue-on-error to go on past failures)") from e
+        return
+    store.append({**row, **fields, "status": "ok", "finished": utc_now()})
+    echo(f"  {point.key}: {fields['step_ms_median']:.3f} ms (roofline {fields['roofline_ms']:.3f} ms, "
+         f"x{fields['ratio']:.1f}) in {time.perf_counter() - t1:.1f} s")
 
 
 def table(rows: list[dict]) -> list[str]:

@@ -31,7 +31,7 @@ from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
 from .rows import (METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
-                   run_dir_guard, run_id_for, utc_now)
+                   refuse_existing_rows, run_dir_guard, run_id_for, utc_now)
 from .sweep_config import SweepConfig, SweepPoint, parse_sweep
 from .workload import Workload, random_workload, run_workload
 
@@ -265,8 +265,8 @@ def _check_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> list[str]:
         if not same:
             raise DeepInferError(f"--resume: {stored} differs from this sweep's definition; resume with the same "
                                  f"sweep, or start a new --run-id")
-    elif (run_dir / "rows.jsonl").exists():
-        raise DeepInferError(f"run {run_dir} already has rows: pass --resume to continue it, or a new --run-id")
+    else:
+        refuse_existing_rows(run_dir)
     done = done_keys(read_rows(run_dir))         # a corrupt row stops here, before the model loads
     log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {run_dir}")
     return [p.key for p in cfg.points() if p.key not in done]

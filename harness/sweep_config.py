@@ -21,7 +21,8 @@ from deepinfer.errors import DeepInferError
 from deepinfer.validate import DTYPE_NAMES as DTYPES
 from deepinfer.validate import EXPERT_STORAGE, check_model_spec
 
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda", "cuda:N")      # cuda:N: one GPU (N its index); whether it exists: validate.check_device
+DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:[0-9]+)$")
 MODES = ("prefill", "decode", "both")
 MIN_PROMPTS_PER_CONCURRENCY = 5
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -164,7 +165,7 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
         raise v.error("name", f"got {name!r}; allowed: letters, digits, '.', '_', '-' (it names result "
                               f"directories)")
     model = v.model(data["model"], "model")
-    device = v.choice(data["device"], "device", DEVICES)
+    device = v.device(data["device"], "device")
     dtype = v.choice(data.get("dtype", "float32"), "dtype", DTYPES)
     engine_args = v.engine_args(data.get("engine_args", {}), "engine_args")
     mode = v.choice(data.get("mode", "both"), "mode", MODES)
@@ -241,6 +242,13 @@ class Validator:
         if not isinstance(x, str) or x not in allowed:
             got = repr(x) if isinstance(x, str) else _type_name(x)
             raise self.error(path, f"got {got}; allowed: {', '.join(allowed)}")
+        return x
+
+    def device(self, x: Any, path: str) -> str:
+        """cpu, cuda or cuda:N (the form; whether that GPU is there is checked when the run starts)."""
+        if not isinstance(x, str) or not DEVICE_RE.fullmatch(x):
+            got = repr(x) if isinstance(x, str) else _type_name(x)
+            raise self.error(path, f"got {got}; allowed: {', '.join(DEVICES)}")
         return x
 
     def integer(self, x: Any, path: str, minimum: int, why: str = "") -> int:

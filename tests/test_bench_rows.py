@@ -1,10 +1,14 @@
-"""The row store: durable appends, resume after a torn write, failures retried, raw files atomic, clear errors."""
+"""The row store: durable appends, resume after a torn write, corrupt lines never dropped, failures retried, raw
+files atomic, clear errors; the run-folder guard; git state that ignores reports/."""
 
 import json
+import shutil
+import subprocess
 
 import pytest
 
-from deepinfer.harness.rows import SCHEMA_VERSION, ReportDirError, RowStore, atomic_write_text, environment
+from deepinfer.harness.rows import (SCHEMA_VERSION, CorruptRowError, ReportDirError, RowStore, atomic_write_text,
+                                    environment, git_state, read_rows, run_dir_guard)
 
 
 def test_append_resume_and_torn_tail(tmp_path):
@@ -22,12 +26,55 @@ def test_append_resume_and_torn_tail(tmp_path):
     assert len(RowStore(tmp_path / "run").rows()) == 4
 
 
-def test_torn_line_with_newline_is_dropped(tmp_path):
+@pytest.mark.parametrize("line, why", [
+    (b'{"key": "b", ', "invalid JSON"),                # a complete line: corruption, not a torn write
+    (b'[1, 2]', "a JSON list, not an object"),
+    (b'{"x": 1}', "an object without 'key' and 'status'"),
+    (b'"\xff\xfe"', "not UTF-8"),
+])
+def test_a_corrupt_complete_line_is_an_error_and_kept(tmp_path, line, why):
+    store = RowStore(tmp_path)
+    store.append({"key": "a", "status": "ok"})
+    with open(store.path, "ab") as f:
+        f.write(line + b"\n")                          # the last line, newline-terminated
+    before = store.path.read_bytes()
+    for call in (lambda: RowStore(tmp_path), lambda: read_rows(tmp_path)):
+        with pytest.raises(CorruptRowError, match=f"rows.jsonl:2: not a JSON row \\(({why})"):
+            call()
+    assert store.path.read_bytes() == before            # the writer did not drop it
+
+
+def test_corrupt_middle_line_with_a_torn_tail(tmp_path):
     store = RowStore(tmp_path)
     store.append({"key": "a", "status": "ok"})
     with open(store.path, "a") as f:
-        f.write('{"key": "b", \n')
-    assert RowStore(tmp_path).done_keys() == {"a"}
+        f.write('not json\n{"key": "c", "status": "ok"}\n{"key": "d", "sta')
+    before = store.path.read_bytes()
+    with pytest.raises(CorruptRowError) as info:
+        RowStore(tmp_path)
+    assert info.value.line == 2 and info.value.short == "rows.jsonl:2 is not a JSON row"
+    assert store.path.read_bytes() == before            # checked before the torn tail is cut: nothing changed
+
+
+def test_run_dir_guard(tmp_path):
+    run = tmp_path / "new" / "1" / "r"
+    with pytest.raises(RuntimeError):
+        with run_dir_guard(run):
+            RowStore(run)
+            raise RuntimeError("model failed to load")
+    assert not (tmp_path / "new").exists()              # everything this invocation made is gone
+    with pytest.raises(KeyboardInterrupt):
+        with run_dir_guard(run):
+            RowStore(run).append({"key": "a", "status": "failed"})
+            raise KeyboardInterrupt
+    assert read_rows(run) == [{"key": "a", "status": "failed"}]     # a run with rows stays
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(RuntimeError):
+        with run_dir_guard(existing):
+            RowStore(existing)
+            raise RuntimeError
+    assert existing.is_dir()                            # a folder that was there before stays
 
 
 def test_rows_need_key_and_status_and_store_no_samples_as_null(tmp_path):
@@ -58,3 +105,27 @@ def test_environment_identity():
     assert set(env) == {"git", "packages", "hardware", "time"}
     assert env["packages"]["torch"] and env["hardware"]["cpu_count"] >= 1
     assert set(env["git"]) == {"sha", "dirty"}
+
+
+def test_git_state_describes_the_code_not_the_reports(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    repo = tmp_path / "repo"
+    (repo / "reports").mkdir(parents=True)
+    (repo / "pkg").mkdir()
+    (repo / "pkg" / "code.py").write_text("x = 1\n")
+    (repo / "reports" / "index.md").write_text("runs\n")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                       capture_output=True)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "init")
+    assert git_state(repo / "pkg") == {"sha": git_state(repo)["sha"], "dirty": False}
+    (repo / "reports" / "index.md").write_text("rewritten\n")       # results changed: the code did not
+    (repo / "reports" / "new.json").write_text("{}")
+    assert git_state(repo / "pkg")["dirty"] is False and git_state(repo)["dirty"] is False
+    (repo / "pkg" / "code.py").write_text("x = 2\n")
+    assert git_state(repo / "pkg")["dirty"] is True
+    assert git_state(tmp_path) == {"sha": None, "dirty": None}       # not a checkout: nothing, and nothing printed

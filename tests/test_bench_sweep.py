@@ -171,18 +171,67 @@ def test_missing_model_is_one_error_line(tmp_path):
     assert "is neither a local directory nor a hub id" in str(res.exception)
 
 
-def test_report_reads_without_changing_rows_and_names_bad_lines(tmp_path):
+def test_report_reads_without_changing_rows_and_lists_unreadable_runs(tmp_path, caplog):
     run = tmp_path / "1" / "r"
     run.mkdir(parents=True)
     rows = run / "rows.jsonl"
     rows.write_text('{"key": "a", "status": "failed"}\n{"key": "b", "sta')       # a sweep mid-append
     res = CliRunner().invoke(cli, ["report", "--all", "--report-dir", str(tmp_path), "--no-png"])
     assert res.exit_code == 0 and rows.read_text().endswith('"sta') and not (run / "raw").exists()
+    assert "| r | 1 | 0 / 1 |" in (tmp_path / "index.md").read_text()
     rows.write_text('{"key": "a", "status": "ok"}\nnot json\n{"key": "c", "status": "ok"}\n')
-    res = CliRunner().invoke(cli, ["report", "--all", "--report-dir", str(tmp_path)])
+    good = tmp_path / "1" / "good"
+    good.mkdir()
+    (good / "rows.jsonl").write_text('{"key": "x", "status": "ok"}\n')
+    for args in (["--all"], ["good"]):          # another run's corrupt row: listed as unreadable, one warning
+        caplog.clear()
+        res = CliRunner().invoke(cli, ["report", *args, "--report-dir", str(tmp_path), "--no-png"])
+        assert res.exit_code == 0, res.output
+        index = (tmp_path / "index.md").read_text()
+        assert "| r (unreadable: rows.jsonl:2 is not a JSON row) | 1 |" in index and "| good | 1 | 1 / 0 |" in index
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "rows.jsonl:2: not a JSON row" in warnings[0], warnings
+    res = CliRunner().invoke(cli, ["report", "r", "--report-dir", str(tmp_path)])       # named: an error
     assert res.exit_code != 0 and "rows.jsonl:2: not a JSON row" in str(res.exception)
     res = CliRunner().invoke(cli, ["report", "--all", "--report-dir", str(tmp_path / "none")])
     assert res.exit_code != 0 and "no report directory" in str(res.exception)
+
+
+def test_main_job_leaves_the_checkout_clean(monkeypatch):
+    """The README's main job (`deepinfer-bench sweep`, cwd = repo root) leaves `git status --porcelain` as it was:
+    the new run is git-ignored and reports/index.md is not rewritten (a 2-point version of the default sweep).
+    Status is compared under reports/ (all the sweep writes), untracked files included, so edits elsewhere in a
+    shared working tree while the test runs cannot fail it; .ci/run checks the whole tree after the real job."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def status() -> str:
+        return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "reports"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout
+    small = {**DEFAULT_SWEEP, "name": "tiny-cpu-cleancheck", "scenarios": [{"isl": 16, "osl": 4}],
+             "concurrency": [1], "warmup": 0}
+    monkeypatch.setattr(sweep_mod, "DEFAULT_SWEEP", small)
+    monkeypatch.setattr(sweep_mod, "default_sweep", lambda: parse_sweep(small, "<small default sweep>"))
+    monkeypatch.chdir(root)
+    runs = root / "reports" / "1"
+    js = root / "reports" / "plotly.min.js"
+    had_js, runs_before, before = js.exists(), set(runs.iterdir()), status()
+    try:
+        res = CliRunner().invoke(cli, ["sweep", "--no-progress"])
+        assert res.exit_code == 0, res.output
+        assert "index.md not rewritten" in res.output and "deepinfer-bench report --all" in res.output
+        made = set(runs.iterdir()) - runs_before
+        assert len(made) == 1 and next(iter(made)).name.endswith("-tiny-cpu-cleancheck")
+        assert status() == before
+    finally:
+        for run in set(runs.iterdir()) - runs_before:
+            shutil.rmtree(run)
+        if not had_js and js.exists():
+            js.unlink()
 
 
 def test_resume_of_an_unknown_run_and_bad_run_ids(tmp_path):

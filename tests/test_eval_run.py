@@ -34,8 +34,14 @@ def rows_of(run_dir: Path) -> list[dict]:
 
 def test_offline_smoke_suite(tmp_path):
     out = tmp_path / "reports" / "eval"
-    p = run("--suite", "offline-smoke", "--out", str(out), "--run-id", "smoke")
+    p = run("--suite", "offline-smoke", "--out", str(out), "--run-id", "smoke", cwd=tmp_path)   # outside a checkout
     assert p.returncode == 0, p.stderr[-2000:]
+    assert "fatal:" not in p.stderr and "not a git repository" not in p.stderr, p.stderr[-2000:]
+    printed = {line.split()[1] + " " + line.split()[2]: line for line in p.stdout.splitlines()
+               if line.startswith("  c=8")}
+    assert printed["deepinfer_choice acc,none"].endswith("no threshold")           # no bound: never "ok"
+    assert printed["deepinfer_text bits_per_byte,none"].endswith("ok (>= 5.85 and <= 5.95)")
+    assert "index.md not rewritten" in p.stdout and not (out.parent / "index.md").exists()
     run_dir = out / "smoke"
     for name in ("suite.yaml", "env.json", "results_c8.json", "results_c4.json", "samples_c8.jsonl",
                  "samples_c4.jsonl"):
@@ -60,6 +66,10 @@ def test_offline_smoke_suite(tmp_path):
     assert result["configs"]["deepinfer_arith"]["num_fewshot"] == 2
     samples = [json.loads(line) for line in (run_dir / "samples_c8.jsonl").read_text().splitlines()]
     assert len(samples) == 3 * 16
+    assert result["git_hash"] == rows[0]["git_sha"]          # the deepinfer checkout's commit, as the rows carry
+    bench = Path(sys.executable).parent / "deepinfer-bench"
+    subprocess.run([str(bench), "report", "--all", "--report-dir", str(out.parent)], check=True,
+                   capture_output=True, timeout=300)                 # publishing: only report writes the index
     index = (out.parent / "index.md").read_text()
     assert "## Eval runs (deepinfer-eval)" in index and "| smoke | offline-smoke | tiny |" in index
 

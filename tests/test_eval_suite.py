@@ -43,6 +43,14 @@ def test_concurrency_words():
         parse_suite(suite(concurrency=[16])).concurrencies(8)
 
 
+def test_shipped_suites_hold_no_bound_that_cannot_fail():
+    """Every bound of a shipped suite can fail (parse_suite refuses trivially true ones on fraction metrics); the
+    offline-smoke suite bounds what an untrained model can be held to: scoring numerics and agreement."""
+    s = load_suite("offline-smoke")
+    assert set(s.thresholds) == {"deepinfer_text"} and s.agreement.min == 1.0
+    assert str(Bound(0.5)) == ">= 0.5" and not Bound(0.5).holds(0.0)
+
+
 def test_thresholds_and_bounds():
     s = parse_suite(suite(thresholds={"deepinfer_arith": {"exact_match,first-integer": {"min": 0.5}}}))
     bound = s.thresholds["deepinfer_arith"]["exact_match,first-integer"]
@@ -74,7 +82,12 @@ def test_task_entries():
     (suite(thresholds={"deepinfer_arith": {"acc": {"min": "high"}}}), "must be a number"),
     (suite(agreement={}), "agreement: give min and/or max"),
     (suite(batch_invariant="yes"), "batch_invariant: must be true or false"),
-    (suite(model="random:deepseek_v4:huge:2"), "model: got 'random:deepseek_v4:huge:2'"),
+    (suite(model="random:deepseek_v4:huge:2"), "model: model='random:deepseek_v4:huge:2'"),
+    (suite(thresholds={"deepinfer_arith": {"acc": {"min": 0}}}), "acc: >= 0 holds for every value of acc (0..1), "
+                                                                 "so it can never fail"),
+    (suite(thresholds={"deepinfer_arith": {"exact_match,first-integer": {"min": 0.0, "max": 1.0}}}),
+     "can never fail"),
+    (suite(agreement={"min": 0}), "agreement: >= 0 holds for every value of agreement"),
     (suite(name="a b"), "name: got 'a b'"),
 ])
 def test_bad_suites(data, fragment):

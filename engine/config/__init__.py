@@ -35,6 +35,8 @@ def load_model_config(path: str | Path):
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path} is not valid JSON ({err}); fix or re-download it") from None
+    except OSError as err:
+        raise ConfigError(f"{path} could not be read ({err.strerror or err}); check its permissions") from None
     try:
         return parse_model_config(raw)
     except ConfigError as err:
