@@ -69,7 +69,8 @@ def device_or_default(device) -> str:
 
 def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
     """What `model=` may be: None (the embedded tiny model), a str / PathLike (MODEL_FORMS) or a built model
-    holding `.checkpoint_dir`. Form only: whether a directory or hub id resolves is checked when it loads."""
+    holding `.checkpoint_dir`. A directory must exist and hold a config.json; whether a hub id can be fetched is
+    found out when it loads."""
     if model is None:
         return None
     if isinstance(model, torch.nn.Module):
@@ -78,7 +79,7 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
                                  "tokenizer.json); load it with deepinfer.load_model")
         return model
     if isinstance(model, os.PathLike):
-        return model
+        return _located(model)
     if not isinstance(model, str):
         raise DeepInferError(f"model={model!r} is a {type(model).__name__}; give {MODEL_FORMS}")
     if not model.strip():
@@ -90,6 +91,13 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
             raise DeepInferError(f"model={model!r}: a random model is random:ARCH:PRESET:LAYERS with ARCH in "
                                  f"{'|'.join(ARCHS)}, PRESET in {'|'.join(PRESETS)}, LAYERS an integer >= 1, "
                                  f"e.g. random:deepseek_v41:flash:4")
+        return model
+    return model if model == EMBEDDED else _located(model)
+
+
+def _located(model):
+    from .checkpoint.hub import locate_model
+    locate_model(model)
     return model
 
 

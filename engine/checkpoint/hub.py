@@ -12,9 +12,10 @@ MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
 
-def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
-    """An existing local directory wins; else DEEPINFER_HF_MODEL_DIR; else the hub id (default
-    DEFAULT_MODEL_ID) fetched with huggingface_hub into its cache. Failures: one clear line."""
+def locate_model(model: str | os.PathLike | None = None) -> Path | str:
+    """Where `model` will come from, without downloading: a checked local directory (an existing `model`, else
+    DEEPINFER_HF_MODEL_DIR), or the hub id to fetch (default DEFAULT_MODEL_ID). Every entry point calls this
+    before any work, so a missing directory is one line up front."""
     from ..env import hf_model_dir
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ModelNotFoundError(f"model={model!r} is a {type(model).__name__}; give a checkpoint directory or a "
@@ -28,6 +29,16 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
     if repo_id.startswith((".", "/", "~")) or repo_id.count("/") != 1:
         raise ModelNotFoundError(f"model {repo_id!r} is neither a local directory nor a hub id (org/name); LLM and "
                                  f"the CLIs also take 'tiny' (the embedded tiny model) and random:ARCH:PRESET:LAYERS")
+    return repo_id
+
+
+def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
+    """An existing local directory wins; else DEEPINFER_HF_MODEL_DIR; else the hub id (default
+    DEFAULT_MODEL_ID) fetched with huggingface_hub into its cache. Failures: one clear line."""
+    where = locate_model(model)
+    if isinstance(where, Path):
+        return where
+    repo_id = where
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
     try:
