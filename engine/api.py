@@ -14,13 +14,13 @@ from .checkpoint.loader import load_checkpoint, shard_map
 from .config import load_model_config
 from .errors import CheckpointError, DeepInferError
 from .models import build_model
-from .validate import parse_dtype
+from .validate import check_expert_storage, parse_dtype
 
 log = logging.getLogger("deepinfer")
 
 def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, qat_fake_quant: bool = True,
-               keep_quantized: bool = False, expert_storage: str = "dense") -> torch.nn.Module:
+               keep_quantized: bool = False, expert_storage: str = "dense", **unsupported) -> torch.nn.Module:
     """Load a deepseek_v4 / deepseek_v41 checkpoint (DeepSeek or transformers names, bf16/FP8/FP4) for inference.
 
     qat_fake_quant keeps DeepSeek's quantization-aware activation steps (FP8 K=V latent, FP4 indexer);
@@ -32,8 +32,15 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     scales, 0.56 bytes per weight) and dequantizes each when it runs.
     """
     from .env import check_environment
-    from .validate import EMBEDDED, check_device, check_flag
+    from .validate import EMBEDDED, check_device, check_flag, check_model_spec
     check_environment()
+    if unsupported:
+        raise DeepInferError(f"load_model() got unsupported arguments {sorted(unsupported)}; it takes path_or_id, "
+                             f"device, dtype, qat_fake_quant, keep_quantized, expert_storage")
+    if isinstance(path_or_id, torch.nn.Module) or (isinstance(path_or_id, str) and path_or_id.startswith("random:")):
+        raise DeepInferError("load_model reads a checkpoint directory or hub id; pass random:... or a built model to "
+                             "LLM instead")
+    check_model_spec(path_or_id)
     device = check_device(device)
     check_flag("qat_fake_quant", qat_fake_quant)
     check_flag("keep_quantized", keep_quantized)
@@ -43,10 +50,7 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     ckpt_dir = resolve_model_dir(path_or_id)
     cfg = _without_absent_mtp(load_model_config(ckpt_dir), ckpt_dir)
     options = {}
-    if expert_storage != "dense":
-        if expert_storage != "fp4" or cfg.model_type != "deepseek_v41":
-            raise DeepInferError(f"expert_storage={expert_storage!r} is not supported for {cfg.model_type}; "
-                                 f"use 'dense'" + (" or 'fp4'" if cfg.model_type == "deepseek_v41" else ""))
+    if check_expert_storage(expert_storage, cfg.model_type) != "dense":
         options["expert_storage"] = expert_storage
     model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant, **options)
     if getattr(cfg, "engram_layer_ids", ()):
@@ -58,18 +62,10 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
 
 def _bind_tokenizer(model, ckpt_dir) -> None:
     """model.bind_tokenizer(tokenizer.json of the checkpoint); every failure is one CheckpointError line."""
-    from tokenizers import Tokenizer
-
+    from .checkpoint.tokenizer import read_tokenizer
     tok_file = ckpt_dir / "tokenizer.json"
-    if not tok_file.is_file():
-        raise CheckpointError(f"{ckpt_dir} has no tokenizer.json, which this model's engram layers need (they hash "
-                              f"the tokenizer's compressed token ids); copy the checkpoint's tokenizer.json there")
-    try:
-        tokenizer = Tokenizer.from_file(str(tok_file))
-    except Exception as err:   # tokenizers raises a bare Exception for malformed files
-        raise CheckpointError(f"{tok_file} could not be read as a tokenizer "
-                              f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
-                              f"re-download it") from None
+    tokenizer = read_tokenizer(ckpt_dir, "this model's engram layers need (they hash the tokenizer's compressed "
+                                         "token ids)")
     try:
         model.bind_tokenizer(tokenizer)
     except ValueError as err:

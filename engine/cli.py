@@ -8,7 +8,7 @@ import time
 import click
 
 from .errors import DeepInferError
-from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, PRESETS
+from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, PRESETS, resolve_model
 
 
 def run_cli(entry) -> None:
@@ -123,7 +123,7 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
     elif arch is not None and isinstance(model, str) and model.startswith("random:"):
         check_checkpoint_arch(arch, model, model.split(":")[1])
     if not (isinstance(model, str) and model.startswith("random:")):
-        _check_prompt_first(model, arch, prompt)
+        _check_prompt_first(model, arch, [prompt])
     t0 = time.perf_counter()
     llm = LLM(model=model, device=device, dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage,
               max_num_seqs=1)
@@ -147,26 +147,19 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
                f"{llm.stats.steps} engine steps")
 
 
-def _check_prompt_first(model, arch, prompt: str) -> None:
+def _check_prompt_first(model, arch, prompts: list[str]) -> None:
     """Before the weights load (minutes at released widths): the checkpoint's config and tokenizer decide whether
     --arch fits and the prompt is empty or too long, with the checks LLM.generate makes."""
-    from tokenizers import Tokenizer
-
     from .checkpoint.hub import resolve_model_dir
+    from .checkpoint.tokenizer import read_tokenizer
     from .config import load_model_config
     from .validate import check_checkpoint_arch, encode_prompt
     ckpt = resolve_model_dir(model)
     cfg = load_model_config(ckpt)
     check_checkpoint_arch(arch, ckpt, cfg.model_type)
-    tok_file = ckpt / "tokenizer.json"
-    if not tok_file.is_file():
-        raise DeepInferError(f"{ckpt} has no tokenizer.json, which deepinfer run needs to encode --prompt; copy the "
-                             f"checkpoint's tokenizer there")
-    try:
-        tokenizer = Tokenizer.from_file(str(tok_file))
-    except Exception:       # noqa: BLE001  tokenizers raises a bare Exception; LLM reports the file in its own line
-        return
-    encode_prompt(0, prompt, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
+    tokenizer = read_tokenizer(ckpt, "this command needs to encode --prompt")
+    for i, p in enumerate(prompts):
+        encode_prompt(i, p, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
 
 
 def _token_bar(llm, total: int):
@@ -196,7 +189,12 @@ def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed,
 
     from .llm import LLM
     from .sampling import SamplingParams
+    from .validate import check_model_spec
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed)
+    model = check_model_spec(model)
+    if not (isinstance(model, str) and model.startswith("random:")):
+        _check_prompt_first(resolve_model(model, "cpu", "float32") if model in (None, EMBEDDED) else model, None,
+                            list(prompts))
     llm = LLM(model=model, device=device, dtype=dtype)
     for out in llm.generate(list(prompts), sp, use_tqdm=False):
         if as_json:

@@ -4,7 +4,8 @@ work, so a bad value, or a DEEPINFER_* name that is not one of these, is the sam
 read. An empty value means unset.
 
 Kinds: flag = 1/0 (also true/false, yes/no, on/off, any case); int = a decimal integer >= a minimum; choice = one
-of a list; path = any non-empty string (checked where it is used); build = read by build.sh only."""
+of a list; path = an existing directory (what it must hold is checked where it is used); build = a free string read
+by build.sh only."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ VARIABLES = {
     "DEEPINFER_V41_REFERENCE": Var("path", None, doc="tests: transformers main's deepseek_v41 package directory"),
     "DEEPINFER_TORCH_SPEC": Var("build", doc="build.sh: torch requirement"),
     "DEEPINFER_TORCH_INDEX_URL": Var("build", doc="build.sh: extra torch wheel index"),
-    "DEEPINFER_NO_TEST_DEPS": Var("build", doc="build.sh: 1 skips the test dependencies (a flag, same spellings)"),
+    "DEEPINFER_NO_TEST_DEPS": Var("flag", False, doc="build.sh: 1 skips the test dependencies"),
 }
 
 
@@ -77,6 +78,8 @@ def read(name: str):
             extra = ", cuda:N" if name == "DEEPINFER_ACCELERATOR" else ""
             raise DeepInferError(f"{name}={raw!r}: use one of {', '.join(var.choices)}{extra}")
         return v
+    if var.kind == "path" and not os.path.isdir(os.path.expanduser(raw)):
+        raise DeepInferError(f"{name}={raw!r} is not a directory; point it at one, or unset it")
     return raw
 
 

@@ -37,6 +37,7 @@ _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
                 "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
+CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
 
 def _positive_int(name: str, value, optional: bool = False) -> None:
@@ -69,6 +70,9 @@ class LLM:
         model = check_model_spec(model)
         device = device_or_default(device)
         dtype = parse_dtype(dtype)
+        if "gpu_memory_utilization" in engine_args and not device.startswith("cuda"):
+            raise DeepInferError(f"gpu_memory_utilization sizes the state pools from GPU memory; on {device} it has "
+                                 f"no effect: drop it, or set state_memory_bytes")
         backend = kernel_backend(args["kernel_backend"])        # a bad name is one line before the model loads
         if args["max_num_batched_tokens"] < args["max_num_seqs"]:
             raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
@@ -140,10 +144,11 @@ class LLM:
 
     # ---- generation ----
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, **unsupported_args) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these.
         A flat sequence of ints (list, tuple, 1-D numpy / torch integer array) is one prompt of token ids.
         One SamplingParams for all prompts or one per prompt. Returns one RequestOutput per prompt, in order."""
+        _refuse_unsupported("generate", unsupported_args, "prompts, sampling_params, use_tqdm")
         check_flag("use_tqdm", use_tqdm)
         prompts = prompt_list(prompts)
         params = sampling_params_list(sampling_params, len(prompts))
@@ -160,9 +165,11 @@ class LLM:
         return [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in groups]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, **unsupported_args) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them, rendered with the
         checkpoint's chat template."""
+        _refuse_unsupported("chat", unsupported_args, "messages, sampling_params, use_tqdm, add_generation_prompt")
+        check_flag("add_generation_prompt", add_generation_prompt)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise DeepInferError("chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -171,6 +178,9 @@ class LLM:
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in c):
                 raise DeepInferError("every chat message must be a dict with string 'role' and 'content'")
+            extra = sorted({k for m in c for k in m} - CHAT_MESSAGE_KEYS)
+            if extra:
+                raise DeepInferError(f"chat messages hold unknown keys {extra}; a message has {sorted(CHAT_MESSAGE_KEYS)}")
         ids = [{"prompt_token_ids": self._render_chat(c, add_generation_prompt)} for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
@@ -270,12 +280,9 @@ class LLM:
         return self.engine.output_text(r)          # a matched stop string is not part of the output
 
     def _load_tokenizer(self):
-        from tokenizers import Tokenizer
-        path = self.model.checkpoint_dir / "tokenizer.json"
-        if not path.is_file():
-            raise DeepInferError(f"{self.model.checkpoint_dir} has no tokenizer.json; copy the checkpoint's "
-                                 f"tokenizer there, or pass skip_tokenizer_init=True and give token-id prompts")
-        return Tokenizer.from_file(str(path))
+        from .checkpoint.tokenizer import read_tokenizer
+        return read_tokenizer(self.model.checkpoint_dir, "LLM needs to encode text (or pass skip_tokenizer_init="
+                                                         "True and give token-id prompts)")
 
     def _render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
         if self.tokenizer is None:
@@ -287,7 +294,13 @@ class LLM:
         """The checkpoint's chat template and its tokenizer_config.json (for bos / eos text)."""
         import json
         cfg_path = self.model.checkpoint_dir / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (OSError, ValueError) as err:
+            raise DeepInferError(f"{cfg_path} could not be read as JSON ({type(err).__name__}); re-download it") \
+                from None
+        if not isinstance(config, dict):
+            raise DeepInferError(f"{cfg_path} must hold a JSON object; re-download it")
         template = config.get("chat_template")
         if not template:
             raise DeepInferError(f"{self.model.checkpoint_dir} has no chat_template in tokenizer_config.json")
@@ -306,6 +319,12 @@ class LLM:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                  bos_token=special(config.get("bos_token")),
                                                  eos_token=special(config.get("eos_token")))
+
+
+def _refuse_unsupported(method: str, given: dict, known: str) -> None:
+    """vLLM arguments deepinfer does not have (lora_request, chat_template_kwargs, ...): one line, not a TypeError."""
+    if given:
+        raise DeepInferError(f"{method}() got unsupported arguments {sorted(given)}; it takes {known}")
 
 
 @torch.inference_mode()

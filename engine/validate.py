@@ -31,6 +31,20 @@ def check_flag(name: str, value, none_ok: bool = False) -> None:
         raise DeepInferError(f"{name}={value!r} must be True or False" + (" (or None)" if none_ok else ""))
 
 
+def check_expert_storage(expert_storage, model_type: str) -> str:
+    """'dense' for every model; 'fp4' (experts kept packed as stored) for deepseek_v41 only."""
+    allowed = ("dense", "fp4") if model_type == "deepseek_v41" else ("dense",)
+    if expert_storage not in allowed:
+        raise DeepInferError(f"expert_storage={expert_storage!r} is not supported for {model_type}; use "
+                             f"{' or '.join(repr(a) for a in allowed)}")
+    return expert_storage
+
+
+def random_spec_arch(spec: str) -> str | None:
+    """ARCH of a random:ARCH:PRESET:LAYERS spec (already checked), else None."""
+    return spec.split(":")[1] if isinstance(spec, str) and spec.startswith("random:") else None
+
+
 def parse_dtype(dtype) -> torch.dtype:
     """A dtype name (DTYPE_NAMES) or a torch.dtype -> the torch.dtype."""
     if isinstance(dtype, torch.dtype):
@@ -83,7 +97,7 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
     if not isinstance(model, str):
         raise DeepInferError(f"model={model!r} is a {type(model).__name__}; give {MODEL_FORMS}")
     if not model.strip():
-        raise DeepInferError(f"model='' is empty; give {MODEL_FORMS}")
+        raise DeepInferError(f"model={model!r} is empty; give {MODEL_FORMS}")
     if model.startswith("random:"):
         parts = model.split(":")
         if (len(parts) != 4 or parts[1] not in ARCHS or parts[2] not in PRESETS or not parts[3].isdigit()
@@ -111,8 +125,7 @@ def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat:
         return embedded_tiny_dir()
     if isinstance(model, str) and model.startswith("random:"):
         from .checkpoint.make import random_preset_model
-        if expert_storage not in EXPERT_STORAGE:
-            raise DeepInferError(f"expert_storage={expert_storage!r}: use one of {', '.join(EXPERT_STORAGE)}")
+        check_expert_storage(expert_storage, random_spec_arch(model))
         return random_preset_model(model, device, dtype, expert_storage, qat)
     return model
 
@@ -213,6 +226,9 @@ def sampling_params_list(sp, n: int) -> list:
 
 def check_checkpoint_arch(arch: str | None, ckpt_dir: Path, model_type: str) -> None:
     """--arch given with --model: it must name the checkpoint's own model_type (config.json decides the model)."""
+    if arch is not None and arch != model_type and random_spec_arch(str(ckpt_dir)):
+        raise DeepInferError(f"--arch {arch} but --model {ckpt_dir} builds a {model_type} model; drop --arch, or "
+                             f"name random:{arch}:... ")
     if arch is not None and arch != model_type:
         raise DeepInferError(f"--arch {arch} but {ckpt_dir} holds a {model_type} checkpoint (its config.json decides "
                              f"the model); drop --arch, or point --model at a {arch} checkpoint")

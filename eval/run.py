@@ -187,6 +187,12 @@ def metric_rows(result: dict, suite: Suite, identity: dict, check: bool = True) 
                          "n_samples": n_samples.get(task, {}).get("effective"),
                          "bound": None if bound is None else str(bound),
                          "passed": None if bound is None else bound.holds(value), "time": utc_now()})
+        reported = sorted(k for k in metrics if k not in SKIP_KEYS and "_stderr," not in k)
+        for key in sorted(set(bounds) - set(metrics)) if check else ():   # a threshold on nothing never holds
+            rows.append({**identity, "task": task, "metric": key, "value": float("nan"), "stderr": None,
+                         "n_samples": n_samples.get(task, {}).get("effective"),
+                         "bound": f"{bounds[key]}, but {task} reports no {key} (it reports {', '.join(reported)})",
+                         "passed": False, "time": utc_now()})
     return rows
 
 

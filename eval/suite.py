@@ -182,6 +182,8 @@ def _concurrency(v: Validator, x: Any) -> tuple:
             out.append(v.choice(c, f"concurrency[{i}]", CONCURRENCY_WORDS))
         else:
             out.append(v.integer(c, f"concurrency[{i}]", 1))
+        if out[-1] in out[:-1]:
+            raise v.error(f"concurrency[{i}]", f"{out[-1]!r} is listed twice; give each concurrency once")
     return tuple(out)
 
 
@@ -191,8 +193,10 @@ def _bound(v: Validator, x: Any, path: str) -> Bound:
     if not d:
         raise v.error(path, "give min and/or max")
     for k, val in d.items():
-        if isinstance(val, bool) or not isinstance(val, (int, float)):
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or val != val:
             raise v.error(f"{path}.{k}", f"must be a number, got {val!r}")
+    if "min" in d and "max" in d and d["min"] > d["max"]:
+        raise v.error(path, f"min {d['min']:g} > max {d['max']:g}: no value can hold; swap or fix them")
     return Bound(d.get("min"), d.get("max"))
 
 
@@ -203,6 +207,9 @@ def _fraction_bound(v: Validator, x: Any, path: str, metric: str) -> Bound:
             (bound.max is None or bound.max >= 1):
         raise v.error(path, f"{bound} holds for every value of {metric} (0..1), so it can never fail; tighten it "
                             f"or drop it")
+    if metric.split(",")[0] in FRACTION_METRICS and ((bound.min is not None and bound.min > 1) or
+                                                     (bound.max is not None and bound.max < 0)):
+        raise v.error(path, f"{bound} holds for no value of {metric} (0..1), so it always fails; fix it")
     return bound
 
 

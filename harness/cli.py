@@ -116,6 +116,8 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
     root = Path(report_dir)
     if not root.is_dir():
         raise DeepInferError(f"no report directory {root}: run a sweep first, or pass --report-dir")
+    if all_runs and run_ids:
+        raise click.UsageError(f"name RUN_IDS or pass --all, not both (got {', '.join(run_ids)} and --all)")
     runs = sweep_runs(root)
     if not all_runs:
         if not run_ids:

@@ -147,11 +147,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     the whole new one, never a half-written one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise ReportDirError(f"cannot write {path}: {e.strerror or e}; check that its folder is writable") from None
 
 
 def _complete_lines(data: bytes) -> tuple[list[bytes], bytes]:
@@ -197,8 +204,8 @@ def check_writable(run_dir: str | os.PathLike) -> None:
     why = "is not a directory" if not there.is_dir() else \
         "is not writable" if not os.access(there, os.W_OK | os.X_OK) else None
     if why:
-        raise ReportDirError(f"cannot write the report directory {run_dir}: {there} {why}; choose a writable "
-                             f"--report-dir (deepinfer-eval: --out)")
+        raise ReportDirError(f"cannot write the run directory {run_dir}: {there} {why}; choose a writable "
+                             f"directory (--report-dir / --out)")
 
 
 def refuse_existing_rows(run_dir: str | os.PathLike, resumable: bool = True) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.errors import DeepInferError
-from deepinfer.validate import EXPERT_STORAGE, check_device, check_model_spec, parse_dtype
+from deepinfer.validate import EXPERT_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
@@ -492,11 +492,12 @@ def kernel_info(llm) -> tuple[str | None, dict | None]:
     return getattr(kernels, "name", None), dict(getattr(kernels, "backends", {}) or {})
 
 
-def check_model(spec: str) -> None:
+def check_model(spec: str, expert_storage: str = "dense") -> None:
     """The model's form (deepinfer.validate) and, for random:ARCH:PRESET:LAYERS, that the preset has that many
     layers, without building anything (one error line if it is wrong)."""
     check_model_spec(spec)
     if spec.startswith("random:"):
+        check_expert_storage(expert_storage, spec.split(":")[1])
         from deepinfer.config.presets import preset_config
         _, arch, preset, layers = spec.split(":")
         preset_config(arch, preset, int(layers))
@@ -606,7 +607,7 @@ def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", r
     check_device(cfg.device)
     run_dir = run_dir_for(report_dir, run_id, out)
     probe_cls = (probe_factory or default_probe_factory)()        # fail before any device work
-    check_model(cfg.model)
+    check_model(cfg.model, cfg.expert_storage)
     done = check_run(cfg, run_dir, resume)
     todo = [p for p in cfg.points() if p.key not in done]
     if not todo:

@@ -144,12 +144,29 @@ def read_yaml_file(path: Path, what: str, error_type: type[DeepInferError], hint
     except (OSError, UnicodeDecodeError) as e:
         raise error_type(f"{path}: cannot read {what} file ({_one_line(e)})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_keys_loader())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
         problem = getattr(e, "problem", None) or _one_line(e)
         raise error_type(f"{path}: malformed YAML at {where}: {_one_line(problem)}") from None
+
+
+def _unique_keys_loader():
+    """yaml's SafeLoader, except that a key given twice in one mapping is an error (safe_load keeps the last)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice in one mapping; keep one", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+    return UniqueKeys
 
 
 def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
@@ -180,11 +197,34 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
                       why=" (steady state needs at least 5x concurrency requests per point)")
     warmup = v.integer(data.get("warmup", 0), "warmup", 0)
     seed = v.integer(data.get("seed", 0), "seed", 0)
+    _check_engine_fits(v, model, engine_args, concurrency, topology)
     return SweepConfig(name=name, model=model, device=device, scenarios=MappingProxyType(scenarios),
                        concurrency=MappingProxyType(concurrency), dtype=dtype,
                        engine_args=MappingProxyType(engine_args), mode=mode, range_ratio=float(range_ratio),
                        topology=topology, num_prompts_per_concurrency=per_c, warmup=warmup, seed=seed,
                        source=source)
+
+
+def _check_engine_fits(v, model: str, engine_args: dict, concurrency: dict, topology) -> None:
+    """What the file alone decides: every point's concurrency per replica fits the engine's max_num_seqs and step
+    budget, and fp4 expert storage is asked of a model that has it (a random V4 does not)."""
+    from deepinfer.llm import _ENGINE_ARGS
+    from deepinfer.validate import check_expert_storage, random_spec_arch
+    arch = random_spec_arch(model)
+    if arch is not None and "expert_storage" in engine_args:
+        try:
+            check_expert_storage(engine_args["expert_storage"], arch)
+        except DeepInferError as e:
+            raise v.error("engine_args.expert_storage", str(e)) from None
+    seats = min(engine_args.get("max_num_seqs", _ENGINE_ARGS["max_num_seqs"]),
+                engine_args.get("max_num_batched_tokens", _ENGINE_ARGS["max_num_batched_tokens"]))
+    for mode, ladder in concurrency.items():
+        ranks = topology.ranks(mode)
+        worst = max(-(-c // ranks) for c in ladder)
+        if worst > seats:
+            raise v.error(f"concurrency", f"{mode} concurrency {max(ladder)} needs {worst} sequences per replica "
+                                          f"({ranks} rank(s)) but engine_args allow {seats} (max_num_seqs / "
+                                          f"max_num_batched_tokens); raise them or lower the concurrency")
 
 
 def doubling_ladder(start: int, stop: int) -> tuple[int, ...]:
@@ -234,8 +274,10 @@ class Validator:
                 raise self.error(_join(path, k), "missing required key")
 
     def string(self, x: Any, path: str) -> str:
-        if not isinstance(x, str) or not x.strip():
+        if not isinstance(x, str):
             raise self.error(path, f"must be a non-empty string, got {_type_name(x)}")
+        if not x.strip():
+            raise self.error(path, f"must be a non-empty string, got {x!r}")
         return x
 
     def choice(self, x: Any, path: str, allowed: tuple[str, ...]) -> str:

@@ -5,6 +5,7 @@ The harness / eval cases are in test_bad_input_harness.py, the checkpoint ones i
 
 from __future__ import annotations
 
+import shutil
 import numpy as np
 import pytest
 import torch
@@ -38,6 +39,10 @@ CONSTRUCTION = [
     ("device-type", dict(device=0), "device=0 is a int"),
     ("skip-tokenizer-not-bool", dict(skip_tokenizer_init="yes"), "skip_tokenizer_init='yes' must be True or False"),
     ("unknown-arg", dict(max_num_seq=4), r"unknown arguments \['max_num_seq'\]"),
+    ("fp4-on-random-v4", dict(model="random:deepseek_v4:tiny:2", expert_storage="fp4"),
+     "expert_storage='fp4' is not supported for deepseek_v4"),
+    ("gpu-util-on-cpu", dict(model="tiny", gpu_memory_utilization=0.5), "on cpu it has no effect"),
+    ("qat-not-bool", dict(qat_fake_quant="no"), "qat_fake_quant='no' must be True or False"),
 ]
 
 
@@ -62,6 +67,8 @@ ENVIRONMENT = [
     ("accelerator", "DEEPINFER_ACCELERATOR", "tpu", "DEEPINFER_ACCELERATOR='tpu': use one of cpu, nvidia"),
     ("backend", "DEEPINFER_KERNEL_BACKEND", "fast", "'fast': use one of reference, invariant"),
     ("typo", "DEEPINFER_BATCH_INVARIENT", "1", "did you mean DEEPINFER_BATCH_INVARIANT"),
+    ("model-dir-missing", "DEEPINFER_HF_MODEL_DIR", "/no/such/dir", "='/no/such/dir' is not a directory"),
+    ("build-flag", "DEEPINFER_NO_TEST_DEPS", "maybe", "DEEPINFER_NO_TEST_DEPS='maybe' is not a flag"),
 ]
 
 
@@ -113,6 +120,17 @@ def test_generate_refuses(llm, prompts, params, match):
     steps = llm.stats.steps
     refuse_api(lambda: llm.generate(prompts, params, use_tqdm=False), DeepInferError, match)
     assert llm.stats.steps == steps                       # no work was done
+
+
+def test_vllm_arguments_we_lack_and_odd_calls(llm, tiny_checkpoint_dir):
+    refuse_api(lambda: llm.generate("hi", lora_request=object()), DeepInferError,
+               r"generate\(\) got unsupported arguments \['lora_request'\]")
+    refuse_api(lambda: llm.chat([{"role": "user", "content": "x"}], chat_template_kwargs={}), DeepInferError,
+               "chat_template_kwargs")
+    refuse_api(lambda: llm.chat([{"role": "user", "content": "x", "nme": "a"}]), DeepInferError,
+               r"unknown keys \['nme'\]")
+    refuse_api(lambda: load_model(tiny_checkpoint_dir, foo=1), DeepInferError, r"unsupported arguments \['foo'\]")
+    refuse_api(lambda: load_model(""), DeepInferError, "model='' is empty")
 
 
 def test_token_id_prompts_in_every_vllm_form(llm):
@@ -175,6 +193,10 @@ CLI = [
     ("run-zero-tokens", ["run", "--max-tokens", "0"], "--max-tokens"),
     ("run-model-missing", ["run", "--model", "./no/such"], "neither a local directory nor a hub id"),
     ("run-bad-random", ["run", "--model", "random:x"], "random:ARCH:PRESET:LAYERS"),
+    ("run-random-arch", ["run", "--model", "random:deepseek_v4:tiny:2", "--arch", "deepseek_v41"],
+     "builds a deepseek_v4 model"),
+    ("run-corrupt-tokenizer", ["run", "--model", "{bad_tok}"], "tokenizer.json could not be read as a tokenizer"),
+    ("generate-corrupt-tokenizer", ["generate", "--model", "{bad_tok}", "--prompt", "x"], "could not be read"),
     ("generate-bad-top-p", ["generate", "--prompt", "a", "--top-p", "2"], "top_p=2.0"),
     ("generate-empty", ["generate", "--prompt", ""], "prompt 0 is empty"),
     ("make-bad-arch", ["make-checkpoint", "--arch", "v5", "--out", "{tmp}/x"], "'v5' is not one of"),
@@ -185,7 +207,11 @@ CLI = [
 
 @pytest.mark.parametrize("args, match", [c[1:] for c in CLI], ids=[c[0] for c in CLI])
 def test_deepinfer_cli_refuses(args, match, tmp_path, v4_dir):
-    args = [a.format(v4=v4_dir, tmp=tmp_path) for a in args]
+    bad_tok = tmp_path / "bad-tok"
+    if "{bad_tok}" in args:
+        shutil.copytree(v4_dir, bad_tok)
+        (bad_tok / "tokenizer.json").write_text('{"x":')
+    args = [a.format(v4=v4_dir, tmp=tmp_path, bad_tok=bad_tok) for a in args]
     refuse_cli(deepinfer_cli, args, match, watch=[tmp_path])
 
 

@@ -84,7 +84,7 @@ CLI_CASES = [
     ("step-missing-model", ["step", "--model", "{rep}/no-such-model", "--iters", "1", "--warmup", "0",
                             "--batch", "1", "--context", "8"], [], "neither a local directory nor a hub id"),
     ("step-storage-not-built", ["step", "--expert-storage", "fp4", "--iters", "1", "--warmup", "0",
-                                "--batch", "1", "--context", "8"], [], "--expert-storage fp4: the built model"),
+                                "--batch", "1", "--context", "8"], [], "expert_storage=.fp4. is not supported for deepseek_v4"),
     ("determinism-missing-model", ["determinism", "--model", "{rep}/no-such-model"], [],
      "neither a local directory nor a hub id"),
     ("checks-run-has-rows", ["batch-invariance", "--run-id", "r"], [("r", '{"key": "a", "status": "ok"}\n', None)],
@@ -158,7 +158,7 @@ def test_an_unwritable_report_dir_is_refused_before_the_model_loads(cli_name, ar
     blocker.write_text("not a directory")
     refuse_cli(bench_cli if cli_name == "bench" else eval_cli,
                [a.format(sweep=rep[1], blocker=blocker) for a in args],
-               f"cannot write the report directory .*{blocker.name} is not a directory", watch=[tmp_path])
+               f"cannot write the run directory .*{blocker.name} is not a directory", watch=[tmp_path])
 
 
 def test_an_unreadable_other_run_is_no_error(rep, tmp_path):
@@ -170,6 +170,43 @@ def test_an_unreadable_other_run_is_no_error(rep, tmp_path):
     res = CliRunner().invoke(bench_cli, ["report", "good", "--report-dir", str(rep_dir), "--no-png"])
     assert res.exit_code == 0, res.output
     assert "| bad (unreadable: rows.jsonl:2 is not a JSON row) |" in (rep_dir / "index.md").read_text()
+
+
+# ---- files that decide a run before it starts (the independent probe's finds) ----
+SUITE = {"name": "u", "model": "tiny", "tasks": ["deepinfer_text"], "limit": 2}
+FILE_CASES = [
+    ("sweep-duplicate-key", "sweep", "name: micro\nmodel: tiny\nmodel: tiny\n", "key 'model' is given twice"),
+    ("sweep-concurrency-too-big", "sweep", json.dumps({**MICRO, "concurrency": [1, 4]}),
+     "concurrency 4 needs 4 sequences per replica"),
+    ("sweep-fp4-on-v4", "sweep", json.dumps({**MICRO, "model": "random:deepseek_v4:tiny:2",
+                                             "engine_args": {**MICRO["engine_args"], "expert_storage": "fp4"}}),
+     "expert_storage='fp4' is not supported for deepseek_v4"),
+    ("sweep-blank-name", "sweep", json.dumps({**MICRO, "name": " "}), "name: must be a non-empty string, got ' '"),
+    ("suite-min-above-max", "eval", json.dumps({**SUITE, "thresholds": {"deepinfer_text": {
+        "bits_per_byte": {"min": 9, "max": 1}}}}), "min 9 > max 1"),
+    ("suite-impossible-agreement", "eval", json.dumps({**SUITE, "agreement": {"min": 2}}), "holds for no value"),
+    ("suite-duplicate-concurrency", "eval", json.dumps({**SUITE, "concurrency": ["max", "max"]}),
+     "'max' is listed twice"),
+    ("suite-duplicate-key", "eval", "name: u\nlimit: 2\nlimit: 3\n", "key 'limit' is given twice"),
+]
+
+
+@pytest.mark.parametrize("kind, text, match", [c[1:] for c in FILE_CASES], ids=[c[0] for c in FILE_CASES])
+def test_bad_run_files_are_refused_before_any_work(kind, text, match, tmp_path):
+    if kind == "eval" and eval_cli is None:
+        pytest.skip("lm-eval is not installed")
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    out = tmp_path / "rep"
+    args = ["sweep", str(path), "--report-dir", str(out)] if kind == "sweep" else \
+        ["run", "--quiet", "--suite", str(path), "--out", str(out / "eval")]
+    refuse_cli(bench_cli if kind == "sweep" else eval_cli, args, match, watch=[tmp_path])
+
+
+def test_report_names_and_all_contradict(rep, tmp_path):
+    rep_dir, _ = rep
+    stored_run(rep_dir, "good", '{"key": "a", "status": "ok"}\n')
+    refuse_cli(bench_cli, ["report", "good", "--all", "--report-dir", str(rep_dir)], "not both", watch=[tmp_path])
 
 
 # ---- deepinfer-eval (items 2, 5, 6) ----

@@ -11,7 +11,7 @@ from deepinfer.harness import sweep as sweep_mod
 from deepinfer.harness.cli import cli
 from deepinfer.harness.rows import RowStore
 from deepinfer.harness.sweep import DEFAULT_SWEEP, TopologyError, run_sweep
-from deepinfer.harness.sweep_config import load_sweep, parse_sweep
+from deepinfer.harness.sweep_config import SweepConfigError, load_sweep, parse_sweep
 
 MICRO = {"name": "micro", "model": "tiny", "device": "cpu",
          "engine_args": {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 64},
@@ -69,12 +69,12 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
     assert len(failed) == len(keys) and all(r["status"] == "failed" and "no memory" in r["error"] for r in failed)
 
 
-def test_concurrency_beyond_the_engine_is_a_failure_row(tmp_path):
-    cfg = parse_sweep({**MICRO, "concurrency": [8]})          # the engine has 4 seats
-    run_sweep(cfg, tmp_path, "c8", continue_on_error=True, progress=False)
-    rows = RowStore(tmp_path / "1" / "c8").rows()
-    assert len(rows) == 2 and all(r["status"] == "failed" and "concurrency 8 exceeds" in r["error"]
-                                  and "4 seats" in r["error"] for r in rows)
+def test_concurrency_beyond_the_engine_is_refused_by_the_file(tmp_path):
+    """max_num_seqs decides it before any run: the file is refused (the run-time check, for seats lost to the
+    memory budget, writes a failure row)."""
+    with pytest.raises(SweepConfigError, match="concurrency 8 needs 8 sequences per replica .* allow 4"):
+        parse_sweep({**MICRO, "concurrency": [8]})                # the engine has 4 seats
+    assert not (tmp_path / "1").exists()
 
 
 def test_topology_errors(tmp_path, monkeypatch):

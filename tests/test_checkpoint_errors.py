@@ -344,8 +344,9 @@ def test_model_dir_env_empty_dir(monkeypatch, tmp_path):
 
 
 def test_model_dir_env_missing_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path / "gone"))
-    load_error(ModelNotFoundError, None, tmp_path / "gone", "DEEPINFER_HF_MODEL_DIR", "does not exist")
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path / "gone"))       # refused with the environment
+    with pytest.raises(DeepInferError, match=r"^DEEPINFER_HF_MODEL_DIR='.*gone' is not a directory; point it at one"):
+        deepinfer.load_model(None)
 
 
 # ----------------------------------------------------------------------------- make-checkpoint

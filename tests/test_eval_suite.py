@@ -36,9 +36,11 @@ def test_published_suite_mirrors_deepseek_reports():
 
 
 def test_concurrency_words():
-    s = parse_suite(suite(concurrency=["max", "median", 3, "max"]))
-    assert s.concurrencies(64) == [64, 8, 3]          # median of 1, 2, 4, ..., 64; duplicates dropped
+    s = parse_suite(suite(concurrency=["max", "median", 3]))
+    assert s.concurrencies(64) == [64, 8, 3]          # median of 1, 2, 4, ..., 64
     assert s.concurrencies(8) == [8, 4, 3]
+    with pytest.raises(SuiteError, match=r"concurrency\[3\]: 'max' is listed twice"):
+        parse_suite(suite(concurrency=["max", "median", 3, "max"]))
     with pytest.raises(SuiteError, match="exceeds engine max_num_seqs"):
         parse_suite(suite(concurrency=[16])).concurrencies(8)
 

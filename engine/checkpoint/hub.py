@@ -21,7 +21,7 @@ def locate_model(model: str | os.PathLike | None = None) -> Path | str:
         raise ModelNotFoundError(f"model={model!r} is a {type(model).__name__}; give a checkpoint directory or a "
                                  f"hub id (org/name)")
     if model is not None and Path(model).expanduser().is_dir():
-        return _checked(Path(model).expanduser(), "--model")
+        return _checked(Path(model).expanduser(), "model")
     env = hf_model_dir()
     if env:
         return _checked(Path(env).expanduser(), MODEL_DIR_ENV)

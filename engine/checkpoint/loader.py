@@ -318,7 +318,7 @@ class CheckpointLoader:
             raise CheckpointError(f"{path}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
         if param.dtype.is_floating_point != value.dtype.is_floating_point or (
                 value.dtype.is_floating_point and value.dtype not in FLOAT_DTYPES):
-            want = ("bfloat16/float16/float32 (or float8_e4m3fn / int8-packed FP4 with a .scale)"
+            want = ("bfloat16/float16/float32/float64 (or float8_e4m3fn / int8-packed FP4 with a .scale)"
                     if param.dtype.is_floating_point else f"an integer dtype ({param.dtype})")
             raise CheckpointError(f"{path}: tensor {key} has dtype {value.dtype}, expected {want}")
         if name in self.seen:

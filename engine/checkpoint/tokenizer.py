@@ -146,3 +146,18 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int, model_max_lengt
     }
     _atomic_write(out / "tokenizer.json", tok.to_str(pretty=True))
     _atomic_write(out / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_tokenizer(ckpt_dir: Path, needed_for: str) -> Tokenizer:
+    """<ckpt_dir>/tokenizer.json as a Tokenizer; a missing or unreadable file is one CheckpointError line saying
+    what it is `needed_for`."""
+    from ..errors import CheckpointError
+    tok_file = Path(ckpt_dir) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no tokenizer.json, which {needed_for}; copy the checkpoint's "
+                              f"tokenizer.json there")
+    try:
+        return Tokenizer.from_file(str(tok_file))
+    except Exception as err:   # noqa: BLE001  tokenizers raises a bare Exception for malformed files
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{tok_file} could not be read as a tokenizer ({why}); re-download it") from None
