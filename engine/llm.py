@@ -25,8 +25,8 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request
 from .stats import EngineStats
-from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list, resolve_model,
-                       sampling_params_list)
+from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
+                       resolve_model, sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 log = logging.getLogger("deepinfer")
@@ -180,7 +180,8 @@ class LLM:
                 raise DeepInferError("every chat message must be a dict with string 'role' and 'content'")
             extra = sorted({k for m in c for k in m} - CHAT_MESSAGE_KEYS)
             if extra:
-                raise DeepInferError(f"chat messages hold unknown keys {extra}; a message has {sorted(CHAT_MESSAGE_KEYS)}")
+                raise DeepInferError(f"chat messages hold unknown keys {extra}; a message has "
+                                     f"{sorted(CHAT_MESSAGE_KEYS)}")
         ids = [{"prompt_token_ids": self._render_chat(c, add_generation_prompt)} for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
