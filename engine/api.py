@@ -32,11 +32,10 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     scales, 0.56 bytes per weight) and dequantizes each when it runs.
     """
     from .env import check_environment
-    from .validate import EMBEDDED, check_device, check_flag, check_model_spec
+    from .validate import EMBEDDED, check_device, check_flag, check_model_spec, refuse_unsupported
     check_environment()
-    if unsupported:
-        raise DeepInferError(f"load_model() got unsupported arguments {sorted(unsupported)}; it takes path_or_id, "
-                             f"device, dtype, qat_fake_quant, keep_quantized, expert_storage")
+    refuse_unsupported("load_model", unsupported, "path_or_id, device, dtype, qat_fake_quant, keep_quantized, "
+                                                  "expert_storage")
     if isinstance(path_or_id, torch.nn.Module) or (isinstance(path_or_id, str) and path_or_id.startswith("random:")):
         raise DeepInferError("load_model reads a checkpoint directory or hub id; pass random:... or a built model to "
                              "LLM instead")

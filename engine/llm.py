@@ -26,7 +26,7 @@ from .sampling import SamplingParams
 from .scheduler import Request
 from .stats import EngineStats
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
-                       resolve_model, sampling_params_list)
+                       refuse_unsupported, resolve_model, sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 log = logging.getLogger("deepinfer")
@@ -148,7 +148,7 @@ class LLM:
         """prompts: a string, a list of token ids, a {"prompt_token_ids": [...]} dict, or a list of these.
         A flat sequence of ints (list, tuple, 1-D numpy / torch integer array) is one prompt of token ids.
         One SamplingParams for all prompts or one per prompt. Returns one RequestOutput per prompt, in order."""
-        _refuse_unsupported("generate", unsupported_args, "prompts, sampling_params, use_tqdm")
+        refuse_unsupported("generate", unsupported_args, "prompts, sampling_params, use_tqdm")
         check_flag("use_tqdm", use_tqdm)
         prompts = prompt_list(prompts)
         params = sampling_params_list(sampling_params, len(prompts))
@@ -168,7 +168,7 @@ class LLM:
              add_generation_prompt: bool = True, **unsupported_args) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them, rendered with the
         checkpoint's chat template."""
-        _refuse_unsupported("chat", unsupported_args, "messages, sampling_params, use_tqdm, add_generation_prompt")
+        refuse_unsupported("chat", unsupported_args, "messages, sampling_params, use_tqdm, add_generation_prompt")
         check_flag("add_generation_prompt", add_generation_prompt)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise DeepInferError("chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
@@ -320,12 +320,6 @@ class LLM:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                  bos_token=special(config.get("bos_token")),
                                                  eos_token=special(config.get("eos_token")))
-
-
-def _refuse_unsupported(method: str, given: dict, known: str) -> None:
-    """vLLM arguments deepinfer does not have (lora_request, chat_template_kwargs, ...): one line, not a TypeError."""
-    if given:
-        raise DeepInferError(f"{method}() got unsupported arguments {sorted(given)}; it takes {known}")
 
 
 @torch.inference_mode()

@@ -25,6 +25,13 @@ MODEL_FORMS = (f"a checkpoint directory, a hub id (org/name), '{EMBEDDED}' (the 
                f"random:ARCH:PRESET:LAYERS (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")
 
 
+def refuse_unsupported(call: str, given: dict, known: str) -> None:
+    """Keyword arguments a call does not have (vLLM's lora_request, chat_template_kwargs, ...): one line, not a
+    TypeError."""
+    if given:
+        raise DeepInferError(f"{call}() got unsupported arguments {sorted(given)}; it takes {known}")
+
+
 def check_flag(name: str, value, none_ok: bool = False) -> None:
     """A True/False argument: anything else (a string "no" would be truthy) is one line."""
     if not isinstance(value, bool) and not (none_ok and value is None):
