@@ -44,11 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from .precision import upcast
-from .quant import e2m1_decode, e8m0_to_float
+from .quant import e2m1_decode, e8m0_to_float, fake_quant_fp8
 from .registry import call, implements
 from .tiles import TILE, row_tiles
 
 FP4_BLOCK = 32                 # e2m1 values per e8m0 scale, along K
+FP8_W_BLOCK = 128              # FP8 expert weights: one scale per 128x128 block
+FP8_ACT_BLOCK = 128            # FP8 activations: one power-of-two scale per 1x128 block along K
 GATHER_FRACTION = 4            # reference on CUDA: rows gather their own experts when rows * 4 <= experts
 GATHER_BYTES = 1 << 30         # reference on CUDA, gathered: at most this many bytes of gathered w1+w3+w2 at once
 GROUPED_CHUNK_BYTES = 1 << 30  # reference on CUDA, FP4: at most this many bytes of dequantized w1+w3+w2 at once
@@ -68,19 +70,41 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """The routed experts of one layer, stacked: w1, w3 [E, I, D] and w2 [E, D, I] in `dtype`; or, with
-    `scales` given, FP4: w1/w2/w3 packed e2m1 uint8 [E, out, in/2] and scales e8m0 uint8 [E, out, in/32]."""
+    """The routed experts of one layer, stacked: w1, w3 [E, I, D] and w2 [E, D, I], in one of three formats:
+
+    dense  w* in `dtype`, `scales` None
+    fp4    w* packed e2m1 uint8 [E, out, in/2] (low nibble = even element), scales e8m0 uint8 [E, out, in/32]
+    fp8    w* float8_e4m3fn [E, out, in], scales float32 [E, ceil(out/128), ceil(in/128)] (128x128 blocks)
+
+    act_fp8 selects the numerics of the GEMM inputs: False (W4A16 / W8A16 / dense): activations in `dtype`;
+    True (W4A8 / W8A8, DeepSeek's inference recipe): each GEMM's activations (x, then the SwiGLU output h rounded to
+    `dtype`) quantized per 1x128 block to e4m3 with a power-of-two scale (quant.fake_quant_fp8), fp32 accumulation."""
 
     w1: torch.Tensor
     w2: torch.Tensor
     w3: torch.Tensor
-    dtype: torch.dtype            # the compute dtype (dequantized weights, GEMM inputs)
+    dtype: torch.dtype            # the compute dtype (activations between the GEMMs, dense / dequantized weights)
     limit: float                  # swiglu_limit; <= 0: no clamp
-    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (w1, w2, w3) for FP4
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (w1, w2, w3) for fp4 / fp8
+    act_fp8: bool = False
+
+    def __post_init__(self):
+        if self.act_fp8 and self.scales is None:
+            raise ValueError("FP8 activations (W4A8 / W8A8) need FP4 or FP8 expert weights; dense weights run in "
+                             "the compute dtype")
+        if self.act_fp8 and (self.dim % FP8_ACT_BLOCK or self.inter % FP8_ACT_BLOCK):
+            raise ValueError(f"FP8 activations need dim and moe_intermediate_size multiples of {FP8_ACT_BLOCK}; "
+                             f"got {self.dim} and {self.inter}")
+
+    @property
+    def fmt(self) -> str:
+        if self.scales is None:
+            return "dense"
+        return "fp8" if self.w1.dtype == torch.float8_e4m3fn else "fp4"
 
     @property
     def fp4(self) -> bool:
-        return self.scales is not None
+        return self.fmt == "fp4"
 
     @property
     def n_experts(self) -> int:
@@ -94,18 +118,42 @@ class ExpertWeights:
     def inter(self) -> int:
         return self.w1.shape[1]
 
+    @property
+    def gemm_dtype(self) -> torch.dtype:
+        """The dtype the reference GEMMs run in: `dtype`, or >= fp32 with FP8 activations (their products exact)."""
+        return (torch.float64 if self.dtype == torch.float64 else torch.float32) if self.act_fp8 else self.dtype
+
+    def gemm_in(self, t: torch.Tensor) -> torch.Tensor:
+        """A GEMM's activations as the recipe feeds them: rounded to `dtype`, then (act_fp8) FP8 per 1x128."""
+        t = t.to(self.dtype)
+        return fake_quant_fp8(t, FP8_ACT_BLOCK).to(self.gemm_dtype) if self.act_fp8 else t
+
     def get(self, name: str, index) -> torch.Tensor:
-        """Weight `name` ("w1" | "w2" | "w3") of experts `index` (an int, a slice or a tensor of ids) in the
-        compute dtype: [out, in] for an int, else stacked [n, out, in]."""
+        """Weight `name` ("w1" | "w2" | "w3") of experts `index` (an int, a slice or a tensor of ids) in
+        gemm_dtype: [out, in] for an int, else stacked [n, out, in]."""
         i = "w1 w2 w3".split().index(name)
         w = (self.w1, self.w2, self.w3)[i][index]
         if self.scales is None:
-            return w
-        return dequantize_fp4_fast(w, self.scales[i][index], self.dtype)
+            return w.to(self.gemm_dtype)
+        if self.fmt == "fp8":
+            return dequantize_fp8_experts(w, self.scales[i][index], self.gemm_dtype)
+        return dequantize_fp4_fast(w, self.scales[i][index], self.gemm_dtype)
 
     def bytes_per_expert(self) -> int:
-        """Bytes of one expert's w1 + w3 + w2 in the compute dtype."""
-        return 3 * self.inter * self.dim * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one expert's w1 + w3 + w2 in gemm_dtype."""
+        return 3 * self.inter * self.dim * torch.empty((), dtype=self.gemm_dtype).element_size()
+
+    def stored_bytes_per_expert(self) -> int:
+        """Bytes one expert's w1 + w3 + w2 occupy as stored (weights + scales): what a kernel must read."""
+        return sum(t[0].numel() * t.element_size() for t in (self.w1, self.w2, self.w3) + (self.scales or ()))
+
+
+def dequantize_fp8_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8_e4m3fn [..., out, in] times its 128x128 block scales [..., ceil(out/128), ceil(in/128)] (float32),
+    as quant.dequantize_fp8_blocks computes it (product in fp32, then cast) -> dtype [..., out, in]."""
+    out, inp = w.shape[-2:]
+    s = scale.float().repeat_interleave(FP8_W_BLOCK, dim=-2).repeat_interleave(FP8_W_BLOCK, dim=-1)
+    return (w.float() * s[..., :out, :inp]).to(dtype)
 
 
 def dequantize_fp4_fast(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -138,9 +186,10 @@ def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Te
 def _mlp(x: torch.Tensor, r: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
          ew: ExpertWeights) -> torch.Tensor:
     """One expert: x [m, D], r [m], w* [out, in] -> [m, D] >= fp32."""
+    x = ew.gemm_in(x)
     h = swiglu(F.linear(x, w1), F.linear(x, w3), ew.limit)
     h = h * r.unsqueeze(-1).to(h.dtype)
-    return upcast(F.linear(h.to(ew.dtype), w2))
+    return upcast(F.linear(ew.gemm_in(h), w2))
 
 
 def _per_expert(x, offsets, r, ew: ExpertWeights, tile: int | None) -> torch.Tensor:
@@ -166,11 +215,11 @@ def _gathered(x, ids, r, ew: ExpertWeights) -> torch.Tensor:
     step = max(1, GATHER_BYTES // ew.bytes_per_expert())
     parts = []
     for a in range(0, x.shape[0], step):
-        xs, e = x[a:a + step].unsqueeze(1), ids[a:a + step]                   # [m, 1, D]
+        xs, e = ew.gemm_in(x[a:a + step]).unsqueeze(1), ids[a:a + step]      # [m, 1, D]
         w1, w3, w2 = ew.get("w1", e), ew.get("w3", e), ew.get("w2", e)
         h = swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), ew.limit)
         h = h * r[a:a + step].view(-1, 1, 1).to(h.dtype)
-        parts.append(upcast(torch.bmm(h.to(ew.dtype), w2.transpose(1, 2))).squeeze(1))
+        parts.append(upcast(torch.bmm(ew.gemm_in(h), w2.transpose(1, 2))).squeeze(1))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -206,24 +255,24 @@ def _tiled(x, ids, offsets, r, ew: ExpertWeights, tile: int) -> torch.Tensor:
     parts = []
     for a in range(0, n_tiles, batch):
         e = tile_expert[a:a + batch]
-        xs = xp[a:a + batch]
+        xs = ew.gemm_in(xp[a:a + batch])
         w1, w3, w2 = ew.get("w1", e), ew.get("w3", e), ew.get("w2", e)
         h = swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), ew.limit)
         h = h * rp[a:a + batch].to(h.dtype)
-        parts.append(upcast(torch.bmm(h.to(ew.dtype), w2.transpose(1, 2))))
+        parts.append(upcast(torch.bmm(ew.gemm_in(h), w2.transpose(1, 2))))
     return torch.cat(parts).view(n_tiles * tile, d).index_select(0, slot)
 
 
 def _grouped_mm_ok(x: torch.Tensor, ew: ExpertWeights) -> bool:
     """torch._grouped_mm's native kernel: CUDA sm90+, bf16, 16-byte aligned rows (dims multiples of 8)."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and ew.dtype in GROUPED_MM_DTYPES
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and ew.gemm_dtype in GROUPED_MM_DTYPES
             and torch.cuda.get_device_capability(x.device)[0] >= 9 and ew.dim % 8 == 0 and ew.inter % 8 == 0)
 
 
 def _grouped(x, offsets, r, ew: ExpertWeights) -> torch.Tensor:
     """torch._grouped_mm, all experts at once (dense) or in chunks of experts (FP4, dequantized per chunk)."""
     m = x.shape[0]
-    chunk = ew.n_experts if not ew.fp4 else max(1, GROUPED_CHUNK_BYTES // ew.bytes_per_expert())
+    chunk = ew.n_experts if ew.fmt == "dense" else max(1, GROUPED_CHUNK_BYTES // ew.bytes_per_expert())
     if chunk >= ew.n_experts:
         return _grouped_chunk(x, offsets, r, ew, 0, ew.n_experts)
     out = upcast(x.new_zeros(x.shape))
@@ -244,10 +293,11 @@ def _grouped_chunk(x, offs, r, ew: ExpertWeights, c0: int, c1: int) -> torch.Ten
     ends = offs[1:].to(torch.int32)
     part = slice(c0, c1)
     w1, w3, w2 = ew.get("w1", part), ew.get("w3", part), ew.get("w2", part)
+    x = ew.gemm_in(x)
     h = swiglu(torch._grouped_mm(x, w1.transpose(1, 2), offs=ends),
                torch._grouped_mm(x, w3.transpose(1, 2), offs=ends), ew.limit)
     h = h * r.unsqueeze(-1).to(h.dtype)
-    return upcast(torch._grouped_mm(h.to(ew.dtype), w2.transpose(1, 2), offs=ends))
+    return upcast(torch._grouped_mm(ew.gemm_in(h), w2.transpose(1, 2), offs=ends))
 
 
 def _empty(x: torch.Tensor) -> torch.Tensor:

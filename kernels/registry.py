@@ -10,8 +10,11 @@ Backend sets:
   reference   plain torch, the oracle every other backend is checked against
   invariant   fixed reduction order: every row-mixing op runs on fixed tiles of rows (kernels/tiles.py), so a
               row's bits do not depend on what shares its batch (DEEPINFER_BATCH_INVARIANT=1 selects it)
-An op without an implementation in the chosen set runs its `reference` one (a set lists what it overrides);
-`KernelTable.backends` records the choice per op, which result rows carry.
+  triton      Triton GPU kernels (CUDA, sm_90 first): fused, quantized-weight-native, no host sync
+  triton_invariant  Triton kernels with one fixed tile configuration whatever the rows (no split that depends
+              on M), for batch-invariant mode
+An op without an implementation in the chosen set runs the first one it has along the set's FALLBACK chain
+(a set lists what it overrides); `KernelTable.backends` records the choice per op, which result rows carry.
 """
 
 from __future__ import annotations
@@ -19,7 +22,16 @@ from __future__ import annotations
 from typing import Callable
 
 _IMPLS: dict[str, dict[str, Callable]] = {}      # op -> backend -> function
-BACKEND_SETS = ("reference", "invariant")
+BACKEND_SETS = ("reference", "invariant", "triton", "triton_invariant")
+FALLBACK = {                     # set -> the sets whose implementations stand in, in order, for ops it lacks
+    "reference": (),
+    "invariant": ("reference",),
+    "triton": ("reference",),
+    "triton_invariant": ("invariant", "reference"),
+}
+INVARIANT_OF = {"reference": "invariant", "invariant": "invariant", "triton": "triton_invariant",
+             "triton_invariant": "triton_invariant"}      # a set's batch-invariant partner
+DEFAULT_OF = {"reference": "reference", "invariant": "reference", "triton": "triton", "triton_invariant": "triton"}  # and back
 
 
 class KernelBackendError(ValueError):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from deepinfer.kernels import experts as kx
 from deepinfer.kernels.experts import ExpertWeights, grouped_experts
-from deepinfer.kernels.quant import dequantize_fp4
+from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks
 from deepinfer.kernels.table import use
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -39,7 +39,10 @@ def dense_of(ew: ExpertWeights, name: str, e: int) -> torch.Tensor:
     w = getattr(ew, name)[e]
     if ew.scales is None:
         return w
-    return dequantize_fp4(w, ew.scales["w1 w2 w3".split().index(name)][e], 32, ew.dtype)
+    scale = ew.scales["w1 w2 w3".split().index(name)][e]
+    if ew.fmt == "fp8":
+        return dequantize_fp8_blocks(w, scale, (128, 128), ew.dtype)
+    return dequantize_fp4(w, scale, 32, ew.dtype)
 
 
 def expected(x, ids, r, ew: ExpertWeights) -> torch.Tensor:

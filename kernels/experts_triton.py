@@ -1,0 +1,280 @@
+"""Triton grouped expert GEMMs: `grouped_experts` for the `triton` and `triton_invariant` backend sets.
+
+The rows arrive grouped by expert (kernels/experts.py). They are cut into expert-aligned tiles of BM rows (a tile
+holds rows of one expert; `tile_table` builds the table on the device, static size, no host sync) and two kernel
+launches do the MLP, each program one (tile, BN output columns) block streaming its expert's weights along K:
+
+    gate_up   h[j] = r[j] * swiglu(w1[e] x[j], w3[e] x[j], limit)    both GEMMs in one pass over x, the clamp,
+                                                                    SwiGLU and routing weight in the epilogue;
+                                                                    h stored in the compute dtype
+    down      y[j] = w2[e] h[j]                                      fp32 out; the dispatcher's combine sums each
+                                                                    row's k outputs in a fixed order
+
+Weights stay as stored and are decoded in registers tile by tile:
+    dense  loaded as they are (bf16 / fp16)
+    fp4    e2m1 nibbles (low = even element) -> fp16 bits (sign << 15 | magnitude << 9 is the value / 2^14,
+           subnormal for 0.5) -> fp32, times 2^(s - 127 + 14) per 32-block (s the e8m0 byte: exact)
+    fp8    e4m3 with one fp32 scale per 128x128 block
+and, by `ExpertWeights.act_fp8`, fed to the MMA as:
+    A16    weights decoded to the compute dtype, tl.dot(x, w) with fp32 accumulation (W4A16, what transformers does)
+    A8     x quantized per 1x128 to e4m3 in the kernel (power-of-two scale, quant.fake_quant_fp8's rule), FP8 MMA
+           per 128-wide K step, partial sums scaled by the activation and weight scales. FP4 weights become e4m3
+           with their per-32 scales folded in before the MMA: per (row, 128-block) a reference exponent
+           ref = max(s) - 6 is kept for after the MMA and each 32-block's value is e2m1 * 2^(s - ref), exact in
+           e4m3 while the block's scales span <= 2^14 (smaller ones lose bits as e4m3 subnormals; documented).
+
+Tile configurations (BM, BN, BK, warps, stages) come from the shapes only: `DECODE` while the rows average <= 4 per
+expert, else `PREFILL`; `triton_invariant` uses `INVARIANT` whatever the rows, so a row's result never depends on
+what shares its batch. Everything else (fp32 / float64 models, CPU tensors outside Triton's interpreter, a missing
+Triton) runs the reference backend: the op's result is the same recipe either way (tests/test_kernels_experts_triton.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .experts import FP8_ACT_BLOCK, FP8_W_BLOCK, ExpertWeights, _reference
+from .registry import implements
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:       # CPU machines without Triton: the reference backend serves these sets
+    triton = None
+
+FP8_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-4     # quant.FP8_AMAX_FLOOR: the act_quant floor
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel configuration: rows per tile, output columns and K per step, warps, pipeline stages."""
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+
+
+DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4)
+PREFILL = Tiles(bm=64, bn=128, bk=128, warps=8, stages=3)
+INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4)
+DECODE_ROWS_PER_EXPERT = 4    # DECODE while rows <= 4 * experts
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def supported(x: torch.Tensor, ew: ExpertWeights) -> bool:
+    """Whether the Triton kernels take this call (else the reference backend does)."""
+    if triton is None or not (x.is_cuda or interpreting()):
+        return False
+    if ew.dtype not in (torch.bfloat16, torch.float16) and not (interpreting() and ew.dtype == torch.float32):
+        return False
+    if ew.fmt == "dense" and ew.w1.dtype != ew.dtype:
+        return False
+    if ew.fmt == "fp4" and (ew.dim % 32 or ew.inter % 32):
+        return False
+    return True
+
+
+def tile_table(offsets: torch.Tensor, bm: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-aligned tiles of `bm` rows over rows grouped by expert (offsets [E+1] int64 on the device).
+
+    Returns int32 [T] each: the tile's expert, its first sorted row, its row count (0: an unused tile), with
+    T = the static bound (M + min(M, E) * (bm - 1)) // bm; expert e's rows fill ceil(count_e / bm) tiles in order."""
+    n_experts = offsets.shape[0] - 1
+    counts = offsets[1:] - offsets[:-1]                                        # [E]
+    tiles = (counts + bm - 1) // bm
+    tile_end = tiles.cumsum(0)                                                  # [E] inclusive
+    n_tiles = max(1, (n_rows + min(n_rows, n_experts) * (bm - 1)) // bm)
+    t = torch.arange(n_tiles, device=offsets.device)
+    expert = torch.searchsorted(tile_end, t, right=True).clamp_(max=n_experts - 1)
+    row0 = offsets[expert] + (t - (tile_end[expert] - tiles[expert])) * bm
+    rows = (offsets[expert + 1] - row0).clamp_(min=0, max=bm)
+    rows = torch.where(t < tile_end[-1], rows, torch.zeros_like(rows))
+    return expert.to(torch.int32), row0.clamp_(max=max(n_rows - 1, 0)).to(torch.int32), rows.to(torch.int32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_e4m3(v, EXACT: tl.constexpr):
+        """fp32 (within +-448) -> e4m3, round to nearest even. The GPU's cvt does it; Triton's interpreter truncates
+        mantissas, so with EXACT (set when interpreting) v is first rounded onto the e4m3 grid in fp32: adding and
+        subtracting 2^(e + 20) (e = max(floor(log2|v|), -6): the grid's step is 2^(e - 3)) rounds as fp32 does."""
+        if EXACT:
+            a = tl.abs(v)
+            e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+            c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)
+            r = (a + c) - c
+            v = tl.where(v < 0, -r, r)
+        return v.to(tl.float8e4nv)
+
+    @triton.jit
+    def _act_fp8(x, EXACT: tl.constexpr):
+        """x [BM, 128] (any float) -> (e4m3 [BM, 128], fp32 scale [BM]): quant.fake_quant_fp8's rule
+        scale = 2^ceil(log2(max(amax, 1e-4) * float32(1/448)))."""
+        amax = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=1), 1e-4)
+        bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+        expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (expo << 23).to(tl.float32, bitcast=True)
+        q = _to_e4m3(tl.clamp(x.to(tl.float32) / scale[:, None], -448.0, 448.0), EXACT)
+        return q, scale
+
+    @triton.jit
+    def _e2m1_over_2p14(codes):
+        """e2m1 codes (int32, 0..15) -> fp32 value * 2^-14, exactly (built as fp16 bits)."""
+        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _weight_tile(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
+                     WFMT: tl.constexpr, A8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr,
+                     EXACT: tl.constexpr):
+        """Expert e's weight rows rn [BN], columns k0..k0+BK -> (tile [BN, BK] for the MMA, post-scale [BN] fp32).
+        WFMT 0 dense, 1 fp4 (bytes [N, K/2], e8m0 [N, K/32]), 2 fp8 (e4m3 [N, K], fp32 [N/128, K/128]).
+        A16: the tile in OUT (the compute dtype), post-scale 1. A8: the tile in e4m3 (fp4 scales folded in)."""
+        nmask = rn < N
+        if WFMT == 1:
+            kb = k0 // 2 + tl.arange(0, BK // 2)
+            packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
+                             mask=nmask[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))      # interleave: even, odd
+            v = _e2m1_over_2p14(codes)                                            # [BN, BK]
+            ks = k0 // 32 + tl.arange(0, BK // 32)
+            s = tl.load(s_ptr + e * sse + rn[:, None] * ssn + ks[None, :],
+                        mask=nmask[:, None] & (ks < K // 32)[None, :], other=127).to(tl.int32)   # [BN, BK/32]
+            if A8:
+                ref = tl.max(s, axis=1) - 6                                       # [BN]
+                mult = ((s - ref[:, None] + 14 + 127) << 23).to(tl.float32, bitcast=True)
+                v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
+                post = tl.exp2((ref - 127).to(tl.float32))
+                return _to_e4m3(v, EXACT), post
+            else:
+                mult = ((s + 14) << 23).to(tl.float32, bitcast=True)              # 2^(s - 127 + 14)
+                v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
+                return v.to(OUT), tl.full((BN,), 1.0, tl.float32)
+        elif WFMT == 2:
+            rk = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + e * swe + rn[:, None] * swn + rk[None, :],
+                        mask=nmask[:, None] & (rk < K)[None, :], other=0.0)
+            s = tl.load(s_ptr + e * sse + (rn // 128) * ssn + (k0 // 128) * ssk, mask=nmask, other=0.0)  # [BN]
+            if A8:
+                return w, s
+            else:
+                return (w.to(tl.float32) * s[:, None]).to(OUT), tl.full((BN,), 1.0, tl.float32)
+        else:
+            rk = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + e * swe + rn[:, None] * swn + rk[None, :],
+                        mask=nmask[:, None] & (rk < K)[None, :], other=0.0)
+            return w, tl.full((BN,), 1.0, tl.float32)
+
+    @triton.jit
+    def _expert_gemm(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, r_ptr, out_ptr,
+                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                     stride_xm, stride_om, swe, swn, sse, ssn, ssk, limit,
+                     N: tl.constexpr, K: tl.constexpr,
+                     WFMT: tl.constexpr, A8: tl.constexpr, GATED: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EXACT: tl.constexpr):
+        """One (tile, BN columns) block. GATED: out = r * swiglu(x w1^T, x w3^T) in out's dtype; else
+        out = x w1^T in fp32. x [M, K] rows of the tile's expert; w* [E, N, K] as stored."""
+        t = tl.program_id(0)
+        rows = tl.load(tile_rows_ptr + t)
+        if rows == 0:
+            return
+        e = tl.load(tile_expert_ptr + t).to(tl.int64)
+        row0 = tl.load(tile_row0_ptr + t).to(tl.int64)
+        rm = tl.arange(0, BM)
+        mmask = rm < rows
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        out_dtype = out_ptr.dtype.element_ty
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + (row0 + rm)[:, None] * stride_xm + rk[None, :],
+                        mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+            w1, p1 = _weight_tile(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
+                                  WFMT, A8, BN, BK, x.dtype, EXACT)
+            if A8:
+                xq, xs = _act_fp8(x, EXACT)
+                acc1 += tl.dot(xq, tl.trans(w1)) * xs[:, None] * p1[None, :]
+            else:
+                acc1 = tl.dot(x, tl.trans(w1), acc1)
+            if GATED:
+                w3, p3 = _weight_tile(w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
+                                      WFMT, A8, BN, BK, x.dtype, EXACT)
+                if A8:
+                    acc3 += tl.dot(xq, tl.trans(w3)) * xs[:, None] * p3[None, :]
+                else:
+                    acc3 = tl.dot(x, tl.trans(w3), acc3)
+        omask = mmask[:, None] & (rn < N)[None, :]
+        optr = out_ptr + (row0 + rm)[:, None] * stride_om + rn[None, :]
+        if GATED:
+            gate, up = acc1, acc3
+            if limit > 0:
+                gate = tl.minimum(gate, limit)
+                up = tl.clamp(up, -limit, limit)
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            r = tl.load(r_ptr + row0 + rm, mask=mmask, other=0.0).to(tl.float32)
+            tl.store(optr, (h * r[:, None]).to(out_dtype), mask=omask)
+        else:
+            tl.store(optr, acc1.to(out_dtype), mask=omask)
+
+
+def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bool, tiles: Tiles):
+    expert, row0, rows = table
+    wfmt = {"dense": 0, "fp4": 1, "fp8": 2}[ew.fmt]
+    scale = s1 if s1 is not None else w1                       # an unused pointer for dense weights
+    ss = scale.stride() if s1 is not None else (0, 0, 0)
+    grid = (rows.shape[0], triton.cdiv(n, tiles.bn))
+    _expert_gemm[grid](x, w1, scale, w3 if w3 is not None else w1, s3 if s3 is not None else scale, r, out,
+                       expert, row0, rows, x.stride(0), out.stride(0),
+                       w1.stride(0), w1.stride(1), ss[0], ss[1], ss[2], float(ew.limit),
+                       N=n, K=k, WFMT=wfmt, A8=ew.act_fp8, EXACT=interpreting(), GATED=gated, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
+                       num_warps=tiles.warps, num_stages=tiles.stages)
+
+
+def run(x: torch.Tensor, offsets: torch.Tensor, route_weights: torch.Tensor, ew: ExpertWeights,
+        tiles: Tiles) -> torch.Tensor:
+    """Both launches over x [M, D] (compute dtype, grouped by expert) -> [M, D] fp32."""
+    m = x.shape[0]
+    x = x.contiguous()
+    table = tile_table(offsets, tiles.bm, m)
+    sc = ew.scales or (None, None, None)
+    h = torch.empty(m, ew.inter, dtype=ew.dtype, device=x.device)
+    _launch(x, ew.w1, sc[0], ew.w3, sc[2], route_weights.contiguous(), h, table, ew.inter, ew.dim, ew, True, tiles)
+    y = torch.empty(m, ew.dim, dtype=torch.float32, device=x.device)
+    _launch(h, ew.w2, sc[1], None, None, route_weights, y, table, ew.dim, ew.inter, ew, False, tiles)
+    return y
+
+
+def choose_tiles(m: int, ew: ExpertWeights) -> Tiles:
+    """The default backend's configuration from the shapes: DECODE for few rows per expert, else PREFILL."""
+    return DECODE if m <= DECODE_ROWS_PER_EXPERT * ew.n_experts else PREFILL
+
+
+@implements("grouped_experts", "triton")
+def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
+    x = x.to(weights.dtype)
+    if x.shape[0] == 0 or not supported(x, weights):
+        return _reference(x, expert_ids, offsets, route_weights, weights)
+    return run(x, offsets, route_weights, weights, choose_tiles(x.shape[0], weights))
+
+
+@implements("grouped_experts", "triton_invariant")
+def _triton_invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
+    from .experts import _invariant
+    x = x.to(weights.dtype)
+    if x.shape[0] == 0 or not supported(x, weights):
+        return _invariant(x, expert_ids, offsets, route_weights, weights)
+    return run(x, offsets, route_weights, weights, INVARIANT)
+
+
+__all__ = ["DECODE", "INVARIANT", "PREFILL", "Tiles", "choose_tiles", "run", "supported", "tile_table"]
+_ = (FP8_ACT_BLOCK, FP8_W_BLOCK)   # the block sizes the kernels assume (BK = 128 = both)
