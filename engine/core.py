@@ -67,7 +67,7 @@ class EngineCore:
         text (stop strings); drafter: proposes a request's next draft tokens after it commits (none yet)."""
         self.runner, self.manager, self.kernels, self.config = runner, manager, kernels, config
         self.processor = OutputProcessor(decode, eos_token_id, config.max_model_len)
-        align = invariant_chunk(config.max_num_batched_tokens) if kernels.name == "invariant" else None
+        align = invariant_chunk(config.max_num_batched_tokens) if kernels.invariant else None
         self.scheduler = Scheduler(min(config.max_num_seqs, manager.num_slots), config.max_num_batched_tokens,
                                    manager, config.max_model_len, align)
         self.drafter = drafter

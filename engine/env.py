@@ -32,7 +32,7 @@ VARIABLES = {
     "DEEPINFER_ACCELERATOR": Var("choice", "cpu", choices=("cpu", "nvidia", "cuda", "auto"),
                                  doc="default device (nvidia/cuda/cuda:N -> that GPU, auto -> a GPU when visible); "
                                      "build.sh's wheel choice"),
-    "DEEPINFER_KERNEL_BACKEND": Var("choice", None, choices=("reference", "invariant"),
+    "DEEPINFER_KERNEL_BACKEND": Var("choice", None, choices=("reference", "invariant", "triton", "triton_invariant"),
                                     doc="kernel backend set when LLM(kernel_backend=) is not given"),
     "DEEPINFER_BATCH_INVARIANT": Var("flag", False, doc="1 = the invariant kernel backend"),
     "DEEPINFER_ASYNC_SCHEDULING": Var("flag", True, doc="plan step N+1 while the device runs step N"),
@@ -93,7 +93,7 @@ def check_environment() -> None:
                                  + f"; unset it (the known ones are listed in the README)")
     for name in VARIABLES:
         read(name)
-    kernel_backend()
+    kernel_backend(device=accelerator())
 
 
 def accelerator() -> str:
@@ -122,22 +122,38 @@ def hf_model_dir() -> str | None:
     return read("DEEPINFER_HF_MODEL_DIR")
 
 
-def kernel_backend(requested: str | None = None) -> str:
-    """The kernel backend set an engine is built with (kernels/table.py): `requested` (LLM's kernel_backend)
-    else DEEPINFER_KERNEL_BACKEND else `reference`; DEEPINFER_BATCH_INVARIANT=1 selects `invariant` and
-    cannot be combined with another choice."""
-    from deepinfer.kernels.table import BACKEND_SETS
+def default_backend(device: str) -> str:
+    """`triton` on a CUDA device of compute capability >= 8.9 (FP8 MMA) where Triton imports, else `reference`."""
+    if not str(device).startswith("cuda"):
+        return "reference"
+    from deepinfer.kernels import experts_triton
+    import torch
+    if experts_triton.triton is None or not torch.cuda.is_available():
+        return "reference"
+    index = torch.device(device).index
+    return "triton" if torch.cuda.get_device_capability(index or 0) >= (8, 9) else "reference"
+
+
+def kernel_backend(requested: str | None = None, device: str = "cpu") -> str:
+    """The kernel backend set an engine on `device` is built with (kernels/registry.py): `requested` (LLM's
+    kernel_backend) else DEEPINFER_KERNEL_BACKEND else the device's default (`default_backend`);
+    DEEPINFER_BATCH_INVARIANT=1 selects the batch-invariant partner of that default (`invariant` on CPU,
+    `triton_invariant` on CUDA) and cannot be combined with a non-invariant choice. The Triton sets need CUDA."""
+    from deepinfer.kernels.registry import BACKEND_SETS, INVARIANT_OF
     invariant = read("DEEPINFER_BATCH_INVARIANT")
     name = requested if requested is not None else read("DEEPINFER_KERNEL_BACKEND")
     source = "kernel_backend" if requested is not None else "DEEPINFER_KERNEL_BACKEND"
     if name is not None and name not in BACKEND_SETS:
         raise DeepInferError(f"{source}={name!r} is not a kernel backend; use one of {list(BACKEND_SETS)}")
+    if name is not None and name.startswith("triton") and default_backend(device) != "triton":
+        raise DeepInferError(f"{source}={name!r} needs a CUDA device with compute capability >= 8.9 and Triton; "
+                             f"on {device} use 'reference' or 'invariant'")
     if invariant:
-        if name not in (None, "invariant"):
-            raise DeepInferError(f"DEEPINFER_BATCH_INVARIANT=1 selects the 'invariant' kernels but {source}="
+        if name is not None and INVARIANT_OF[name] != name:
+            raise DeepInferError(f"DEEPINFER_BATCH_INVARIANT=1 selects batch-invariant kernels but {source}="
                                  f"{name!r}; unset one of them")
-        return "invariant"
-    return name or "reference"
+        return name or INVARIANT_OF[default_backend(device)]
+    return name or default_backend(device)
 
 
 def configure_logging() -> None:

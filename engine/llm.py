@@ -29,13 +29,16 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
                        refuse_unsupported, resolve_model, sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
+from .models.moe import set_expert_act_quant
+
 log = logging.getLogger("deepinfer")
 INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width entry lists get costly (docs/runtime.md)
 
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
-                "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False}
+                "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
+                "expert_act_quant": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -61,7 +64,7 @@ class LLM:
         util = args["gpu_memory_utilization"]
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
-        for name in ("enforce_eager", "async_scheduling", "keep_quantized", "skip_tokenizer_init"):
+        for name in ("enforce_eager", "async_scheduling", "keep_quantized", "skip_tokenizer_init", "expert_act_quant"):
             check_flag(name, args[name], none_ok=name == "async_scheduling")
         check_flag("qat_fake_quant", qat_fake_quant)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -73,7 +76,7 @@ class LLM:
         if "gpu_memory_utilization" in engine_args and not device.startswith("cuda"):
             raise DeepInferError(f"gpu_memory_utilization sizes the state pools from GPU memory; on {device} it has "
                                  f"no effect: drop it, or set state_memory_bytes")
-        backend = kernel_backend(args["kernel_backend"])        # a bad name is one line before the model loads
+        backend = kernel_backend(args["kernel_backend"], device)   # a bad name is one line before the model loads
         if args["max_num_batched_tokens"] < args["max_num_seqs"]:
             raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
                                  f"{args['max_num_seqs']}: every running sequence needs a token of each step's budget")
@@ -83,6 +86,8 @@ class LLM:
         else:
             self.model = load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
                                     keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
+        if args["expert_act_quant"]:
+            set_expert_act_quant(self.model)
         self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
@@ -95,7 +100,7 @@ class LLM:
         self._config = EngineConfig(args["max_num_seqs"], args["max_num_batched_tokens"], self.max_model_len,
                                     async_scheduling)
         kernels = KernelTable(backend)
-        if kernels.name == "invariant" and self.max_model_len > INVARIANT_CONTEXT_HINT:
+        if kernels.invariant and self.max_model_len > INVARIANT_CONTEXT_HINT:
             log.warning("batch-invariant mode reads every block column: with max_model_len=%d each row's entry "
                         "lists cover the whole length; set max_model_len to what the run needs", self.max_model_len)
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
@@ -107,13 +112,13 @@ class LLM:
         """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant)."""
         runner = ModelRunner(self.model, manager, cuda_graphs=not self._args["enforce_eager"],
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
-                             fixed_context=kernels.name == "invariant")
+                             fixed_context=kernels.invariant)
         decode = (lambda ids: "") if self.tokenizer is None else \
             (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
         return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id)
 
     def with_kernel_backend(self, name: str) -> "LLM":
-        """This engine under another kernel backend set ("reference" | "invariant"): `self` when it already runs
+        """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs
         it, else a twin that shares the model, the tokenizer and the state pools (so no second memory budget):
         use the two one at a time."""
         if name not in BACKEND_SETS:
@@ -127,7 +132,7 @@ class LLM:
     @property
     def batch_invariant(self) -> bool:
         """Whether the engine runs the batch-invariant kernels (and the scheduler's fixed chunk grid)."""
-        return self.engine.kernel_backend == "invariant"
+        return self.engine.kernels.invariant
 
     @property
     def async_scheduling(self) -> bool:
@@ -335,7 +340,7 @@ def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: K
     blocks = max(layout.blocks_for(n), 1)
     pools = StatePools(layout, 1, blocks, max_model_len, model.device)
     pools.block_table[1, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
-    ctx = pools.max_blocks if kernels.name == "invariant" else blocks
+    ctx = pools.max_blocks if kernels.invariant else blocks
     with use(kernels):
         hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], ctx))
         torch.log_softmax(model.logits(hidden), dim=-1)

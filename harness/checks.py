@@ -2,7 +2,8 @@
 (and logprobs) whatever runs beside it? Both run with batch-invariant mode off and on and write one row per
 (mode, sampling) to a run directory, plus a short table.
 
-Each mode is its own engine over the one loaded model (`LLM.with_kernel_backend`: "reference" or "invariant"),
+Each mode is its own engine over the one loaded model (`LLM.with_kernel_backend`: the engine's kernel set and its
+batch-invariant partner, e.g. "reference" / "invariant" on CPU, "triton" / "triton_invariant" on CUDA),
 so the mode never outlives the check and nothing process-wide is switched.
 
 determinism: the same prompts N times, greedy and with fixed seeds; run r shuffles the prompts (seeded by r)
@@ -20,6 +21,7 @@ import time
 import numpy as np
 
 from deepinfer import SamplingParams
+from deepinfer.kernels.registry import DEFAULT_OF, INVARIANT_OF
 
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment, run_dir_guard
 from .workload import random_workload, seats
@@ -31,7 +33,8 @@ SAMPLINGS = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=0.8, to
 def with_mode(llm, on: bool):
     """The engine in batch-invariant mode (on: the "invariant" kernel backend, fixed decode shapes and chunk
     grid) or not ("reference"): `llm` itself when it runs that mode, else a twin sharing its model and pools."""
-    return llm.with_kernel_backend("invariant" if on else "reference")
+    base = llm.engine.kernel_backend
+    return llm.with_kernel_backend(INVARIANT_OF[base] if on else DEFAULT_OF[base])
 
 
 def _generate(llm, prompts, params, concurrency: int):

@@ -9,7 +9,10 @@ from pathlib import Path
 import click
 
 from deepinfer.cli import run_cli
+from deepinfer.kernels.registry import BACKEND_SETS
 from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE
+
+KOPS = ("experts", "fp8_linear")        # deepinfer-bench kernels --op (harness/kernel_bench.OPS)
 
 DEVICE_HELP = "cpu | cuda | cuda:N (GPU N)"
 
@@ -160,7 +163,7 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
 @click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
-@click.option("--kernel-backend", type=click.Choice(["reference", "invariant"]), default=None,
+@click.option("--kernel-backend", type=click.Choice(list(BACKEND_SETS)), default=None,
               help="kernel backend set [default: the engine's, DEEPINFER_KERNEL_BACKEND or reference]")
 @click.option("--batch", "batches", default=None, callback=not_blank,
               help="rows per decode step, comma-separated [default: 1,8]")
@@ -200,6 +203,55 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
                      kernel_backend=kernel_backend, batches=b, contexts=c, query_len=query_len, prefill=pre,
                      iters=iters, warmup=warmup, trace_steps=trace_steps, graphs=not no_graphs, seed=seed)
     run_dir, rows = run_step_bench(cfg, report_dir, run_id, out, resume, continue_on_error, echo=click.echo)
+    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
+    for line in table(rows):
+        click.echo("  " + line)
+
+
+@cli.command("kernels", epilog="""Examples (one H200):
+
+\b
+  deepinfer-bench kernels --device cuda                      # every op, shape, numerics, backend
+  deepinfer-bench kernels --device cuda --op experts --model v41 --storage fp4 --tokens 1,64,8192
+  deepinfer-bench kernels --device cpu --op experts --model v4 --storage fp4 --tokens 1 --experts-limit 8 \\
+      --backend reference --iters 2                          # the reference on CPU (seconds)""")
+@click.option("--device", default="cuda", show_default=True, callback=not_blank, help=DEVICE_HELP)
+@click.option("--op", "ops", default=",".join(KOPS), show_default=True, callback=not_blank)
+@click.option("--model", "models", default="v41,v4", show_default=True, callback=not_blank,
+              help="released shapes of: v41 (384 x 5120 -> 2304 experts), v4 (256 x 4096 -> 2048)")
+@click.option("--tokens", default="1,16,64,256,8192", show_default=True, callback=not_blank)
+@click.option("--storage", default="fp4,fp8,bf16", show_default=True, callback=not_blank,
+              help="expert weight formats")
+@click.option("--numerics", default="a16,a8", show_default=True, callback=not_blank,
+              help="a16: activations in bf16 (W4A16 / W8A16); a8: FP8 per 1x128 (W4A8 / W8A8)")
+@click.option("--backend", "backends", default="triton,triton_invariant", show_default=True, callback=not_blank)
+@click.option("--no-reference", is_flag=True, help="skip timing the reference backend and the error against it")
+@click.option("--experts-limit", type=int, default=None, help="build only this many experts (small devices)")
+@click.option("--iters", type=int, default=20, show_default=True)
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: kernels-<time>]")
+@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
+              help="run directory (overrides --report-dir / --run-id)")
+@click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished rows")
+def kernels_cmd(device, ops, models, tokens, storage, numerics, backends, no_reference, experts_limit, iters, warmup,
+                seed, report_dir, run_id, out, resume) -> None:
+    """Kernel rows: time, TB/s, TFLOP/s and their share of the ceilings measured in the same run, next to the
+    torch reference (and cuBLAS for the dense GEMM), with the error against the reference (docs/bench.md)."""
+    from .kernel_bench import KernelConfig, run_dir_for, run_kernel_bench, table
+    from .step_bench import parse_int_list
+    if resume and not (run_id or out):
+        raise click.UsageError("--resume needs the --run-id (or --out) of the run to continue")
+    if experts_limit is not None and experts_limit < 1:
+        raise click.UsageError("--experts-limit must be >= 1")
+    split = lambda v: tuple(p.strip() for p in v.split(",") if p.strip())   # noqa: E731
+    cfg = KernelConfig(device=device, ops=split(ops), models=split(models), tokens=parse_int_list(tokens, "--tokens"),
+                       storage=split(storage), numerics=split(numerics), backends=split(backends),
+                       iters=iters, warmup=warmup, seed=seed, check_reference=not no_reference,
+                       experts_limit=experts_limit)
+    run_dir = run_dir_for(report_dir, run_id, out)
+    rows = run_kernel_bench(cfg, run_dir, resume, echo=click.echo)
     click.echo(f"rows in {run_dir / 'rows.jsonl'}")
     for line in table(rows):
         click.echo("  " + line)

@@ -19,7 +19,8 @@ reference
   CUDA, bf16     torch._grouped_mm over all groups at once (native sm90 kernel; offsets stay on the device).
                  FP4 weights are dequantized in chunks of experts (GROUPED_CHUNK_BYTES), each chunk's rows
                  rotated to the front so its groups start at row 0.
-  CUDA, else     (fp32 / float64, unaligned dims, no _grouped_mm) expert-aligned row tiles, as `invariant` below.
+  CUDA, else     (fp32 / float64, unaligned dims, no _grouped_mm) expert-aligned row tiles, as `invariant` below;
+                 above PER_EXPERT_ROWS rows (prefill, eager) expert by expert as on CPU.
 invariant
   every row gets one fixed computation whatever shares its batch, and the output equals reference up to rounding:
   CPU            each expert's rows in fixed tiles of TILE rows (kernels/tiles.py), offsets read on the host.
@@ -55,6 +56,7 @@ GATHER_FRACTION = 4            # reference on CUDA: rows gather their own expert
 GATHER_BYTES = 1 << 30         # reference on CUDA, gathered: at most this many bytes of gathered w1+w3+w2 at once
 GROUPED_CHUNK_BYTES = 1 << 30  # reference on CUDA, FP4: at most this many bytes of dequantized w1+w3+w2 at once
 REFERENCE_TILE = 64            # reference on CUDA, fallback: rows per expert-aligned tile
+PER_EXPERT_ROWS = 4096         # reference on CUDA, fallback: above this many rows (never graph-captured) per expert
 TILE_BATCH_BYTES = 1 << 28     # expert-aligned tiles: gathered weight bytes (w1 + w3 + w2) per bmm batch
 MAX_TILE_BATCH = 16
 GROUPED_MM_DTYPES = (torch.bfloat16,)   # torch._grouped_mm's native CUDA kernel (others fall back with a sync)
@@ -120,8 +122,14 @@ class ExpertWeights:
 
     @property
     def gemm_dtype(self) -> torch.dtype:
-        """The dtype the reference GEMMs run in: `dtype`, or >= fp32 with FP8 activations (their products exact)."""
-        return (torch.float64 if self.dtype == torch.float64 else torch.float32) if self.act_fp8 else self.dtype
+        """The dtype the reference GEMMs run in: `dtype`; with FP8 activations one whose inputs hold the recipe's
+        operands exactly: bf16 for FP4 weights in a bf16 model (e4m3 x 2^k and e2m1 x 2^k are bf16 values; the
+        GEMM accumulates in fp32), else >= fp32 (an FP8 weight times its fp32 block scale needs fp32)."""
+        if not self.act_fp8:
+            return self.dtype
+        if self.fmt == "fp4" and self.dtype == torch.bfloat16:
+            return torch.bfloat16
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def gemm_in(self, t: torch.Tensor) -> torch.Tensor:
         """A GEMM's activations as the recipe feeds them: rounded to `dtype`, then (act_fp8) FP8 per 1x128."""
@@ -317,6 +325,8 @@ def _reference(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
         return _gathered(x, expert_ids, route_weights, weights)
     if _grouped_mm_ok(x, weights):
         return _grouped(x, offsets, route_weights, weights)
+    if x.shape[0] > PER_EXPERT_ROWS:     # prefill-sized, eager: expert by expert (reads the offsets on the host)
+        return _per_expert(x, offsets, route_weights, weights, tile=None)
     return _tiled(x, expert_ids, offsets, route_weights, weights, REFERENCE_TILE)
 
 

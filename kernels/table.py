@@ -19,7 +19,8 @@ __all__ = ["BACKEND_SETS", "KernelBackendError", "KernelTable", "active", "use"]
 
 def _load_ops() -> None:
     """Import every op module so each has registered its backends."""
-    from . import attention, compress, experts, indexer, matmul, mhc, norm, rope, rowwise  # noqa: F401
+    from . import (attention, compress, experts, experts_triton, fp8_linear, indexer, matmul, mhc, norm,  # noqa: F401
+                   rope, routing, rowwise)
 
 
 class KernelTable:
@@ -35,8 +36,13 @@ class KernelTable:
         self.fns: dict[str, Callable] = {}
         self.backends: dict[str, str] = {}
         for op, impls in sorted(registry._IMPLS.items()):
-            chosen = name if name in impls else "reference"
+            chosen = next(b for b in (name,) + registry.FALLBACK[name] if b in impls)
             self.fns[op], self.backends[op] = impls[chosen], chosen
+
+    @property
+    def invariant(self) -> bool:
+        """Whether this set is a batch-invariant one (the engine then also fixes decode shapes and chunk grids)."""
+        return registry.INVARIANT_OF[self.name] == self.name
 
     def __repr__(self) -> str:
         return f"KernelTable({self.name!r})"

@@ -46,14 +46,17 @@ def test_backend_choice_from_the_environment(monkeypatch):
         assert kernel_backend() == want
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     assert kernel_backend("invariant") == "invariant"
-    with pytest.raises(DeepInferError, match="selects the 'invariant' kernels"):
+    with pytest.raises(DeepInferError, match="selects batch-invariant kernels but kernel_backend='reference'"):
         kernel_backend("reference")
+    with pytest.raises(DeepInferError, match="'triton' needs a CUDA device"):
+        kernel_backend("triton", "cpu")
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "sometimes")
     with pytest.raises(DeepInferError, match="DEEPINFER_BATCH_INVARIANT='sometimes'"):
         kernel_backend()
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT")
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "fastest")
-    with pytest.raises(DeepInferError, match="DEEPINFER_KERNEL_BACKEND='fastest': use one of reference, invariant"):
+    with pytest.raises(DeepInferError, match="DEEPINFER_KERNEL_BACKEND='fastest': use one of reference, invariant, "
+                                             "triton, triton_invariant"):
         kernel_backend()
 
 

@@ -10,26 +10,17 @@ Nothing here reads a device tensor on the host, so the forward can be captured i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.experts import FP4_BLOCK, ExpertWeights, grouped_experts, swiglu
-from deepinfer.kernels.matmul import linear
 from deepinfer.kernels.precision import upcast
-from deepinfer.kernels.rowwise import rowwise
+from deepinfer.kernels.routing import SCORE_FUNCS, route
 
 from ..config.deepseek_v4 import HASH_MOE, DeepseekV4Config
 from ..parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
-__all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "swiglu"]
-
-SCORE_FUNCS = {
-    "sqrtsoftplus": lambda z: F.softplus(z).sqrt(),
-    "sigmoid": torch.sigmoid,
-    "softmax": lambda z: z.softmax(dim=-1),
-}
-
+__all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "set_expert_act_quant", "swiglu"]
 
 class Gate(nn.Module):
     """Router over `n_experts`: scores = score_fn(x W^T / temp); `bias` steers selection only.
@@ -43,7 +34,7 @@ class Gate(nn.Module):
         self.top_k, self.scale, self.temp, self.is_hash = top_k, route_scale, temp, hash_vocab is not None
         self.normalize = normalize and top_k > 1   # norm_topk_prob, as transformers applies it
         self.n_experts = n_experts
-        self.score_fn = SCORE_FUNCS[scoring_func]
+        self.score_fn, self.score_func = SCORE_FUNCS[scoring_func], scoring_func
         self.weight = nn.Parameter(torch.empty(n_experts, dim, dtype=dtype), requires_grad=False)
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(hash_vocab, top_k, dtype=torch.long))
@@ -54,19 +45,13 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
-        return rowwise(self._route, x, input_ids)   # row-local (invariant: fixed tiles, CPU vector tails too)
+        return self._route(x, input_ids)
 
     def _route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(upcast(x), upcast(self.weight))
-        scores = self.score_fn(logits if self.temp == 1.0 else logits / self.temp)   # [N, E]
-        if self.is_hash:
-            ids = self.tid2eid[input_ids]
-        else:
-            ids = (scores + self.bias).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
+        # kernels.routing.route (its invariant backend runs on fixed row tiles)
+        return route(x, self.weight, None if self.is_hash else self.bias, top_k=self.top_k,
+                     score_func=self.score_func, route_scale=self.scale, temp=self.temp, normalize=self.normalize,
+                     tid2eid=self.tid2eid if self.is_hash else None, input_ids=input_ids if self.is_hash else None)
 
 
 class Experts(nn.Module):
@@ -92,12 +77,13 @@ class Experts(nn.Module):
             else:
                 setattr(self, name, nn.Parameter(torch.empty(n_experts, r, c, dtype=dtype), requires_grad=False))
         self.quantized: dict = {}   # "w1"|"w2"|"w3" -> list of per-expert QuantizedWeight
+        self.act_fp8 = False        # W4A8 / W8A8: GEMM activations FP8 per 1x128 (LLM(expert_act_quant=True))
 
     def stacked(self) -> ExpertWeights:
         """The op's view of these weights (no copy)."""
         if self.storage == "fp4":
             return ExpertWeights(self.w1_fp4, self.w2_fp4, self.w3_fp4, self.dtype, self.limit,
-                                 scales=(self.w1_scale, self.w2_scale, self.w3_scale))
+                                 scales=(self.w1_scale, self.w2_scale, self.w3_scale), act_fp8=self.act_fp8)
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
 
     def compute(self, d: Dispatched) -> torch.Tensor:
@@ -147,3 +133,16 @@ class MoE(nn.Module):
         d = self.dispatch.dispatch(x.to(self.experts.dtype), weights, ids)  # dispatch
         routed = self.dispatch.combine(self.experts.compute(d), d)          # experts, combine (>= fp32)
         return (routed + upcast(self.shared_experts(x))).to(x.dtype)
+
+
+def set_expert_act_quant(model: nn.Module) -> None:
+    """Every routed-expert stack of `model` computes W4A8: its GEMM activations quantized per 1x128 to FP8
+    (DeepSeek's inference recipe) instead of entering the MMA in the compute dtype. FP4 experts only."""
+    stacks = [m for m in model.modules() if isinstance(m, Experts)]
+    dense = [m for m in stacks if m.storage != "fp4"]
+    if dense or not stacks:
+        from ..errors import DeepInferError
+        raise DeepInferError("expert_act_quant=True quantizes the activations of FP4 expert GEMMs (W4A8); this model's "
+                             "experts are dense: build it with expert_storage='fp4' or drop expert_act_quant")
+    for m in stacks:
+        m.act_fp8 = True

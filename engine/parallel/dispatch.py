@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.kernels.precision import upcast
+from deepinfer.kernels.routing import permute
 
 
 @dataclass
@@ -67,13 +68,9 @@ class LocalDispatch:
             for rec in _RECORDERS:
                 rec.add(self.name, ids)
         n, k = ids.shape
-        ids, perm = ids.sort(dim=1, stable=True)           # each row's slots in ascending logical id: the combine order
-        weights = weights.gather(1, perm).reshape(-1)
-        expert_ids, order = self.physical(ids).reshape(-1).sort(stable=True)
-        positions = torch.arange(n * k, device=ids.device)
-        inverse = torch.empty_like(order).scatter_(0, order, positions)
-        offsets = torch.searchsorted(expert_ids, torch.arange(self.n_experts + 1, device=ids.device))
-        return Dispatched(x=x.index_select(0, order // k), weights=weights.index_select(0, order),
+        # slots of each row in ascending logical id (the combine order), then stably grouped by physical expert
+        expert_ids, offsets, order, inverse, weights = permute(ids, weights, self.n_experts, self.logical_to_physical)
+        return Dispatched(x=x.index_select(0, order // k), weights=weights,
                           expert_ids=expert_ids, offsets=offsets, order=order, inverse=inverse, n_rows=n, top_k=k)
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:

@@ -1,0 +1,331 @@
+"""`deepinfer-bench kernels`: one row per (op, shape, numerics, backend) -- time, achieved bandwidth and FLOP rate,
+their share of the ceilings measured in the same run, the torch reference's time and the kernel's error against
+it on the same fresh random inputs (docs/bench.md "Kernel rows").
+
+Ops and what a row counts:
+  experts      kernels.experts.grouped_experts at a model's released expert shapes over `tokens` tokens routed
+               top-k uniformly at random (seeded): bytes = the touched experts' stored weights + scales, the rows in
+               (x), the SwiGLU output written and read back (h) and the fp32 output; FLOPs = 6 * rows * D * I.
+               Storage fp4 / fp8 / bf16, numerics a16 (activations in bf16) / a8 (FP8 per 1x128).
+  fp8_linear   kernels.fp8_linear.fp8_linear (W8A8, 1x128 activations, 128x128 weight blocks) at a model's FP8
+               projection shapes: bytes = weights + scales + x + y; next to cuBLAS bf16 (F.linear) and
+               torch._scaled_mm (per-tensor scales) at the same shape.
+Ceilings (harness/ceilings.py): device copy bandwidth (read+write), torch bf16 GEMM peak, torch._scaled_mm FP8
+peak. A row's `bandwidth_share` = bytes / time / copy bandwidth; `peak_share` = FLOP/s / the peak of its numerics
+(bf16 for a16 and bf16 weights, fp8 for a8 and fp8_linear)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer.errors import DeepInferError
+from deepinfer.validate import check_device
+
+from .ceilings import _time_calls, measure_ceilings
+from .rows import (RowStore, atomic_write_text, done_keys, environment, read_rows, refuse_existing_rows, run_dir_guard,
+                   run_id_for, utc_now)
+
+KERNEL_METHOD_VERSION = "1"
+MODEL_SHAPES = {   # experts: (E, D, I, top_k); linears: name -> (N, K) of its FP8 projections
+    "v4": {"experts": (256, 4096, 2048, 6),
+           "linears": {"q_a": (1024, 4096), "q_b": (32768, 1024), "kv": (512, 4096), "o_b": (4096, 8192),
+                       "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}},
+    "v41": {"experts": (384, 5120, 2304, 6),
+            "linears": {"q_a": (1280, 5120), "q_b": (32768, 1280), "kv": (512, 5120), "o_b": (5120, 8192),
+                        "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}},
+}
+OPS = ("experts", "fp8_linear")
+STORAGE = ("fp4", "fp8", "bf16")
+NUMERICS = ("a16", "a8")
+BACKENDS = ("triton", "triton_invariant", "reference")
+
+
+@dataclass
+class KernelConfig:
+    device: str = "cuda"
+    ops: tuple[str, ...] = OPS
+    models: tuple[str, ...] = ("v41", "v4")
+    tokens: tuple[int, ...] = (1, 16, 64, 256, 8192)
+    storage: tuple[str, ...] = ("fp4", "fp8", "bf16")
+    numerics: tuple[str, ...] = NUMERICS
+    backends: tuple[str, ...] = ("triton", "triton_invariant")
+    iters: int = 20
+    warmup: int = 3
+    seed: int = 0
+    check_reference: bool = True      # also time the reference backend and measure the error against it
+    experts_limit: int | None = None  # build only this many experts (a smaller run on small devices / CPU)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, values, allowed in (("--op", self.ops, OPS), ("--model", self.models, tuple(MODEL_SHAPES)),
+                                      ("--storage", self.storage, STORAGE), ("--numerics", self.numerics, NUMERICS),
+                                      ("--backend", self.backends, BACKENDS)):
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise DeepInferError(f"{name} {','.join(bad) or '(empty)'}: use one or more of {', '.join(allowed)}")
+        if any(t < 1 for t in self.tokens) or not self.tokens:
+            raise DeepInferError("--tokens: positive integers, comma-separated (e.g. 1,16,64,256,8192)")
+        if self.iters < 1 or self.warmup < 0:
+            raise DeepInferError("--iters must be >= 1 and --warmup >= 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------- expert cases
+
+def random_expert_weights(storage: str, n_experts: int, dim: int, inter: int, act_fp8: bool, device, gen):
+    """Released-shape routed experts with random weights as stored: fp4 codes anywhere with e8m0 scales
+    2^-9..2^-6 (bytes 118..121), fp8 e4m3 of N(0, 1) with fp32 block scales ~0.003, bf16 N(0, 0.02)."""
+    from deepinfer.kernels.experts import ExpertWeights
+    shapes = ((inter, dim), (dim, inter), (inter, dim))
+    ws, ss = [], []
+    for r, c in shapes:
+        if storage == "fp4":
+            ws.append(torch.randint(0, 256, (n_experts, r, c // 2), device=device, dtype=torch.uint8, generator=gen))
+            ss.append(torch.randint(118, 122, (n_experts, r, c // 32), device=device, dtype=torch.uint8,
+                                    generator=gen))
+        elif storage == "fp8":
+            w = torch.randn(n_experts, r, c, device=device, generator=gen, dtype=torch.bfloat16)
+            ws.append(w.to(torch.float8_e4m3fn))
+            del w
+            ss.append(0.002 + 0.002 * torch.rand(n_experts, -(-r // 128), -(-c // 128), device=device,
+                                                  generator=gen))
+        else:
+            ws.append(torch.randn(n_experts, r, c, device=device, generator=gen, dtype=torch.bfloat16) * 0.02)
+    return ExpertWeights(*ws, dtype=torch.bfloat16, limit=10.0, scales=tuple(ss) if ss else None,
+                         act_fp8=act_fp8)
+
+
+def routed_batch(tokens: int, n_experts: int, dim: int, top_k: int, device, gen):
+    """`tokens` rows routed to top_k distinct experts uniformly at random, dispatched: (x sorted [M, D] bf16,
+    expert_ids [M], offsets [E+1], route weights [M] fp32, experts touched)."""
+    from deepinfer.parallel.dispatch import LocalDispatch
+    scores = torch.rand(tokens, n_experts, device=device, generator=gen)
+    ids = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=device, generator=gen)
+    x = torch.randn(tokens, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    d = LocalDispatch(n_experts).dispatch(x, weights, ids)
+    touched = int(torch.unique(ids).numel())
+    return d.x, d.expert_ids, d.offsets, d.weights.float(), touched
+
+
+def expert_traffic(ew, rows: int, touched: int) -> tuple[int, int]:
+    """(bytes the op must move, FLOPs): touched experts' stored bytes + x in + h out and in + y out (fp32)."""
+    act = rows * ew.dim * 2 + 2 * rows * ew.inter * 2 + rows * ew.dim * 4
+    return touched * ew.stored_bytes_per_expert() + act, 6 * rows * ew.dim * ew.inter
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def _time(fn, device, warmup: int, iters: int) -> float:
+    return _time_calls(fn, torch.device(device), warmup, iters)
+
+
+def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
+    """Every experts row of cfg not in `done`: one weight build per (model, storage), every numerics / tokens /
+    backend over it."""
+    from deepinfer.kernels.experts import grouped_experts
+    from deepinfer.kernels.table import use
+    import dataclasses
+    device = cfg.device
+    for model in cfg.models:
+        e_all, dim, inter, top_k = MODEL_SHAPES[model]["experts"]
+        n_experts = min(e_all, cfg.experts_limit or e_all)
+        for storage in cfg.storage:
+            numerics = [n for n in cfg.numerics if not (storage == "bf16" and n == "a8")]
+            keys = {f"experts/{model}/{storage}/{n}/t{t}/{b}" for n in numerics for t in cfg.tokens
+                    for b in cfg.backends}
+            if keys <= done:
+                continue
+            gen = torch.Generator(device=device).manual_seed(cfg.seed)
+            base = random_expert_weights(storage, n_experts, dim, inter, False, device, gen)
+            for tokens in cfg.tokens:
+                x, ids, offs, r, touched = routed_batch(tokens, n_experts, dim, top_k, device, gen)
+                a16_out = None
+                for num in numerics:
+                    ew = dataclasses.replace(base, act_fp8=num == "a8")
+                    nbytes, flops = expert_traffic(ew, x.shape[0], touched)
+                    ref_ms = ref_out = None
+                    if cfg.check_reference:
+                        with use("reference"):
+                            ref_out = grouped_experts(x, ids, offs, r, ew)
+                            ref_ms = 1e3 * _time(lambda: grouped_experts(x, ids, offs, r, ew), device,
+                                                 1, max(1, min(cfg.iters, 5)))
+                    times = {}
+                    for backend in cfg.backends:
+                        key = f"experts/{model}/{storage}/{num}/t{tokens}/{backend}"
+                        with use(backend):
+                            out = grouped_experts(x, ids, offs, r, ew)
+                            ms = 1e3 * _time(lambda: grouped_experts(x, ids, offs, r, ew), device, cfg.warmup,
+                                             cfg.iters)
+                        times[backend] = ms
+                        if num == "a16" and backend == cfg.backends[0]:
+                            a16_out = out
+                        peak = ceilings["fp8_flops_per_s"] if num == "a8" else ceilings["gemm_bf16_flops_per_s"]
+                        row = {"key": key, "op": "experts", "model_shapes": model, "storage": storage,
+                               "numerics": num, "backend": backend, "tokens": tokens, "rows": x.shape[0],
+                               "experts": n_experts, "experts_touched": touched, "dim": dim, "inter": inter,
+                               "top_k": top_k, **_rates(ms, nbytes, flops, ceilings, peak),
+                               "reference_ms": ref_ms, "vs_reference": None if ref_ms is None else ref_ms / ms,
+                               "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
+                               "err_vs_a16": (None if num != "a8" or a16_out is None else _rel_err(out, a16_out)),
+                               "invariant_over_default": (ms / times["triton"] if backend == "triton_invariant"
+                                                          and "triton" in times else None)}
+                        if key not in done:
+                            emit(row)
+                        echo(f"  {key}: {ms:.3f} ms, {row['bandwidth_share']:.0%} of copy BW, "
+                             f"{(row['peak_share'] or 0):.0%} of peak, err {row['err_vs_reference']}")
+                    del ref_out
+                del x, ids, offs, r, a16_out
+            del base
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+
+def _rates(ms: float, nbytes: int, flops: int, ceilings: dict, peak: float | None) -> dict:
+    s = ms / 1e3
+    return {"time_ms": ms, "bytes": nbytes, "flops": flops, "tb_per_s": nbytes / s / 1e12,
+            "tflop_per_s": flops / s / 1e12, "bandwidth_share": nbytes / s / ceilings["copy_bytes_per_s"],
+            "peak_share": None if not peak else flops / s / peak,
+            "memory_bound_ms": 1e3 * nbytes / ceilings["copy_bytes_per_s"],
+            "compute_bound_ms": None if not peak else 1e3 * flops / peak}
+
+
+# ----------------------------------------------------------------------------------------------- fp8 linear cases
+
+def fp8_linear_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
+    from deepinfer.kernels import fp8_linear as fl
+    from deepinfer.kernels.quant import quantize_fp8_blocks
+    from deepinfer.kernels.table import use
+    import torch.nn.functional as F
+    device = cfg.device
+    for model in cfg.models:
+        for name, (n, k) in MODEL_SHAPES[model]["linears"].items():
+            gen = torch.Generator(device=device).manual_seed(cfg.seed)
+            w = torch.randn(n, k, device=device, generator=gen) * 0.02
+            w8, ws = quantize_fp8_blocks(w, (128, 128), "ue8m0")
+            wb = w.to(torch.bfloat16)
+            del w
+            for tokens in cfg.tokens:
+                x = torch.randn(tokens, k, device=device, generator=gen, dtype=torch.bfloat16)
+                nbytes = w8.numel() + ws.numel() * ws.element_size() + x.numel() * 2 + tokens * n * 2
+                flops = 2 * tokens * n * k
+                cublas_ms = 1e3 * _time(lambda: F.linear(x, wb), device, cfg.warmup, cfg.iters)
+                scaled_ms = _scaled_mm_ms(x, w8, device, cfg)
+                ref_out = ref_ms = None
+                if cfg.check_reference:
+                    with use("reference"):
+                        ref_out = fl.fp8_linear(x, w8, ws)
+                        ref_ms = 1e3 * _time(lambda: fl.fp8_linear(x, w8, ws), device, 1, max(1, min(cfg.iters, 5)))
+                times = {}
+                for backend in cfg.backends:
+                    key = f"fp8_linear/{model}/{name}/t{tokens}/{backend}"
+                    with use(backend):
+                        out = fl.fp8_linear(x, w8, ws)
+                        ms = 1e3 * _time(lambda: fl.fp8_linear(x, w8, ws), device, cfg.warmup, cfg.iters)
+                    times[backend] = ms
+                    row = {"key": key, "op": "fp8_linear", "model_shapes": model, "linear": name, "n": n, "k": k,
+                           "storage": "fp8", "numerics": "a8", "backend": backend, "tokens": tokens,
+                           **_rates(ms, nbytes, flops, ceilings, ceilings["fp8_flops_per_s"]),
+                           "weight_bandwidth_share": (w8.numel() + ws.numel() * ws.element_size()) / (ms / 1e3)
+                           / ceilings["copy_bytes_per_s"],
+                           "cublas_bf16_ms": cublas_ms, "scaled_mm_ms": scaled_ms,
+                           "vs_scaled_mm": None if scaled_ms is None else scaled_ms / ms,
+                           "reference_ms": ref_ms, "vs_reference": None if ref_ms is None else ref_ms / ms,
+                           "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
+                           "invariant_over_default": (ms / times["triton"] if backend == "triton_invariant"
+                                                      and "triton" in times else None)}
+                    if key not in done:
+                        emit(row)
+                    echo(f"  {key}: {ms:.4f} ms, weights {row['weight_bandwidth_share']:.0%} of copy BW, "
+                         f"_scaled_mm {scaled_ms} ms, err {row['err_vs_reference']}")
+
+
+def _scaled_mm_ms(x, w8, device, cfg) -> float | None:
+    """torch._scaled_mm (per-tensor unit scales) at this shape: cuBLAS's FP8 GEMM, None off CUDA."""
+    if not str(device).startswith("cuda") or not hasattr(torch, "_scaled_mm"):
+        return None
+    m = x.shape[0]
+    pad = -m % 16
+    x8 = torch.nn.functional.pad(x, (0, 0, 0, pad)).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=x.device)
+    try:
+        return 1e3 * _time(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                           device, cfg.warmup, cfg.iters)
+    except RuntimeError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+CASES = {"experts": expert_rows, "fp8_linear": fp8_linear_rows}
+
+
+def run_kernel_bench(cfg: KernelConfig, run_dir: Path, resume: bool = False, echo=None) -> list[dict]:
+    """Every row of cfg not yet in run_dir (rows.jsonl, appended as each finishes); returns all rows there."""
+    echo = echo or (lambda s: None)
+    check_device(cfg.device)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeepInferError("deepinfer-bench kernels --device cuda: no CUDA device here; use --device cpu for "
+                             "the reference backend only")
+    if resume:
+        stored = run_dir / "kernels.json"
+        if not stored.exists():
+            raise DeepInferError(f"--resume: no kernel run {run_dir} (no kernels.json there)")
+    else:
+        refuse_existing_rows(run_dir)
+    done = done_keys(read_rows(run_dir))
+    echo(f"ceilings on {cfg.device} ...")
+    ceilings = measure_ceilings(cfg.device, torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32)
+    echo(f"  copy {ceilings['copy_bytes_per_s'] / 1e12:.3f} TB/s, bf16 "
+         f"{(ceilings['gemm_bf16_flops_per_s'] or 0) / 1e12:.0f} TFLOP/s, fp8 "
+         f"{(ceilings['fp8_flops_per_s'] or 0) / 1e12:.0f} TFLOP/s")
+    env = environment()
+    with run_dir_guard(run_dir):
+        store = RowStore(run_dir)
+        atomic_write_text(run_dir / "kernels.json", json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+        if not (run_dir / "env.json").exists():
+            atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
+        identity = {"schema_version": "1", "method_version": KERNEL_METHOD_VERSION, "bench": "kernels",
+                    "run_id": run_dir.name, "device": cfg.device,
+                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
+                    "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
+                    "iters": cfg.iters, "warmup": cfg.warmup, "ceilings": ceilings, "is_projected": False}
+
+        def emit(row: dict) -> None:
+            store.append({**identity, **row, "status": "ok", "finished": utc_now()})
+
+        with torch.inference_mode():
+            for op in cfg.ops:
+                CASES[op](cfg, ceilings, done, emit, echo)
+    return read_rows(run_dir)
+
+
+def table(rows: list[dict]) -> list[str]:
+    head = f"{'row':<46} {'ms':>9} {'TB/s':>6} {'BW%':>5} {'TF/s':>6} {'peak%':>6} {'xref':>6} {'err':>8}"
+    lines = [head]
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        err = r.get("err_vs_reference")
+        lines.append(f"{r['key']:<46} {r['time_ms']:>9.4f} {r['tb_per_s']:>6.2f} {100 * r['bandwidth_share']:>4.0f}% "
+                     f"{r['tflop_per_s']:>6.0f} {100 * (r['peak_share'] or 0):>5.0f}% "
+                     f"{(r.get('vs_reference') or 0):>6.1f} {'-' if err is None else f'{err:.1e}':>8}")
+    return lines
+
+
+def run_dir_for(report_dir, run_id, out) -> Path:
+    if out is not None:
+        return Path(out)
+    from datetime import datetime
+    from .rows import SCHEMA_VERSION
+    return Path(report_dir) / SCHEMA_VERSION / run_id_for(run_id or f"kernels-{datetime.now():%Y%m%d-%H%M%S}",
+                                                         "kernels")
+

@@ -1,0 +1,329 @@
+"""FP8 block-scaled dense GEMM, DeepSeek's W8A8 recipe: `quantize_act_fp8` and `fp8_linear`.
+
+Weights W [N, K] float8_e4m3fn with one scale per 128x128 block, w_scale [ceil(N/128), ceil(K/128)] (e8m0 bytes:
+uint8 / float8_e8m0fnu, scale = 2^(b-127); or float32). Activations x [M, K] are quantized on the fly per 1x128
+block along K, as quant.fake_quant_fp8(round_scale=True) (DeepSeek's act_quant with ue8m0 scales):
+
+    scale_x[m, b] = 2^ceil(log2(max(amax_b(x[m]), 1e-4) * float32(1/448)))
+    x_fp8[m, k]   = e4m3(clamp(x[m, k] / scale_x[m, k // 128], -448, 448))          (round to nearest even)
+    y[m, n]       = sum_b (sum_{k in b} x_fp8[m, k] W_fp8[n, k]) * scale_x[m, b] * scale_w[n // 128, b]
+
+accumulated in fp32, returned as `out_dtype` (default x.dtype). A ragged last K block (K % 128 != 0) takes its
+amax over its real values only; a ragged last N block uses its scale row as stored.
+
+Backends (kernels/registry.py):
+  reference         torch: quantize x, dequantize x_fp8 * scale_x and W * scale_w to fp32 (exact products of
+                    e4m3 values and powers of two) and one fp32 matmul (float64 x: float64 matmul).
+  invariant         the reference on fixed row tiles (kernels/tiles.row_tiles): a row's bits do not depend on M.
+  triton            two paths chosen from M inside the op:
+                      decode  (M <= DECODE_MAX_M): BLOCK_M 16, BLOCK_N 64, BLOCK_K 128, the activation quantized
+                              inside the GEMM (no extra launch), split-K over the 128-blocks when the (M, N) tiles
+                              alone leave SMs idle, partials [S, M, N] fp32 summed by a second pass in a fixed order.
+                      prefill (M > DECODE_MAX_M): x quantized once (quantize_act_fp8's kernel), then BLOCK_M 64
+                              (128 from M >= 512), BLOCK_N 128, BLOCK_K 128 = one scale block per K step: fp8
+                              tl.dot, its fp32 partial times scale_x[:, b] * scale_w[b] added to an fp32
+                              accumulator (the promotion at every 128 of K), num_stages 4 (3 for BLOCK_M 128),
+                              grouped program order (GROUP_M 8) for L2 reuse of the weight tiles.
+  triton_invariant  one fixed configuration whatever M (INVARIANT_CONFIG: BLOCK_M 64, BLOCK_N 64, no split-K).
+The Triton backends run the reference (invariant: the torch invariant backend) on CPU tensors unless the module was
+imported with TRITON_INTERPRET=1, and are registered only where triton imports.
+
+Numerics. The quantization is exact integer/power-of-two arithmetic: every backend's x_fp8 and scale_x equal
+quant.fake_quant_fp8's bit for bit (the kernels convert fp32 -> e4m3 with round-to-nearest-even, in integer bits
+under the interpreter, whose own fp8 cast does not round to nearest even). The GEMM backends differ only in fp32
+rounding: the reference sums all of K in one fp32 matmul, the kernels sum each 128-block in the MMA and add the
+scaled partials. Measured against the formula in float64 (tests/test_kernels_fp8_linear.py), as
+|y - y64| / (|x_deq| @ |W_deq|^T) elementwise, out_dtype float32, K <= 4096: reference <= 6.6e-8 with e8m0 weight
+scales, <= 5.3e-7 with float32 ones (CPU; bound in the tests 1e-6; the a-priori bound is K * 2^-24); interpreter
+kernels vs the reference <= 5.5e-7 (bound 1e-6). On Hopper the fp8 MMA accumulates inside a 128-block with fewer
+bits than fp32 (the reason for the per-block promotion); the GPU test allows 2e-3 of the same norm, not yet measured.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .quant import FP8_AMAX_FLOOR, FP8_E4M3_MAX, _e8m0_scale, _to_e4m3, dequantize_fp8_blocks
+from .registry import call, implements
+from .tiles import row_tiles
+
+try:                                    # optional: CPU-only installs have no triton
+    import triton
+    import triton.language as tl
+except ImportError:                     # pragma: no cover - exercised where triton is absent
+    triton = None
+
+BLOCK = 128                 # scale block: 1x128 for activations, 128x128 for weights
+DECODE_MAX_M = 64           # triton: rows up to this many take the decode path
+DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
+PREFILL_WIDE_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)   # M >= PREFILL_WIDE_M
+PREFILL_WIDE_M = 512
+INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+GROUP_M = 8                 # prefill: row tiles per group of the program order
+ACT_QUANT_ROWS = 32         # act-quant kernel: rows per program
+_INTERPRET = False          # set below: whether triton.jit made interpreted kernels (TRITON_INTERPRET=1 at import)
+assert FP8_AMAX_FLOOR == 1e-4 and FP8_E4M3_MAX == 448.0
+
+
+def quantize_act_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [..., K] -> (x_fp8 float8_e4m3fn [..., K], scale float32 [..., ceil(K/block)]), ue8m0 scales."""
+    return call("act_quant_fp8")(x, block)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] (activations, quantized per 1x128 inside) @ dequant(w_fp8 [N, K], w_scale [ceil(N/128),
+    ceil(K/128)])^T -> [..., N] in out_dtype (default x.dtype)."""
+    return call("fp8_linear")(x, w_fp8, w_scale, out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------ torch
+
+@implements("act_quant_fp8", "reference")
+def _act_quant_ref(x, block=BLOCK):
+    K = x.shape[-1]
+    nb = -(-K // block)
+    xb = F.pad(x.to(torch.float32), (0, nb * block - K)).unflatten(-1, (nb, block))   # [..., nb, block]
+    scale = _e8m0_scale(xb.abs().amax(dim=-1, keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
+    q = _to_e4m3(xb / scale).flatten(-2)[..., :K]
+    return q, scale.squeeze(-1)
+
+
+def _check(x, w_fp8, w_scale):
+    N, K = w_fp8.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} channels, the weight {K}")
+    want = (-(-N // BLOCK), -(-K // BLOCK))
+    if tuple(w_scale.shape) != want:
+        raise ValueError(f"fp8_linear: weight scale {tuple(w_scale.shape)} does not match {want} for {(N, K)}")
+
+
+@implements("fp8_linear", "reference")
+def _fp8_linear_ref(x, w_fp8, w_scale, out_dtype=None):
+    _check(x, w_fp8, w_scale)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    q, s = _act_quant_ref(x)
+    xd = (q.to(torch.float32) * s.repeat_interleave(BLOCK, dim=-1)[..., :x.shape[-1]]).to(work)
+    wd = dequantize_fp8_blocks(w_fp8, w_scale, (BLOCK, BLOCK), torch.float32).to(work)
+    return F.linear(xd, wd).to(out_dtype or x.dtype)
+
+
+@implements("fp8_linear", "invariant")
+def _fp8_linear_tiles(x, w_fp8, w_scale, out_dtype=None):
+    flat = x.reshape(-1, x.shape[-1])
+    y = row_tiles(lambda t: _fp8_linear_ref(t, w_fp8, w_scale, out_dtype), flat)
+    return y.view(*x.shape[:-1], w_fp8.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------- triton
+
+if triton is not None:
+
+    _FLOOR_BITS = tl.constexpr(0x38D1B717)     # float32(1e-4) == FP8_AMAX_FLOOR
+    _INV448_BITS = tl.constexpr(0x3B124925)    # float32(1/448)
+
+    @triton.jit
+    def _e4m3_soft(v):
+        """fp32 in [-448, 448] -> e4m3fn bytes (int32 0..255), round to nearest even (the interpreter's cast
+        is not): |v| >= 2^-6 drops 20 mantissa bits of the float with the carry into the exponent; below, the
+        subnormal m * 2^-9 with m = rne(|v| * 2^9) from fp32's own rounding at 2^23."""
+        bits = v.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+        sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        return ((bits >> 24) & 0x80) | tl.where(a >= 0x3C800000, normal, sub)
+
+    @triton.jit
+    def _quant_tile(xf, SOFT_CVT: tl.constexpr):
+        """fp32 tile [R, B] (one scale block per row) -> (fp8e4nv [R, B], scale fp32 [R]): act_quant, ue8m0."""
+        amax = tl.max(tl.abs(xf), axis=1)
+        floor = tl.full(amax.shape, _FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
+        inv448 = tl.full(amax.shape, _INV448_BITS, tl.int32).to(tl.float32, bitcast=True)
+        bits = (tl.maximum(amax, floor) * inv448).to(tl.int32, bitcast=True)
+        k = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # biased exponent of pow2_ceil
+        scale = (k << 23).to(tl.float32, bitcast=True)
+        inv = ((254 - k) << 23).to(tl.float32, bitcast=True)                 # 1/scale, exact
+        v = tl.minimum(tl.maximum(xf * inv[:, None], -448.0), 448.0)
+        if SOFT_CVT:
+            q = _e4m3_soft(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        else:
+            q = v.to(tl.float8e4nv)                                          # cvt.rn.satfinite
+        return q, scale
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_CVT: tl.constexpr):
+        """Program (i, b): rows [i*BLOCK_R, +BLOCK_R) of K-block b -> q [M, K] fp8, s [M, nb] fp32."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        rows64 = rows.to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        xf = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q, scale = _quant_tile(xf, SOFT_CVT)
+        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows64 * stride_s + tl.program_id(1), scale, mask=rows < M)
+
+    @triton.jit
+    def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, M, N, K, NKB, KB_PER_SPLIT: tl.constexpr,
+                         stride_x, stride_sx, stride_w, stride_sw, stride_ys, stride_y,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP: tl.constexpr, FUSE_QUANT: tl.constexpr, SW_E8M0: tl.constexpr,
+                         SOFT_CVT: tl.constexpr):
+        """y [S, M, N] (S = splits; y_ptr offset by stride_ys per split) = this split's K-blocks of the recipe.
+
+        Program (p, s): output tile p (grouped order) over K-blocks [s*KB_PER_SPLIT, +KB_PER_SPLIT).
+        FUSE_QUANT: x_ptr holds the activations in their float dtype, quantized here per [BLOCK_M, 128];
+        else x_ptr holds x_fp8 and sx_ptr its scales [M, nb]. w [N, K] fp8, sw [ceil(N/128), nb] e8m0 / fp32."""
+        pid = tl.program_id(0)
+        num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        per_group = GROUP * num_n
+        first_m = (pid // per_group) * GROUP
+        group_m = tl.minimum(num_m - first_m, GROUP)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+        row_ok, col_ok = rows < M, cols < N
+        sw_row = sw_ptr + ((pid_n * BLOCK_N) // 128) * stride_sw            # BLOCK_N divides 128
+        kb0 = tl.program_id(1) * KB_PER_SPLIT
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(0, KB_PER_SPLIT):               # the last split may run past NKB: masked, adds zeros
+            kb = kb0 + i
+            kb_ok = kb < NKB
+            ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            xt = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            if FUSE_QUANT:
+                xq, sx = _quant_tile(xt.to(tl.float32), SOFT_CVT)
+            else:
+                xq = xt
+                sx = tl.load(sx_ptr + rows64 * stride_sx + kb, mask=row_ok & kb_ok, other=0.0)
+            wt = tl.load(w_ptr + cols64[None, :] * stride_w + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                         other=0.0)                                          # [BLOCK_K, BLOCK_N], K-major
+            if SW_E8M0:
+                b = tl.load(sw_row + kb, mask=kb_ok, other=0).to(tl.int32)
+                sbits = tl.where(b == 0, 0x400000, tl.where(b == 255, 0x7FC00000, b << 23))
+                sw = sbits.to(tl.float32, bitcast=True)
+            else:
+                sw = tl.load(sw_row + kb, mask=kb_ok, other=0.0)
+            part = tl.dot(xq, wt)                                            # fp32 [BLOCK_M, BLOCK_N]
+            acc += part * (sx[:, None] * sw)
+        out = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys + rows64[:, None] * stride_y + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    _INTERPRET = type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
+    _SM_COUNT: dict = {}
+
+    def _sm_count(device: torch.device) -> int:
+        """SMs of a CUDA device (16 under the interpreter, so small test shapes still split K)."""
+        if device.type != "cuda":
+            return 16
+        key = device.index if device.index is not None else torch.cuda.current_device()
+        if key not in _SM_COUNT:
+            _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+        return _SM_COUNT[key]
+
+    def _on_triton(*ts) -> bool:
+        return all(t.is_cuda for t in ts) or (_INTERPRET and not any(t.is_cuda for t in ts))
+
+    def _act_quant_triton_2d(x2: torch.Tensor, block: int):
+        M, K = x2.shape
+        nb = -(-K // block)
+        q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
+        s = torch.empty((M, nb), dtype=torch.float32, device=x2.device)
+        if M and nb:
+            grid = (triton.cdiv(M, ACT_QUANT_ROWS), nb)
+            _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0),
+                                    BLOCK_R=ACT_QUANT_ROWS, BLOCK_K=block, SOFT_CVT=_INTERPRET, num_warps=4)
+        return q, s
+
+    @implements("act_quant_fp8", "triton")
+    @implements("act_quant_fp8", "triton_invariant")        # exact arithmetic: the same bits whatever M
+    def _act_quant_triton(x, block=BLOCK):
+        if not _on_triton(x) or block & (block - 1) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return _act_quant_ref(x, block)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[-1] and x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        q, s = _act_quant_triton_2d(x2, block)
+        return q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
+
+    def _pick_config(M: int, invariant: bool) -> tuple[dict, bool]:
+        """(tile config, fuse the activation quant); the decode path splits K on top of it."""
+        if invariant:
+            return INVARIANT_CONFIG, False
+        if M <= DECODE_MAX_M:
+            return DECODE_CONFIG, True
+        return (PREFILL_WIDE_CONFIG if M >= PREFILL_WIDE_M else PREFILL_CONFIG), False
+
+    def _split_k(M: int, N: int, nkb: int, cfg: dict, device: torch.device) -> int:
+        """K-blocks per split for the decode path: enough splits that the (M, N) tiles cover every SM."""
+        tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+        splits = max(1, min(nkb, _sm_count(device) // tiles))
+        return triton.cdiv(nkb, splits)
+
+    def _fp8_linear_2d(x2, w_fp8, w_scale, out_dtype, cfg: dict, fuse: bool, kb_per_split: int | None):
+        """x2 [M, K] -> [M, N] with one tile config; kb_per_split None: no split."""
+        M, K = x2.shape
+        N = w_fp8.shape[0]
+        nkb = triton.cdiv(K, BLOCK)
+        kb_per_split = kb_per_split or nkb
+        splits = triton.cdiv(nkb, kb_per_split)
+        if fuse:
+            xk, sx = x2, x2                                      # sx unused
+        else:
+            xk, sx = _act_quant_triton_2d(x2, BLOCK)
+        e8m0 = w_scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
+        sw = w_scale.view(torch.uint8) if e8m0 else w_scale.to(torch.float32)
+        if w_fp8.stride(-1) != 1:
+            w_fp8 = w_fp8.contiguous()
+        if sw.stride(-1) != 1:
+            sw = sw.contiguous()
+        y = torch.empty((splits, M, N), dtype=out_dtype if splits == 1 else torch.float32, device=x2.device)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
+        _fp8_gemm_kernel[grid](
+            xk, sx, w_fp8, sw, y, M, N, K, nkb, kb_per_split,
+            xk.stride(0), sx.stride(0), w_fp8.stride(0), sw.stride(0), y.stride(0), y.stride(1),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP=1 if fuse else GROUP_M,
+            FUSE_QUANT=fuse, SW_E8M0=e8m0, SOFT_CVT=_INTERPRET,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return y[0] if splits == 1 else y.sum(0).to(out_dtype)       # second pass: splits summed in order
+
+    def _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant: bool, path: str | None = None):
+        """path (tests): "decode" | "prefill" | "invariant" forces a configuration; None picks it from M."""
+        _check(x, w_fp8, w_scale)
+        out_dtype = out_dtype or x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        M, (N, K) = x2.shape[0], w_fp8.shape
+        if M == 0 or K == 0:
+            return torch.zeros((*x.shape[:-1], N), dtype=out_dtype, device=x.device)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if path is None:
+            cfg, fuse = _pick_config(M, invariant)
+        else:
+            cfg, fuse = {"decode": (DECODE_CONFIG, True), "prefill": (PREFILL_CONFIG, False),
+                         "prefill_wide": (PREFILL_WIDE_CONFIG, False), "invariant": (INVARIANT_CONFIG, False)}[path]
+        kb_per_split = _split_k(M, N, triton.cdiv(K, BLOCK), cfg, x.device) if fuse else None
+        y = _fp8_linear_2d(x2, w_fp8, w_scale, out_dtype, cfg, fuse, kb_per_split)
+        return y.view(*x.shape[:-1], N)
+
+    def _supported(x, w_fp8, w_scale) -> bool:
+        return (_on_triton(x, w_fp8, w_scale) and w_fp8.dtype == torch.float8_e4m3fn
+                and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+    @implements("fp8_linear", "triton")
+    def _fp8_linear_triton(x, w_fp8, w_scale, out_dtype=None):
+        if not _supported(x, w_fp8, w_scale):
+            return _fp8_linear_ref(x, w_fp8, w_scale, out_dtype)
+        return _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant=False)
+
+    @implements("fp8_linear", "triton_invariant")
+    def _fp8_linear_triton_invariant(x, w_fp8, w_scale, out_dtype=None):
+        if not _supported(x, w_fp8, w_scale):
+            return _fp8_linear_tiles(x, w_fp8, w_scale, out_dtype)
+        return _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant=True)

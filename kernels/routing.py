@@ -1,0 +1,321 @@
+"""MoE routing ops: `route` (router scores -> top-k experts and weights) and `permute` (the (row, slot) pairs
+grouped by expert), the two steps between a MoE layer's input and its grouped expert op.
+
+route(x [N, D], weight [E, D], bias [E] | None, ...) -> (weights [N, k], ids [N, k] int64)
+    logits = x W^T in >= fp32; scores = score_fn(logits / temp) ("sqrtsoftplus" | "sigmoid" | "softmax");
+    ids = top-k of scores + bias (the bias steers selection only; hash layers: ids = tid2eid[input_ids]);
+    weights = the unbiased scores of those ids, normalized to sum 1 (+1e-20) if `normalize`, times route_scale.
+    Scored layers list ids in descending biased score (torch.topk's order); hash layers in tid2eid's.
+permute(ids [N, k], weights [N, k], n_experts, logical_to_physical) -> the M = N*k pairs grouped by expert:
+    each row's slots in ascending logical id (the combine order), then a stable grouping by physical expert
+    (within an expert the pairs stay in that flat order). Integer outputs, so every backend gives the same bits.
+
+Backends:
+  reference         plain torch (the math the model used before these ops)
+  invariant         route on fixed row tiles (kernels/tiles.py); permute is exact, so its reference stands in
+  triton            route: one fused kernel per block of ROUTE_BLOCK_ROWS rows (fp32 IEEE logits, score fn, bias,
+                    k rounds of argmax, gather, normalize). permute: a counting sort in two kernels (per-block
+                    expert histograms; a sort of per-block unique keys + each block's base offsets) and a few
+                    device-side cumsums in between: static shapes, no host sync, CUDA-graph capturable.
+  triton_invariant  the same route kernel: its tile configuration depends on E and D only, never on N, and
+                    each row is computed by the same instruction sequence wherever it sits, so a row's bits do not
+                    depend on its batch (tests/test_kernels_routing.py checks it on CUDA).
+The Triton functions run the kernels on CUDA tensors (or any tensors under Triton's CPU interpreter,
+TRITON_INTERPRET=1 set before triton is imported); elsewhere, and for float64, they call the implementation
+their backend set falls back to (so CPU engines work with every backend set).
+
+Ties in route's selection: the Triton kernel picks the lowest expert id among equal biased scores, round by
+round. torch.topk on CPU returns tied values in an implementation-defined order (seen: the top 3 of
+[1, 3, 3, 0, 3, 2, 2] come as [2, 4, 1]; 6 of 256 zeros as [172, 169, 170, ...]), so with exact ties the two may
+list different ids; without ties they agree."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .matmul import linear
+from .precision import upcast
+from .registry import call, implements
+from .tiles import row_tiles
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:          # CPU-only installs: reference and invariant only
+    triton = None
+
+__all__ = ["SCORE_FUNCS", "permute", "route"]
+
+SCORE_FUNCS = {
+    "sqrtsoftplus": lambda z: F.softplus(z).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda z: z.softmax(dim=-1),
+}
+_SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}     # the Triton kernel's SCORE constexpr
+
+ROUTE_BLOCK_ROWS = 16      # rows per route program (tl.dot needs >= 16)
+PERMUTE_BLOCK_ROWS = 128   # rows per permute program (128 * next_pow2(k) sort keys)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, score_func: str,
+          route_scale: float, temp: float = 1.0, normalize: bool = True, tid2eid: torch.Tensor | None = None,
+          input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D], weight [E, D], bias [E] fp32 or None -> (weights [N, k] fp32 (float64 for float64 x),
+    ids [N, k] int64). Hash routing: tid2eid [V, k] int64 and input_ids [N] give the ids (bias unused)."""
+    return call("route")(x, weight, bias, top_k=top_k, score_func=score_func, route_scale=route_scale,
+                         temp=temp, normalize=normalize, tid2eid=tid2eid, input_ids=input_ids)
+
+
+def permute(ids: torch.Tensor, weights: torch.Tensor, n_experts: int,
+            logical_to_physical: torch.Tensor | None = None):
+    """ids [N, k] int64 (logical experts), weights [N, k], n_experts (physical) E ->
+    (expert_ids [M] int64 ascending, offsets [E+1] int64, order [M] int64 (flat row * k + slot of each sorted
+    pair, slots in ascending logical id), inverse [M] int64 (order's inverse), sorted_weights [M]), M = N*k.
+    logical_to_physical [E_logical] int64 maps router ids to physical experts (None: identity)."""
+    return call("permute")(ids, weights, n_experts, logical_to_physical)
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+@implements("route", "reference")
+def _route_reference(x, weight, bias, *, top_k, score_func, route_scale, temp, normalize, tid2eid=None,
+                     input_ids=None):
+    logits = linear(upcast(x), upcast(weight))
+    scores = SCORE_FUNCS[score_func](logits if temp == 1.0 else logits / temp)   # [N, E]
+    if tid2eid is not None:
+        ids = tid2eid[input_ids]
+    else:
+        ids = (scores if bias is None else scores + bias).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * route_scale, ids
+
+
+@implements("route", "invariant")
+def _route_tiles(x, weight, bias, *, input_ids=None, **kw):
+    # row-local: fixed tiles fix the GEMM's blocking and the CPU vector tails of the score fn on [N, E]
+    return row_tiles(lambda t, i: _route_reference(t, weight, bias, input_ids=i, **kw), x, input_ids)
+
+
+@implements("permute", "reference")
+def _permute_reference(ids, weights, n_experts, logical_to_physical=None):
+    n, k = ids.shape
+    ids, perm = ids.sort(dim=1, stable=True)           # each row's slots in ascending logical id: the combine order
+    weights = weights.gather(1, perm).reshape(-1)
+    phys = ids if logical_to_physical is None else logical_to_physical[ids]
+    expert_ids, order = phys.reshape(-1).sort(stable=True)
+    positions = torch.arange(n * k, device=ids.device)
+    inverse = torch.empty_like(order).scatter_(0, order, positions)
+    offsets = torch.searchsorted(expert_ids, torch.arange(n_experts + 1, device=ids.device))
+    return expert_ids, offsets, order, inverse, weights.index_select(0, order)
+
+
+# ------------------------------------------------------------------------------------------------------- triton
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
+                      N, temp, route_scale, D: tl.constexpr, E: tl.constexpr,
+                      K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+                      NORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+        """One program: rows [pid * BLOCK_N, +BLOCK_N) of x [N, D] -> out_w [N, K] fp32, out_ids [N, K] int64."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, E_PAD)
+        col_ok = cols < E
+        dk = tl.arange(0, BLOCK_D)
+
+        # logits [BLOCK_N, E_PAD] = x W^T: fp32 operands, IEEE fp32 accumulation (no TF32)
+        acc = tl.zeros((BLOCK_N, E_PAD), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + dk
+            d_ok = d < D
+            xt = tl.load(x_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            wt = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + d[:, None], mask=d_ok[:, None] & col_ok[None, :],
+                         other=0.0)                                                       # W^T tile [BLOCK_D, E_PAD]
+            acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+        z = acc / temp
+
+        if SCORE == 0:      # sqrt(softplus(z)), softplus as torch: z above 20, else log1p(exp(z))
+            t = tl.exp(tl.minimum(z, 20.0))
+            u = 1.0 + t
+            log1p = tl.where(u == 1.0, t, tl.log(u) * (t / (u - 1.0)))     # accurate log1p(t) for small t
+            scores = tl.sqrt(tl.where(z > 20.0, z, log1p))
+        elif SCORE == 1:    # sigmoid
+            scores = 1.0 / (1.0 + tl.exp(-z))
+        else:               # softmax over the E real columns
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            ez = tl.exp(z - tl.max(z, axis=1)[:, None])
+            scores = ez / tl.sum(ez, axis=1)[:, None]
+
+        kcols = tl.arange(0, K_PAD)
+        out_w = tl.zeros((BLOCK_N, K_PAD), dtype=tl.float32)
+        out_ids = tl.zeros((BLOCK_N, K_PAD), dtype=tl.int64)
+        if HASH:
+            tok = tl.load(input_ids_ptr + rows64, mask=row_ok, other=0).to(tl.int64)
+            for j in tl.static_range(K):
+                idx = tl.load(tid2eid_ptr + tok * K + j, mask=row_ok, other=0).to(tl.int64)
+                w = tl.sum(tl.where(cols[None, :] == idx[:, None], scores, 0.0), axis=1)
+                out_w = tl.where(kcols[None, :] == j, w[:, None], out_w)
+                out_ids = tl.where(kcols[None, :] == j, idx[:, None], out_ids)
+        else:
+            sel = scores
+            if HAS_BIAS:
+                sel = sel + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            sel = tl.where(col_ok[None, :], sel, float("-inf"))
+            for j in tl.static_range(K):           # k rounds of argmax; ties: the lowest expert id
+                best = tl.max(sel, axis=1)
+                idx = tl.min(tl.where(sel == best[:, None], cols[None, :], E_PAD), axis=1)
+                idx = tl.minimum(idx, E - 1)       # NaN rows match nothing: keep the id in range
+                hit = cols[None, :] == idx[:, None]
+                w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+                out_w = tl.where(kcols[None, :] == j, w[:, None], out_w)
+                out_ids = tl.where(kcols[None, :] == j, idx.to(tl.int64)[:, None], out_ids)
+                sel = tl.where(hit, float("-inf"), sel)
+        if NORMALIZE:
+            out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
+        out_w = out_w * route_scale
+        at = rows64[:, None] * K + kcols[None, :]
+        ok = row_ok[:, None] & (kcols[None, :] < K)
+        tl.store(out_w_ptr + at, out_w, mask=ok)
+        tl.store(out_ids_ptr + at, out_ids, mask=ok)
+
+    @triton.jit
+    def _expert_histogram_kernel(ids_ptr, l2p_ptr, counts_ptr, N, E,
+                                 K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                                 K_PAD: tl.constexpr, E_PAD: tl.constexpr):
+        """counts [blocks, E] int32: how many (row, slot) pairs of block pid go to each physical expert."""
+        b = tl.program_id(0)
+        rows = (b * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        slots = tl.arange(0, K_PAD)
+        ok = (rows[:, None] < N) & (slots[None, :] < K)
+        phys = tl.load(ids_ptr + rows[:, None] * K + slots[None, :], mask=ok, other=0)
+        if HAS_MAP:
+            phys = tl.load(l2p_ptr + phys, mask=ok, other=0)
+        hist = tl.histogram(tl.reshape(phys.to(tl.int32), [BLOCK_ROWS * K_PAD]), E_PAD,
+                            mask=tl.reshape(ok, [BLOCK_ROWS * K_PAD]))
+        e = tl.arange(0, E_PAD)
+        tl.store(counts_ptr + b * E + e, hist, mask=e < E)
+
+    @triton.jit
+    def _permute_scatter_kernel(ids_ptr, w_ptr, l2p_ptr, delta_ptr, expert_ids_ptr, order_ptr, inverse_ptr,
+                                sorted_w_ptr, N, E,
+                                K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                                K_PAD: tl.constexpr):
+        """Block pid's pairs to their sorted positions: pos = delta[pid, expert] + rank of the pair within its
+        block in (expert, row, slot rank) order, where delta = the expert's offset + its pairs in earlier
+        blocks - its first position within this block's sorted keys."""
+        b = tl.program_id(0)
+        lrow = tl.arange(0, BLOCK_ROWS)
+        rows = (b * BLOCK_ROWS + lrow).to(tl.int64)
+        slots = tl.arange(0, K_PAD)
+        ok = (rows[:, None] < N) & (slots[None, :] < K)
+        ids = tl.load(ids_ptr + rows[:, None] * K + slots[None, :], mask=ok, other=0).to(tl.int32)
+        # stable rank of slot s within its row by logical id: the slots i with id_i < id_s, or id_i == id_s and i < s
+        rank = tl.zeros((BLOCK_ROWS, K_PAD), dtype=tl.int32)
+        for i in tl.static_range(K):
+            id_i = tl.sum(tl.where(slots[None, :] == i, ids, 0), axis=1)[:, None]        # column i, [R, 1]
+            rank += ((id_i < ids) | ((id_i == ids) & (i < slots[None, :]))).to(tl.int32)
+        phys = ids
+        if HAS_MAP:
+            phys = tl.load(l2p_ptr + ids, mask=ok, other=0).to(tl.int32)
+        # one unique int32 key per pair, ordered as the reference's stable sorts order them: (expert, row,
+        # rank); the original slot rides in the low bits. Padding sorts last.
+        key = ((phys * BLOCK_ROWS + lrow[:, None]) * K_PAD + rank) * K_PAD + slots[None, :]
+        key = tl.where(ok, key, 0x7FFFFFFF)
+        key = tl.sort(tl.reshape(key, [BLOCK_ROWS * K_PAD]))
+        j = tl.arange(0, BLOCK_ROWS * K_PAD)
+        valid = key != 0x7FFFFFFF
+        slot = key % K_PAD
+        rest = key // K_PAD
+        rk = rest % K_PAD
+        rest = rest // K_PAD
+        row = (b * BLOCK_ROWS + rest % BLOCK_ROWS).to(tl.int64)
+        expert = rest // BLOCK_ROWS
+        flat = row * K + rk
+        pos = tl.load(delta_ptr + b * E + expert, mask=valid, other=0) + j
+        w = tl.load(w_ptr + row * K + slot, mask=valid)
+        tl.store(expert_ids_ptr + pos, expert.to(tl.int64), mask=valid)
+        tl.store(order_ptr + pos, flat, mask=valid)
+        tl.store(inverse_ptr + flat, pos, mask=valid)
+        tl.store(sorted_w_ptr + pos, w, mask=valid)
+
+    # whether triton.jit made interpreted kernels (TRITON_INTERPRET=1 when this module was imported): they run on
+    # CPU tensors (float32 / float16 / integers: the interpreter reads bfloat16 wrong, numpy having none)
+    _INTERPRETED = type(_route_kernel).__name__ == "InterpretedFunction"
+
+    def _runs_kernels(*tensors) -> bool:
+        """Whether the kernels take these tensors: CUDA ones (any under the interpreter), none float64."""
+        return all(t.dtype != torch.float64 for t in tensors) and (_INTERPRETED or all(t.is_cuda for t in tensors))
+
+    def _route_triton(x, weight, bias, *, top_k, score_func, route_scale, temp, normalize, tid2eid=None,
+                      input_ids=None, fallback=_route_reference):
+        if not _runs_kernels(x, weight):
+            return fallback(x, weight, bias, top_k=top_k, score_func=score_func, route_scale=route_scale,
+                            temp=temp, normalize=normalize, tid2eid=tid2eid, input_ids=input_ids)
+        n, d = x.shape
+        e = weight.shape[0]
+        out_w = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
+        out_ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
+        if n == 0:
+            return out_w, out_ids
+        hashed = tid2eid is not None
+        e_pad = _pow2(e, 16)
+        block_d = min(64 if e_pad <= 256 else 32, _pow2(d, 16))
+        x = x.contiguous()
+        _route_kernel[(triton.cdiv(n, ROUTE_BLOCK_ROWS),)](
+            x, weight.contiguous(), x if bias is None or hashed else bias.contiguous(),
+            tid2eid.contiguous() if hashed else x, input_ids.contiguous() if hashed else x, out_w, out_ids,
+            n, float(temp), float(route_scale), D=d, E=e,
+            K=top_k, SCORE=_SCORE_CODE[score_func], HAS_BIAS=bias is not None and not hashed, HASH=hashed,
+            NORMALIZE=bool(normalize), BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
+            K_PAD=_pow2(top_k), num_warps=8 if e_pad >= 256 else 4)
+        return out_w, out_ids
+
+    @implements("route", "triton")
+    def _route_triton_default(x, weight, bias, **kw):
+        return _route_triton(x, weight, bias, fallback=_route_reference, **kw)
+
+    @implements("route", "triton_invariant")
+    def _route_triton_invariant(x, weight, bias, **kw):
+        # the kernel is batch-invariant; off the kernels, stay invariant through the tiled reference
+        return _route_triton(x, weight, bias, fallback=_route_tiles, **kw)
+
+    @implements("permute", "triton")
+    def _permute_triton(ids, weights, n_experts, logical_to_physical=None):
+        maps = () if logical_to_physical is None else (logical_to_physical,)
+        if not _runs_kernels(ids, weights, *maps):
+            return _permute_reference(ids, weights, n_experts, logical_to_physical)
+        n, k = ids.shape
+        m, dev = n * k, ids.device
+        k_pad, rows = _pow2(k), PERMUTE_BLOCK_ROWS
+        assert n_experts * rows * k_pad * k_pad < 2**31 - 1, "permute's int32 sort keys would overflow"
+        offsets = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
+        outs = (torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=torch.int64, device=dev),
+                torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=weights.dtype, device=dev))
+        if m == 0:
+            return outs[0], offsets, outs[1], outs[2], outs[3]
+        ids, weights = ids.contiguous(), weights.contiguous()
+        l2p = ids if logical_to_physical is None else logical_to_physical.contiguous()
+        blocks = triton.cdiv(n, rows)
+        counts = torch.empty(blocks, n_experts, dtype=torch.int32, device=dev)
+        common = dict(K=k, HAS_MAP=logical_to_physical is not None, BLOCK_ROWS=rows, K_PAD=k_pad)
+        _expert_histogram_kernel[(blocks,)](ids, l2p, counts, n, n_experts, E_PAD=_pow2(n_experts), **common)
+        counts = counts.long()
+        offsets[1:] = counts.sum(0).cumsum(0)
+        earlier_blocks = counts.cumsum(0) - counts          # [blocks, E]: the expert's pairs in blocks before
+        in_block_start = counts.cumsum(1) - counts          # its first position among this block's sorted keys
+        delta = (offsets[:-1] + earlier_blocks - in_block_start).contiguous()
+        _permute_scatter_kernel[(blocks,)](ids, weights, l2p, delta, *outs, n, n_experts, **common)
+        return outs[0], offsets, outs[1], outs[2], outs[3]
+
+    implements("permute", "triton_invariant")(_permute_triton)   # integer outputs: invariant as it is

@@ -1,0 +1,94 @@
+"""kernels/experts_triton.py on the GPU (`-m gpu`): the compiled Triton kernels against the reference backend's
+same recipe at released expert widths (bf16 compute; FP4, FP8 and bf16 weights; A16 and A8), the edge cases
+(no rows, one row, all rows on one expert), CUDA-graph capture (no host sync), and the invariant configuration's
+row independence. CPU CI runs the same kernels in Triton's interpreter (tests/interpreted/)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+triton = pytest.importorskip("triton")
+
+from deepinfer.harness.kernel_bench import random_expert_weights, routed_batch   # noqa: E402
+from deepinfer.kernels import experts as kx                                       # noqa: E402
+from deepinfer.kernels import experts_triton as kt                                # noqa: E402
+from deepinfer.kernels.experts import grouped_experts                             # noqa: E402
+from deepinfer.kernels.table import use                                           # noqa: E402
+
+# max |kernel - reference| / max |reference| in bf16 (h rounded to bf16 between the GEMMs on both sides, so a
+# 1-ulp difference of h in fp32 summation order moves the output by ~2^-8 of one term at most)
+BOUND = {"a16": 1e-2, "a8": 2e-2}
+SHAPES = {"v4": (4096, 2048), "v41": (5120, 2304)}
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("storage,num", [("fp4", "a16"), ("fp4", "a8"), ("fp8", "a16"), ("fp8", "a8"),
+                                         ("bf16", "a16")])
+@pytest.mark.parametrize("tokens", [1, 16, 256, 2048])
+def test_kernels_equal_reference(shape, storage, num, tokens):
+    dim, inter = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    ew = random_expert_weights(storage, 32, dim, inter, num == "a8", "cuda", gen)
+    x, ids, offs, r, _ = routed_batch(tokens, 32, dim, 6, "cuda", gen)
+    with use("reference"):
+        want = grouped_experts(x, ids, offs, r, ew)
+    for backend in ("triton", "triton_invariant"):
+        with use(backend):
+            got = grouped_experts(x, ids, offs, r, ew)
+        assert rel(got, want) <= BOUND[num], (backend, rel(got, want))
+
+
+@pytest.mark.parametrize("storage", ["fp4", "fp8"])
+def test_edge_rows(storage):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    ew = random_expert_weights(storage, 16, 4096, 2048, True, "cuda", gen)
+    for experts, m in (([7], 1), ([7], 300), ([0, 15], 65)):      # one row; all rows on one expert; two experts
+        ids = torch.tensor(experts, device="cuda")[torch.randint(0, len(experts), (m,), device="cuda",
+                                                                 generator=gen)].sort().values
+        offs = torch.searchsorted(ids, torch.arange(17, device="cuda"))
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+        r = torch.rand(m, device="cuda", generator=gen)
+        with use("reference"):
+            want = grouped_experts(x, ids, offs, r, ew)
+        for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT):
+            assert rel(kt.run(x, offs, r, ew, tiles), want) <= BOUND["a8"]
+
+
+def test_graph_capture():
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    ew = random_expert_weights("fp4", 64, 4096, 2048, False, "cuda", gen)
+    x, ids, offs, r, _ = routed_batch(8, 64, 4096, 6, "cuda", gen)
+    with use("triton"):
+        eager = grouped_experts(x, ids, offs, r, ew)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = grouped_experts(x, ids, offs, r, ew)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_invariant_rows_do_not_depend_on_the_batch():
+    """A row's output bits from triton_invariant are the same alone and inside a batch of 500 rows."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ew = random_expert_weights("fp4", 32, 4096, 2048, True, "cuda", gen)
+    x, ids, offs, r, _ = routed_batch(500, 32, 4096, 6, "cuda", gen)
+    with use("triton_invariant"):
+        full = grouped_experts(x, ids, offs, r, ew)
+        for j in (0, 137, x.shape[0] - 1):
+            e = int(ids[j])
+            one = torch.zeros(33, dtype=torch.long, device="cuda")
+            one[e + 1:] = 1
+            alone = grouped_experts(x[j:j + 1], ids[j:j + 1], one, r[j:j + 1], ew)
+            assert torch.equal(alone[0], full[j])
+    _ = (dataclasses, kx)

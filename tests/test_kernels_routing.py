@@ -1,0 +1,412 @@
+"""kernels/routing.py: `route` (the MoE router) and `permute` (the dispatch's grouping by expert).
+
+1. The reference ops equal, bit for bit, the formulas Gate._route and LocalDispatch.dispatch computed before
+   the ops existed (copied below as the oracle), and the invariant backend equals those formulas on fixed row
+   tiles; the model classes give the same through the op table; on CPU the Triton backend sets fall back to them.
+2. The Triton kernels against the reference in Triton's CPU interpreter. The interpreter has to be on when
+   triton is first imported (triton.jit decides then), so those tests run in a subprocess with TRITON_INTERPRET=1
+   (test_triton_kernels_in_the_interpreter), where they are defined; inputs are float32 / float16 (the
+   interpreter reads bfloat16 wrong), and permute's block is shrunk so several blocks run and its sort stays fast.
+   Inputs have no ties: on ties the kernel takes the lowest expert id, torch.topk an unspecified one.
+3. On CUDA (marked gpu): the compiled kernels at V4 (E=256, D=4096) and V4.1 (E=384, D=5120) shapes, k=6,
+   against the reference, batch invariance of `triton_invariant`, and capture in a CUDA graph."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.kernels import routing
+from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
+from deepinfer.kernels.tiles import row_tiles
+from deepinfer.models.moe import Gate
+from deepinfer.parallel.dispatch import LocalDispatch
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Many tiny CPU calls: a 2-thread OpenMP pool spins at each when the cores are shared (as conftest's
+    one_thread; defined here too, since the interpreter run goes without conftest)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------- the oracle: the old formulas
+
+OLD_SCORE = {
+    "sqrtsoftplus": lambda z: F.softplus(z).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda z: z.softmax(dim=-1),
+}
+
+
+def old_route(x, weight, bias, top_k, score_func, scale, temp, normalize, tid2eid=None, input_ids=None):
+    """Gate._route as it was (logits through F.linear: what kernels.matmul.linear's reference runs)."""
+    up = (lambda t: t if t.dtype == torch.float64 else t.float())
+    logits = F.linear(up(x), up(weight))
+    scores = OLD_SCORE[score_func](logits if temp == 1.0 else logits / temp)
+    ids = tid2eid[input_ids] if tid2eid is not None else (scores + bias).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+def old_dispatch(ids, weights, n_experts, logical_to_physical=None):
+    """LocalDispatch.dispatch's permutation as it was -> (expert_ids, offsets, order, inverse, sorted weights)."""
+    n, k = ids.shape
+    ids, perm = ids.sort(dim=1, stable=True)
+    weights = weights.gather(1, perm).reshape(-1)
+    phys = ids if logical_to_physical is None else logical_to_physical[ids]
+    expert_ids, order = phys.reshape(-1).sort(stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k))
+    offsets = torch.searchsorted(expert_ids, torch.arange(n_experts + 1))
+    return expert_ids, offsets, order, inverse, weights.index_select(0, order)
+
+
+# ------------------------------------------------------------------------------------------------- inputs
+
+def router_inputs(n, d, e, k, seed, dtype=torch.float32, vocab=40, device="cpu"):
+    """x [n, d], weight [e, d], bias [e] fp32, tid2eid [vocab, k] (distinct ids per token), input_ids [n]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    w = torch.randn(e, d, generator=gen, dtype=torch.float64) / d ** 0.5
+    bias = torch.randn(e, generator=gen) * 0.05
+    tid2eid = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(vocab)])
+    tok = torch.randint(0, vocab, (n,), generator=gen)
+    return [t.to(device) for t in (x.to(dtype), w.to(dtype), bias, tid2eid, tok)]
+
+
+def routing_ids(n, k, e, gen, experts=None, distinct=True):
+    """ids [n, k] over `experts` (default all e); distinct per row unless distinct=False; weights [n, k] fp32."""
+    pool = torch.arange(e) if experts is None else torch.tensor(experts)
+    if distinct:
+        ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(n)]) if n else \
+            torch.zeros(0, k, dtype=torch.long)
+    else:
+        ids = pool[torch.randint(0, len(pool), (n, k), generator=gen)]
+    return ids, torch.rand(n, k, generator=gen)
+
+
+def _route_kw(score_func, normalize, k, hashed, tid2eid, tok, temp=1.0, scale=2.5):
+    return dict(top_k=k, score_func=score_func, route_scale=scale, temp=temp, normalize=normalize,
+                tid2eid=tid2eid if hashed else None, input_ids=tok if hashed else None)
+
+
+def _equal(got, want):
+    return len(got) == len(want) and all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+
+
+# ------------------------------------------------------------------------- 1. reference == the old formulas
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
+@pytest.mark.parametrize("n", [0, 1, 7, 33])
+def test_route_reference_and_invariant_equal_old_math(n, dtype, score_func, normalize, hashed):
+    x, w, bias, tid2eid, tok = router_inputs(n, 32, 16, 3, seed=n, dtype=dtype)
+    kw = _route_kw(score_func, normalize, 3, hashed, tid2eid, tok, temp=1.0 if n % 2 else 1.7)
+    old = (bias, 3, score_func, 2.5, kw["temp"], normalize, kw["tid2eid"], kw["input_ids"])
+    want = old_route(x, w, *old)
+    with use("reference"):
+        got = routing.route(x, w, bias, **kw)
+    assert _equal(got, want)
+    assert got[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and got[1].shape == (n, 3)
+    want_tiles = row_tiles(lambda t, i: old_route(t, w, bias, 3, score_func, 2.5, kw["temp"], normalize,
+                                                  kw["tid2eid"], i), x, kw["input_ids"])
+    with use("invariant"):
+        assert _equal(routing.route(x, w, bias, **kw), want_tiles)
+    if not INTERPRETER:                            # CPU tensors: the Triton sets fall back to their partners
+        for name, oracle in (("triton", want), ("triton_invariant", want_tiles)):
+            with use(name):
+                assert _equal(routing.route(x, w, bias, **kw), oracle), name
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash"])
+@pytest.mark.parametrize("backend", ["reference", "invariant"])
+def test_gate_routes_through_the_op(backend, hashed):
+    """Gate.forward equals the old Gate (reference) and the old Gate on fixed row tiles (invariant)."""
+    n, d, e, k, vocab = 37, 32, 16, 4, 40
+    x, w, bias, tid2eid, tok = router_inputs(n, d, e, k, seed=5, vocab=vocab)
+    gate = Gate(d, e, k, "sqrtsoftplus", 1.5, torch.float32, hash_vocab=vocab if hashed else None)
+    with torch.no_grad():
+        gate.weight.copy_(w)
+        if hashed:
+            gate.tid2eid.copy_(tid2eid)
+        else:
+            gate.bias.copy_(bias)
+    old = lambda t, i: old_route(t, w, None if hashed else bias, k, "sqrtsoftplus", 1.5, 1.0, True,  # noqa: E731
+                                 tid2eid if hashed else None, i if hashed else None)
+    want = old(x, tok) if backend == "reference" else row_tiles(old, x, tok)
+    with use(backend):
+        assert _equal(gate(x, tok), want)
+
+
+PERMUTE_CASES = {                       # name -> (n, k, n_experts, expert pool, distinct ids per row, map)
+    "empty": (0, 3, 8, None, True, None),
+    "one_row": (1, 6, 16, None, True, None),
+    "rows7": (7, 2, 8, None, True, None),
+    "rows33": (33, 3, 12, None, True, None),
+    "one_expert": (33, 1, 16, [5], True, None),
+    "all_rows_one_expert_set": (21, 3, 16, [2, 9, 14], True, None),
+    "empty_experts": (20, 2, 16, [3, 7, 8], True, None),
+    "repeated_ids": (33, 4, 5, None, False, None),          # equal ids in a row: the slot order breaks ties
+    "map": (33, 3, 12, None, True, "perm"),
+    "map_to_more_slots": (25, 2, 8, None, True, "spread"),  # 8 logical experts onto 12 physical slots
+    "map_many_to_one": (25, 3, 8, None, True, "fold"),      # several logical experts share a slot
+}
+
+
+def _permute_case(name, seed=0):
+    n, k, e, pool, distinct, kind = PERMUTE_CASES[name]
+    gen = torch.Generator().manual_seed(seed + len(name))
+    logical = e if kind != "spread" else 8
+    ids, weights = routing_ids(n, k, logical, gen, pool, distinct)
+    l2p = {None: None, "perm": torch.randperm(e, generator=gen), "spread": torch.randperm(12, generator=gen)[:8],
+           "fold": torch.tensor([0, 0, 3, 1, 3, 7, 0, 2])}[kind]
+    return ids, weights, (12 if kind == "spread" else e), l2p
+
+
+@pytest.mark.parametrize("case", sorted(PERMUTE_CASES))
+def test_permute_reference_equals_old_dispatch(case):
+    ids, weights, e, l2p = _permute_case(case)
+    want = old_dispatch(ids, weights, e, l2p)
+    for name in BACKEND_SETS:                         # integer permutation: every set gives these bits (CPU)
+        if INTERPRETER and name.startswith("triton"):
+            continue
+        with use(name):
+            assert _equal(routing.permute(ids, weights, e, l2p), want), name
+    expert_ids, offsets, order, inverse, _ = want
+    assert torch.equal(order[inverse], torch.arange(ids.numel()))
+    assert offsets[-1] == ids.numel() and torch.equal(offsets.diff(), torch.bincount(expert_ids, minlength=e))
+
+
+def test_local_dispatch_uses_permute():
+    ids, weights, e, l2p = _permute_case("map")
+    disp = LocalDispatch(e)
+    disp.logical_to_physical = l2p
+    x = torch.randn(ids.shape[0], 5)
+    d = disp.dispatch(x, weights, ids)
+    expert_ids, offsets, order, inverse, sorted_w = old_dispatch(ids, weights, e, l2p)
+    assert _equal((d.expert_ids, d.offsets, d.order, d.inverse, d.weights),
+                  (expert_ids, offsets, order, inverse, sorted_w))
+    assert torch.equal(d.x, x[order // ids.shape[1]])
+
+
+def test_tables_name_the_routing_backends():
+    for name in BACKEND_SETS:
+        table = KernelTable(name)
+        want = "reference" if name == "reference" else "invariant"
+        if name.startswith("triton") and routing.triton is not None:
+            want = name
+        assert table.backends["route"] == want
+        assert table.backends["permute"] == (name if name.startswith("triton") and routing.triton is not None
+                                             else "reference")
+
+
+# --------------------------------------------------------------------------- 2. Triton in the interpreter
+
+def test_triton_kernels_in_the_interpreter():
+    """Runs this file's interpreter tests (defined below when TRITON_INTERPRET=1) in a fresh process."""
+    pytest.importorskip("triton")
+    if INTERPRETER:
+        pytest.skip("already inside the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "--noconftest", "-p", "no:cacheprovider", "-k", "interp",
+           __file__]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(run.stdout[-3000:])
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout
+
+
+if INTERPRETER:
+    import triton  # noqa: F401  (imported with the interpreter on)
+
+    assert routing._INTERPRETED, "triton was imported before TRITON_INTERPRET=1 took effect"
+
+    def _check_route(got, want):
+        assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1])       # no ties in these inputs
+        assert got[0].dtype == torch.float32 and got[0].shape == want[0].shape
+        assert torch.allclose(got[0], want[0].float(), rtol=1e-5, atol=1e-6), (got[0] - want[0]).abs().max()
+
+    @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+    @pytest.mark.parametrize("score_func", SCORE_FUNCS)
+    @pytest.mark.parametrize("n", [0, 1, 7, 33])
+    def test_interp_route(n, score_func, normalize):
+        x, w, bias, tid2eid, tok = router_inputs(n, 48, 16, 2, seed=100 + n)
+        kw = _route_kw(score_func, normalize, 2, False, tid2eid, tok, temp=1.0 if n % 2 else 1.3)
+        _check_route(routing._route_triton_default(x, w, bias, **kw), routing._route_reference(x, w, bias, **kw))
+
+    @pytest.mark.parametrize("e,d,k,dtype,bias", [(8, 32, 2, torch.float32, True), (12, 64, 3, torch.float32, False),
+                                                  (16, 40, 2, torch.float16, True), (10, 33, 6, torch.float32, True)])
+    @pytest.mark.parametrize("score_func", SCORE_FUNCS)
+    def test_interp_route_shapes(e, d, k, dtype, bias, score_func):
+        """E below and between powers of two, D not a multiple of the D tile, k = 6, fp16 inputs, no bias."""
+        x, w, b, tid2eid, tok = router_inputs(19, d, e, k, seed=e * d, dtype=dtype)
+        kw = _route_kw(score_func, True, k, False, tid2eid, tok, temp=0.8)
+        b = b if bias else None
+        _check_route(routing._route_triton_default(x, w, b, **kw), routing._route_reference(x, w, b, **kw))
+
+    @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+    @pytest.mark.parametrize("score_func", SCORE_FUNCS)
+    @pytest.mark.parametrize("n", [1, 33])
+    def test_interp_route_hash(n, score_func, normalize):
+        x, w, bias, tid2eid, tok = router_inputs(n, 32, 16, 3, seed=7 + n)
+        kw = _route_kw(score_func, normalize, 3, True, tid2eid, tok)
+        _check_route(routing._route_triton_default(x, w, None, **kw), routing._route_reference(x, w, None, **kw))
+
+    def test_interp_route_ties_take_the_lowest_id():
+        """Equal biased scores: the kernel's choice, lowest expert id first (torch.topk's order is unspecified)."""
+        x, w = torch.zeros(3, 32), torch.randn(16, 32)           # every logit 0: every score ties
+        bias = torch.zeros(16)
+        bias[[3, 9, 12]] = torch.tensor([1.0, 1.0, 0.5])
+        kw = _route_kw("sigmoid", True, 4, False, None, None)
+        weights, ids = routing._route_triton_default(x, w, bias, **kw)
+        assert ids.tolist() == [[3, 9, 12, 0]] * 3
+        assert torch.allclose(weights, torch.full((3, 4), 2.5 / 4))
+
+    def test_interp_route_through_the_tables():
+        x, w, bias, tid2eid, tok = router_inputs(20, 32, 16, 2, seed=3)
+        kw = _route_kw("sqrtsoftplus", True, 2, False, tid2eid, tok)
+        want = routing._route_reference(x, w, bias, **kw)
+        for name in ("triton", "triton_invariant"):
+            with use(name) as table:
+                assert table.backends["route"] == name
+                _check_route(routing.route(x, w, bias, **kw), want)
+        with use("triton"):                                         # float64 runs the reference
+            assert _equal(routing.route(x.double(), w.double(), bias, **kw),
+                          routing._route_reference(x.double(), w.double(), bias, **kw))
+
+    @pytest.mark.parametrize("case", sorted(PERMUTE_CASES))
+    def test_interp_permute(case, monkeypatch):
+        monkeypatch.setattr(routing, "PERMUTE_BLOCK_ROWS", 4)      # several blocks, a short sort per block
+        ids, weights, e, l2p = _permute_case(case, seed=11)
+        assert _equal(routing._permute_triton(ids, weights, e, l2p), old_dispatch(ids, weights, e, l2p))
+
+    def test_interp_permute_default_block():
+        ids, weights, e, l2p = _permute_case("rows33", seed=2)
+        ids = torch.cat([ids, ids.flip(0)])[:40]
+        assert _equal(routing._permute_triton(ids, weights.repeat(2, 1)[:40], e, l2p),
+                      old_dispatch(ids, weights.repeat(2, 1)[:40], e, l2p))
+
+    def test_interp_moe_forward_through_triton_tables(monkeypatch):
+        """A MoE layer end to end with the Triton route and permute (experts: their reference on CPU)."""
+        from deepinfer.models.moe import MoE
+        monkeypatch.setattr(routing, "PERMUTE_BLOCK_ROWS", 8)
+        gen = torch.Generator().manual_seed(1)
+        gate = Gate(32, 16, 2, "sqrtsoftplus", 1.5, torch.float32)
+        moe = MoE(gate, 32, 16, 1, 10.0, torch.float32)
+        with torch.no_grad():
+            for t in moe.parameters():
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+        x = torch.randn(13, 32, generator=gen)
+        with use("reference"):
+            want = moe(x)
+        with use("triton") as table:
+            assert table.backends["route"] == table.backends["permute"] == "triton"
+            got = moe(x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------- 3. CUDA
+
+SHAPES = {"v4": (256, 4096), "v41": (384, 5120)}      # (E, D); k = 6
+
+
+def _capture(fn, *args):
+    """fn(*args) captured in a CUDA graph (fails on any host sync); returns (graph, static output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
+
+
+def _check_route_cuda(got, x, w, bias, kw):
+    """ids: the k best biased scores (exact fp32 near-ties may swap), weights: the reference's where ids agree."""
+    want = routing._route_reference(x, w, bias, **kw)
+    k = kw["top_k"]
+    if kw["tid2eid"] is not None:
+        assert torch.equal(got[1], want[1])
+    else:
+        scores = OLD_SCORE[kw["score_func"]](F.linear(x.float(), w.float()) / kw["temp"]) + bias
+        assert torch.allclose(scores.gather(1, got[1]), scores.topk(k).values, atol=1e-5, rtol=0)
+        assert (got[1] == want[1]).all(1).float().mean() > 0.99
+    same = (got[1] == want[1]).all(1)
+    assert torch.allclose(got[0][same], want[0][same], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash"])
+@pytest.mark.parametrize("n", [1, 37, 1000])
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_cuda_route_and_permute(family, n, hashed):
+    e, d = SHAPES[family]
+    x, w, bias, tid2eid, tok = router_inputs(n, d, e, 6, seed=n, dtype=torch.bfloat16, vocab=1000, device="cuda")
+    for score_func in SCORE_FUNCS:
+        kw = _route_kw(score_func, True, 6, hashed, tid2eid, tok)
+        got = routing._route_triton_default(x, w, None if hashed else bias, **kw)
+        _check_route_cuda(got, x, w, None if hashed else bias, kw)
+    ids, weights = got[1], got[0]
+    l2p = torch.randperm(e, device="cuda")
+    for mapping in (None, l2p):
+        assert _equal(routing._permute_triton(ids, weights, e, mapping),
+                      routing._permute_reference(ids, weights, e, mapping))
+    one = torch.full_like(ids, 3)                                  # every pair on one expert
+    assert _equal(routing._permute_triton(one, weights, e), routing._permute_reference(one, weights, e))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_cuda_triton_invariant_route_is_batch_invariant(family):
+    e, d = SHAPES[family]
+    x, w, bias, tid2eid, tok = router_inputs(70, d, e, 6, seed=4, dtype=torch.bfloat16, device="cuda")
+    kw = _route_kw("sqrtsoftplus", True, 6, False, tid2eid, tok)
+    with use("triton_invariant"):
+        full = routing.route(x, w, bias, **kw)
+        for rows in (slice(21, 22), slice(5, 40), slice(3, 70)):
+            part = routing.route(x[rows], w, bias, **kw)
+            assert torch.equal(part[0], full[0][rows]) and torch.equal(part[1], full[1][rows])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n", [1, 200])
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_cuda_graph_capture(family, n):
+    """Route + permute with no host sync: captured, replayed on new inputs, equal to eager runs."""
+    e, d = SHAPES[family]
+    x, w, bias, tid2eid, tok = router_inputs(n, d, e, 6, seed=9, dtype=torch.bfloat16, device="cuda")
+    kw = _route_kw("sqrtsoftplus", True, 6, False, tid2eid, tok)
+
+    def step(x):
+        weights, ids = routing._route_triton_default(x, w, bias, **kw)
+        return (weights, ids) + routing._permute_triton(ids, weights, e)
+
+    graph, out = _capture(step, x)
+    for seed in (1, 2):
+        x.copy_(router_inputs(n, d, e, 6, seed=100 + seed, dtype=torch.bfloat16, device="cuda")[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _equal(out, step(x))
