@@ -57,7 +57,6 @@ class Tiles:
     bk: int
     warps: int
     stages: int
-    split: bool = True        # FP4: even / odd halves of K as two MMAs (no nibble interleave in registers)
     min_bn: int = 16          # narrower column blocks (down to this) while the grid would leave SMs idle
 
 
@@ -182,41 +181,13 @@ if triton is not None:
             return w, tl.full((BN,), 1.0, tl.float32)
 
     @triton.jit
-    def _fp4_halves(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                    A8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr, EXACT: tl.constexpr):
-        """FP4 rows rn [BN], columns k0..k0+BK as two tiles [BN, BK/2]: the even columns (low nibbles) and the odd
-        ones (high nibbles), each multiplied by the even / odd half of x: no interleave in registers. Element j of
-        a half is column k0 + 2j (+1), in 32-block j // 16. Returns (even, odd, post-scale [BN])."""
-        nmask = rn < N
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
-                         mask=nmask[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)   # [BN, BK/2]
-        lo = _e2m1_over_2p14(packed & 0xF)
-        hi = _e2m1_over_2p14(packed >> 4)
-        ks = k0 // 32 + tl.arange(0, BK // 32)
-        s = tl.load(s_ptr + e * sse + rn[:, None] * ssn + ks[None, :],
-                    mask=nmask[:, None] & (ks < K // 32)[None, :], other=127).to(tl.int32)       # [BN, BK/32]
-        if A8:
-            ref = tl.max(s, axis=1) - 6
-            mult = ((s - ref[:, None] + 14 + 127) << 23).to(tl.float32, bitcast=True)
-            post = tl.exp2((ref - 127).to(tl.float32))
-        else:
-            mult = ((s + 14) << 23).to(tl.float32, bitcast=True)
-            post = tl.full((BN,), 1.0, tl.float32)
-        mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
-        lo, hi = lo * mult, hi * mult
-        if A8:
-            return _to_e4m3(lo, EXACT), _to_e4m3(hi, EXACT), post
-        return lo.to(OUT), hi.to(OUT), post
-
-    @triton.jit
     def _expert_gemm(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, r_ptr, out_ptr,
                      tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
                      stride_xm, stride_om, swe, swn, sse, ssn, ssk, limit,
                      N: tl.constexpr, K: tl.constexpr,
                      WFMT: tl.constexpr, A8: tl.constexpr, GATED: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EXACT: tl.constexpr,
-                     SPLIT: tl.constexpr, ROUND: tl.constexpr):
+                     ROUND: tl.constexpr):
         """One (tile, BN columns) block. GATED: out = r * swiglu(x w1^T, x w3^T) in out's dtype; else
         out = x w1^T in fp32. x [M, K] rows of the tile's expert; w* [E, N, K] as stored."""
         t = tl.program_id(0)
@@ -232,30 +203,6 @@ if triton is not None:
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-          if WFMT == 1 and SPLIT:
-            re = k0 + 2 * tl.arange(0, BK // 2)                                   # even columns
-            xmask = mmask[:, None] & (re < K)[None, :]
-            xe = tl.load(x_ptr + (row0 + rm)[:, None] * stride_xm + re[None, :], mask=xmask, other=0.0)
-            xo = tl.load(x_ptr + (row0 + rm)[:, None] * stride_xm + (re + 1)[None, :], mask=xmask, other=0.0)
-            if A8:
-                xs = _act_scale(tl.maximum(tl.max(tl.abs(xe.to(tl.float32)), axis=1),
-                                           tl.max(tl.abs(xo.to(tl.float32)), axis=1)))
-                xe = _to_e4m3(tl.clamp(xe.to(tl.float32) / xs[:, None], -448.0, 448.0), EXACT)
-                xo = _to_e4m3(tl.clamp(xo.to(tl.float32) / xs[:, None], -448.0, 448.0), EXACT)
-            w1e, w1o, p1 = _fp4_halves(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                                       A8, BN, BK, xe.dtype, EXACT)
-            if A8:
-                acc1 += (tl.dot(xe, tl.trans(w1e)) + tl.dot(xo, tl.trans(w1o))) * xs[:, None] * p1[None, :]
-            else:
-                acc1 = tl.dot(xo, tl.trans(w1o), tl.dot(xe, tl.trans(w1e), acc1))
-            if GATED:
-                w3e, w3o, p3 = _fp4_halves(w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                                           A8, BN, BK, xe.dtype, EXACT)
-                if A8:
-                    acc3 += (tl.dot(xe, tl.trans(w3e)) + tl.dot(xo, tl.trans(w3o))) * xs[:, None] * p3[None, :]
-                else:
-                    acc3 = tl.dot(xo, tl.trans(w3o), tl.dot(xe, tl.trans(w3e), acc3))
-          else:
             rk = k0 + tl.arange(0, BK)
             x = tl.load(x_ptr + (row0 + rm)[:, None] * stride_xm + rk[None, :],
                         mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
@@ -318,7 +265,7 @@ def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bo
     _expert_gemm[grid](x, w1, scale, w3 if w3 is not None else w1, s3 if s3 is not None else scale, r, out,
                        expert, row0, rows, x.stride(0), out.stride(0),
                        w1.stride(0), w1.stride(1), ss[0], ss[1], ss[2], float(ew.limit),
-                       N=n, K=k, WFMT=wfmt, A8=ew.act_fp8, EXACT=interpreting(), SPLIT=tiles.split,
+                       N=n, K=k, WFMT=wfmt, A8=ew.act_fp8, EXACT=interpreting(),
                        GATED=gated, BM=tiles.bm, BN=bn, BK=bk, ROUND=_TL_DTYPE[ew.gemm_dtype],
                        num_warps=tiles.warps, num_stages=tiles.stages)
 
