@@ -124,8 +124,30 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
+TIMING = {}   # how the last _time call timed: "graph" (CUDA-graph replays: kernel time, no host launch cost) or "eager"
+
+
 def _time(fn, device, warmup: int, iters: int) -> float:
-    return _time_calls(fn, torch.device(device), warmup, iters)
+    """Median seconds of one fn(). On CUDA fn is captured once in a CUDA graph and its replays are timed (as the
+    engine runs decode steps); a fn that cannot be captured (a host sync) is timed eagerly. TIMING says which."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError:
+            torch.cuda.synchronize(device)
+        else:
+            TIMING["last"] = "graph"
+            return _time_calls(graph.replay, device, warmup, iters)
+    TIMING["last"] = "eager"
+    return _time_calls(fn, device, warmup, iters)
 
 
 def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
@@ -152,12 +174,13 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                 for num in numerics:
                     ew = dataclasses.replace(base, act_fp8=num == "a8")
                     nbytes, flops = expert_traffic(ew, x.shape[0], touched)
-                    ref_ms = ref_out = None
+                    ref_ms = ref_out = ref_timing = None
                     if cfg.check_reference:
                         with use("reference"):
                             ref_out = grouped_experts(x, ids, offs, r, ew)
                             ref_ms = 1e3 * _time(lambda: grouped_experts(x, ids, offs, r, ew), device,
                                                  1, max(1, min(cfg.iters, 5)))
+                            ref_timing = TIMING["last"]
                     times = {}
                     for backend in cfg.backends:
                         key = f"experts/{model}/{storage}/{num}/t{tokens}/{backend}"
@@ -165,6 +188,7 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                             out = grouped_experts(x, ids, offs, r, ew)
                             ms = 1e3 * _time(lambda: grouped_experts(x, ids, offs, r, ew), device, cfg.warmup,
                                              cfg.iters)
+                            timing = TIMING["last"]
                         times[backend] = ms
                         if num == "a16" and backend == cfg.backends[0]:
                             a16_out = out
@@ -173,6 +197,7 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                                "numerics": num, "backend": backend, "tokens": tokens, "rows": x.shape[0],
                                "experts": n_experts, "experts_touched": touched, "dim": dim, "inter": inter,
                                "top_k": top_k, **_rates(ms, nbytes, flops, ceilings, peak),
+                               "timing": timing, "reference_timing": ref_timing if ref_ms is not None else None,
                                "reference_ms": ref_ms, "vs_reference": None if ref_ms is None else ref_ms / ms,
                                "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
                                "err_vs_a16": (None if num != "a8" or a16_out is None else _rel_err(out, a16_out)),
@@ -230,13 +255,14 @@ def fp8_linear_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, ech
                     with use(backend):
                         out = fl.fp8_linear(x, w8, ws)
                         ms = 1e3 * _time(lambda: fl.fp8_linear(x, w8, ws), device, cfg.warmup, cfg.iters)
+                        timing = TIMING["last"]
                     times[backend] = ms
                     row = {"key": key, "op": "fp8_linear", "model_shapes": model, "linear": name, "n": n, "k": k,
                            "storage": "fp8", "numerics": "a8", "backend": backend, "tokens": tokens,
                            **_rates(ms, nbytes, flops, ceilings, ceilings["fp8_flops_per_s"]),
                            "weight_bandwidth_share": (w8.numel() + ws.numel() * ws.element_size()) / (ms / 1e3)
                            / ceilings["copy_bytes_per_s"],
-                           "cublas_bf16_ms": cublas_ms, "scaled_mm_ms": scaled_ms,
+                           "timing": timing, "cublas_bf16_ms": cublas_ms, "scaled_mm_ms": scaled_ms,
                            "vs_scaled_mm": None if scaled_ms is None else scaled_ms / ms,
                            "reference_ms": ref_ms, "vs_reference": None if ref_ms is None else ref_ms / ms,
                            "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),

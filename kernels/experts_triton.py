@@ -58,6 +58,8 @@ class Tiles:
     warps: int
     stages: int
     min_bn: int = 16          # narrower column blocks (down to this) while the grid would leave SMs idle
+    native_fp4: bool = True   # FP4 through tl.dot_scaled (Triton's e2m1 x e8m0 path) on the GPU; the in-kernel
+                              # decode below in the interpreter (it cannot run dot_scaled) and when False
 
 
 DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4)
@@ -181,13 +183,28 @@ if triton is not None:
             return w, tl.full((BN,), 1.0, tl.float32)
 
     @triton.jit
+    def _fp4_scaled_dot(acc, a, a_scale, w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
+                        A_FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """acc + a [BM, BK] (bf16, or e4m3 with e8m0 scales a_scale [BM, BK/32]) times expert e's FP4 rows rn
+        (packed [BN, BK/2], e8m0 [BN, BK/32]) transposed, through tl.dot_scaled (the same math: exact products,
+        fp32 accumulation)."""
+        nmask = rn < N
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
+                         mask=nmask[:, None] & (kb < K // 2)[None, :], other=0)
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        s = tl.load(s_ptr + e * sse + rn[:, None] * ssn + ks[None, :],
+                    mask=nmask[:, None] & (ks < K // 32)[None, :], other=127)
+        return tl.dot_scaled(a, a_scale, A_FMT, tl.trans(packed), s, "e2m1", acc)
+
+    @triton.jit
     def _expert_gemm(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, r_ptr, out_ptr,
                      tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
                      stride_xm, stride_om, swe, swn, sse, ssn, ssk, limit,
                      N: tl.constexpr, K: tl.constexpr,
                      WFMT: tl.constexpr, A8: tl.constexpr, GATED: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EXACT: tl.constexpr,
-                     ROUND: tl.constexpr):
+                     ROUND: tl.constexpr, NATIVE: tl.constexpr):
         """One (tile, BN columns) block. GATED: out = r * swiglu(x w1^T, x w3^T) in out's dtype; else
         out = x w1^T in fp32. x [M, K] rows of the tile's expert; w* [E, N, K] as stored."""
         t = tl.program_id(0)
@@ -206,20 +223,37 @@ if triton is not None:
             rk = k0 + tl.arange(0, BK)
             x = tl.load(x_ptr + (row0 + rm)[:, None] * stride_xm + rk[None, :],
                         mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
-            w1, p1 = _weight_tile(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
-                                  WFMT, A8, BN, BK, x.dtype, EXACT)
-            if A8:
-                xq, xs = _act_fp8(x, EXACT)
-                acc1 += tl.dot(xq, tl.trans(w1)) * xs[:, None] * p1[None, :]
+            if WFMT == 1 and NATIVE:      # Triton's own e2m1 x e8m0 MMA path (tl.dot_scaled)
+                if A8:
+                    xq, xs = _act_fp8(x, EXACT)
+                    xe8 = ((xs.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)     # 2^(b-127) exactly
+                    xe8 = tl.broadcast_to(xe8[:, None], (BM, BK // 32))
+                    acc1 = _fp4_scaled_dot(acc1, xq, xe8, w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
+                                           "e4m3", BN, BK)
+                    if GATED:
+                        acc3 = _fp4_scaled_dot(acc3, xq, xe8, w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
+                                               "e4m3", BN, BK)
+                else:
+                    acc1 = _fp4_scaled_dot(acc1, x, None, w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
+                                           "bf16", BN, BK)
+                    if GATED:
+                        acc3 = _fp4_scaled_dot(acc3, x, None, w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
+                                               "bf16", BN, BK)
             else:
-                acc1 = tl.dot(x, tl.trans(w1), acc1)
-            if GATED:
-                w3, p3 = _weight_tile(w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
+                w1, p1 = _weight_tile(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
                                       WFMT, A8, BN, BK, x.dtype, EXACT)
                 if A8:
-                    acc3 += tl.dot(xq, tl.trans(w3)) * xs[:, None] * p3[None, :]
+                    xq, xs = _act_fp8(x, EXACT)
+                    acc1 += tl.dot(xq, tl.trans(w1)) * xs[:, None] * p1[None, :]
                 else:
-                    acc3 = tl.dot(x, tl.trans(w3), acc3)
+                    acc1 = tl.dot(x, tl.trans(w1), acc1)
+                if GATED:
+                    w3, p3 = _weight_tile(w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
+                                          WFMT, A8, BN, BK, x.dtype, EXACT)
+                    if A8:
+                        acc3 += tl.dot(xq, tl.trans(w3)) * xs[:, None] * p3[None, :]
+                    else:
+                        acc3 = tl.dot(x, tl.trans(w3), acc3)
         omask = mmask[:, None] & (rn < N)[None, :]
         optr = out_ptr + (row0 + rm)[:, None] * stride_om + rn[None, :]
         if GATED:      # gate and up rounded to the GEMM dtype first, as the reference's GEMMs output them
@@ -267,6 +301,7 @@ def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bo
                        w1.stride(0), w1.stride(1), ss[0], ss[1], ss[2], float(ew.limit),
                        N=n, K=k, WFMT=wfmt, A8=ew.act_fp8, EXACT=interpreting(),
                        GATED=gated, BM=tiles.bm, BN=bn, BK=bk, ROUND=_TL_DTYPE[ew.gemm_dtype],
+                       NATIVE=tiles.native_fp4 and not interpreting() and ew.dtype == torch.bfloat16,
                        num_warps=tiles.warps, num_stages=tiles.stages)
 
 
