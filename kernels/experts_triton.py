@@ -22,11 +22,15 @@ and, by `ExpertWeights.act_fp8`, fed to the MMA as:
            with their per-32 scales folded in before the MMA: per (row, 128-block) a reference exponent
            ref = max(s) - 6 is kept for after the MMA and each 32-block's value is e2m1 * 2^(s - ref), exact in
            e4m3 while the block's scales span <= 2^14 (smaller ones lose bits as e4m3 subnormals; documented).
+           With DECODE tiles on the GPU, W4A8 instead goes through tl.dot_scaled (e4m3 x with its power-of-two
+           scale as e8m0, e2m1 weights with their e8m0 scales: the same products, no fold): measured faster there,
+           slower for prefill and for A16 (docs/kernels.md).
 
 Tile configurations (BM, BN, BK, warps, stages) come from the shapes only: `DECODE` while the rows average <= 4 per
 expert, else `PREFILL`; `triton_invariant` uses `INVARIANT` whatever the rows, so a row's result never depends on
 what shares its batch. Everything else (fp32 / float64 models, CPU tensors outside Triton's interpreter, a missing
-Triton) runs the reference backend: the op's result is the same recipe either way (tests/test_kernels_experts_triton.py).
+Triton) runs the reference backend: the op's result is the same recipe either way
+(tests/test_kernels_experts_triton.py, tests/interpreted/test_experts_triton.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .experts import FP8_ACT_BLOCK, FP8_W_BLOCK, ExpertWeights, _reference
+from .experts import FP8_ACT_BLOCK, ExpertWeights, _reference
 from .registry import implements
 
 try:
@@ -45,8 +49,6 @@ try:
 except ImportError:       # CPU machines without Triton: the reference backend serves these sets
     triton = None
 
-FP8_MAX = 448.0
-FP8_AMAX_FLOOR = 1e-4     # quant.FP8_AMAX_FLOOR: the act_quant floor
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,11 @@ class Tiles:
     warps: int
     stages: int
     min_bn: int = 16          # narrower column blocks (down to this) while the grid would leave SMs idle
-    native_fp4: bool = True   # FP4 through tl.dot_scaled (Triton's e2m1 x e8m0 path) on the GPU; the in-kernel
-                              # decode below in the interpreter (it cannot run dot_scaled) and when False
+    native_fp4_a8: bool = False  # W4A8 through tl.dot_scaled (Triton's e2m1 x e8m0 path) on the GPU instead of
+                                 # the in-kernel decode + fold (never in the interpreter: it cannot run dot_scaled)
 
 
-DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4)
+DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4, native_fp4_a8=True)   # measured: docs/kernels.md
 PREFILL = Tiles(bm=64, bn=128, bk=128, warps=8, stages=3)
 INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4)
 PROGRAMS_PER_SM = 2           # the grid is made at least this many programs per SM where BN allows
@@ -295,13 +297,14 @@ def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bo
     bk = tiles.bk if not (wfmt == 0 and tiles.bn * tiles.bk * tiles.stages > 128 * 128 * 2) else tiles.bk // 2
     scale = s1 if s1 is not None else w1                       # an unused pointer for dense weights
     ss = scale.stride() if s1 is not None else (0, 0, 0)
+    native = tiles.native_fp4_a8 and ew.act_fp8 and ew.dtype == torch.bfloat16 and not interpreting()
     grid = (rows.shape[0], triton.cdiv(n, bn))
     _expert_gemm[grid](x, w1, scale, w3 if w3 is not None else w1, s3 if s3 is not None else scale, r, out,
                        expert, row0, rows, x.stride(0), out.stride(0),
                        w1.stride(0), w1.stride(1), ss[0], ss[1], ss[2], float(ew.limit),
                        N=n, K=k, WFMT=wfmt, A8=ew.act_fp8, EXACT=interpreting(),
                        GATED=gated, BM=tiles.bm, BN=bn, BK=bk, ROUND=_TL_DTYPE[ew.gemm_dtype],
-                       NATIVE=tiles.native_fp4 and not interpreting() and ew.dtype == torch.bfloat16,
+                       NATIVE=native,
                        num_warps=tiles.warps, num_stages=tiles.stages)
 
 
@@ -309,6 +312,8 @@ def run(x: torch.Tensor, offsets: torch.Tensor, route_weights: torch.Tensor, ew:
         tiles: Tiles) -> torch.Tensor:
     """Both launches over x [M, D] (compute dtype, grouped by expert) -> [M, D] fp32."""
     m = x.shape[0]
+    if ew.act_fp8 and tiles.bk != FP8_ACT_BLOCK:
+        raise ValueError(f"FP8 activations need K steps of {FP8_ACT_BLOCK} (one scale per step); got BK={tiles.bk}")
     x = x.contiguous()
     table = tile_table(offsets, tiles.bm, m)
     sc = ew.scales or (None, None, None)
@@ -342,4 +347,3 @@ def _triton_invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeig
 
 
 __all__ = ["DECODE", "INVARIANT", "PREFILL", "Tiles", "choose_tiles", "run", "supported", "tile_table"]
-_ = (FP8_ACT_BLOCK, FP8_W_BLOCK)   # the block sizes the kernels assume (BK = 128 = both)

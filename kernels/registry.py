@@ -30,8 +30,9 @@ FALLBACK = {                     # set -> the sets whose implementations stand i
     "triton_invariant": ("invariant", "reference"),
 }
 INVARIANT_OF = {"reference": "invariant", "invariant": "invariant", "triton": "triton_invariant",
-             "triton_invariant": "triton_invariant"}      # a set's batch-invariant partner
-DEFAULT_OF = {"reference": "reference", "invariant": "reference", "triton": "triton", "triton_invariant": "triton"}  # and back
+                "triton_invariant": "triton_invariant"}             # a set's batch-invariant partner
+DEFAULT_OF = {"reference": "reference", "invariant": "reference", "triton": "triton",
+              "triton_invariant": "triton"}                         # and back
 
 
 class KernelBackendError(ValueError):

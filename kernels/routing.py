@@ -41,8 +41,9 @@ from .tiles import row_tiles
 
 
 # The Triton route / permute kernels pass in Triton's interpreter; on the H200 the first engine step with them hit a
-# device-side assert (2026-12-01, not yet diagnosed). Until they pass `pytest -m gpu tests/test_kernels_routing.py`
-# the triton sets keep these two ops on their torch implementations.
+# device-side assert (2026-12-01): permute's offsets were wrong there (a masked tl.histogram, see
+# _expert_histogram_kernel; fixed since, not yet rerun on a GPU). Until they pass
+# `pytest -m gpu tests/test_kernels_routing.py` the triton sets keep these two ops on their torch implementations.
 IN_TRITON_SETS = False
 
 try:
@@ -198,8 +199,15 @@ if triton is not None:
     @triton.jit
     def _expert_histogram_kernel(ids_ptr, l2p_ptr, counts_ptr, N, E,
                                  K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                                 K_PAD: tl.constexpr, E_PAD: tl.constexpr):
-        """counts [blocks, E] int32: how many (row, slot) pairs of block pid go to each physical expert."""
+                                 K_PAD: tl.constexpr, BINS: tl.constexpr):
+        """counts [blocks, E] int32: how many (row, slot) pairs of block pid go to each physical expert.
+
+        The histogram takes no mask: padding lanes (rows past N, slots past K) count into bin E, which the store
+        drops (BINS = next_pow2(E + 1), at least 32). A masked tl.histogram miscounts on the GPU: Triton marks the reshapes
+        feeding a histogram allow_reorder, the data's and the mask's each on its own, and when the two come from
+        different layouts (here the load's vectorized one and the mask's) the mask lands on other elements. On
+        the H200, n=1 k=6 E=256 counted 3 padding zeros into bin 0 and dropped 3 real pairs; the interpreter
+        never reorders."""
         b = tl.program_id(0)
         rows = (b * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         slots = tl.arange(0, K_PAD)
@@ -207,9 +215,9 @@ if triton is not None:
         phys = tl.load(ids_ptr + rows[:, None] * K + slots[None, :], mask=ok, other=0)
         if HAS_MAP:
             phys = tl.load(l2p_ptr + phys, mask=ok, other=0)
-        hist = tl.histogram(tl.reshape(phys.to(tl.int32), [BLOCK_ROWS * K_PAD]), E_PAD,
-                            mask=tl.reshape(ok, [BLOCK_ROWS * K_PAD]))
-        e = tl.arange(0, E_PAD)
+        phys = tl.where(ok, phys.to(tl.int32), E)                   # padding: the sentinel bin E
+        hist = tl.histogram(tl.reshape(phys, [BLOCK_ROWS * K_PAD]), BINS)
+        e = tl.arange(0, BINS)
         tl.store(counts_ptr + b * E + e, hist, mask=e < E)
 
     @triton.jit
@@ -320,7 +328,8 @@ if triton is not None:
         blocks = triton.cdiv(n, rows)
         counts = torch.empty(blocks, n_experts, dtype=torch.int32, device=dev)
         common = dict(K=k, HAS_MAP=logical_to_physical is not None, BLOCK_ROWS=rows, K_PAD=k_pad)
-        _expert_histogram_kernel[(blocks,)](ids, l2p, counts, n, n_experts, E_PAD=_pow2(n_experts), **common)
+        _expert_histogram_kernel[(blocks,)](ids, l2p, counts, n, n_experts, BINS=_pow2(n_experts + 1, 32),
+                                            **common)
         counts = counts.long()
         offsets[1:] = counts.sum(0).cumsum(0)
         earlier_blocks = counts.cumsum(0) - counts          # [blocks, E]: the expert's pairs in blocks before
