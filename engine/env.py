@@ -90,7 +90,7 @@ def check_environment() -> None:
         if name.startswith(PREFIX) and name not in VARIABLES:
             hint = difflib.get_close_matches(name, list(VARIABLES), n=1)
             raise DeepInferError(f"{name} is not a deepinfer setting" + (f" (did you mean {hint[0]}?)" if hint else "")
-                                 + f"; unset it (the known ones are listed in the README)")
+                                 + "; unset it (the known ones are listed in the README)")
     for name in VARIABLES:
         read(name)
     kernel_backend(device=accelerator())

@@ -207,8 +207,6 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                             emit(row)
                         echo(f"  {key}: {ms:.3f} ms, {row['bandwidth_share']:.0%} of copy BW, "
                              f"{(row['peak_share'] or 0):.0%} of peak, err {row['err_vs_reference']}")
-                    del ref_out
-                del x, ids, offs, r, a16_out
             del base
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()

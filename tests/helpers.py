@@ -72,3 +72,17 @@ def deepinfer_exe() -> str:
     if found is None:
         pytest.skip("the deepinfer console script is not installed")
     return found
+
+
+def capture_graph(fn, *args):
+    """fn(*args) captured in a CUDA graph (fails on any host sync); returns (graph, static output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out

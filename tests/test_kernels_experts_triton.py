@@ -5,8 +5,6 @@ row independence. CPU CI runs the same kernels in Triton's interpreter (tests/in
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -15,7 +13,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 triton = pytest.importorskip("triton")
 
 from deepinfer.harness.kernel_bench import random_expert_weights, routed_batch   # noqa: E402
-from deepinfer.kernels import experts as kx                                       # noqa: E402
 from deepinfer.kernels import experts_triton as kt                                # noqa: E402
 from deepinfer.kernels.experts import grouped_experts                             # noqa: E402
 from deepinfer.kernels.table import use                                           # noqa: E402
@@ -91,4 +88,3 @@ def test_invariant_rows_do_not_depend_on_the_batch():
             one[e + 1:] = 1
             alone = grouped_experts(x[j:j + 1], ids[j:j + 1], one, r[j:j + 1], ew)
             assert torch.equal(alone[0], full[j])
-    _ = (dataclasses, kx)

@@ -20,6 +20,8 @@ import sys
 
 import pytest
 import torch
+
+from tests.helpers import capture_graph
 import torch.nn.functional as F
 
 from deepinfer.kernels import routing
@@ -428,20 +430,6 @@ if INTERPRETER:
 SHAPES = {"v4": (256, 4096), "v41": (384, 5120)}      # (E, D); k = 6
 
 
-def _capture(fn, *args):
-    """fn(*args) captured in a CUDA graph (fails on any host sync); returns (graph, static output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*args)
-    return graph, out
-
-
 def _check_route_cuda(got, x, w, bias, kw):
     """ids: the k best biased scores (exact fp32 near-ties may swap), weights: the reference's where ids agree."""
     want = routing._route_reference(x, w, bias, **kw)
@@ -505,7 +493,7 @@ def test_cuda_graph_capture(family, n):
         weights, ids = routing._route_triton_default(x, w, bias, **kw)
         return (weights, ids) + routing._permute_triton(ids, weights, e)
 
-    graph, out = _capture(step, x)
+    graph, out = capture_graph(step, x)
     for seed in (1, 2):
         x.copy_(router_inputs(n, d, e, 6, seed=100 + seed, dtype=torch.bfloat16, device="cuda")[0])
         graph.replay()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.helpers import capture_graph
 import torch.nn.functional as F
 
 from deepinfer.kernels.quant import dequantize_fp4
@@ -152,20 +154,6 @@ def test_control_reference_depends_on_batch():
 
 # ------------------------------------------------------------------------------------------------------- GPU
 
-def _capture(fn, *args):
-    """fn(*args) captured in a CUDA graph (fails on any host sync); returns (graph, static output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*args)
-    return graph, out
-
-
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("backend", ["reference", "invariant"])
@@ -177,7 +165,7 @@ def test_cuda_graph_capture(rows, dtype, storage, backend):
     moe = build(dtype, storage, hash_layer=False, seed=rows, device="cuda")
     x, _ = inputs(rows, dtype, rows, device="cuda")
     with use(backend):
-        graph, out = _capture(moe, x)
+        graph, out = capture_graph(moe, x)
         for seed in (1, 2):
             x.copy_(inputs(rows, dtype, 100 + seed, device="cuda")[0])
             graph.replay()
