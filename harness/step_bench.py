@@ -109,8 +109,12 @@ class StepConfig:
     trace_steps: int = 5
     graphs: bool = True
     seed: int = 0
+    expert_act_quant: bool = False      # W4A8 experts (LLM(expert_act_quant=True)); FP4 storage only
 
     def __post_init__(self):
+        if self.expert_act_quant and self.expert_storage != "fp4":
+            raise DeepInferError("--expert-act-quant quantizes the activations of FP4 expert GEMMs (W4A8); add "
+                                 "--expert-storage fp4")
         for name in ("query_len", "iters", "trace_steps"):
             if getattr(self, name) < 1:
                 raise DeepInferError(f"--{name.replace('_', '-')} must be at least 1")
@@ -132,6 +136,8 @@ class StepConfig:
         d = asdict(self)
         for k in ("batches", "contexts", "prefill"):
             d.pop(k)
+        if not d["expert_act_quant"]:      # runs from before the option compare equal
+            d.pop("expert_act_quant")
         return d
 
     def to_dict(self) -> dict:
@@ -148,6 +154,8 @@ class StepConfig:
                 "enforce_eager": not self.graphs, "expert_storage": self.expert_storage}
         if self.kernel_backend is not None:
             args["kernel_backend"] = self.kernel_backend
+        if self.expert_act_quant:
+            args["expert_act_quant"] = True
         return args
 
 
@@ -577,7 +585,8 @@ def check_run(cfg: StepConfig, run_dir: Path, resume: bool) -> set[str]:
             before = json.loads(stored.read_text())
         except ValueError:
             before = {}
-        old = {k: v for k, v in before.items() if k not in ("batches", "contexts", "prefill")}
+        old = {k: v for k, v in before.items() if k not in ("batches", "contexts", "prefill")
+               and not (k == "expert_act_quant" and not v)}
         if old != cfg.identity():
             diff = sorted(k for k in {*old, *cfg.identity()} if old.get(k) != cfg.identity().get(k))
             raise DeepInferError(f"--resume: {stored} was run with other settings ({', '.join(diff)}); resume with "
@@ -639,7 +648,8 @@ def _identity(cfg: StepConfig, llm, run_name: str, storage: str, probe_cls, ceil
     return {"schema_version": SCHEMA_VERSION, "method_version": STEP_METHOD_VERSION, "bench": "step",
             "mode": "step", "run_id": run_name, "model": cfg.model, "model_type": mcfg.model_type,
             "layers": mcfg.num_hidden_layers, "config_hash": mcfg.config_hash(), "precision": cfg.dtype,
-            "expert_storage": storage, "kernel_backend": backend, "kernel_backends": backends,
+            "expert_storage": storage, "expert_act_quant": cfg.expert_act_quant, "kernel_backend": backend,
+            "kernel_backends": backends,
             "device": cfg.device, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
             "hardware_info": env["hardware"], "engine": "deepinfer", "git_sha": env["git"]["sha"],
             "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,

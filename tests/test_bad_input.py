@@ -43,6 +43,9 @@ CONSTRUCTION = [
      "expert_storage='fp4' is not supported for deepseek_v4"),
     ("gpu-util-on-cpu", dict(model="tiny", gpu_memory_utilization=0.5), "on cpu it has no effect"),
     ("qat-not-bool", dict(qat_fake_quant="no"), "qat_fake_quant='no' must be True or False"),
+    ("act-quant-dense", dict(model="tiny", expert_act_quant=True), "this model's experts are dense"),
+    ("act-quant-not-bool", dict(model="tiny", expert_act_quant="on"), "expert_act_quant='on' must be True or False"),
+    ("triton-on-cpu", dict(model="tiny", kernel_backend="triton"), "'triton' needs a CUDA device"),
 ]
 
 

@@ -250,3 +250,17 @@ def test_engine_args_cover_largest_point():
     assert args["max_num_seqs"] == 256 and args["max_model_len"] == 8192 + 1
     assert args["max_num_batched_tokens"] == 8192 and not math.isnan(args["max_num_seqs"])
     assert [p.key for p in cfg.points()][-1] == "prefill-t8192" and len(cfg.points()) == 5
+
+
+def test_expert_act_quant_options(tmp_path):
+    """--expert-act-quant: refused without FP4 experts, and on a model whose widths are not multiples of 128 (one
+    line each); passed to the engine; older runs' identity unchanged."""
+    from tests.bad_input import refuse_cli
+    refuse_cli(cli, ["step", "--expert-act-quant", "--out", str(tmp_path / "a")], r"--expert-storage fp4",
+               watch=[tmp_path])
+    refuse_cli(cli, ["step", "--model", "random:deepseek_v41:tiny:2", "--expert-storage", "fp4", "--expert-act-quant",
+                     "--out", str(tmp_path / "b")], r"multiples of 128", watch=[tmp_path])
+    cfg = StepConfig(model="random:deepseek_v41:tiny:2", expert_storage="fp4", expert_act_quant=True,
+                     batches=(1,), contexts=(8,), iters=1, warmup=0, trace_steps=1)
+    assert cfg.engine_args()["expert_act_quant"] is True
+    assert "expert_act_quant" not in StepConfig().identity()          # older runs resume unchanged

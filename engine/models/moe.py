@@ -144,5 +144,12 @@ def set_expert_act_quant(model: nn.Module) -> None:
         from ..errors import DeepInferError
         raise DeepInferError("expert_act_quant=True quantizes the activations of FP4 expert GEMMs (W4A8); this model's "
                              "experts are dense: build it with expert_storage='fp4' or drop expert_act_quant")
+    from deepinfer.kernels.experts import FP8_ACT_BLOCK
+    odd = [m for m in stacks if m.w2_fp4.shape[1] % FP8_ACT_BLOCK or m.w1_fp4.shape[1] % FP8_ACT_BLOCK]
+    if odd:
+        from ..errors import DeepInferError
+        raise DeepInferError(f"expert_act_quant=True quantizes per 1x{FP8_ACT_BLOCK} blocks: hidden_size and "
+                             f"moe_intermediate_size must be multiples of {FP8_ACT_BLOCK} (this model has "
+                             f"{odd[0].w2_fp4.shape[1]} and {odd[0].w1_fp4.shape[1]})")
     for m in stacks:
         m.act_fp8 = True
