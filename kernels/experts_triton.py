@@ -50,7 +50,6 @@ except ImportError:       # CPU machines without Triton: the reference backend s
     triton = None
 
 
-
 @dataclass(frozen=True)
 class Tiles:
     """One kernel configuration: rows per tile, output columns and K per step, warps, pipeline stages."""
