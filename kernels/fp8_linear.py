@@ -193,6 +193,7 @@ if triton is not None:
         for i in range(0, KB_PER_SPLIT):               # the last split may run past NKB: masked, adds zeros
             kb = kb0 + i
             kb_ok = kb < NKB
+            kbc = tl.minimum(kb, NKB - 1)          # a valid block to read; its scale is zeroed when past NKB
             ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             xt = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
@@ -201,15 +202,15 @@ if triton is not None:
                 xq, sx = _quant_tile(xt.to(tl.float32), SOFT_CVT)
             else:
                 xq = xt
-                sx = tl.load(sx_ptr + rows64 * stride_sx + kb, mask=row_ok & kb_ok, other=0.0)
+                sx = tl.where(kb_ok, tl.load(sx_ptr + rows64 * stride_sx + kbc, mask=row_ok, other=0.0), 0.0)
             wt = tl.load(w_ptr + cols64[None, :] * stride_w + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
                          other=0.0)                                          # [BLOCK_K, BLOCK_N], K-major
             if SW_E8M0:
-                b = tl.load(sw_row + kb, mask=kb_ok, other=0).to(tl.int32)
+                b = tl.where(kb_ok, tl.load(sw_row + kbc).to(tl.int32), 0)
                 sbits = tl.where(b == 0, 0x400000, tl.where(b == 255, 0x7FC00000, b << 23))
                 sw = sbits.to(tl.float32, bitcast=True)
             else:
-                sw = tl.load(sw_row + kb, mask=kb_ok, other=0.0)
+                sw = tl.where(kb_ok, tl.load(sw_row + kbc), 0.0)
             part = tl.dot(xq, wt)                                            # fp32 [BLOCK_M, BLOCK_N]
             acc += part * (sx[:, None] * sw)
         out = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys + rows64[:, None] * stride_y + cols[None, :]
