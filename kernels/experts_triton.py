@@ -59,6 +59,7 @@ class Tiles:
     warps: int
     stages: int
     min_bn: int = 16          # narrower column blocks (down to this) while the grid would leave SMs idle
+    lut_fp4: bool = False     # A16 FP4 decode through PTX byte tables (prmt) on the GPU (not in the interpreter)
     native_fp4_a8: bool = False  # W4A8 through tl.dot_scaled (Triton's e2m1 x e8m0 path) on the GPU instead of
                                  # the in-kernel decode + fold (never in the interpreter: it cannot run dot_scaled)
 
@@ -141,15 +142,59 @@ if triton is not None:
         bits = ((codes & 8) << 12) | ((codes & 7) << 9)
         return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
+    # e2m1 -> bf16 through byte lookup tables (PTX prmt), 4 packed bytes (8 values) per instance: magnitude codes
+    # select the bf16 low / high bytes from 8-entry tables, the sign bytes come from prmt's sign-replicate mode,
+    # the two outputs are the even (low-nibble) and odd (high-nibble) values, each times the block's e8m0 scale
+    # (bf16 2^(s-127), exact) in one bf16x2 multiply per pair. About 2.5 instructions per value.
+    _FP4_LUT_ASM = tl.constexpr("""
+    {
+    .reg .b32 la, lb, ha, hb, s0, s1, l0, h0, l1, h1, sh, g0, g1, sc, sc2;
+    mov.b32 la, 0xC0800000; mov.b32 lb, 0xC0804000;
+    mov.b32 ha, 0x3F3F3F00; mov.b32 hb, 0x40404040;
+    and.b32 s0, $4, 0x7777;
+    shr.b32 s1, $4, 16;
+    and.b32 s1, s1, 0x7777;
+    prmt.b32 l0, la, lb, s0; prmt.b32 h0, ha, hb, s0;
+    prmt.b32 l1, la, lb, s1; prmt.b32 h1, ha, hb, s1;
+    shl.b32 sh, $4, 4;
+    prmt.b32 g0, sh, $4, 0xD9C8; prmt.b32 g1, sh, $4, 0xFBEA;
+    and.b32 g0, g0, 0x80808080; or.b32 h0, h0, g0;
+    and.b32 g1, g1, 0x80808080; or.b32 h1, h1, g1;
+    and.b32 sc, $5, 0xFF; shl.b32 sc, sc, 7; shl.b32 sc2, sc, 16; or.b32 sc2, sc2, sc;
+    prmt.b32 $0, l0, h0, 0x6240; prmt.b32 $1, l1, h1, 0x6240;
+    prmt.b32 $2, l0, h0, 0x7351; prmt.b32 $3, l1, h1, 0x7351;
+    mul.rn.bf16x2 $0, $0, sc2; mul.rn.bf16x2 $1, $1, sc2;
+    mul.rn.bf16x2 $2, $2, sc2; mul.rn.bf16x2 $3, $3, sc2;
+    }
+    """)
+
+    @triton.jit
+    def _fp4_lut_tile(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, BN: tl.constexpr, BK: tl.constexpr):
+        """FP4 rows rn [BN], columns k0..k0+BK -> bf16 [BN, BK] through the byte tables above (GPU only)."""
+        nmask = rn < N
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
+                         mask=nmask[:, None] & (kb < K // 2)[None, :], other=0)             # uint8 [BN, BK/2]
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        s = tl.load(s_ptr + e * sse + rn[:, None] * ssn + ks[None, :],
+                    mask=nmask[:, None] & (ks < K // 32)[None, :], other=127)               # uint8 [BN, BK/32]
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))  # one per byte
+        even, odd = tl.inline_asm_elementwise(_FP4_LUT_ASM, "=r,=r,=r,=r,r,r", [packed, s],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.reshape(tl.join(even, odd), (BN, BK))
+
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
                      WFMT: tl.constexpr, A8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr,
-                     EXACT: tl.constexpr):
+                     EXACT: tl.constexpr, LUT: tl.constexpr):
         """Expert e's weight rows rn [BN], columns k0..k0+BK -> (tile [BN, BK] for the MMA, post-scale [BN] fp32).
         WFMT 0 dense, 1 fp4 (bytes [N, K/2], e8m0 [N, K/32]), 2 fp8 (e4m3 [N, K], fp32 [N/128, K/128]).
         A16: the tile in OUT (the compute dtype), post-scale 1. A8: the tile in e4m3 (fp4 scales folded in)."""
         nmask = rn < N
-        if WFMT == 1:
+        if WFMT == 1 and LUT and not A8:
+            return _fp4_lut_tile(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, BN, BK), \
+                tl.full((BN,), 1.0, tl.float32)
+        elif WFMT == 1:
             kb = k0 // 2 + tl.arange(0, BK // 2)
             packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
                              mask=nmask[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
@@ -205,7 +250,7 @@ if triton is not None:
                      N: tl.constexpr, K: tl.constexpr,
                      WFMT: tl.constexpr, A8: tl.constexpr, GATED: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EXACT: tl.constexpr,
-                     ROUND: tl.constexpr, NATIVE: tl.constexpr):
+                     ROUND: tl.constexpr, NATIVE: tl.constexpr, LUT: tl.constexpr):
         """One (tile, BN columns) block. GATED: out = r * swiglu(x w1^T, x w3^T) in out's dtype; else
         out = x w1^T in fp32. x [M, K] rows of the tile's expert; w* [E, N, K] as stored."""
         t = tl.program_id(0)
@@ -242,7 +287,7 @@ if triton is not None:
                                                "bf16", BN, BK)
             else:
                 w1, p1 = _weight_tile(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
-                                      WFMT, A8, BN, BK, x.dtype, EXACT)
+                                      WFMT, A8, BN, BK, x.dtype, EXACT, LUT)
                 if A8:
                     xq, xs = _act_fp8(x, EXACT)
                     acc1 += tl.dot(xq, tl.trans(w1)) * xs[:, None] * p1[None, :]
@@ -250,7 +295,7 @@ if triton is not None:
                     acc1 = tl.dot(x, tl.trans(w1), acc1)
                 if GATED:
                     w3, p3 = _weight_tile(w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
-                                          WFMT, A8, BN, BK, x.dtype, EXACT)
+                                          WFMT, A8, BN, BK, x.dtype, EXACT, LUT)
                     if A8:
                         acc3 += tl.dot(xq, tl.trans(w3)) * xs[:, None] * p3[None, :]
                     else:
@@ -297,13 +342,14 @@ def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bo
     scale = s1 if s1 is not None else w1                       # an unused pointer for dense weights
     ss = scale.stride() if s1 is not None else (0, 0, 0)
     native = tiles.native_fp4_a8 and ew.act_fp8 and ew.dtype == torch.bfloat16 and not interpreting()
+    lut = tiles.lut_fp4 and ew.dtype == torch.bfloat16 and not interpreting()
     grid = (rows.shape[0], triton.cdiv(n, bn))
     _expert_gemm[grid](x, w1, scale, w3 if w3 is not None else w1, s3 if s3 is not None else scale, r, out,
                        expert, row0, rows, x.stride(0), out.stride(0),
                        w1.stride(0), w1.stride(1), ss[0], ss[1], ss[2], float(ew.limit),
                        N=n, K=k, WFMT=wfmt, A8=ew.act_fp8, EXACT=interpreting(),
                        GATED=gated, BM=tiles.bm, BN=bn, BK=bk, ROUND=_TL_DTYPE[ew.gemm_dtype],
-                       NATIVE=native,
+                       NATIVE=native, LUT=lut,
                        num_warps=tiles.warps, num_stages=tiles.stages)
 
 

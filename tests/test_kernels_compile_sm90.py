@@ -17,26 +17,29 @@ from deepinfer.kernels import experts_triton as kt            # noqa: E402
 POINTERS = {0: ("*bf16", "*bf16"), 1: ("*u8", "*u8"), 2: ("*fp8e4nv", "*fp32")}   # weights, scales per format
 
 
-def compile_expert_gemm(wfmt: int, a8: bool, gated: bool, tiles: kt.Tiles, native: bool, n=2304, k=5120):
+def compile_expert_gemm(wfmt: int, a8: bool, gated: bool, tiles: kt.Tiles, native: bool, n=2304, k=5120,
+                        lut: bool = False):
     w, s = POINTERS[wfmt]
     signature = {"x_ptr": "*bf16", "w1_ptr": w, "s1_ptr": s, "w3_ptr": w, "s3_ptr": s, "r_ptr": "*fp32",
                  "out_ptr": "*bf16" if gated else "*fp32", "tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32",
                  "tile_rows_ptr": "*i32", "stride_xm": "i32", "stride_om": "i32", "swe": "i64", "swn": "i32",
                  "sse": "i64", "ssn": "i32", "ssk": "i32", "limit": "fp32"}
     consts = dict(N=n, K=k, WFMT=wfmt, A8=a8, GATED=gated, BM=tiles.bm, BN=tiles.bn,
-                  BK=tiles.bk if wfmt else tiles.bk // 2, EXACT=False, ROUND=tl.bfloat16, NATIVE=native)
+                  BK=tiles.bk if wfmt else tiles.bk // 2, EXACT=False, ROUND=tl.bfloat16, NATIVE=native,
+                  LUT=lut)
     signature.update({name: "constexpr" for name in consts})
     return triton.compile(ASTSource(kt._expert_gemm, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tiles.warps, "num_stages": tiles.stages})
 
 
-@pytest.mark.parametrize("wfmt,a8,native", [(1, False, False), (1, True, False), (1, True, True), (2, True, False),
-                                            (2, False, False), (0, False, False)])
+@pytest.mark.parametrize("wfmt,a8,native,lut", [(1, False, False, False), (1, False, False, True), (1, True, False, False),
+                                                (1, True, True, False), (2, True, False, False), (2, False, False, False),
+                                                (0, False, False, False)])
 @pytest.mark.parametrize("config", ["DECODE", "PREFILL", "INVARIANT"])
-def test_expert_kernel_compiles_for_sm90(wfmt, a8, native, config):
+def test_expert_kernel_compiles_for_sm90(wfmt, a8, native, lut, config):
     tiles = getattr(kt, config)
-    kernel = compile_expert_gemm(wfmt, a8, True, tiles, native)
+    kernel = compile_expert_gemm(wfmt, a8, True, tiles, native, lut=lut)
     assert "warp_group_dot" in kernel.asm["ttgir"] or "mma" in kernel.asm["ttgir"]
     assert kernel.metadata.shared <= 227 * 1024                 # fits an H200 SM's shared memory
     if config == "PREFILL":
-        compile_expert_gemm(wfmt, a8, False, tiles, native, n=5120, k=2304)     # the down projection
+        compile_expert_gemm(wfmt, a8, False, tiles, native, n=5120, k=2304, lut=lut)     # the down projection

@@ -5,6 +5,8 @@ row independence. CPU CI runs the same kernels in Triton's interpreter (tests/in
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,6 +60,18 @@ def test_edge_rows(storage):
             want = grouped_experts(x, ids, offs, r, ew)
         for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT):
             assert rel(kt.run(x, offs, r, ew, tiles), want) <= BOUND["a8"]
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_fp4_byte_table_decode(tokens):
+    """The off-by-default prmt byte-table FP4 decode (Tiles.lut_fp4) equals the reference like the default path."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    ew = random_expert_weights("fp4", 32, 5120, 2304, False, "cuda", gen)
+    x, ids, offs, r, _ = routed_batch(tokens, 32, 5120, 6, "cuda", gen)
+    with use("reference"):
+        want = grouped_experts(x, ids, offs, r, ew)
+    for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT):
+        assert rel(kt.run(x, offs, r, ew, dataclasses.replace(tiles, lut_fp4=True)), want) <= BOUND["a16"]
 
 
 def test_graph_capture():
