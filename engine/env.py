@@ -93,7 +93,7 @@ def check_environment() -> None:
                                  + "; unset it (the known ones are listed in the README)")
     for name in VARIABLES:
         read(name)
-    kernel_backend(device=accelerator())
+    kernel_backend()                       # the name only: the device is the engine's to check
 
 
 def accelerator() -> str:
@@ -126,34 +126,35 @@ def default_backend(device: str) -> str:
     """`triton` on a CUDA device of compute capability >= 8.9 (FP8 MMA) where Triton imports, else `reference`."""
     if not str(device).startswith("cuda"):
         return "reference"
-    from deepinfer.kernels import experts_triton
+    from deepinfer.kernels.registry import triton_available
     import torch
-    if experts_triton.triton is None or not torch.cuda.is_available():
+    if not triton_available() or not torch.cuda.is_available():
         return "reference"
     index = torch.device(device).index
     return "triton" if torch.cuda.get_device_capability(index or 0) >= (8, 9) else "reference"
 
 
-def kernel_backend(requested: str | None = None, device: str = "cpu") -> str:
+def kernel_backend(requested: str | None = None, device: str | None = None) -> str:
     """The kernel backend set an engine on `device` is built with (kernels/registry.py): `requested` (LLM's
     kernel_backend) else DEEPINFER_KERNEL_BACKEND else the device's default (`default_backend`);
     DEEPINFER_BATCH_INVARIANT=1 selects the batch-invariant partner of that default (`invariant` on CPU,
-    `triton_invariant` on CUDA) and cannot be combined with a non-invariant choice. The Triton sets need CUDA."""
+    `triton_invariant` on CUDA) and cannot be combined with a non-invariant choice. The Triton sets need CUDA
+    (checked when `device` is given; device None checks the name only and picks as for a CPU)."""
     from deepinfer.kernels.registry import BACKEND_SETS, INVARIANT_OF
     invariant = read("DEEPINFER_BATCH_INVARIANT")
     name = requested if requested is not None else read("DEEPINFER_KERNEL_BACKEND")
     source = "kernel_backend" if requested is not None else "DEEPINFER_KERNEL_BACKEND"
     if name is not None and name not in BACKEND_SETS:
         raise DeepInferError(f"{source}={name!r} is not a kernel backend; use one of {list(BACKEND_SETS)}")
-    if name is not None and name.startswith("triton") and default_backend(device) != "triton":
+    if name is not None and name.startswith("triton") and device is not None and default_backend(device) != "triton":
         raise DeepInferError(f"{source}={name!r} needs a CUDA device with compute capability >= 8.9 and Triton; "
                              f"on {device} use 'reference' or 'invariant'")
     if invariant:
         if name is not None and INVARIANT_OF[name] != name:
             raise DeepInferError(f"DEEPINFER_BATCH_INVARIANT=1 selects batch-invariant kernels but {source}="
                                  f"{name!r}; unset one of them")
-        return name or INVARIANT_OF[default_backend(device)]
-    return name or default_backend(device)
+        return name or INVARIANT_OF[default_backend(device or "cpu")]
+    return name or default_backend(device or "cpu")
 
 
 def configure_logging() -> None:

@@ -86,8 +86,7 @@ class LLM:
         else:
             self.model = load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
                                     keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
-        if args["expert_act_quant"]:
-            set_expert_act_quant(self.model)
+        set_expert_act_quant(self.model, args["expert_act_quant"])     # on or off: a passed-in model is reused
         self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
@@ -123,6 +122,7 @@ class LLM:
         use the two one at a time."""
         if name not in BACKEND_SETS:
             raise DeepInferError(f"kernel backend {name!r} is not known; use one of {list(BACKEND_SETS)}")
+        kernel_backend(name, str(next(self.model.parameters()).device))     # the Triton sets need CUDA: one line
         if name == self.engine.kernel_backend:
             return self
         twin = copy.copy(self)

@@ -12,7 +12,7 @@ from deepinfer.cli import run_cli
 from deepinfer.kernels.registry import BACKEND_SETS
 from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE
 
-KOPS = ("experts", "fp8_linear")        # deepinfer-bench kernels --op (harness/kernel_bench.OPS)
+from .kernel_bench import OPS as KOPS   # noqa: E402  deepinfer-bench kernels --op
 
 DEVICE_HELP = "cpu | cuda | cuda:N (GPU N)"
 
@@ -164,7 +164,8 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
 @click.option("--kernel-backend", type=click.Choice(list(BACKEND_SETS)), default=None,
-              help="kernel backend set [default: the engine's, DEEPINFER_KERNEL_BACKEND or reference]")
+              help="kernel backend set [default: the engine's: DEEPINFER_KERNEL_BACKEND, else triton on CUDA "
+                   "sm >= 8.9, else reference]")
 @click.option("--batch", "batches", default=None, callback=not_blank,
               help="rows per decode step, comma-separated [default: 1,8]")
 @click.option("--context", "contexts", default=None, callback=not_blank,

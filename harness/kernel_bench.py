@@ -71,6 +71,10 @@ class KernelConfig:
             raise DeepInferError("--tokens: positive integers, comma-separated (e.g. 1,16,64,256,8192)")
         if self.iters < 1 or self.warmup < 0:
             raise DeepInferError("--iters must be >= 1 and --warmup >= 0")
+        triton_sets = [b for b in self.backends if b.startswith("triton")]
+        if triton_sets and not self.device.startswith("cuda"):
+            raise DeepInferError(f"--backend {','.join(triton_sets)} runs Triton kernels on CUDA only; on "
+                                 f"{self.device} use --backend reference")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,9 +157,11 @@ def _time(fn, device, warmup: int, iters: int) -> float:
 def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
     """Every experts row of cfg not in `done`: one weight build per (model, storage), every numerics / tokens /
     backend over it."""
+    import dataclasses
+
+    from deepinfer.kernels import experts_triton
     from deepinfer.kernels.experts import grouped_experts
     from deepinfer.kernels.table import use
-    import dataclasses
     device = cfg.device
     for model in cfg.models:
         e_all, dim, inter, top_k = MODEL_SHAPES[model]["experts"]
@@ -193,7 +199,9 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                         if num == "a16" and backend == cfg.backends[0]:
                             a16_out = out
                         peak = ceilings["fp8_flops_per_s"] if num == "a8" else ceilings["gemm_bf16_flops_per_s"]
-                        row = {"key": key, "op": "experts", "model_shapes": model, "storage": storage,
+                        ran = ("kernel" if backend.startswith("triton") and experts_triton.supported(x, ew)
+                               else "reference")
+                        row = {"key": key, "op": "experts", "model_shapes": model, "storage": storage, "ran": ran,
                                "numerics": num, "backend": backend, "tokens": tokens, "rows": x.shape[0],
                                "experts": n_experts, "experts_touched": touched, "dim": dim, "inter": inter,
                                "top_k": top_k, **_rates(ms, nbytes, flops, ceilings, peak),

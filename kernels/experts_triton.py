@@ -35,7 +35,6 @@ Triton) runs the reference backend: the op's result is the same recipe either wa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -66,13 +65,14 @@ class Tiles:
 
 DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4, native_fp4_a8=True)   # measured: docs/kernels.md
 PREFILL = Tiles(bm=64, bn=128, bk=128, warps=8, stages=3)
-INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4)
+INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4, min_bn=64)   # one configuration: BN never narrows
 PROGRAMS_PER_SM = 2           # the grid is made at least this many programs per SM where BN allows
 DECODE_ROWS_PER_EXPERT = 4    # DECODE while rows <= 4 * experts
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the kernels were built by Triton's interpreter (decided when Triton decorated them, at import)."""
+    return triton is not None and type(_expert_gemm).__name__ == "InterpretedFunction"
 
 
 def supported(x: torch.Tensor, ew: ExpertWeights) -> bool:
@@ -231,7 +231,7 @@ if triton is not None:
     @triton.jit
     def _fp4_scaled_dot(acc, a, a_scale, w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
                         A_FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """acc + a [BM, BK] (bf16, or e4m3 with e8m0 scales a_scale [BM, BK/32]) times expert e's FP4 rows rn
+        """acc + a [BM, BK] (e4m3 with e8m0 scales a_scale [BM, BK/32]) times expert e's FP4 rows rn
         (packed [BN, BK/2], e8m0 [BN, BK/32]) transposed, through tl.dot_scaled (the same math: exact products,
         fp32 accumulation)."""
         nmask = rn < N
@@ -269,22 +269,15 @@ if triton is not None:
             rk = k0 + tl.arange(0, BK)
             x = tl.load(x_ptr + (row0 + rm)[:, None] * stride_xm + rk[None, :],
                         mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
-            if WFMT == 1 and NATIVE:      # Triton's own e2m1 x e8m0 MMA path (tl.dot_scaled)
-                if A8:
-                    xq, xs = _act_fp8(x, EXACT)
-                    xe8 = ((xs.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)     # 2^(b-127) exactly
-                    xe8 = tl.broadcast_to(xe8[:, None], (BM, BK // 32))
-                    acc1 = _fp4_scaled_dot(acc1, xq, xe8, w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
+            if WFMT == 1 and A8 and NATIVE:      # W4A8 through Triton's own e2m1 x e8m0 path (tl.dot_scaled)
+                xq, xs = _act_fp8(x, EXACT)
+                xe8 = ((xs.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)     # 2^(b-127) exactly
+                xe8 = tl.broadcast_to(xe8[:, None], (BM, BK // 32))
+                acc1 = _fp4_scaled_dot(acc1, xq, xe8, w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
+                                       "e4m3", BN, BK)
+                if GATED:
+                    acc3 = _fp4_scaled_dot(acc3, xq, xe8, w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
                                            "e4m3", BN, BK)
-                    if GATED:
-                        acc3 = _fp4_scaled_dot(acc3, xq, xe8, w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                                               "e4m3", BN, BK)
-                else:
-                    acc1 = _fp4_scaled_dot(acc1, x, None, w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                                           "bf16", BN, BK)
-                    if GATED:
-                        acc3 = _fp4_scaled_dot(acc3, x, None, w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                                               "bf16", BN, BK)
             else:
                 w1, p1 = _weight_tile(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
                                       WFMT, A8, BN, BK, x.dtype, EXACT, LUT)
@@ -338,7 +331,8 @@ def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bo
     expert, row0, rows = table
     wfmt = {"dense": 0, "fp4": 1, "fp8": 2}[ew.fmt]
     bn = column_block(rows.shape[0], n, tiles, _sm_count(x.device))
-    bk = tiles.bk if not (wfmt == 0 and tiles.bn * tiles.bk * tiles.stages > 128 * 128 * 2) else tiles.bk // 2
+    # bf16 weights take twice the shared memory of a packed tile: halve K per step where the stages would not fit
+    bk = tiles.bk // 2 if wfmt == 0 and bn * tiles.bk * tiles.stages > 128 * 128 * 2 else tiles.bk
     scale = s1 if s1 is not None else w1                       # an unused pointer for dense weights
     ss = scale.stride() if s1 is not None else (0, 0, 0)
     native = tiles.native_fp4_a8 and ew.act_fp8 and ew.dtype == torch.bfloat16 and not interpreting()

@@ -35,6 +35,15 @@ DEFAULT_OF = {"reference": "reference", "invariant": "reference", "triton": "tri
               "triton_invariant": "triton"}                         # and back
 
 
+def triton_available() -> bool:
+    """Whether Triton imports here (the Triton sets' kernels need it; without it they run their fallbacks)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class KernelBackendError(ValueError):
     """An unknown backend-set name (the engine turns it into one error line)."""
 

@@ -59,7 +59,8 @@ def test_traffic_counts_stored_bytes():
     (["--storage", "int4"], r"--storage int4: use one or more of fp4, fp8, bf16"),
     (["--tokens", "0"], r"--tokens"),
     (["--experts-limit", "0"], r"--experts-limit must be >= 1"),
-    (["--resume"], r"--resume: no kernel run"),
+    (["--resume", "--backend", "reference"], r"--resume: no kernel run"),
+    (["--backend", "triton"], r"--backend triton runs Triton kernels on CUDA only; on cpu use --backend reference"),
 ])
 def test_bad_options_are_one_line(tmp_path, args, match):
     refuse_cli(cli, ["kernels", "--device", "cpu", "--out", str(tmp_path / "k"), *args], match, watch=[tmp_path])

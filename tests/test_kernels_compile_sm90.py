@@ -1,6 +1,7 @@
 """The Triton expert kernel compiles for sm_90 on this CPU machine (Triton's bundled LLVM and ptxas need no GPU):
-every weight format x numerics x tile configuration the op can launch, including the tl.dot_scaled W4A8 path that
-Triton's interpreter cannot run. Catches a kernel that would fail to build on the H200 before a device is used."""
+every weight format x numerics x declared tile configuration (BN as declared; the launch may narrow it to 16 / 32
+for small grids), including the tl.dot_scaled W4A8 path and the byte-table decode that Triton's interpreter cannot
+run. Catches a kernel that would fail to build on the H200 before a device is used."""
 
 from __future__ import annotations
 

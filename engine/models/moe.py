@@ -23,7 +23,7 @@ from .layers import Linear, fp32_param
 __all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "set_expert_act_quant", "swiglu"]
 
 class Gate(nn.Module):
-    """Router over `n_experts`: scores = score_fn(x W^T / temp); `bias` steers selection only.
+    """Router over `n_experts`: scores = SCORE_FUNCS[score_func](x W^T / temp); `bias` steers selection only.
     Hash layers (V4) pick experts from `tid2eid[token]` instead. `bias_vl` (V4.1) is the selection
     bias for image-span tokens; text-only runs load it and leave it unused."""
 
@@ -34,7 +34,9 @@ class Gate(nn.Module):
         self.top_k, self.scale, self.temp, self.is_hash = top_k, route_scale, temp, hash_vocab is not None
         self.normalize = normalize and top_k > 1   # norm_topk_prob, as transformers applies it
         self.n_experts = n_experts
-        self.score_fn, self.score_func = SCORE_FUNCS[scoring_func], scoring_func
+        if scoring_func not in SCORE_FUNCS:
+            raise ValueError(f"scoring_func {scoring_func!r}: use one of {sorted(SCORE_FUNCS)}")
+        self.score_func = scoring_func
         self.weight = nn.Parameter(torch.empty(n_experts, dim, dtype=dtype), requires_grad=False)
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(hash_vocab, top_k, dtype=torch.long))
@@ -135,10 +137,14 @@ class MoE(nn.Module):
         return (routed + upcast(self.shared_experts(x))).to(x.dtype)
 
 
-def set_expert_act_quant(model: nn.Module) -> None:
-    """Every routed-expert stack of `model` computes W4A8: its GEMM activations quantized per 1x128 to FP8
-    (DeepSeek's inference recipe) instead of entering the MMA in the compute dtype. FP4 experts only."""
+def set_expert_act_quant(model: nn.Module, on: bool) -> None:
+    """on: every routed-expert stack of `model` computes W4A8, its GEMM activations quantized per 1x128 to FP8
+    (DeepSeek's inference recipe) instead of entering the MMA in the compute dtype (FP4 experts only); off: A16."""
     stacks = [m for m in model.modules() if isinstance(m, Experts)]
+    if not on:
+        for m in stacks:
+            m.act_fp8 = False
+        return
     dense = [m for m in stacks if m.storage != "fp4"]
     if dense or not stacks:
         from ..errors import DeepInferError

@@ -58,10 +58,6 @@ class LocalDispatch:
         self.name = name                     # a label for routing records (label_dispatchers sets module names)
         self.logical_to_physical: torch.Tensor | None = None   # EPLB hook: [E_logical] int64 -> physical slot
 
-    def physical(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logical expert ids -> the physical slots whose weights compute them (identity unless a map is set)."""
-        return ids if self.logical_to_physical is None else self.logical_to_physical[ids]
-
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
         """x [N, D], weights [N, k], ids [N, k] (logical expert ids) -> the N*k rows grouped by expert."""
         if _RECORDERS:

@@ -79,15 +79,20 @@ def test_fp16_compute_dtype():
     assert rel_err(got, expected(x, ids, r, ew)) <= 5e-3     # h rounded to fp16 between the GEMMs
 
 
-def test_backend_sets_route_to_the_kernels():
-    """`triton` and `triton_invariant` run the kernels on what they support and the reference elsewhere."""
+def test_backend_sets_route_to_the_kernels(monkeypatch):
+    """`triton` and `triton_invariant` run the kernels (with their own tiles) on what they support and the reference
+    elsewhere."""
     gen = torch.Generator().manual_seed(2)
     ew = weights("fp4", 4, 128, 128, torch.float32, gen, act_fp8=True)
     x, ids, offsets, r = routed_rows(10, 4, 128, torch.float32, gen)
     want = kx._reference(x, ids, offsets, r, ew).double()
-    for backend in ("triton", "triton_invariant"):
+    seen = []
+    real_run = kt.run
+    monkeypatch.setattr(kt, "run", lambda *a: seen.append(a[-1]) or real_run(*a))
+    for backend, tiles in (("triton", kt.DECODE), ("triton_invariant", kt.INVARIANT)):
         with use(backend):
             assert rel_err(grouped_experts(x, ids, offsets, r, ew), want) <= BOUND[True]
+            assert seen[-1] == tiles                  # the kernels ran, with the set's configuration
             zero = grouped_experts(x[:0], ids[:0], torch.zeros_like(offsets), r[:0], ew)
             assert zero.shape == (0, 128)
     f64 = random_weights(4, 64, 32, torch.float64, "dense", gen)
