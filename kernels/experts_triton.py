@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .experts import FP8_ACT_BLOCK, ExpertWeights, _reference
-from .registry import implements
+from .registry import implements, sm_count
 
 try:
     import triton
@@ -312,12 +312,6 @@ _TL_DTYPE = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float1
                                        torch.float32: tl.float32, torch.float64: tl.float32}
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def column_block(n_tiles: int, n: int, tiles: Tiles, sms: int) -> int:
     """BN for a launch of n_tiles row tiles over n columns: the configuration's, halved (down to min_bn) while
     the grid has fewer than PROGRAMS_PER_SM programs per SM. Shapes only: the same for every batch of one size."""
@@ -330,7 +324,7 @@ def column_block(n_tiles: int, n: int, tiles: Tiles, sms: int) -> int:
 def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bool, tiles: Tiles):
     expert, row0, rows = table
     wfmt = {"dense": 0, "fp4": 1, "fp8": 2}[ew.fmt]
-    bn = column_block(rows.shape[0], n, tiles, _sm_count(x.device))
+    bn = column_block(rows.shape[0], n, tiles, sm_count(x.device) or 1)
     # bf16 weights take twice the shared memory of a packed tile: halve K per step where the stages would not fit
     bk = tiles.bk // 2 if wfmt == 0 and bn * tiles.bk * tiles.stages > 128 * 128 * 2 else tiles.bk
     scale = s1 if s1 is not None else w1                       # an unused pointer for dense weights

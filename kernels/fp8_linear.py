@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .quant import FP8_AMAX_FLOOR, FP8_E4M3_MAX, _e8m0_scale, _to_e4m3, dequantize_fp8_blocks
-from .registry import call, implements
+from .registry import call, implements, sm_count
 from .tiles import row_tiles
 
 try:                                    # optional: CPU-only installs have no triton
@@ -217,16 +217,9 @@ if triton is not None:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     _INTERPRET = type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
-    _SM_COUNT: dict = {}
-
     def _sm_count(device: torch.device) -> int:
         """SMs of a CUDA device (16 under the interpreter, so small test shapes still split K)."""
-        if device.type != "cuda":
-            return 16
-        key = device.index if device.index is not None else torch.cuda.current_device()
-        if key not in _SM_COUNT:
-            _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-        return _SM_COUNT[key]
+        return sm_count(device) or 16
 
     def _on_triton(*ts) -> bool:
         return all(t.is_cuda for t in ts) or (_INTERPRET and not any(t.is_cuda for t in ts))

@@ -44,6 +44,21 @@ def triton_available() -> bool:
     return True
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (cached), None for any other device (kernels size grids by it)."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
 class KernelBackendError(ValueError):
     """An unknown backend-set name (the engine turns it into one error line)."""
 
