@@ -47,6 +47,8 @@ try:
     import triton.language as tl
 except ImportError:       # CPU machines without Triton: the reference backend serves these sets
     triton = None
+else:
+    from .e4m3_triton import quant_tile, to_e4m3
 
 
 @dataclass(frozen=True)
@@ -107,34 +109,6 @@ def tile_table(offsets: torch.Tensor, bm: int, n_rows: int) -> tuple[torch.Tenso
 
 
 if triton is not None:
-
-    @triton.jit
-    def _to_e4m3(v, EXACT: tl.constexpr):
-        """fp32 (within +-448) -> e4m3, round to nearest even. The GPU's cvt does it; Triton's interpreter truncates
-        mantissas, so with EXACT (set when interpreting) v is first rounded onto the e4m3 grid in fp32: adding and
-        subtracting 2^(e + 20) (e = max(floor(log2|v|), -6): the grid's step is 2^(e - 3)) rounds as fp32 does."""
-        if EXACT:
-            a = tl.abs(v)
-            e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-            c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)
-            r = (a + c) - c
-            v = tl.where(v < 0, -r, r)
-        return v.to(tl.float8e4nv)
-
-    @triton.jit
-    def _act_scale(amax):
-        """Per-row 1x128 amax [BM] -> the power-of-two scale 2^ceil(log2(max(amax, 1e-4) * float32(1/448)))."""
-        bits = (tl.maximum(amax, 1e-4) * (1.0 / 448.0)).to(tl.int32, bitcast=True)
-        expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        return (expo << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _act_fp8(x, EXACT: tl.constexpr):
-        """x [BM, 128] (any float) -> (e4m3 [BM, 128], fp32 scale [BM]): quant.fake_quant_fp8's rule
-        scale = 2^ceil(log2(max(amax, 1e-4) * float32(1/448)))."""
-        scale = _act_scale(tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        q = _to_e4m3(tl.clamp(x.to(tl.float32) / scale[:, None], -448.0, 448.0), EXACT)
-        return q, scale
 
     @triton.jit
     def _e2m1_over_2p14(codes):
@@ -208,7 +182,7 @@ if triton is not None:
                 mult = ((s - ref[:, None] + 14 + 127) << 23).to(tl.float32, bitcast=True)
                 v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
                 post = tl.exp2((ref - 127).to(tl.float32))
-                return _to_e4m3(v, EXACT), post
+                return to_e4m3(v, EXACT), post
             else:
                 mult = ((s + 14) << 23).to(tl.float32, bitcast=True)              # 2^(s - 127 + 14)
                 v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
@@ -270,7 +244,7 @@ if triton is not None:
             x = tl.load(x_ptr + (row0 + rm)[:, None] * stride_xm + rk[None, :],
                         mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
             if WFMT == 1 and A8 and NATIVE:      # W4A8 through Triton's own e2m1 x e8m0 path (tl.dot_scaled)
-                xq, xs = _act_fp8(x, EXACT)
+                xq, xs = quant_tile(x.to(tl.float32), EXACT)
                 xe8 = ((xs.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)     # 2^(b-127) exactly
                 xe8 = tl.broadcast_to(xe8[:, None], (BM, BK // 32))
                 acc1 = _fp4_scaled_dot(acc1, xq, xe8, w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
@@ -282,7 +256,7 @@ if triton is not None:
                 w1, p1 = _weight_tile(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
                                       WFMT, A8, BN, BK, x.dtype, EXACT, LUT)
                 if A8:
-                    xq, xs = _act_fp8(x, EXACT)
+                    xq, xs = quant_tile(x.to(tl.float32), EXACT)
                     acc1 += tl.dot(xq, tl.trans(w1)) * xs[:, None] * p1[None, :]
                 else:
                     acc1 = tl.dot(x, tl.trans(w1), acc1)

@@ -53,6 +53,8 @@ try:                                    # optional: CPU-only installs have no tr
     import triton.language as tl
 except ImportError:                     # pragma: no cover - exercised where triton is absent
     triton = None
+else:
+    from .e4m3_triton import quant_tile
 
 BLOCK = 128                 # scale block: 1x128 for activations, 128x128 for weights
 DECODE_MAX_M = 64           # triton: rows up to this many take the decode path
@@ -121,37 +123,6 @@ def _fp8_linear_tiles(x, w_fp8, w_scale, out_dtype=None):
 
 if triton is not None:
 
-    _FLOOR_BITS = tl.constexpr(0x38D1B717)     # float32(1e-4) == FP8_AMAX_FLOOR
-    _INV448_BITS = tl.constexpr(0x3B124925)    # float32(1/448)
-
-    @triton.jit
-    def _e4m3_soft(v):
-        """fp32 in [-448, 448] -> e4m3fn bytes (int32 0..255), round to nearest even (the interpreter's cast
-        is not): |v| >= 2^-6 drops 20 mantissa bits of the float with the carry into the exponent; below, the
-        subnormal m * 2^-9 with m = rne(|v| * 2^9) from fp32's own rounding at 2^23."""
-        bits = v.to(tl.int32, bitcast=True)
-        a = bits & 0x7FFFFFFF
-        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
-        sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-        return ((bits >> 24) & 0x80) | tl.where(a >= 0x3C800000, normal, sub)
-
-    @triton.jit
-    def _quant_tile(xf, SOFT_CVT: tl.constexpr):
-        """fp32 tile [R, B] (one scale block per row) -> (fp8e4nv [R, B], scale fp32 [R]): act_quant, ue8m0."""
-        amax = tl.max(tl.abs(xf), axis=1)
-        floor = tl.full(amax.shape, _FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
-        inv448 = tl.full(amax.shape, _INV448_BITS, tl.int32).to(tl.float32, bitcast=True)
-        bits = (tl.maximum(amax, floor) * inv448).to(tl.int32, bitcast=True)
-        k = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # biased exponent of pow2_ceil
-        scale = (k << 23).to(tl.float32, bitcast=True)
-        inv = ((254 - k) << 23).to(tl.float32, bitcast=True)                 # 1/scale, exact
-        v = tl.minimum(tl.maximum(xf * inv[:, None], -448.0), 448.0)
-        if SOFT_CVT:
-            q = _e4m3_soft(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        else:
-            q = v.to(tl.float8e4nv)                                          # cvt.rn.satfinite
-        return q, scale
-
     @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_CVT: tl.constexpr):
@@ -161,7 +132,7 @@ if triton is not None:
         rows64 = rows.to(tl.int64)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         xf = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q, scale = _quant_tile(xf, SOFT_CVT)
+        q, scale = quant_tile(xf, SOFT_CVT)
         tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows64 * stride_s + tl.program_id(1), scale, mask=rows < M)
 
@@ -199,7 +170,7 @@ if triton is not None:
             xt = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                          other=0.0)
             if FUSE_QUANT:
-                xq, sx = _quant_tile(xt.to(tl.float32), SOFT_CVT)
+                xq, sx = quant_tile(xt.to(tl.float32), SOFT_CVT)
             else:
                 xq = xt
                 sx = tl.where(kb_ok, tl.load(sx_ptr + rows64 * stride_sx + kbc, mask=row_ok, other=0.0), 0.0)
