@@ -143,15 +143,22 @@ if triton is not None:
     """)
 
     @triton.jit
-    def _fp4_lut_tile(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, BN: tl.constexpr, BK: tl.constexpr):
-        """FP4 rows rn [BN], columns k0..k0+BK -> bf16 [BN, BK] through the byte tables above (GPU only)."""
+    def _fp4_load(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, BN: tl.constexpr, BK: tl.constexpr):
+        """Expert e's FP4 rows rn [BN], columns k0..k0+BK as stored: (packed uint8 [BN, BK/2], e8m0 uint8
+        [BN, BK/32]); rows past N and columns past K read as 0 codes with scale 2^0."""
         nmask = rn < N
         kb = k0 // 2 + tl.arange(0, BK // 2)
         packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
-                         mask=nmask[:, None] & (kb < K // 2)[None, :], other=0)             # uint8 [BN, BK/2]
+                         mask=nmask[:, None] & (kb < K // 2)[None, :], other=0)
         ks = k0 // 32 + tl.arange(0, BK // 32)
         s = tl.load(s_ptr + e * sse + rn[:, None] * ssn + ks[None, :],
-                    mask=nmask[:, None] & (ks < K // 32)[None, :], other=127)               # uint8 [BN, BK/32]
+                    mask=nmask[:, None] & (ks < K // 32)[None, :], other=127)
+        return packed, s
+
+    @triton.jit
+    def _fp4_lut_tile(packed, s, BN: tl.constexpr, BK: tl.constexpr):
+        """FP4 tile (packed [BN, BK/2], e8m0 [BN, BK/32]) -> bf16 [BN, BK] through the byte tables above (GPU
+        only)."""
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))  # one per byte
         even, odd = tl.inline_asm_elementwise(_FP4_LUT_ASM, "=r,=r,=r,=r,r,r", [packed, s],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -165,28 +172,25 @@ if triton is not None:
         WFMT 0 dense, 1 fp4 (bytes [N, K/2], e8m0 [N, K/32]), 2 fp8 (e4m3 [N, K], fp32 [N/128, K/128]).
         A16: the tile in OUT (the compute dtype), post-scale 1. A8: the tile in e4m3 (fp4 scales folded in)."""
         nmask = rn < N
-        if WFMT == 1 and LUT and not A8:
-            return _fp4_lut_tile(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, BN, BK), \
-                tl.full((BN,), 1.0, tl.float32)
-        elif WFMT == 1:
-            kb = k0 // 2 + tl.arange(0, BK // 2)
-            packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
-                             mask=nmask[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
+        if WFMT == 1:
+            packed, s = _fp4_load(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, BN, BK)
+            if LUT and not A8:
+                return _fp4_lut_tile(packed, s, BN, BK), tl.full((BN,), 1.0, tl.float32)
+            packed, s = packed.to(tl.int32), s.to(tl.int32)                      # [BN, BK/2], [BN, BK/32]
             codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))      # interleave: even, odd
-            v = _e2m1_over_2p14(codes)                                            # [BN, BK]
-            ks = k0 // 32 + tl.arange(0, BK // 32)
-            s = tl.load(s_ptr + e * sse + rn[:, None] * ssn + ks[None, :],
-                        mask=nmask[:, None] & (ks < K // 32)[None, :], other=127).to(tl.int32)   # [BN, BK/32]
             if A8:
                 ref = tl.max(s, axis=1) - 6                                       # [BN]
-                mult = ((s - ref[:, None] + 14 + 127) << 23).to(tl.float32, bitcast=True)
-                v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
+                mult = ((s - ref[:, None] + 14 + 127) << 23).to(tl.float32, bitcast=True)   # 2^(s - ref + 14)
                 post = tl.exp2((ref - 127).to(tl.float32))
-                return to_e4m3(v, EXACT), post
             else:
                 mult = ((s + 14) << 23).to(tl.float32, bitcast=True)              # 2^(s - 127 + 14)
-                v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
-                return v.to(OUT), tl.full((BN,), 1.0, tl.float32)
+                post = tl.full((BN,), 1.0, tl.float32)
+            v = _e2m1_over_2p14(codes)                                            # [BN, BK]
+            v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
+            if A8:
+                return to_e4m3(v, EXACT), post
+            else:
+                return v.to(OUT), post
         elif WFMT == 2:
             rk = k0 + tl.arange(0, BK)
             w = tl.load(w_ptr + e * swe + rn[:, None] * swn + rk[None, :],
@@ -204,18 +208,11 @@ if triton is not None:
 
     @triton.jit
     def _fp4_scaled_dot(acc, a, a_scale, w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                        A_FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """acc + a [BM, BK] (e4m3 with e8m0 scales a_scale [BM, BK/32]) times expert e's FP4 rows rn
-        (packed [BN, BK/2], e8m0 [BN, BK/32]) transposed, through tl.dot_scaled (the same math: exact products,
-        fp32 accumulation)."""
-        nmask = rn < N
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        packed = tl.load(w_ptr + e * swe + rn[:, None] * swn + kb[None, :],
-                         mask=nmask[:, None] & (kb < K // 2)[None, :], other=0)
-        ks = k0 // 32 + tl.arange(0, BK // 32)
-        s = tl.load(s_ptr + e * sse + rn[:, None] * ssn + ks[None, :],
-                    mask=nmask[:, None] & (ks < K // 32)[None, :], other=127)
-        return tl.dot_scaled(a, a_scale, A_FMT, tl.trans(packed), s, "e2m1", acc)
+                        BN: tl.constexpr, BK: tl.constexpr):
+        """acc + a [BM, BK] (e4m3 with e8m0 scales a_scale [BM, BK/32]) times expert e's FP4 rows rn transposed,
+        through tl.dot_scaled (the same math: exact products, fp32 accumulation)."""
+        packed, s = _fp4_load(w_ptr, s_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, BN, BK)
+        return tl.dot_scaled(a, a_scale, "e4m3", tl.trans(packed), s, "e2m1", acc)
 
     @triton.jit
     def _expert_gemm(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, r_ptr, out_ptr,
@@ -248,10 +245,10 @@ if triton is not None:
                 xe8 = ((xs.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)     # 2^(b-127) exactly
                 xe8 = tl.broadcast_to(xe8[:, None], (BM, BK // 32))
                 acc1 = _fp4_scaled_dot(acc1, xq, xe8, w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                                       "e4m3", BN, BK)
+                                       BN, BK)
                 if GATED:
                     acc3 = _fp4_scaled_dot(acc3, xq, xe8, w3_ptr, s3_ptr, e, rn, k0, N, K, swe, swn, sse, ssn,
-                                           "e4m3", BN, BK)
+                                           BN, BK)
             else:
                 w1, p1 = _weight_tile(w1_ptr, s1_ptr, e, rn, k0, N, K, swe, swn, sse, ssn, ssk,
                                       WFMT, A8, BN, BK, x.dtype, EXACT, LUT)
