@@ -231,23 +231,28 @@ def _gathered(x, ids, r, ew: ExpertWeights) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def tile_layout(expert_ids: torch.Tensor, offsets: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Expert-aligned tiles, computed on the device (no host sync; sizes from M and E alone).
+def expert_tiles(offsets: torch.Tensor, tile: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-aligned tiles over rows grouped by expert, on the device (no host sync; sizes from M and E alone).
 
-    Expert e's rows offsets[e]:offsets[e+1] fill ceil(count_e / tile) tiles of its own, in order.
-    Returns (slot [M]: padded position tile * `tile` + place of each sorted row, tile_expert [T]: each tile's
-    expert (0 for unused tiles), T = the static bound (M + min(M, E) * (tile - 1)) // tile)."""
-    n_rows, n_experts = expert_ids.shape[0], offsets.shape[0] - 1
-    counts = offsets[1:] - offsets[:-1]                                        # [E]
-    tiles = (counts + tile - 1) // tile
+    Expert e's rows offsets[e]:offsets[e+1] fill ceil(count_e / tile) tiles of its own, in order. Returns
+    (tile_start [E], tile_end [E]: expert e's tiles are tile_start[e]:tile_end[e]; tile_expert [T]: each tile's
+    expert, clamped to E-1 past the last used tile), T = the static bound (M + min(M, E) * (tile - 1)) // tile."""
+    n_experts = offsets.shape[0] - 1
+    tiles = (offsets[1:] - offsets[:-1] + tile - 1) // tile                   # [E]
     tile_end = tiles.cumsum(0)                                                  # [E] inclusive
-    tile_start = tile_end - tiles
     n_tiles = max(1, (n_rows + min(n_rows, n_experts) * (tile - 1)) // tile)
-    rank = torch.arange(n_rows, device=offsets.device) - offsets[expert_ids]   # place within its expert
-    slot = (tile_start[expert_ids] + rank // tile) * tile + rank % tile
     t = torch.arange(n_tiles, device=offsets.device)
     tile_expert = torch.searchsorted(tile_end, t, right=True).clamp_(max=n_experts - 1)
-    return slot, tile_expert, n_tiles
+    return tile_end - tiles, tile_end, tile_expert
+
+
+def tile_layout(expert_ids: torch.Tensor, offsets: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`expert_tiles` as the torch formulation uses them: (slot [M]: padded position tile * `tile` + place of each
+    sorted row, tile_expert [T], T)."""
+    tile_start, _, tile_expert = expert_tiles(offsets, tile, expert_ids.shape[0])
+    rank = torch.arange(expert_ids.shape[0], device=offsets.device) - offsets[expert_ids]   # place within its expert
+    slot = (tile_start[expert_ids] + rank // tile) * tile + rank % tile
+    return slot, tile_expert, tile_expert.shape[0]
 
 
 def _tiled(x, ids, offsets, r, ew: ExpertWeights, tile: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .experts import FP8_ACT_BLOCK, ExpertWeights, _reference
+from .experts import FP8_ACT_BLOCK, ExpertWeights, _reference, expert_tiles
 from .registry import implements, sm_count
 
 try:
@@ -91,22 +91,14 @@ def supported(x: torch.Tensor, ew: ExpertWeights) -> bool:
 
 
 def tile_table(offsets: torch.Tensor, bm: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert-aligned tiles of `bm` rows over rows grouped by expert (offsets [E+1] int64 on the device).
-
-    Returns int32 [T] each: the tile's expert, its first sorted row, its row count (0: an unused tile), with
-    T = the static bound (M + min(M, E) * (bm - 1)) // bm; expert e's rows fill ceil(count_e / bm) tiles in order."""
-    n_experts = offsets.shape[0] - 1
-    counts = offsets[1:] - offsets[:-1]                                        # [E]
-    tiles = (counts + bm - 1) // bm
-    tile_end = tiles.cumsum(0)                                                  # [E] inclusive
-    n_tiles = max(1, (n_rows + min(n_rows, n_experts) * (bm - 1)) // bm)
-    t = torch.arange(n_tiles, device=offsets.device)
-    expert = torch.searchsorted(tile_end, t, right=True).clamp_(max=n_experts - 1)
-    row0 = offsets[expert] + (t - (tile_end[expert] - tiles[expert])) * bm
+    """`experts.expert_tiles` as the kernels read them: int32 [T] each, the tile's expert, its first sorted row and
+    its row count (0: an unused tile past the last expert's tiles)."""
+    tile_start, tile_end, expert = expert_tiles(offsets, bm, n_rows)
+    t = torch.arange(expert.shape[0], device=offsets.device)
+    row0 = offsets[expert] + (t - tile_start[expert]) * bm
     rows = (offsets[expert + 1] - row0).clamp_(min=0, max=bm)
     rows = torch.where(t < tile_end[-1], rows, torch.zeros_like(rows))
     return expert.to(torch.int32), row0.clamp_(max=max(n_rows - 1, 0)).to(torch.int32), rows.to(torch.int32)
-
 
 if triton is not None:
 
