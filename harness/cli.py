@@ -243,7 +243,8 @@ def kernels_cmd(device, ops, models, tokens, storage, numerics, backends, no_ref
                 seed, report_dir, run_id, out, resume) -> None:
     """Kernel rows: time, TB/s, TFLOP/s and their share of the ceilings measured in the same run, next to the
     torch reference (and cuBLAS for the dense GEMM), with the error against the reference (docs/bench.md)."""
-    from .kernel_bench import KernelConfig, run_dir_for, run_kernel_bench, table
+    from .kernel_bench import KernelConfig, run_kernel_bench, table
+    from .rows import run_dir_for
     from .step_bench import parse_int_list
     if resume and not (run_id or out):
         raise click.UsageError("--resume needs the --run-id (or --out) of the run to continue")
@@ -254,7 +255,7 @@ def kernels_cmd(device, ops, models, tokens, storage, numerics, backends, no_ref
                        storage=split(storage), numerics=split(numerics), backends=split(backends),
                        iters=iters, warmup=warmup, seed=seed, check_reference=not no_reference,
                        experts_limit=experts_limit)
-    run_dir = run_dir_for(report_dir, run_id, out)
+    run_dir = run_dir_for(report_dir, run_id, out, "kernels")
     rows = run_kernel_bench(cfg, run_dir, resume, echo=click.echo)
     click.echo(f"rows in {run_dir / 'rows.jsonl'}")
     for line in table(rows):

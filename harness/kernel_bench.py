@@ -27,7 +27,7 @@ from deepinfer.validate import check_device
 
 from .ceilings import _time_calls, measure_ceilings
 from .rows import (RowStore, atomic_write_text, done_keys, environment, read_rows, refuse_existing_rows, run_dir_guard,
-                   run_id_for, utc_now)
+                   utc_now)
 
 KERNEL_METHOD_VERSION = "1"
 MODEL_SHAPES = {   # experts: (E, D, I, top_k); linears: name -> (N, K) of its FP8 projections
@@ -351,13 +351,3 @@ def table(rows: list[dict]) -> list[str]:
                      f"{r['tflop_per_s']:>6.0f} {100 * (r['peak_share'] or 0):>5.0f}% "
                      f"{(r.get('vs_reference') or 0):>6.1f} {'-' if err is None else f'{err:.1e}':>8}")
     return lines
-
-
-def run_dir_for(report_dir, run_id, out) -> Path:
-    if out is not None:
-        return Path(out)
-    from datetime import datetime
-    from .rows import SCHEMA_VERSION
-    return Path(report_dir) / SCHEMA_VERSION / run_id_for(run_id or f"kernels-{datetime.now():%Y%m%d-%H%M%S}",
-                                                         "kernels")
-

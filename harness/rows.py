@@ -64,6 +64,13 @@ def run_id_for(run_id: str | None, name: str) -> str:
     return run_id
 
 
+def run_dir_for(report_dir: str | os.PathLike, run_id: str | None, out: str | os.PathLike | None, name: str) -> Path:
+    """A bench's run directory: `out` as given, else report_dir/<schema>/<run_id or name-time>."""
+    if out is not None:
+        return Path(out)
+    return Path(report_dir) / SCHEMA_VERSION / run_id_for(run_id or f"{name}-{_dt.datetime.now():%Y%m%d-%H%M%S}", name)
+
+
 # what `dirty` looks at: the whole checkout but reports/ (results are data, not the code that ran)
 CODE_PATHSPEC = ("--", ":(top)", ":(top,exclude)reports")
 

@@ -42,7 +42,7 @@ from deepinfer.validate import EXPERT_STORAGE, check_device, check_expert_storag
 
 from .ceilings import measure_ceilings, roofline
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
-                   refuse_existing_rows, run_dir_guard, run_id_for, utc_now)
+                   refuse_existing_rows, run_dir_for, run_dir_guard, utc_now)
 
 log = logging.getLogger("deepinfer")
 
@@ -567,13 +567,6 @@ def measure_point(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Invent
             "gpu_trace": idle, "trace_steps": cfg.trace_steps if idle is not None else 0}
 
 
-def run_dir_for(report_dir: str | os.PathLike, run_id: str | None, out: str | os.PathLike | None) -> Path:
-    if out is not None:
-        return Path(out)
-    from datetime import datetime
-    return Path(report_dir) / SCHEMA_VERSION / run_id_for(run_id or f"step-{datetime.now():%Y%m%d-%H%M%S}", "step")
-
-
 def check_run(cfg: StepConfig, run_dir: Path, resume: bool) -> set[str]:
     """Before anything is written: --resume against the stored definition (or refuse to reuse a run with rows);
     returns the keys of the points already done."""
@@ -614,7 +607,7 @@ def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", r
     row (unless it existed before)."""
     echo = echo or (lambda s: None)
     check_device(cfg.device)
-    run_dir = run_dir_for(report_dir, run_id, out)
+    run_dir = run_dir_for(report_dir, run_id, out, "step")
     probe_cls = (probe_factory or default_probe_factory)()        # fail before any device work
     check_model(cfg.model, cfg.expert_storage)
     done = check_run(cfg, run_dir, resume)
