@@ -17,6 +17,7 @@ from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.routing import SCORE_FUNCS, route
 
 from ..config.deepseek_v4 import HASH_MOE, DeepseekV4Config
+from ..errors import DeepInferError
 from ..parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
@@ -145,17 +146,14 @@ def set_expert_act_quant(model: nn.Module, on: bool) -> None:
         for m in stacks:
             m.act_fp8 = False
         return
-    dense = [m for m in stacks if m.storage != "fp4"]
-    if dense or not stacks:
-        from ..errors import DeepInferError
+    if not stacks or any(m.storage != "fp4" for m in stacks):
         raise DeepInferError("expert_act_quant=True quantizes the activations of FP4 expert GEMMs (W4A8); this model's "
                              "experts are dense: build it with expert_storage='fp4' or drop expert_act_quant")
-    from deepinfer.kernels.experts import FP8_ACT_BLOCK
-    odd = [m for m in stacks if m.w2_fp4.shape[1] % FP8_ACT_BLOCK or m.w1_fp4.shape[1] % FP8_ACT_BLOCK]
-    if odd:
-        from ..errors import DeepInferError
-        raise DeepInferError(f"expert_act_quant=True quantizes per 1x{FP8_ACT_BLOCK} blocks: hidden_size and "
-                             f"moe_intermediate_size must be multiples of {FP8_ACT_BLOCK} (this model has "
-                             f"{odd[0].w2_fp4.shape[1]} and {odd[0].w1_fp4.shape[1]})")
     for m in stacks:
         m.act_fp8 = True
+        try:
+            m.stacked()                        # the op's own check of the widths (1x128 blocks)
+        except ValueError as e:
+            for m2 in stacks:
+                m2.act_fp8 = False
+            raise DeepInferError(f"expert_act_quant=True: {e}") from None
