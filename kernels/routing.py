@@ -40,12 +40,6 @@ from .registry import call, implements
 from .tiles import row_tiles
 
 
-# The Triton route / permute kernels pass in Triton's interpreter; on the H200 the first engine step with them hit a
-# device-side assert (2026-12-01): permute's offsets were wrong there (a masked tl.histogram, see
-# _expert_histogram_kernel; fixed since, not yet rerun on a GPU). Until they pass
-# `pytest -m gpu tests/test_kernels_routing.py` the triton sets keep these two ops on their torch implementations.
-IN_TRITON_SETS = False
-
 try:
     import triton
     import triton.language as tl
@@ -295,21 +289,16 @@ if triton is not None:
             K_PAD=_pow2(top_k), num_warps=8 if e_pad >= 256 else 4)
         return out_w, out_ids
 
-    def _in_sets(op, backend):
-        """Register a kernel in the Triton backend sets only once it has passed on a GPU (IN_TRITON_SETS); the
-        functions stay callable (tests) either way."""
-        return implements(op, backend) if IN_TRITON_SETS else (lambda fn: fn)
-
-    @_in_sets("route", "triton")
+    @implements("route", "triton")
     def _route_triton_default(x, weight, bias, **kw):
         return _route_triton(x, weight, bias, fallback=_route_reference, **kw)
 
-    @_in_sets("route", "triton_invariant")
+    @implements("route", "triton_invariant")
     def _route_triton_invariant(x, weight, bias, **kw):
         # the kernel is batch-invariant; off the kernels, stay invariant through the tiled reference
         return _route_triton(x, weight, bias, fallback=_route_tiles, **kw)
 
-    @_in_sets("permute", "triton")
+    @implements("permute", "triton")
     def _permute_triton(ids, weights, n_experts, logical_to_physical=None):
         maps = () if logical_to_physical is None else (logical_to_physical,)
         if not _runs_kernels(ids, weights, *maps):
@@ -338,4 +327,4 @@ if triton is not None:
         _permute_scatter_kernel[(blocks,)](ids, weights, l2p, delta, *outs, n, n_experts, **common)
         return outs[0], offsets, outs[1], outs[2], outs[3]
 
-    _in_sets("permute", "triton_invariant")(_permute_triton)   # integer outputs: invariant as it is
+    implements("permute", "triton_invariant")(_permute_triton)   # integer outputs: invariant as it is

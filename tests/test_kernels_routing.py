@@ -212,12 +212,10 @@ def test_tables_name_the_routing_backends():
     for name in BACKEND_SETS:
         table = KernelTable(name)
         want = "reference" if name in ("reference", "triton") else "invariant"   # the FALLBACK chains
-        if name.startswith("triton") and routing.triton is not None and routing.IN_TRITON_SETS:
+        if name.startswith("triton") and routing.triton is not None:
             want = name
         assert table.backends["route"] == want
-        assert table.backends["permute"] == (name if name.startswith("triton") and routing.triton is not None
-                                              and routing.IN_TRITON_SETS
-                                             else "reference")
+        assert table.backends["permute"] == (name if name.startswith("triton") and routing.triton is not None else "reference")
 
 
 # --------------------------------------------------------------------------- 2. Triton in the interpreter
@@ -313,18 +311,6 @@ if INTERPRETER:
         assert ids.tolist() == [[3, 9, 12, 0]] * 3
         assert torch.allclose(weights, torch.full((3, 4), 2.5 / 4))
 
-    @pytest.fixture
-    def _triton_in_the_sets(monkeypatch):
-        """The Triton route / permute in the triton sets for one test, as IN_TRITON_SETS = True would register
-        them (it stays False until they pass on a GPU)."""
-        from deepinfer.kernels import registry
-        if not routing.IN_TRITON_SETS:
-            for op, fns in (("route", (routing._route_triton_default, routing._route_triton_invariant)),
-                            ("permute", (routing._permute_triton, routing._permute_triton))):
-                for backend, fn in zip(("triton", "triton_invariant"), fns):
-                    monkeypatch.setitem(registry._IMPLS[op], backend, fn)
-
-    @pytest.mark.usefixtures("_triton_in_the_sets")
     def test_interp_route_through_the_tables():
         x, w, bias, tid2eid, tok = router_inputs(20, 32, 16, 2, seed=3)
         kw = _route_kw("sqrtsoftplus", True, 2, False, tid2eid, tok)
@@ -405,7 +391,6 @@ if INTERPRETER:
         for mapping, w in zip((None, l2p), want):
             assert _equal(routing._permute_triton(ids, weights, e, mapping), w)
 
-    @pytest.mark.usefixtures("_triton_in_the_sets")
     def test_interp_moe_forward_through_triton_tables(monkeypatch):
         """A MoE layer end to end with the Triton route and permute (experts: their reference on CPU)."""
         from deepinfer.models.moe import MoE
