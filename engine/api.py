@@ -13,14 +13,15 @@ from .checkpoint.hub import resolve_model_dir
 from .checkpoint.loader import load_checkpoint, shard_map
 from .config import load_model_config
 from .errors import CheckpointError, DeepInferError
-from .models import build_model
+from .models import build_model, check_projection_storage
 from .validate import check_expert_storage, parse_dtype
 
 log = logging.getLogger("deepinfer")
 
 def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, qat_fake_quant: bool = True,
-               keep_quantized: bool = False, expert_storage: str = "dense", **unsupported) -> torch.nn.Module:
+               keep_quantized: bool = False, expert_storage: str = "dense", projection_storage: str = "dense",
+               **unsupported) -> torch.nn.Module:
     """Load a deepseek_v4 / deepseek_v41 checkpoint (DeepSeek or transformers names, bf16/FP8/FP4) for inference.
 
     qat_fake_quant keeps DeepSeek's quantization-aware activation steps (FP8 K=V latent, FP4 indexer);
@@ -29,13 +30,15 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     A V4.1 model with engram layers comes bound to the checkpoint's tokenizer.json (the engram hashes
     compressed token ids); that is checked before any weight is read.
     expert_storage="fp4" (V4.1) keeps the routed experts as the checkpoint stores them (packed e2m1 + e8m0
-    scales, 0.56 bytes per weight) and dequantizes each when it runs.
+    scales, 0.56 bytes per weight) and dequantizes each when it runs. projection_storage="fp8" keeps the
+    projections the release stores as FP8 blocks in that form and runs them through `fp8_linear` (DeepSeek's W8A8
+    recipe: activations quantized per 1x128 on the fly); "dense" dequantizes them on load, as transformers does.
     """
     from .env import check_environment
     from .validate import EMBEDDED, check_device, check_flag, check_model_spec, refuse_unsupported
     check_environment()
     refuse_unsupported("load_model", unsupported, "path_or_id, device, dtype, qat_fake_quant, keep_quantized, "
-                                                  "expert_storage")
+                                                  "expert_storage, projection_storage")
     if isinstance(path_or_id, torch.nn.Module) or (isinstance(path_or_id, str) and path_or_id.startswith("random:")):
         raise DeepInferError("load_model reads a checkpoint directory or hub id; pass random:... or a built model to "
                              "LLM instead")
@@ -43,12 +46,13 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     device = check_device(device)
     check_flag("qat_fake_quant", qat_fake_quant)
     check_flag("keep_quantized", keep_quantized)
+    check_projection_storage(projection_storage)      # a bad name is one line before anything is read
     if path_or_id == EMBEDDED:
         from .checkpoint.make import embedded_tiny_dir
         path_or_id = embedded_tiny_dir()
     ckpt_dir = resolve_model_dir(path_or_id)
     cfg = _without_absent_mtp(load_model_config(ckpt_dir), ckpt_dir)
-    options = {}
+    options = {"projection_storage": check_projection_storage(projection_storage, cfg)}
     if check_expert_storage(expert_storage, cfg.model_type) != "dense":
         options["expert_storage"] = expert_storage
     model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant, **options)

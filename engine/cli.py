@@ -111,8 +111,11 @@ def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, out,
 @click.option("--no-qat", is_flag=True, help="turn off the reference's QAT fake-quant steps")
 @click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True,
               help="fp4: keep V4.1 routed experts packed as stored (0.56 B/weight), dequantized per use")
+@click.option("--projection-storage", type=click.Choice(["dense", "fp8"]), default="dense", show_default=True,
+              help="fp8: keep the FP8 projections as stored and run them W8A8 (fp8_linear)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
-def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_storage, no_progress) -> None:
+def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_storage, projection_storage,
+            no_progress) -> None:
     from .llm import LLM
     from .sampling import SamplingParams
     from .validate import check_checkpoint_arch, check_model_spec
@@ -126,7 +129,7 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
         _check_prompt_first(model, arch, [prompt])
     t0 = time.perf_counter()
     llm = LLM(model=model, device=device, dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage,
-              max_num_seqs=1)
+              projection_storage=projection_storage, max_num_seqs=1)
     cfg = llm.model.cfg
     check_checkpoint_arch(arch, llm.model.checkpoint_dir, cfg.model_type)
     ids = llm.tokenizer.encode(prompt).ids

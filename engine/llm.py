@@ -20,6 +20,7 @@ from .errors import DeepInferError
 from .cache.manager import StateManager
 from .core import EngineConfig, EngineCore, unsupported
 from .env import async_scheduling_default, check_environment, kernel_backend
+from .models import check_projection_storage, projection_storage_of
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -37,6 +38,7 @@ INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width e
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
+                "projection_storage": "dense",
                 "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
                 "expert_act_quant": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
@@ -80,12 +82,20 @@ class LLM:
         if args["max_num_batched_tokens"] < args["max_num_seqs"]:
             raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
                                  f"{args['max_num_seqs']}: every running sequence needs a token of each step's budget")
-        model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant)
+        check_projection_storage(args["projection_storage"])
+        built = isinstance(model, torch.nn.Module)
+        model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant, args["projection_storage"])
         if isinstance(model, torch.nn.Module):      # an already built model (load_model / random:... / random_model)
             self.model = model
         else:
             self.model = load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
-                                    keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"])
+                                    keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"],
+                                    projection_storage=args["projection_storage"])
+        if built and "projection_storage" in engine_args \
+                and projection_storage_of(self.model) != args["projection_storage"]:
+            raise DeepInferError(f"projection_storage={args['projection_storage']!r} does not match the model passed "
+                                 f"in, which holds its FP8 projections as {projection_storage_of(self.model)!r}: "
+                                 f"drop the argument or build the model with it")
         set_expert_act_quant(self.model, args["expert_act_quant"])     # on or off: a passed-in model is reused
         self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings

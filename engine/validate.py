@@ -122,7 +122,8 @@ def _located(model):
     return model
 
 
-def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat: bool = True):
+def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat: bool = True,
+                  projection_storage: str = "dense"):
     """A checked model spec -> what load_model / LLM build from: None or 'tiny' -> the embedded checkpoint dir
     (built once), random:ARCH:PRESET:LAYERS -> a model built on `device`, a model object or a directory / hub id
     unchanged."""
@@ -133,7 +134,7 @@ def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat:
     if isinstance(model, str) and model.startswith("random:"):
         from .checkpoint.make import random_preset_model
         check_expert_storage(expert_storage, random_spec_arch(model))
-        return random_preset_model(model, device, dtype, expert_storage, qat)
+        return random_preset_model(model, device, dtype, expert_storage, qat, projection_storage)
     return model
 
 

@@ -199,6 +199,6 @@ def build_engine(model: str, device: str | None, dtype: str, seed: int, qat_fake
     from deepinfer.env import accelerator
     device = device or accelerator()
     model = resolve_model(str(model), device, dtype, engine_args.get("expert_storage", "dense"),
-                          qat=bool(qat_fake_quant))
+                          qat=bool(qat_fake_quant), projection_storage=engine_args.get("projection_storage", "dense"))
     return LLM(model=model, device=device, dtype=dtype, seed=int(seed), qat_fake_quant=bool(qat_fake_quant),
                **engine_args)

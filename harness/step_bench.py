@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from deepinfer.errors import DeepInferError
+from deepinfer.models import PROJECTION_STORAGE
+from deepinfer.models.layers import Fp8Linear
 from deepinfer.validate import EXPERT_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
@@ -110,6 +112,7 @@ class StepConfig:
     graphs: bool = True
     seed: int = 0
     expert_act_quant: bool = False      # W4A8 experts (LLM(expert_act_quant=True)); FP4 storage only
+    projection_storage: str = "dense"   # "fp8": the release's FP8 projections kept FP8 (fp8_linear, W8A8)
 
     def __post_init__(self):
         if self.expert_act_quant and self.expert_storage != "fp4":
@@ -120,6 +123,9 @@ class StepConfig:
                 raise DeepInferError(f"--{name.replace('_', '-')} must be at least 1")
         if self.warmup < 0:
             raise DeepInferError("--warmup must be at least 0")
+        if self.projection_storage not in PROJECTION_STORAGE:
+            raise DeepInferError(f"--projection-storage {self.projection_storage!r}: use one of "
+                                 f"{', '.join(PROJECTION_STORAGE)}")
         if self.expert_storage not in EXPERT_STORAGE:
             raise DeepInferError(f"--expert-storage {self.expert_storage!r}: use one of {', '.join(EXPERT_STORAGE)}")
         parse_dtype(self.dtype)
@@ -136,8 +142,10 @@ class StepConfig:
         d = asdict(self)
         for k in ("batches", "contexts", "prefill"):
             d.pop(k)
-        if not d["expert_act_quant"]:      # runs from before the option compare equal
+        if not d["expert_act_quant"]:      # runs from before these options compare equal
             d.pop("expert_act_quant")
+        if d["projection_storage"] == "dense":
+            d.pop("projection_storage")
         return d
 
     def to_dict(self) -> dict:
@@ -156,6 +164,8 @@ class StepConfig:
             args["kernel_backend"] = self.kernel_backend
         if self.expert_act_quant:
             args["expert_act_quant"] = True
+        if self.projection_storage != "dense":
+            args["projection_storage"] = self.projection_storage
         return args
 
 
@@ -238,7 +248,8 @@ def inventory(model, excluded: tuple[str, ...] = EXCLUDED_PREFIXES) -> Inventory
                 inv.tables.append((f"{name}.{tname}", row_bytes, t.shape[0], _lookups_per_row(module, cfg)))
                 continue
             inv.dense_bytes += nbytes
-            if t.dim() >= 2 and t.is_floating_point():
+            block_scales = isinstance(module, Fp8Linear) and tname == "scale"      # read, but no MACs
+            if t.dim() >= 2 and t.is_floating_point() and not block_scales:
                 if name == "head":
                     inv.head_params += t.numel()
                 else:
@@ -514,7 +525,8 @@ def check_model(spec: str, expert_storage: str = "dense") -> None:
 def build_engine(cfg: StepConfig):
     from deepinfer import LLM
     from deepinfer.validate import resolve_model
-    model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage)
+    model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage,
+                          projection_storage=cfg.projection_storage)
     return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, **cfg.engine_args())
 
 
@@ -641,7 +653,8 @@ def _identity(cfg: StepConfig, llm, run_name: str, storage: str, probe_cls, ceil
     return {"schema_version": SCHEMA_VERSION, "method_version": STEP_METHOD_VERSION, "bench": "step",
             "mode": "step", "run_id": run_name, "model": cfg.model, "model_type": mcfg.model_type,
             "layers": mcfg.num_hidden_layers, "config_hash": mcfg.config_hash(), "precision": cfg.dtype,
-            "expert_storage": storage, "expert_act_quant": cfg.expert_act_quant, "kernel_backend": backend,
+            "expert_storage": storage, "expert_act_quant": cfg.expert_act_quant,
+            "projection_storage": cfg.projection_storage, "kernel_backend": backend,
             "kernel_backends": backends,
             "device": cfg.device, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
             "hardware_info": env["hardware"], "engine": "deepinfer", "git_sha": env["git"]["sha"],

@@ -87,7 +87,8 @@ def build_llm(cfg: SweepConfig, device: str | None = None):
     from deepinfer import LLM
     from deepinfer.validate import resolve_model
     args, device = dict(cfg.engine_args), device or cfg.device
-    model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"))
+    model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"),
+                          projection_storage=args.get("projection_storage", "dense"))
     return LLM(model=model, device=device, dtype=cfg.dtype, seed=cfg.seed, **args)
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks
+from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, e8m0_to_float
 
 from ..errors import CheckpointError
 from ..models.engram import dequantize_engram_rows
-from ..models.layers import Linear, QuantizedWeight
+from ..models.layers import Fp8Linear, Linear, QuantizedWeight
 from .names import V41, EXPERTS_HF, checkpoint_tensors, ds_to_hf, hf_to_ds, is_vision_tensor, split_expert_name
 from .random_init import ENGRAM_ROW_BLOCK, is_engram_table
 
@@ -206,8 +206,12 @@ class CheckpointLoader:
                 stem = name.rsplit(".", 1)[-1]
                 if stem in EXPERTS_HF:
                     return self._take_hf_experts(name, key, tensor, path)
+                if self._fp8_module(name) is not None:
+                    return self._take_fp8(name, tensor, path)
                 return self._assign(name, tensor, key, path)
             key = name   # V4.1: DeepSeek's names behind the prefix; quantized tensors as below
+        if self._fp8_module(key) is not None:
+            return self._take_fp8(key, tensor, path)
         resident = self._resident_target(key)
         if resident is not None:
             return self._take_resident(key, tensor, path, *resident)
@@ -257,6 +261,45 @@ class CheckpointLoader:
         self.seen.add(key)
         if is_scale:
             self._count_nonfinite(key, buf[j], "e8m0")
+
+    def _fp8_module(self, key: str) -> Fp8Linear | None:
+        """The Fp8Linear (projection_storage="fp8") whose `.weight` or `.scale` `key` names, else None."""
+        base, _, leaf = key.rpartition(".")
+        if leaf not in ("weight", "scale") or f"{base}.weight" not in self.targets:
+            return None
+        module = self.model.get_submodule(base)
+        return module if isinstance(module, Fp8Linear) else None
+
+    def _take_fp8(self, key: str, tensor: torch.Tensor, path: Path) -> None:
+        """An FP8-resident projection (projection_storage="fp8") keeps the release's bytes: the e4m3 weight as
+        it is, its block scale as float32 (exact for e8m0)."""
+        module = self._fp8_module(key)
+        if key in self.seen:
+            raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+        if key.endswith(".scale"):
+            if tensor.dtype not in SCALE_DTYPES:
+                raise CheckpointError(f"{path}: scale {key} has dtype {tensor.dtype}, expected float8_e8m0fnu "
+                                      f"(e8m0) or float32")
+            self._copy_fp8_part(key, module.scale, tensor, path,
+                                e8m0_to_float(tensor) if tensor.dtype in (torch.uint8, torch.float8_e8m0fnu)
+                                else tensor.to(torch.float32))
+            return
+        if tensor.dtype == torch.float8_e4m3fn:
+            self._copy_fp8_part(key, module.weight, tensor, path, tensor)
+            return
+        raise CheckpointError(f"{path}: tensor {key} has dtype {tensor.dtype}, but projection_storage='fp8' keeps "
+                              f"the release's FP8 projections, which needs it stored float8_e4m3fn with a .scale; "
+                              f"load with projection_storage='dense'")
+
+    def _copy_fp8_part(self, key: str, dest: torch.Tensor, tensor: torch.Tensor, path: Path,
+                       value: torch.Tensor) -> None:
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise CheckpointError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                                  f" (FP8 weight [out, in] / scale per 128x128 block)")
+        with torch.no_grad():
+            dest.copy_(value)
+        self.seen.add(key)
+        self._count_nonfinite(key, dest, "fp8" if dest.dtype == torch.float8_e4m3fn else "float")
 
     def _maybe_dequant(self, name: str, path: Path) -> None:
         p = self.pending[name]
@@ -367,8 +410,9 @@ class CheckpointLoader:
         if kind == "e8m0":       # uint8 ops only: every device has them for any byte tensor
             term = (loaded.view(torch.uint8) == 0xFF).sum()
             self._nan_scales = term if self._nan_scales is None else self._nan_scales + term
-        else:
-            term = loaded.sum(dtype=torch.float64 if loaded.dtype == torch.float64 else torch.float32)
+        else:                    # "fp8": e4m3 bytes have no sum of their own; NaN codes become float NaN
+            values = loaded.to(torch.float32) if kind == "fp8" else loaded
+            term = values.sum(dtype=torch.float64 if values.dtype == torch.float64 else torch.float32)
             self._nonfinite = term if self._nonfinite is None else self._nonfinite + term
         self._finite_checked.append((key, loaded, kind))
 
@@ -421,7 +465,7 @@ def _nonfinite_count(t: torch.Tensor, kind: str = "float") -> int:
     """Exact number of NaN/inf values of `t` (kind "e8m0": of 0xFF bytes); only run to locate a bad tensor."""
     if kind == "e8m0":
         return int((t.view(torch.uint8) == 0xFF).sum())
-    return int(t.numel() - torch.isfinite(t).sum())
+    return int(t.numel() - torch.isfinite(t.to(torch.float32) if kind == "fp8" else t).sum())
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, keep_quantized: bool = False) -> None:

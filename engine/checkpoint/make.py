@@ -56,7 +56,8 @@ def random_model(arch: str, preset: str, seed: int, layers: int | None = None, d
                  engram_vocab_size: int | None = None, **options) -> torch.nn.Module:
     """Build a preset model on `device` and fill it from `seed` (no files involved; a V4.1 model comes bound
     to its tokenizer). bf16 loses nothing: every stored value is bf16-representable (FP8/FP4 dequantize
-    exactly). `options` go to the model class (V4.1: expert_storage="fp4")."""
+    exactly). `options` go to build_model (projection_storage="fp8") and the model class (V4.1:
+    expert_storage="fp4")."""
     cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
     return _random_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant, **options)
 
@@ -91,7 +92,8 @@ def embedded_tiny_dir(arch: str = "deepseek_v41", seed: int = 0) -> Path:
     return out
 
 
-def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str = "dense", qat: bool = True):
+def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str = "dense", qat: bool = True,
+                        projection_storage: str = "dense"):
     """random:ARCH:PRESET:LAYERS -> a model with seed-0 random weights built on the device (V4.1: engram tables
     reduced to 1000 rows), its tokenizer written to a temporary directory (LLM reads tokenizer.json from
     model.checkpoint_dir). For benchmarks of released widths without writing a checkpoint."""
@@ -105,6 +107,7 @@ def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str 
                              f"e.g. random:deepseek_v41:flash:4")
     _, arch, preset, layers = parts
     options = {"expert_storage": expert_storage} if arch == "deepseek_v41" else {}
+    options["projection_storage"] = projection_storage
     engram = {"engram_vocab_size": 1000} if arch == "deepseek_v41" else {}
     model = random_model(arch, preset, 0, int(layers), device, parse_dtype(dtype), qat, **engram, **options)
     cfg, tokenizer = preset_model_config(arch, preset, int(layers), **engram)

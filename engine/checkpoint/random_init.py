@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
+from deepinfer.kernels.quant import (dequantize_fp4, dequantize_fp8_blocks, e8m0_to_float, quantize_fp4,
+                                     quantize_fp8_blocks)
 
 from .names import checkpoint_tensors
 
@@ -91,7 +92,15 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         if _is_resident_fp4(name):
             _sample_resident_fp4(name, t, gen)
             continue
+        if _is_fp8_resident_scale(name, tensors):
+            continue           # filled with its weight, below: the weights' draws are the dense model's
         value = _sample(name, t.shape, cfg, gen, device)
+        if t.dtype == torch.float8_e4m3fn:       # projection_storage="fp8": the bytes the release would hold
+            w, scale = quantize_fp8_blocks(value, quant.weight_block_size, quant.scale_fmt)
+            t.copy_(w)
+            tensors[name[: -len("weight")] + "scale"].copy_(
+                e8m0_to_float(scale) if scale.dtype == torch.float8_e8m0fnu else scale)
+            continue
         if not t.dtype.is_floating_point:
             t.copy_(value)
             continue
@@ -111,6 +120,12 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         elif not is_fp32_tensor(name, family):
             value = value.to(torch.bfloat16)
         t.copy_(value.to(t.dtype))
+
+
+def _is_fp8_resident_scale(name: str, tensors: dict) -> bool:
+    """An FP8-resident projection's `.scale` (projection_storage="fp8"): its weight is float8_e4m3fn."""
+    weight = tensors.get(name[: -len("scale")] + "weight") if name.endswith(".scale") else None
+    return weight is not None and weight.dtype == torch.float8_e4m3fn
 
 
 def _is_resident_fp4(name: str) -> bool:

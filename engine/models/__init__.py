@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import DeepInferError
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .deepseek_v41 import DeepseekV41ForCausalLM
+from .layers import FP8_BLOCK, Fp8Linear, fp8_projections
 from .rope import RotaryEmbedding
 
 MODEL_CLASSES = {"deepseek_v4": DeepseekV4ForCausalLM, "deepseek_v41": DeepseekV41ForCausalLM}
 
 
 def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                qat_fake_quant: bool = True, **options) -> torch.nn.Module:
+                qat_fake_quant: bool = True, projection_storage: str = "dense", **options) -> torch.nn.Module:
     """Allocate the model on `device` without initializing it (weights come from a checkpoint or
-    init_random_weights); built on the meta device first so nothing is materialized twice."""
+    init_random_weights); built on the meta device first so nothing is materialized twice.
+    projection_storage="fp8": the projections the release stores as FP8 blocks stay FP8 (layers.Fp8Linear,
+    DeepSeek's W8A8 recipe; wo_a excepted, as DeepSeek's reference runs it); "dense" (default): every weight in
+    the compute dtype, as transformers runs them."""
+    check_projection_storage(projection_storage, cfg)
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.model_type](cfg, dtype=dtype, qat_fake_quant=qat_fake_quant, **options)
+        if projection_storage == "fp8":
+            from ..checkpoint.random_init import is_fp8_weight
+            # wo_a stays dense: DeepSeek's convert.py dequantizes it, its grouped einsum runs in BF16
+            fp8_projections(model, lambda name: is_fp8_weight(name, cfg.model_type), keep_dense=("attn.wo_a",))
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -24,4 +34,29 @@ def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = to
     return model.eval()
 
 
-__all__ = ["MODEL_CLASSES", "build_model", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"]
+PROJECTION_STORAGE = ("dense", "fp8")
+
+
+def check_projection_storage(projection_storage, cfg=None) -> str:
+    """'dense' or 'fp8' (with a config: 'fp8' needs the release's FP8 projections, 128x128 blocks)."""
+    if projection_storage not in PROJECTION_STORAGE:
+        raise DeepInferError(f"projection_storage={projection_storage!r} is not supported; use 'dense' or 'fp8'")
+    if projection_storage == "fp8" and cfg is not None:
+        quant = cfg.quant
+        if quant is None:
+            raise DeepInferError("projection_storage='fp8' keeps the release's FP8 projections, but this config "
+                                 "declares none (no quantization_config); use projection_storage='dense'")
+        if tuple(quant.weight_block_size) != (FP8_BLOCK, FP8_BLOCK):
+            raise DeepInferError(f"projection_storage='fp8' runs 128x128 weight blocks (V4's); this config has "
+                                 f"weight_block_size={list(quant.weight_block_size)} (V4.1's 32x32 blocks have no "
+                                 f"fp8_linear kernel yet): use projection_storage='dense'")
+    return projection_storage
+
+
+def projection_storage_of(model: torch.nn.Module) -> str:
+    """How a built model holds its FP8-in-the-release projections."""
+    return "fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else "dense"
+
+
+__all__ = ["MODEL_CLASSES", "PROJECTION_STORAGE", "build_model", "check_projection_storage", "projection_storage_of",
+           "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"]

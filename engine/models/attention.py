@@ -10,7 +10,6 @@ from torch import nn
 
 from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
 from deepinfer.kernels.indexer import sparse_index_scores, top_k_indices
-from deepinfer.kernels.matmul import grouped_linear
 from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.rope import apply_rope
@@ -78,8 +77,7 @@ class LatentAttention(nn.Module):
         position, then grouped wo_a (one [R, H*d/G] block per group of heads) and wo_b."""
         o = apply_rope(o, cos, sin, inverse=True)
         grouped = o.view(o.shape[0], self.o_groups, -1)                           # [N, G, H*d/G]
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])           # [G, R, H*d/G]
-        return self.wo_b(grouped_linear(grouped.to(w.dtype), w).flatten(1))
+        return self.wo_b(self.wo_a.grouped(grouped).flatten(1))                   # wo_a: [G*R, H*d/G]
 
 
 class Attention(LatentAttention):
@@ -209,7 +207,7 @@ class Attention(LatentAttention):
     def final_entries(self, new: torch.Tensor, quantize) -> torch.Tensor:
         """Pooled entries [n, dim] (Compressor.entries) -> their stored form: compute dtype, then `quantize`
         (_quantize_entry for the KV stream, _quantize_index for the indexer keys)."""
-        return quantize(new.to(self.wkv.weight.dtype))
+        return quantize(new.to(self.wkv.dtype))
 
     def _quantize_entry(self, entries: torch.Tensor) -> torch.Tensor:
         return qat.quantize_kv_latent(entries, self.rope_dim) if self.qat_fake_quant else entries

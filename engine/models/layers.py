@@ -7,9 +7,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.kernels.matmul import linear
+from deepinfer.kernels.fp8_linear import BLOCK as FP8_BLOCK
+from deepinfer.kernels.fp8_linear import fp8_linear
+from deepinfer.kernels.matmul import grouped_linear, linear
 from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.precision import upcast
+from deepinfer.kernels.quant import dequantize_fp8_blocks
+
+from ..errors import DeepInferError
 
 
 @dataclass
@@ -30,12 +35,62 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.quantized: QuantizedWeight | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the output."""
+        return self.weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x.to(self.weight.dtype), self.weight)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, G, in/G] -> [N, G, out/G]: group g of every row times rows g*out/G.. of W (V4's grouped wo_a)."""
+        w = self.weight.view(x.shape[1], -1, x.shape[-1])                        # [G, out/G, in/G]
+        return grouped_linear(x.to(w.dtype), w)
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """In >= fp32 whatever the weight dtype: the LM heads (DeepSeek's reference computes logits in fp32)."""
         return linear(upcast(x), upcast(self.weight))
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T with W kept as the release stores it (projection_storage="fp8"): weight float8_e4m3fn [out, in]
+    and one float32 scale per 128x128 block, scale [ceil(out/128), ceil(in/128)] (checkpoint names `.weight`,
+    `.scale`). Runs `fp8_linear`: DeepSeek's W8A8 recipe, the activations quantized to e4m3 per 1x128 block with
+    power-of-two scales, fp32 accumulation, output in the compute dtype. Half the bytes of a bf16 weight."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK),
+                                              dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x.to(self.dtype), self.weight, self.scale, self.dtype)
+
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(upcast(x), self.weight, self.scale, torch.float32)
+
+    def dequantized(self) -> torch.Tensor:
+        """W [out, in] in the compute dtype (exact: e4m3 values times powers of two fit bf16)."""
+        return dequantize_fp8_blocks(self.weight, self.scale, (FP8_BLOCK, FP8_BLOCK), self.dtype)
+
+
+def fp8_projections(model: nn.Module, is_fp8, keep_dense: tuple[str, ...] = ()) -> list[str]:
+    """Swap every Linear whose `<name>.weight` is FP8 in the release (`is_fp8(checkpoint name)`) for an Fp8Linear
+    of the same shape and compute dtype, in place, before the weights are allocated (meta device) or loaded;
+    names ending in one of `keep_dense` stay dense. Returns the swapped module names."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear) or not is_fp8(f"{name}.weight") or name.endswith(keep_dense):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf,
+                Fp8Linear(module.in_features, module.out_features, module.weight.dtype))
+        swapped.append(name)
+    return swapped
 
 
 class RMSNorm(nn.Module):
