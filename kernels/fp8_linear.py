@@ -2,7 +2,9 @@
 
 Weights W [N, K] float8_e4m3fn with one scale per 128x128 block, w_scale [ceil(N/128), ceil(K/128)] (e8m0 bytes:
 uint8 / float8_e8m0fnu, scale = 2^(b-127); or float32). Activations x [M, K] are quantized on the fly per 1x128
-block along K, as quant.fake_quant_fp8(round_scale=True) (DeepSeek's act_quant with ue8m0 scales):
+block along K, as quant.fake_quant_fp8(round_scale=True) (DeepSeek's act_quant with ue8m0 scales). The formulas
+below are written for V4's block of 128; `block=32` (V4.1's release: 32x32 weight blocks, activations per 1x32)
+is the same recipe with 32 for 128 everywhere (the Triton GEMM then steps K by 32, see KERNEL_BLOCKS):
 
     scale_x[m, b] = 2^ceil(log2(max(amax_b(x[m]), 1e-4) * float32(1/448)))
     x_fp8[m, k]   = e4m3(clamp(x[m, k] / scale_x[m, k // 128], -448, 448))          (round to nearest even)
@@ -56,7 +58,11 @@ except ImportError:                     # pragma: no cover - exercised where tri
 else:
     from .e4m3_triton import quant_tile
 
-BLOCK = 128                 # scale block: 1x128 for activations, 128x128 for weights
+BLOCK = 128                 # scale block: 1x128 for activations, 128x128 for weights (V4); V4.1: 32
+BLOCKS = (32, 128)          # the scale blocks the op runs
+KERNEL_BLOCKS = (128,)      # the ones the Triton GEMM runs on a GPU: 32 passes in the interpreter and compiles for
+                            # sm_90, not yet run on a GPU (tests/test_kernels_fp8_linear.py -m gpu), so it runs the
+                            # reference there until it has
 DECODE_MAX_M = 64           # triton: rows up to this many take the decode path
 DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
 PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
@@ -75,10 +81,10 @@ def quantize_act_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor,
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] (activations, quantized per 1x128 inside) @ dequant(w_fp8 [N, K], w_scale [ceil(N/128),
-    ceil(K/128)])^T -> [..., N] in out_dtype (default x.dtype)."""
-    return call("fp8_linear")(x, w_fp8, w_scale, out_dtype)
+               out_dtype: torch.dtype | None = None, block: int = BLOCK) -> torch.Tensor:
+    """x [..., K] (activations, quantized per 1 x block inside) @ dequant(w_fp8 [N, K], w_scale [ceil(N/block),
+    ceil(K/block)])^T -> [..., N] in out_dtype (default x.dtype). block: 128 (V4's release) or 32 (V4.1's)."""
+    return call("fp8_linear")(x, w_fp8, w_scale, out_dtype, block)
 
 
 # ------------------------------------------------------------------------------------------------ torch
@@ -93,29 +99,31 @@ def _act_quant_ref(x, block=BLOCK):
     return q, scale.squeeze(-1)
 
 
-def _check(x, w_fp8, w_scale):
+def _check(x, w_fp8, w_scale, block):
     N, K = w_fp8.shape
     if x.shape[-1] != K:
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} channels, the weight {K}")
-    want = (-(-N // BLOCK), -(-K // BLOCK))
+    if block not in BLOCKS:
+        raise ValueError(f"fp8_linear: block {block} is not one of {BLOCKS}")
+    want = (-(-N // block), -(-K // block))
     if tuple(w_scale.shape) != want:
         raise ValueError(f"fp8_linear: weight scale {tuple(w_scale.shape)} does not match {want} for {(N, K)}")
 
 
 @implements("fp8_linear", "reference")
-def _fp8_linear_ref(x, w_fp8, w_scale, out_dtype=None):
-    _check(x, w_fp8, w_scale)
+def _fp8_linear_ref(x, w_fp8, w_scale, out_dtype=None, block=BLOCK):
+    _check(x, w_fp8, w_scale, block)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    q, s = _act_quant_ref(x)
-    xd = (q.to(torch.float32) * s.repeat_interleave(BLOCK, dim=-1)[..., :x.shape[-1]]).to(work)
-    wd = dequantize_fp8_blocks(w_fp8, w_scale, (BLOCK, BLOCK), torch.float32).to(work)
+    q, s = _act_quant_ref(x, block)
+    xd = (q.to(torch.float32) * s.repeat_interleave(block, dim=-1)[..., :x.shape[-1]]).to(work)
+    wd = dequantize_fp8_blocks(w_fp8, w_scale, (block, block), torch.float32).to(work)
     return F.linear(xd, wd).to(out_dtype or x.dtype)
 
 
 @implements("fp8_linear", "invariant")
-def _fp8_linear_tiles(x, w_fp8, w_scale, out_dtype=None):
+def _fp8_linear_tiles(x, w_fp8, w_scale, out_dtype=None, block=BLOCK):
     flat = x.reshape(-1, x.shape[-1])
-    y = row_tiles(lambda t: _fp8_linear_ref(t, w_fp8, w_scale, out_dtype), flat)
+    y = row_tiles(lambda t: _fp8_linear_ref(t, w_fp8, w_scale, out_dtype, block), flat)
     return y.view(*x.shape[:-1], w_fp8.shape[0])
 
 
@@ -144,9 +152,11 @@ if triton is not None:
                          SOFT_CVT: tl.constexpr):
         """y [S, M, N] (S = splits; y_ptr offset by stride_ys per split) = this split's K-blocks of the recipe.
 
-        Program (p, s): output tile p (grouped order) over K-blocks [s*KB_PER_SPLIT, +KB_PER_SPLIT).
-        FUSE_QUANT: x_ptr holds the activations in their float dtype, quantized here per [BLOCK_M, 128];
-        else x_ptr holds x_fp8 and sx_ptr its scales [M, nb]. w [N, K] fp8, sw [ceil(N/128), nb] e8m0 / fp32."""
+        Program (p, s): output tile p (grouped order) over K-blocks [s*KB_PER_SPLIT, +KB_PER_SPLIT). BLOCK_K is
+        the scale block (128 or 32): one K step per block of scales.
+        FUSE_QUANT: x_ptr holds the activations in their float dtype, quantized here per [BLOCK_M, BLOCK_K];
+        else x_ptr holds x_fp8 and sx_ptr its scales [M, nb]. w [N, K] fp8, sw [ceil(N/BLOCK_K), nb] e8m0 /
+        fp32: one scale per tile when BLOCK_N <= BLOCK_K (it divides it), one per column block otherwise."""
         pid = tl.program_id(0)
         num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         per_group = GROUP * num_n
@@ -158,7 +168,11 @@ if triton is not None:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
         row_ok, col_ok = rows < M, cols < N
-        sw_row = sw_ptr + ((pid_n * BLOCK_N) // 128) * stride_sw            # BLOCK_N divides 128
+        SW_VEC: tl.constexpr = BLOCK_N > BLOCK_K
+        if SW_VEC:
+            sw_rows = sw_ptr + (cols // BLOCK_K).to(tl.int64) * stride_sw   # [BLOCK_N]: the column's scale row
+        else:
+            sw_rows = sw_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_sw   # BLOCK_N divides BLOCK_K
         kb0 = tl.program_id(1) * KB_PER_SPLIT
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(0, KB_PER_SPLIT):               # the last split may run past NKB: masked, adds zeros
@@ -176,14 +190,21 @@ if triton is not None:
                 sx = tl.where(kb_ok, tl.load(sx_ptr + rows64 * stride_sx + kbc, mask=row_ok, other=0.0), 0.0)
             wt = tl.load(w_ptr + cols64[None, :] * stride_w + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
                          other=0.0)                                          # [BLOCK_K, BLOCK_N], K-major
+            if SW_VEC:
+                raw = tl.load(sw_rows + kbc, mask=col_ok, other=0)
+            else:
+                raw = tl.load(sw_rows + kbc)
             if SW_E8M0:
-                b = tl.where(kb_ok, tl.load(sw_row + kbc).to(tl.int32), 0)
+                b = tl.where(kb_ok, raw.to(tl.int32), 0)
                 sbits = tl.where(b == 0, 0x400000, tl.where(b == 255, 0x7FC00000, b << 23))
                 sw = sbits.to(tl.float32, bitcast=True)
             else:
-                sw = tl.where(kb_ok, tl.load(sw_row + kbc), 0.0)
+                sw = tl.where(kb_ok, raw, 0.0)
             part = tl.dot(xq, wt)                                            # fp32 [BLOCK_M, BLOCK_N]
-            acc += part * (sx[:, None] * sw)
+            if SW_VEC:
+                acc += part * (sx[:, None] * sw[None, :])
+            else:
+                acc += part * (sx[:, None] * sw)
         out = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys + rows64[:, None] * stride_y + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -231,17 +252,18 @@ if triton is not None:
         splits = max(1, min(nkb, _sm_count(device) // tiles))
         return triton.cdiv(nkb, splits)
 
-    def _fp8_linear_2d(x2, w_fp8, w_scale, out_dtype, cfg: dict, fuse: bool, kb_per_split: int | None):
+    def _fp8_linear_2d(x2, w_fp8, w_scale, out_dtype, cfg: dict, fuse: bool, kb_per_split: int | None,
+                       block: int = BLOCK):
         """x2 [M, K] -> [M, N] with one tile config; kb_per_split None: no split."""
         M, K = x2.shape
         N = w_fp8.shape[0]
-        nkb = triton.cdiv(K, BLOCK)
+        nkb = triton.cdiv(K, block)
         kb_per_split = kb_per_split or nkb
         splits = triton.cdiv(nkb, kb_per_split)
         if fuse:
             xk, sx = x2, x2                                      # sx unused
         else:
-            xk, sx = _act_quant_triton_2d(x2, BLOCK)
+            xk, sx = _act_quant_triton_2d(x2, block)
         e8m0 = w_scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
         sw = w_scale.view(torch.uint8) if e8m0 else w_scale.to(torch.float32)
         if w_fp8.stride(-1) != 1:
@@ -253,14 +275,15 @@ if triton is not None:
         _fp8_gemm_kernel[grid](
             xk, sx, w_fp8, sw, y, M, N, K, nkb, kb_per_split,
             xk.stride(0), sx.stride(0), w_fp8.stride(0), sw.stride(0), y.stride(0), y.stride(1),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP=1 if fuse else GROUP_M,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block, GROUP=1 if fuse else GROUP_M,
             FUSE_QUANT=fuse, SW_E8M0=e8m0, SOFT_CVT=_INTERPRET,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return y[0] if splits == 1 else y.sum(0).to(out_dtype)       # second pass: splits summed in order
 
-    def _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant: bool, path: str | None = None):
+    def _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant: bool, path: str | None = None,
+                               block: int = BLOCK):
         """path (tests): "decode" | "prefill" | "invariant" forces a configuration; None picks it from M."""
-        _check(x, w_fp8, w_scale)
+        _check(x, w_fp8, w_scale, block)
         out_dtype = out_dtype or x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         M, (N, K) = x2.shape[0], w_fp8.shape
@@ -273,22 +296,23 @@ if triton is not None:
         else:
             cfg, fuse = {"decode": (DECODE_CONFIG, True), "prefill": (PREFILL_CONFIG, False),
                          "prefill_wide": (PREFILL_WIDE_CONFIG, False), "invariant": (INVARIANT_CONFIG, False)}[path]
-        kb_per_split = _split_k(M, N, triton.cdiv(K, BLOCK), cfg, x.device) if fuse else None
-        y = _fp8_linear_2d(x2, w_fp8, w_scale, out_dtype, cfg, fuse, kb_per_split)
+        kb_per_split = _split_k(M, N, triton.cdiv(K, block), cfg, x.device) if fuse else None
+        y = _fp8_linear_2d(x2, w_fp8, w_scale, out_dtype, cfg, fuse, kb_per_split, block)
         return y.view(*x.shape[:-1], N)
 
-    def _supported(x, w_fp8, w_scale) -> bool:
+    def _supported(x, w_fp8, w_scale, block) -> bool:
         return (_on_triton(x, w_fp8, w_scale) and w_fp8.dtype == torch.float8_e4m3fn
-                and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+                and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                and (block in KERNEL_BLOCKS or (_INTERPRET and block in BLOCKS)))
 
     @implements("fp8_linear", "triton")
-    def _fp8_linear_triton(x, w_fp8, w_scale, out_dtype=None):
-        if not _supported(x, w_fp8, w_scale):
-            return _fp8_linear_ref(x, w_fp8, w_scale, out_dtype)
-        return _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant=False)
+    def _fp8_linear_triton(x, w_fp8, w_scale, out_dtype=None, block=BLOCK):
+        if not _supported(x, w_fp8, w_scale, block):
+            return _fp8_linear_ref(x, w_fp8, w_scale, out_dtype, block)
+        return _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant=False, block=block)
 
     @implements("fp8_linear", "triton_invariant")
-    def _fp8_linear_triton_invariant(x, w_fp8, w_scale, out_dtype=None):
-        if not _supported(x, w_fp8, w_scale):
-            return _fp8_linear_tiles(x, w_fp8, w_scale, out_dtype)
-        return _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant=True)
+    def _fp8_linear_triton_invariant(x, w_fp8, w_scale, out_dtype=None, block=BLOCK):
+        if not _supported(x, w_fp8, w_scale, block):
+            return _fp8_linear_tiles(x, w_fp8, w_scale, out_dtype, block)
+        return _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant=True, block=block)

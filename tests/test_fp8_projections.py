@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,11 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams, load_model
-from deepinfer.checkpoint.make import random_model
-from deepinfer.checkpoint.random_init import FP8_WEIGHTS
+from deepinfer.checkpoint.make import make_checkpoint, random_model
+from deepinfer.checkpoint.random_init import FP8_WEIGHTS, FP8_WEIGHTS_V41
 from deepinfer.errors import DeepInferError
 from deepinfer.kernels.quant import fake_quant_fp8
-from deepinfer.models import projection_storage_of
+from deepinfer.config.presets import TINY_V4
+from deepinfer.models import build_model, projection_storage_of
 from deepinfer.models.layers import Fp8Linear, Linear
 
 
@@ -22,24 +24,26 @@ def _fp8_modules(model) -> dict[str, Fp8Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
 
 
-@pytest.fixture(scope="module")
-def pair():
-    """The tiny V4 preset, seed 0, dense and FP8-resident (float32 compute)."""
+@pytest.fixture(scope="module", params=["deepseek_v4", "deepseek_v41"])
+def pair(request):
+    """A tiny preset (V4: 128x128 blocks, V4.1: 32x32), seed 0, dense and FP8-resident (float32 compute)."""
     kw = dict(device="cpu", dtype=torch.float32)
-    return random_model("deepseek_v4", "tiny", 0, **kw), random_model("deepseek_v4", "tiny", 0, projection_storage="fp8",
-                                                                      **kw)
+    return random_model(request.param, "tiny", 0, **kw), random_model(request.param, "tiny", 0,
+                                                                      projection_storage="fp8", **kw)
 
 
 def test_which_projections_turn_fp8(pair):
     dense, fp8 = pair
     swapped = _fp8_modules(fp8)
-    want = {n for n, m in dense.named_modules() if isinstance(m, Linear) and f"{n}.weight".endswith(FP8_WEIGHTS)
+    fp8_names = FP8_WEIGHTS_V41 if dense.cfg.model_type == "deepseek_v41" else FP8_WEIGHTS
+    want = {n for n, m in dense.named_modules() if isinstance(m, Linear) and f"{n}.weight".endswith(fp8_names)
             and not n.endswith("attn.wo_a")}
     assert set(swapped) == want and len(want) > 20
     assert isinstance(fp8.get_submodule("layers.0.attn.wo_a"), Linear)      # DeepSeek's reference runs it in BF16
     assert projection_storage_of(fp8) == "fp8" and projection_storage_of(dense) == "dense"
+    block = dense.cfg.quant.weight_block_size[0]
     for m in swapped.values():
-        assert m.weight.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.float32
+        assert m.weight.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.float32 and m.block == block
 
 
 def test_same_weights_as_the_dense_model(pair):
@@ -54,12 +58,12 @@ def test_same_weights_as_the_dense_model(pair):
 
 
 def test_projection_runs_the_w8a8_recipe(pair):
-    """Each FP8 projection computes fake_quant_fp8(x) @ dequant(W)^T (1x128 activation blocks, ue8m0)."""
+    """Each FP8 projection computes fake_quant_fp8(x) @ dequant(W)^T (1 x block activation scales, ue8m0)."""
     _, fp8 = pair
     m = fp8.get_submodule("layers.1.attn.wq_b")
     x = torch.randn(5, m.in_features, generator=torch.Generator().manual_seed(3))
-    padded = torch.nn.functional.pad(x, (0, 128 - m.in_features % 128))          # a ragged block: zeros add no amax
-    want = fake_quant_fp8(padded, 128, round_scale=True)[:, :m.in_features] @ m.dequantized().T
+    padded = torch.nn.functional.pad(x, (0, -m.in_features % m.block))           # a ragged block: zeros add no amax
+    want = fake_quant_fp8(padded, m.block, round_scale=True)[:, :m.in_features] @ m.dequantized().T
     got = m(x)
     assert got.dtype == torch.float32
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
@@ -67,21 +71,33 @@ def test_projection_runs_the_w8a8_recipe(pair):
 
 
 def test_logits_close_to_the_dense_model(pair):
-    """W8A8 against the dense (W8A16) model on the same weights: the whole forward's logits differ by the
-    activation quantization only (e4m3 keeps 3 mantissa bits: ~3% rms per activation, through 4 layers of
-    projections). Measured on this model: 0.104 of max |logit| (bound 0.2); the experts' A8 vs A16 is 4-6%."""
+    """W8A8 against the dense (W8A16) model on the same weights: the logits differ by the activation
+    quantization only (e4m3 keeps 3 mantissa bits: 2.7% rms per activation). Per position, |diff| / max |logit|,
+    measured over 40 tokens: V4 (4 layers) 0.045-0.155, 95% of argmaxes agree; V4.1 (10 layers) 0.088 at the first
+    position, up to 0.81 later, 55% agree. The tiny V4.1 model is that sensitive to any activation error: 2% rms
+    random noise at the same projections of the dense model moves its logits by up to 0.98 (65% agree), the
+    later positions through flipped top-k selections. Bounds: the first position (no selection yet) 0.2, the
+    whole sequence 0.25 (V4) / 1.0 (V4.1)."""
     dense, fp8 = pair
     ids = torch.randint(0, dense.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    a, b = dense.compute_logits(ids), fp8.compute_logits(ids)
-    rel = float((a - b).abs().max() / a.abs().max())
-    assert 0 < rel < 0.2
+    a, b = dense.compute_logits(ids)[0], fp8.compute_logits(ids)[0]
+    per_position = (a - b).abs().amax(-1) / a.abs().amax(-1)
+    assert 0 < per_position[0] < 0.2
+    assert per_position.max() < (1.0 if dense.cfg.model_type == "deepseek_v41" else 0.25)
 
 
-def test_load_checkpoint_fp8_resident(tiny_checkpoint_dir):
+@pytest.fixture(scope="module")
+def tiny_v41_checkpoint_dir(tmp_path_factory):
+    return make_checkpoint("deepseek_v41", "tiny", "deepseek", 0, tmp_path_factory.mktemp("v41") / "ckpt")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41"])
+def test_load_checkpoint_fp8_resident(arch, request):
     """DeepSeek's layout (FP8 e4m3 + e8m0 scales on disk) loads into the FP8 modules without a dequantize: the
-    values equal the dense load's, the rest of the model is identical."""
-    dense = load_model(tiny_checkpoint_dir)
-    fp8 = load_model(tiny_checkpoint_dir, projection_storage="fp8")
+    values equal the dense load's."""
+    ckpt = request.getfixturevalue("tiny_checkpoint_dir" if arch == "deepseek_v4" else "tiny_v41_checkpoint_dir")
+    dense = load_model(ckpt)
+    fp8 = load_model(ckpt, projection_storage="fp8")
     mods = _fp8_modules(fp8)
     assert mods
     for name, m in mods.items():
@@ -98,8 +114,10 @@ def test_llm_generates_with_fp8_projections(tiny_checkpoint_dir):
 def test_refusals(tiny_checkpoint_copy):
     with pytest.raises(DeepInferError, match=r"projection_storage='fp16' is not supported; use 'dense' or 'fp8'"):
         load_model(tiny_checkpoint_copy, projection_storage="fp16")
-    with pytest.raises(DeepInferError, match=r"weight_block_size=\[32, 32\].*use projection_storage='dense'"):
-        random_model("deepseek_v41", "tiny", 0, device="cpu", projection_storage="fp8")
+    odd = dataclasses.replace(TINY_V4, quant=dataclasses.replace(TINY_V4.quant, weight_block_size=(64, 64)))
+    with pytest.raises(DeepInferError, match=r"square weight blocks of 32 \(V4.1\) or 128 \(V4\); this config has "
+                                             r"weight_block_size=\[64, 64\]: use projection_storage='dense'"):
+        build_model(odd, projection_storage="fp8")
     dense = random_model("deepseek_v4", "tiny", 0, device="cpu", dtype=torch.float32)
     dense.checkpoint_dir = tiny_checkpoint_copy
     with pytest.raises(DeepInferError, match=r"does not match the model passed in.*'dense'"):

@@ -1,4 +1,4 @@
-"""The Triton expert kernel compiles for sm_90 on this CPU machine (Triton's bundled LLVM and ptxas need no GPU):
+"""The Triton expert kernel (and, last, the FP8 dense GEMM) compiles for sm_90 on this CPU machine (Triton's bundled LLVM and ptxas need no GPU):
 every weight format x numerics x declared tile configuration (BN as declared; the launch may narrow it to 16 / 32
 for small grids), including the tl.dot_scaled W4A8 path and the byte-table decode that Triton's interpreter cannot
 run. Catches a kernel that would fail to build on the H200 before a device is used."""
@@ -44,3 +44,24 @@ def test_expert_kernel_compiles_for_sm90(wfmt, a8, native, lut, config):
     assert kernel.metadata.shared <= 227 * 1024                 # fits an H200 SM's shared memory
     if config == "PREFILL":
         compile_expert_gemm(wfmt, a8, False, tiles, native, n=5120, k=2304, lut=lut)     # the down projection
+
+
+@pytest.mark.parametrize("block", [128, 32])
+@pytest.mark.parametrize("config,fuse", [("DECODE_CONFIG", True), ("PREFILL_CONFIG", False),
+                                         ("PREFILL_WIDE_CONFIG", False), ("INVARIANT_CONFIG", False)])
+def test_fp8_gemm_compiles_for_sm90(block, config, fuse):
+    """The FP8 block-scaled GEMM (kernels/fp8_linear.py) at V4's 128 and V4.1's 32 scale blocks, every tile
+    configuration: a BLOCK_N wider than the scale block reads one weight scale per column block."""
+    from deepinfer.kernels import fp8_linear as fl
+    cfg = getattr(fl, config)
+    signature = {"x_ptr": "*bf16" if fuse else "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8",
+                 "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "NKB": "i32", "stride_x": "i32",
+                 "stride_sx": "i32", "stride_w": "i32", "stride_sw": "i32", "stride_ys": "i32", "stride_y": "i32"}
+    consts = dict(KB_PER_SPLIT=4, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block,
+                  GROUP=1 if fuse else fl.GROUP_M, FUSE_QUANT=fuse, SW_E8M0=True, SOFT_CVT=False)
+    signature.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(fl._fp8_gemm_kernel, signature, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    assert "warp_group_dot" in kernel.asm["ttgir"] or "mma" in kernel.asm["ttgir"]
+    assert kernel.metadata.shared <= 227 * 1024

@@ -52,24 +52,24 @@ def acts(m, k, seed=0, dtype=torch.float32):
     return (x * 1e-2 if dtype == torch.float16 else x).to(dtype)          # float16: stay below its 65504
 
 
-def weights(n, k, fmt, seed=1):
-    """float8 W [n, k] and its block scales in `fmt`: e8m0 (float8_e8m0fnu), uint8 (e8m0 bytes) or fp32."""
+def weights(n, k, fmt, seed=1, block=128):
+    """float8 W [n, k] and its block x block scales in `fmt`: e8m0 (float8_e8m0fnu), uint8 (e8m0 bytes) or fp32."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n).view(n, 1) * 0.05
-    q, s = quantize_fp8_blocks(w, scale_fmt="float32" if fmt == "fp32" else "ue8m0")
+    q, s = quantize_fp8_blocks(w, (block, block), scale_fmt="float32" if fmt == "fp32" else "ue8m0")
     return q, (s.view(torch.uint8) if fmt == "uint8" else s)
 
 
-def formula64(x, w8, ws):
+def formula64(x, w8, ws, block=128):
     """The recipe in float64, independently of the module: sum_b (x8 . w8)_b * sx_b * sw_b; and the error norm
     |x_deq| @ |W_deq|^T. Returns (y64 [M, N], norm [M, N], x8 [M, K] float64, sx [M, nb] float64)."""
     M, K = x.shape
-    N, nb = w8.shape[0], -(-K // 128)
-    xb = torch.nn.functional.pad(x.double(), (0, nb * 128 - K)).view(M, nb, 128)
+    N, nb = w8.shape[0], -(-K // block)
+    xb = torch.nn.functional.pad(x.double(), (0, nb * block - K)).view(M, nb, block)
     amax = xb.abs().amax(-1).float()                                       # exact in fp32 (x is fp32 or narrower)
     sx = torch.tensor([[2.0 ** math.ceil(math.log2(max(a, 1e-4) / 448.0)) for a in row] for row in amax.tolist()],
                       dtype=torch.float64)
-    x8 = (xb / sx[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).double().view(M, nb * 128)[:, :K]
+    x8 = (xb / sx[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).double().view(M, nb * block)[:, :K]
     if ws.dtype in (torch.uint8, torch.float8_e8m0fnu):
         sw = torch.exp2(ws.view(torch.uint8).double() - 127)
     else:
@@ -77,8 +77,8 @@ def formula64(x, w8, ws):
     y = torch.zeros(M, N, dtype=torch.float64)
     norm = torch.zeros(M, N, dtype=torch.float64)
     for b in range(nb):
-        ks = slice(b * 128, min(K, b * 128 + 128))
-        swb = sw[:, b].repeat_interleave(128)[:N]                           # [N]
+        ks = slice(b * block, min(K, b * block + block))
+        swb = sw[:, b].repeat_interleave(block)[:N]                         # [N]
         y += (x8[:, ks] @ w8[:, ks].double().T) * sx[:, b:b + 1] * swb
         norm += (x8[:, ks].abs() @ w8[:, ks].double().abs().T) * sx[:, b:b + 1] * swb
     return y, norm, x8, sx
@@ -132,6 +132,23 @@ def test_reference_matches_float64_formula(m, n, k, fmt):
         bf = fl.fp8_linear(x.bfloat16(), w8, ws)
     assert bf.dtype == torch.bfloat16
     assert torch.equal(bf, fl._fp8_linear_ref(x.bfloat16(), w8, ws, torch.float32).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", SCALE_FMTS)
+@pytest.mark.parametrize("m,n,k", [(1, 32, 32), (7, 200, 300), (33, 96, 160), (5, 130, 1000)])
+def test_reference_block32_matches_float64_formula(m, n, k, fmt):
+    """V4.1's recipe: 32x32 weight blocks, activations per 1x32."""
+    x, (w8, ws) = acts(m, k), weights(n, k, fmt, block=32)
+    want, norm, _, _ = formula64(x, w8, ws, block=32)
+    got = fl._fp8_linear_ref(x, w8, ws, block=32)
+    assert rel_err(got, want, norm) <= REF_BOUND
+    with use("reference"):
+        assert torch.equal(fl.fp8_linear(x, w8, ws, block=32), got)
+    if max(n, k) > 32:
+        with pytest.raises(ValueError, match="weight scale"):
+            fl.fp8_linear(x, w8, ws)                                        # 32-block scales read as 128 blocks
+    with pytest.raises(ValueError, match="block 64 is not one of"):
+        fl.fp8_linear(x, *weights(n, k, fmt, block=64), block=64)
 
 
 def test_reference_equals_dequantized_linear():
@@ -196,6 +213,7 @@ def _case_name(m, n, k, i):
 
 
 INTERP_CASES = [_case_name(m, n, k, i) for i, (m, n, k) in enumerate(SHAPES)]
+BLOCK32_SHAPES = [(1, 64, 96), (5, 200, 300), (70, 96, 160)]
 
 
 def _interpreter_main():
@@ -234,6 +252,16 @@ def _interpreter_main():
             with use("triton_invariant"):
                 errs["invariant"] = rel_err(fl.fp8_linear(x, w8, ws), ref, norm)
         out[_case_name(m, n, k, i)] = errs
+    # 32-blocks (V4.1): every path against the reference of the same recipe
+    for i, (m, n, k) in enumerate(BLOCK32_SHAPES):
+        x, (w8, ws) = acts(m, k, seed=50 + i), weights(n, k, SCALE_FMTS[i % 3], seed=150 + i, block=32)
+        ref = fl._fp8_linear_ref(x, w8, ws, block=32)
+        _, norm, _, _ = formula64(x, w8, ws, block=32)
+        errs = {path: rel_err(fl._fp8_linear_triton_any(x, w8, ws, None, path == "invariant", path, block=32), ref,
+                              norm) for path in ("decode", "prefill", "invariant")}
+        with use("triton"):
+            errs["auto"] = rel_err(fl.fp8_linear(x, w8, ws, block=32), ref, norm)
+        out[f"b32-{m}-{n}-{k}"] = errs
     # split-K: the decode path splits these (the interpreter counts 16 SMs), the last split running past K
     out["splits"] = {f"{m}-{n}-{k}": fl._split_k(m, n, -(-k // 128), fl.DECODE_CONFIG, torch.device("cpu"))
                      for m, n, k in ((1, 128, 384), (3, 200, 600))}
@@ -277,6 +305,12 @@ def test_interpreter_gemm_matches_reference(interp, case):
     other = "prefill" if m <= fl.DECODE_MAX_M else "decode"
     assert set(errs) == ({"auto", "invariant", other} if n == 200 else {"auto"})
     assert max(errs.values()) <= KERNEL_BOUND, errs
+
+
+@pytest.mark.parametrize("m,n,k", BLOCK32_SHAPES)
+def test_interpreter_block32_matches_reference(interp, m, n, k):
+    errs = interp[f"b32-{m}-{n}-{k}"]
+    assert set(errs) == {"decode", "prefill", "invariant", "auto"} and max(errs.values()) <= KERNEL_BOUND, errs
 
 
 def test_interpreter_split_k_fp16_and_invariance(interp):
@@ -326,5 +360,42 @@ def test_gpu_kernels_at_model_shapes(n, k):
             for m in (1, 16, 64, 256):
                 assert torch.equal(fl.fp8_linear(big[:m], w8, ws), full[:m]), m
             assert torch.equal(fl.fp8_linear(big[100:101], w8, ws), full[100:101])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+V41_FLASH_SHAPES = [(1280, 5120), (512, 5120), (5120, 8192), (2304, 5120), (5120, 2304), (200, 300)]  # (N, K): wq_a,
+# wkv, wo_b, shared expert w1/w3 and w2, a ragged one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n,k", V41_FLASH_SHAPES)
+def test_gpu_block32_kernels_at_model_shapes(n, k):
+    """V4.1's 32x32 blocks through the Triton GEMM itself (the op keeps them on the reference until this passes:
+    fl.KERNEL_BLOCKS), every path, against the reference of the same recipe; the invariant path's row bits."""
+    pytest.importorskip("triton")
+    assert fl.triton is not None and not fl._INTERPRET
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w8, ws = quantize_fp8_blocks(torch.randn(n, k, device=dev, generator=g) * 0.02, (32, 32))
+    big = torch.randn(4096, k, device=dev, generator=g).bfloat16()
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for m in (1, 16, 64, 256, 4096):
+            x = big[:m]
+            q0, s0 = fl._act_quant_ref(x, 32)
+            q1, s1 = fl._act_quant_triton(x, 32)
+            assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1), m
+            xd = q0.float() * s0.repeat_interleave(32, -1)[:, :k]
+            norm = xd.abs() @ dequantize_fp8_blocks(w8, ws, (32, 32), torch.float32).abs().T
+            ref = fl._fp8_linear_ref(x, w8, ws, torch.float32, 32)
+            for path in (None, "decode", "prefill", "invariant"):
+                y = fl._fp8_linear_triton_any(x, w8, ws, torch.float32, path == "invariant", path, block=32)
+                assert rel_err(y, ref, norm) <= GPU_BOUND, (m, path)
+        full = fl._fp8_linear_triton_any(big, w8, ws, None, True, block=32)
+        for m in (1, 16, 64, 256):
+            assert torch.equal(fl._fp8_linear_triton_any(big[:m], w8, ws, None, True, block=32), full[:m]), m
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.fp8_linear import BLOCKS as FP8_BLOCKS
+
 from ..errors import DeepInferError
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .deepseek_v41 import DeepseekV41ForCausalLM
-from .layers import FP8_BLOCK, Fp8Linear, fp8_projections
+from .layers import Fp8Linear, fp8_projections
 from .rope import RotaryEmbedding
 
 MODEL_CLASSES = {"deepseek_v4": DeepseekV4ForCausalLM, "deepseek_v41": DeepseekV41ForCausalLM}
@@ -26,7 +28,8 @@ def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = to
         if projection_storage == "fp8":
             from ..checkpoint.random_init import is_fp8_weight
             # wo_a stays dense: DeepSeek's convert.py dequantizes it, its grouped einsum runs in BF16
-            fp8_projections(model, lambda name: is_fp8_weight(name, cfg.model_type), keep_dense=("attn.wo_a",))
+            fp8_projections(model, lambda name: is_fp8_weight(name, cfg.model_type), cfg.quant.weight_block_size[0],
+                            keep_dense=("attn.wo_a",))
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -46,10 +49,10 @@ def check_projection_storage(projection_storage, cfg=None) -> str:
         if quant is None:
             raise DeepInferError("projection_storage='fp8' keeps the release's FP8 projections, but this config "
                                  "declares none (no quantization_config); use projection_storage='dense'")
-        if tuple(quant.weight_block_size) != (FP8_BLOCK, FP8_BLOCK):
-            raise DeepInferError(f"projection_storage='fp8' runs 128x128 weight blocks (V4's); this config has "
-                                 f"weight_block_size={list(quant.weight_block_size)} (V4.1's 32x32 blocks have no "
-                                 f"fp8_linear kernel yet): use projection_storage='dense'")
+        b = tuple(quant.weight_block_size)
+        if b[0] != b[1] or b[0] not in FP8_BLOCKS:
+            raise DeepInferError(f"projection_storage='fp8' runs square weight blocks of 32 (V4.1) or 128 (V4); "
+                                 f"this config has weight_block_size={list(b)}: use projection_storage='dense'")
     return projection_storage
 
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.kernels.fp8_linear import BLOCK as FP8_BLOCK
 from deepinfer.kernels.fp8_linear import fp8_linear
 from deepinfer.kernels.matmul import grouped_linear, linear
 from deepinfer.kernels.norm import rms_norm
@@ -55,30 +54,31 @@ class Linear(nn.Module):
 
 class Fp8Linear(nn.Module):
     """y = x W^T with W kept as the release stores it (projection_storage="fp8"): weight float8_e4m3fn [out, in]
-    and one float32 scale per 128x128 block, scale [ceil(out/128), ceil(in/128)] (checkpoint names `.weight`,
-    `.scale`). Runs `fp8_linear`: DeepSeek's W8A8 recipe, the activations quantized to e4m3 per 1x128 block with
-    power-of-two scales, fp32 accumulation, output in the compute dtype. Half the bytes of a bf16 weight."""
+    and one float32 scale per block x block (V4: 128, V4.1: 32), scale [ceil(out/block), ceil(in/block)]
+    (checkpoint names `.weight`, `.scale`). Runs `fp8_linear`: DeepSeek's W8A8 recipe, the activations quantized
+    to e4m3 per 1 x block with power-of-two scales, fp32 accumulation, output in the compute dtype. Half the
+    bytes of a bf16 weight."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, block: int):
         super().__init__()
-        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.in_features, self.out_features, self.dtype, self.block = in_features, out_features, dtype, block
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
                                    requires_grad=False)
-        self.scale = nn.Parameter(torch.empty(-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK),
+        self.scale = nn.Parameter(torch.empty(-(-out_features // block), -(-in_features // block),
                                               dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x.to(self.dtype), self.weight, self.scale, self.dtype)
+        return fp8_linear(x.to(self.dtype), self.weight, self.scale, self.dtype, self.block)
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(upcast(x), self.weight, self.scale, torch.float32)
+        return fp8_linear(upcast(x), self.weight, self.scale, torch.float32, self.block)
 
     def dequantized(self) -> torch.Tensor:
         """W [out, in] in the compute dtype (exact: e4m3 values times powers of two fit bf16)."""
-        return dequantize_fp8_blocks(self.weight, self.scale, (FP8_BLOCK, FP8_BLOCK), self.dtype)
+        return dequantize_fp8_blocks(self.weight, self.scale, (self.block, self.block), self.dtype)
 
 
-def fp8_projections(model: nn.Module, is_fp8, keep_dense: tuple[str, ...] = ()) -> list[str]:
+def fp8_projections(model: nn.Module, is_fp8, block: int, keep_dense: tuple[str, ...] = ()) -> list[str]:
     """Swap every Linear whose `<name>.weight` is FP8 in the release (`is_fp8(checkpoint name)`) for an Fp8Linear
     of the same shape and compute dtype, in place, before the weights are allocated (meta device) or loaded;
     names ending in one of `keep_dense` stay dense. Returns the swapped module names."""
@@ -88,7 +88,7 @@ def fp8_projections(model: nn.Module, is_fp8, keep_dense: tuple[str, ...] = ()) 
             continue
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf,
-                Fp8Linear(module.in_features, module.out_features, module.weight.dtype))
+                Fp8Linear(module.in_features, module.out_features, module.weight.dtype, block))
         swapped.append(name)
     return swapped
 
