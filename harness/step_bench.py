@@ -139,14 +139,7 @@ class StepConfig:
 
     def identity(self) -> dict:
         """What must match for --resume (the point lists may grow: done points are skipped)."""
-        d = asdict(self)
-        for k in ("batches", "contexts", "prefill"):
-            d.pop(k)
-        if not d["expert_act_quant"]:      # runs from before these options compare equal
-            d.pop("expert_act_quant")
-        if d["projection_storage"] == "dense":
-            d.pop("projection_storage")
-        return d
+        return comparable(asdict(self))
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -579,6 +572,14 @@ def measure_point(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Invent
             "gpu_trace": idle, "trace_steps": cfg.trace_steps if idle is not None else 0}
 
 
+def comparable(settings: dict) -> dict:
+    """A run's settings as --resume compares them: without the point lists (they may grow), and without options
+    at their defaults that runs from before the option did not record (expert_act_quant off, dense projections)."""
+    defaults = {"expert_act_quant": False, "projection_storage": "dense"}
+    return {k: v for k, v in settings.items() if k not in ("batches", "contexts", "prefill")
+            and not (k in defaults and v == defaults[k])}
+
+
 def check_run(cfg: StepConfig, run_dir: Path, resume: bool) -> set[str]:
     """Before anything is written: --resume against the stored definition (or refuse to reuse a run with rows);
     returns the keys of the points already done."""
@@ -590,8 +591,7 @@ def check_run(cfg: StepConfig, run_dir: Path, resume: bool) -> set[str]:
             before = json.loads(stored.read_text())
         except ValueError:
             before = {}
-        old = {k: v for k, v in before.items() if k not in ("batches", "contexts", "prefill")
-               and not (k == "expert_act_quant" and not v)}
+        old = comparable(before)
         if old != cfg.identity():
             diff = sorted(k for k in {*old, *cfg.identity()} if old.get(k) != cfg.identity().get(k))
             raise DeepInferError(f"--resume: {stored} was run with other settings ({', '.join(diff)}); resume with "
