@@ -220,12 +220,15 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
   deepinfer-bench kernels --device cuda                      # every op, shape, numerics, backend
   deepinfer-bench kernels --device cuda --op experts --model v41 --storage fp4 --tokens 1,64,8192
   deepinfer-bench kernels --device cpu --op experts --model v4 --storage fp4 --tokens 1 --experts-limit 8 \\
-      --backend reference --iters 2                          # the reference on CPU (seconds)""")
+      --backend reference --iters 2                          # the reference on CPU (seconds)
+  deepinfer-bench kernels --device cuda --op attention --tokens 1,16,64,256 --contexts 8192,32768""")
 @click.option("--device", default="cuda", show_default=True, callback=not_blank, help=DEVICE_HELP)
 @click.option("--op", "ops", default=",".join(KOPS), show_default=True, callback=not_blank)
 @click.option("--model", "models", default="v41,v4", show_default=True, callback=not_blank,
               help="released shapes of: v41 (384 x 5120 -> 2304 experts), v4 (256 x 4096 -> 2048)")
 @click.option("--tokens", default="1,16,64,256,8192", show_default=True, callback=not_blank)
+@click.option("--contexts", default="8192,32768,131072", show_default=True, callback=not_blank,
+              help="attention rows: the context behind each query row")
 @click.option("--storage", default="fp4,fp8,bf16", show_default=True, callback=not_blank,
               help="expert weight formats")
 @click.option("--numerics", default="a16,a8", show_default=True, callback=not_blank,
@@ -241,7 +244,7 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
               help="run directory (overrides --report-dir / --run-id)")
 @click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished rows")
-def kernels_cmd(device, ops, models, tokens, storage, numerics, backends, no_reference, experts_limit, iters, warmup,
+def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backends, no_reference, experts_limit, iters, warmup,
                 seed, report_dir, run_id, out, resume) -> None:
     """Kernel rows: time, TB/s, TFLOP/s and their share of the ceilings measured in the same run, next to the
     torch reference (and cuBLAS for the dense GEMM), with the error against the reference (docs/bench.md)."""
@@ -254,7 +257,7 @@ def kernels_cmd(device, ops, models, tokens, storage, numerics, backends, no_ref
         raise click.UsageError("--experts-limit must be >= 1")
     split = lambda v: tuple(p.strip() for p in v.split(",") if p.strip())   # noqa: E731
     cfg = KernelConfig(device=device, ops=split(ops), models=split(models), tokens=parse_int_list(tokens, "--tokens"),
-                       storage=split(storage), numerics=split(numerics), backends=split(backends),
+                       contexts=parse_int_list(contexts, "--contexts"), storage=split(storage), numerics=split(numerics), backends=split(backends),
                        iters=iters, warmup=warmup, seed=seed, check_reference=not no_reference,
                        experts_limit=experts_limit)
     run_dir = run_dir_for(report_dir, run_id, out, "kernels")

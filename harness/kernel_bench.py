@@ -10,6 +10,13 @@ Ops and what a row counts:
   fp8_linear   kernels.fp8_linear.fp8_linear (W8A8, 1x128 activations, 128x128 weight blocks) at a model's FP8
                projection shapes: bytes = weights + scales + x + y; next to cuBLAS bf16 (F.linear) and
                torch._scaled_mm (per-tensor scales) at the same shape.
+  attention    kernels.attention sparse_sink_attention over a 64-head x 512 latent (V4 / V4.1 flash): layer kinds
+               swa (the 128-key window), csa (window + 512 selected entries) and hca (window + every ratio-128
+               entry of the context), `tokens` query rows at each of `contexts`: bytes = the keys each row reads
+               (rows x keys x 512 x 2) + q + out, FLOPs = 4 * rows * 64 * keys * 512. Decode-sized rows (<= 256)
+               read each its own sequence's store (no cache sharing between rows); more rows share one sequence's
+               store (a prefill chunk). The Triton kernel is called directly (kernels/attention_triton.py) while
+               it is not in the backend sets yet.
 Ceilings (harness/ceilings.py): device copy bandwidth (read+write), torch bf16 GEMM peak, torch._scaled_mm FP8
 peak. A row's `bandwidth_share` = bytes / time / copy bandwidth; `peak_share` = FLOP/s / the peak of its numerics
 (bf16 for a16 and bf16 weights, fp8 for a8 and fp8_linear)."""
@@ -38,7 +45,8 @@ MODEL_SHAPES = {   # experts: (E, D, I, top_k); linears: name -> (N, K) of its F
             "linears": {"q_a": (1280, 5120), "q_b": (32768, 1280), "kv": (512, 5120), "o_b": (5120, 8192),
                         "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}},
 }
-OPS = ("experts", "fp8_linear")
+OPS = ("experts", "fp8_linear", "attention")
+ATTENTION_KINDS = {"swa": None, "csa": 512, "hca": 128}   # kind -> selected entries (csa) / compress ratio (hca)
 STORAGE = ("fp4", "fp8", "bf16")
 NUMERICS = ("a16", "a8")
 BACKENDS = ("triton", "triton_invariant", "reference")
@@ -50,6 +58,7 @@ class KernelConfig:
     ops: tuple[str, ...] = OPS
     models: tuple[str, ...] = ("v41", "v4")
     tokens: tuple[int, ...] = (1, 16, 64, 256, 8192)
+    contexts: tuple[int, ...] = (8192, 32768, 131072)     # attention rows: the context behind each query row
     storage: tuple[str, ...] = ("fp4", "fp8", "bf16")
     numerics: tuple[str, ...] = NUMERICS
     backends: tuple[str, ...] = ("triton", "triton_invariant")
@@ -67,6 +76,8 @@ class KernelConfig:
             bad = [v for v in values if v not in allowed]
             if bad or not values:
                 raise DeepInferError(f"{name} {','.join(bad) or '(empty)'}: use one or more of {', '.join(allowed)}")
+        if any(c < 1 for c in self.contexts) or not self.contexts:
+            raise DeepInferError("--contexts: positive integers, comma-separated (e.g. 8192,32768,131072)")
         if any(t < 1 for t in self.tokens) or not self.tokens:
             raise DeepInferError("--tokens: positive integers, comma-separated (e.g. 1,16,64,256,8192)")
         if self.iters < 1 or self.warmup < 0:
@@ -297,7 +308,87 @@ def _scaled_mm_ms(x, w8, device, cfg) -> float | None:
 
 # ---------------------------------------------------------------------------------------------------- the run
 
-CASES = {"experts": expert_rows, "fp8_linear": fp8_linear_rows}
+# ------------------------------------------------------------------------------------------------ attention cases
+
+def attention_inputs(kind: str, rows: int, context: int, device, gen, heads: int = 64, dim: int = 512):
+    """(q [rows, H, d] bf16, sources, sink [H] fp32, keys per row) for one layer kind at `context` tokens. Window:
+    the 128 positions before each row; csa: 512 distinct entries of context/4 (V4's ratio; V4.1's ratio 2 reads
+    as many), hca: every one of context/128. Rows <= 256: one store per row; more: one shared store."""
+    own = rows <= 256
+    copies = rows if own else 1
+    window = torch.randn(copies * context, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    base = (torch.arange(rows, device=device) * context if own else torch.zeros(rows, device=device, dtype=torch.long))
+    step = torch.arange(rows, device=device) % context if not own else torch.zeros(rows, device=device,
+                                                                                    dtype=torch.long)
+    pos = context - 1 - step                                   # each row's position: the newest of its context
+    win_index = base.view(-1, 1) + (pos.view(-1, 1) - torch.arange(128, device=device)).clamp(min=0)
+    sources = [(window, win_index)]
+    ratio, picked = (4, ATTENTION_KINDS[kind]) if kind == "csa" else (ATTENTION_KINDS[kind], None)
+    if ratio is not None:
+        entries = max(1, context // ratio)
+        store = torch.randn(copies * entries, dim, device=device, generator=gen, dtype=torch.bfloat16)
+        ebase = (torch.arange(rows, device=device) * entries if own
+                 else torch.zeros(rows, device=device, dtype=torch.long)).view(-1, 1)
+        if picked is None:
+            index = ebase + torch.arange(entries, device=device).view(1, -1)
+        else:
+            k = min(picked, entries)
+            index = ebase + torch.rand(rows, entries, device=device, generator=gen).topk(k, dim=-1).indices
+        sources.append((store, index))
+    q = torch.randn(rows, heads, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    sink = torch.randn(heads, device=device, generator=gen)
+    return q, sources, sink, sum(i.shape[1] for _, i in sources)
+
+
+def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
+    from deepinfer.kernels import attention as ka
+    from deepinfer.kernels import attention_triton as kat
+    impls = {"reference": ka._sparse_sink_attention, "triton": kat.sparse_sink_attention_triton,
+             "triton_invariant": kat.sparse_sink_attention_triton_invariant}
+    device, heads, dim = cfg.device, 64, 512
+    for kind in ATTENTION_KINDS:
+        for context in cfg.contexts:
+            for tokens in cfg.tokens:
+                keys = {f"attention/{kind}/c{context}/t{tokens}/{b}" for b in cfg.backends}
+                if keys <= done:
+                    continue
+                gen = torch.Generator(device=device).manual_seed(cfg.seed)
+                q, sources, sink, k = attention_inputs(kind, tokens, context, device, gen, heads, dim)
+                nbytes = tokens * k * dim * 2 + 2 * q.numel() * 2
+                flops = 4 * tokens * heads * k * dim
+                scale = dim ** -0.5
+                ref_out = ref_ms = None
+                if cfg.check_reference and tokens * k <= 256 * 4096:
+                    ref_out = impls["reference"](q, sources, sink, scale)
+                    ref_ms = 1e3 * _time(lambda: impls["reference"](q, sources, sink, scale), device, 1,
+                                         max(1, min(cfg.iters, 5)))
+                times = {}
+                for backend in cfg.backends:
+                    key = f"attention/{kind}/c{context}/t{tokens}/{backend}"
+                    fn = impls[backend]
+                    out = fn(q, sources, sink, scale)
+                    ms = 1e3 * _time(lambda: fn(q, sources, sink, scale), device, cfg.warmup, cfg.iters)
+                    times[backend] = ms
+                    row = {"key": key, "op": "attention", "kind": kind, "context": context, "tokens": tokens,
+                           "keys_per_row": k, "heads": heads, "dim": dim, "backend": backend,
+                           "ran": "kernel" if backend != "reference" and kat.supported(q, sources) else "reference",
+                           "in_backend_sets": kat.IN_TRITON_SETS,
+                           **_rates(ms, nbytes, flops, ceilings, ceilings["gemm_bf16_flops_per_s"]),
+                           "timing": TIMING["last"], "reference_ms": ref_ms,
+                           "vs_reference": None if ref_ms is None else ref_ms / ms,
+                           "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
+                           "invariant_over_default": (ms / times["triton"] if backend == "triton_invariant"
+                                                      and "triton" in times else None)}
+                    if key not in done:
+                        emit(row)
+                    echo(f"  {key}: {ms:.4f} ms, {row['bandwidth_share']:.0%} of copy BW, "
+                         f"{(row['peak_share'] or 0):.0%} of bf16 peak, err {row['err_vs_reference']}")
+                del q, sources
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+
+
+CASES = {"experts": expert_rows, "fp8_linear": fp8_linear_rows, "attention": attention_rows}
 
 
 def run_kernel_bench(cfg: KernelConfig, run_dir: Path, resume: bool = False, echo=None) -> list[dict]:

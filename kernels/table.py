@@ -19,8 +19,8 @@ __all__ = ["BACKEND_SETS", "KernelBackendError", "KernelTable", "active", "use"]
 
 def _load_ops() -> None:
     """Import every op module so each has registered its backends."""
-    from . import (attention, compress, experts, experts_triton, fp8_linear, indexer, matmul, mhc, norm,  # noqa: F401
-                   rope, routing, rowwise)
+    from . import (attention, attention_triton, compress, experts, experts_triton, fp8_linear,  # noqa: F401
+                   indexer, matmul, mhc, norm, rope, routing, rowwise)
 
 
 class KernelTable:

@@ -44,6 +44,21 @@ def test_expert_rows_on_cpu_and_resume(tmp_path):
     assert len((out / "rows.jsonl").read_text().splitlines()) == len(rows)
 
 
+def test_attention_rows_on_cpu(tmp_path):
+    """Every layer kind at a small context, the reference against itself; keys per row as each kind reads them."""
+    out = tmp_path / "a"
+    _run(["--op", "attention", "--tokens", "1,3", "--contexts", "512", "--backend", "reference", "--iters", "1",
+          "--warmup", "0", "--out", str(out)])
+    rows = {r["key"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
+    assert set(rows) == {f"attention/{k}/c512/t{t}/reference" for k in ("swa", "csa", "hca") for t in (1, 3)}
+    assert {k: rows[f"attention/{k}/c512/t3/reference"]["keys_per_row"] for k in ("swa", "csa", "hca")} == \
+        {"swa": 128, "csa": 128 + 128, "hca": 128 + 4}                      # csa: 512 of 512/4 = all 128 entries
+    for r in rows.values():
+        assert FIELDS <= set(r) and r["err_vs_reference"] == 0.0 and r["ran"] == "reference"
+        assert r["bytes"] == r["tokens"] * r["keys_per_row"] * 512 * 2 + 2 * r["tokens"] * 64 * 512 * 2
+        assert r["flops"] == 4 * r["tokens"] * 64 * r["keys_per_row"] * 512
+
+
 def test_traffic_counts_stored_bytes():
     import torch
     gen = torch.Generator().manual_seed(0)
@@ -55,7 +70,8 @@ def test_traffic_counts_stored_bytes():
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--op", "attention"], r"--op attention: use one or more of experts, fp8_linear"),
+    (["--op", "mla"], r"--op mla: use one or more of experts, fp8_linear, attention"),
+    (["--contexts", "0"], r"--contexts"),
     (["--storage", "int4"], r"--storage int4: use one or more of fp4, fp8, bf16"),
     (["--tokens", "0"], r"--tokens"),
     (["--experts-limit", "0"], r"--experts-limit must be >= 1"),
