@@ -9,6 +9,8 @@ The sink is a per-head logit that joins the softmax denominator only."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .precision import upcast
@@ -20,6 +22,29 @@ from .tiles import row_tiles
 SCORE_BLOCK_ELEMENTS = 1 << 27
 
 
+class SplitStore(NamedTuple):
+    """A key store read in place in two parts: row i < R = ring.shape[0] is ring[i], row R + j is new[j] (a window
+    ring pool flattened [slots * span, d], and this step's latents [N, d]: no copy of the ring per step)."""
+    ring: torch.Tensor
+    new: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ring.dtype
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """store[index] for index >= 0 (callers mask the rest): [..., d]."""
+        r = self.ring.shape[0]
+        in_ring = (index < r).unsqueeze(-1)
+        return torch.where(in_ring, self.ring[index.clamp(max=r - 1)],
+                           self.new[(index - r).clamp(0, max(self.new.shape[0] - 1, 0))])
+
+
+def store_rows(store, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (>= 0) of a key store: a tensor [M, d] or a SplitStore."""
+    return store.rows(index) if isinstance(store, SplitStore) else store[index]
+
+
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """One sequence. q [S, H, d]; kv [K, d] (key and value); bias [S, K] (0 visible, -inf hidden);
@@ -29,9 +54,9 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: 
 
 def sparse_sink_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
                           scale: float) -> torch.Tensor:
-    """Each query row attends to its own keys. q [N, H, d]; sources: (store [M_i, d], index [N, K_i] int64 rows
-    of the store, -1 = no key); row n's keys are the stores' rows its indices name, in source order. A row with
-    no key at all keeps only the sink (output 0). Returns [N, H, d]."""
+    """Each query row attends to its own keys. q [N, H, d]; sources: (store [M_i, d] or a SplitStore, index
+    [N, K_i] int64 rows of the store, -1 = no key); row n's keys are the stores' rows its indices name, in source
+    order. A row with no key at all keeps only the sink (output 0). Returns [N, H, d]."""
     return call("sparse_sink_attention")(q, sources, sink, scale)
 
 
@@ -58,7 +83,7 @@ def gather_keys(sources: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch
     """Index lists -> (keys [n, K, d] >= fp32, zero where there is no key, bias [n, K] fp32: 0 / -inf)."""
     keys, present = [], []
     for store, index in sources:
-        keys.append(upcast(store[index.clamp(min=0)]))
+        keys.append(upcast(store_rows(store, index.clamp(min=0))))
         present.append(index >= 0)
     keys, present = torch.cat(keys, dim=1), torch.cat(present, dim=1)
     keys = torch.where(present.unsqueeze(-1), keys, 0)     # store rows nobody named may hold anything

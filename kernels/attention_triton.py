@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import SplitStore
 from .registry import implements, sm_count
 
 try:
@@ -56,8 +57,8 @@ class AttnTiles:
 
 # 64 heads x 512 dims: the fp32 accumulator alone is 128 registers a thread at 8 warps. ptxas for sm_90 (compiled
 # on CPU, tests/test_kernels_compile_sm90.py) spills 60 bytes at BLOCK_N 16 / 8 warps / 2 stages (148 in split
-# mode), 852 at BLOCK_N 32, 3.6 KB at 4 warps, 1.6 KB at 16 warps (128 registers each). Untimed: the GPU picks
-# among them next.
+# mode; 100 / 180 with the two-part stores' pointer select), 852 at BLOCK_N 32, 3.6 KB at 4 warps, 1.6 KB at
+# 16 warps (128 registers each). Untimed: the GPU picks among them next.
 DECODE = AttnTiles(block_n=16, split=128, warps=8, stages=2)
 INVARIANT = DECODE                      # the same tiles, always split
 
@@ -73,23 +74,38 @@ def supported(q: torch.Tensor, sources) -> bool:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.shape[1] > 64 or q.shape[2] > 512:
         return False
-    tensors = [q] + [t for pair in sources for t in pair]
+    parts = [p for store, _ in sources for p in _parts(store)]
+    tensors = [q, *parts, *(i for _, i in sources)]
     on_gpu = all(t.is_cuda for t in tensors)
     return (on_gpu or (INTERPRETED and not any(t.is_cuda for t in tensors))) and all(
-        s.dtype == q.dtype and s.shape[-1] == q.shape[2] for s, _ in sources)
+        p.dtype == q.dtype and p.dim() == 2 and p.shape[-1] == q.shape[2] for p in parts)
+
+
+def _parts(store) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first part, second part) of a store: a SplitStore's ring and new rows; a plain store twice."""
+    return (store.ring, store.new) if isinstance(store, SplitStore) else (store, store)
+
+
+def _pointers(store) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernel's view of a store: (rows before R, rows from R, R), each part with unit stride along d."""
+    a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in _parts(store))
+    return a, b, a.shape[0]             # a plain store: every valid index is below its row count
 
 
 if triton is not None:
 
     @triton.jit
-    def _sparse_attn_kernel(q_ptr, s1_ptr, i1_ptr, s2_ptr, i2_ptr, sink_ptr, o_ptr, ml_ptr,
-                            H, D, K1, K2, stride_qn, stride_qh, stride_s1, stride_i1, stride_s2, stride_i2,
+    def _sparse_attn_kernel(q_ptr, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr, i2_ptr, sink_ptr, o_ptr, ml_ptr,
+                            H, D, K1, K2, R1, R2, stride_qn, stride_qh, stride_s1, stride_n1, stride_i1, stride_s2,
+                            stride_n2, stride_i2,
                             stride_on, stride_oh, stride_os, qk_scale,
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLIT: tl.constexpr, NSPLIT: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr,
                             F32: tl.constexpr):
         """Program (n, s): row n, keys [s*SPLIT, (s+1)*SPLIT) of its concatenated list (NSPLIT = 1: all of them),
         ITERS steps of BLOCK_N keys (a compile-time trip count: the interpreter cannot loop to a runtime bound).
+        A source's store is in two parts (kernels.attention.SplitStore): index i < R_i reads s_i[i], else
+        n_i[i - R_i] (a plain store passes itself twice with R_i = its rows).
         NSPLIT = 1 writes the normalized output o [N, H, D] (q's dtype); else o is [N, NSPLIT, H, D] fp32
         (stride_os per split) of unnormalized accumulators and ml [N, NSPLIT, H, 2] their (m, l)."""
         n = tl.program_id(0).to(tl.int64)
@@ -119,14 +135,14 @@ if triton is not None:
             in1 = t < K1
             i1 = tl.load(i1_ptr + n * stride_i1 + t, mask=in_range & in1, other=-1)
             ok1 = i1 >= 0
-            k = tl.load(s1_ptr + i1[:, None] * stride_s1 + d[None, :], mask=ok1[:, None] & d_ok[None, :],
-                        other=0.0)                                               # [BLOCK_N, BLOCK_D]
+            row1 = tl.where(i1 < R1, s1_ptr + i1 * stride_s1, n1_ptr + (i1 - R1) * stride_n1)
+            k = tl.load(row1[:, None] + d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
             ok = ok1
             if TWO:
                 i2 = tl.load(i2_ptr + n * stride_i2 + (t - K1), mask=in_range & (t >= K1), other=-1)
                 ok2 = i2 >= 0
-                k += tl.load(s2_ptr + i2[:, None] * stride_s2 + d[None, :], mask=ok2[:, None] & d_ok[None, :],
-                             other=0.0)
+                row2 = tl.where(i2 < R2, s2_ptr + i2 * stride_s2, n2_ptr + (i2 - R2) * stride_n2)
+                k += tl.load(row2[:, None] + d[None, :], mask=ok2[:, None] & d_ok[None, :], other=0.0)
                 ok = ok1 | ok2
             if F32:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -198,14 +214,14 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
     """The kernels on `supported` inputs (callers check). `splits` (tests) forces one pass (1) or split-KV (any
     other value: cdiv(K, tiles.split) programs per row)."""
     n, h, dim = q.shape
-    (s1, i1), (s2, i2) = sources[0], (sources[1] if len(sources) == 2 else (sources[0][0], sources[0][1][:, :0]))
+    (st1, i1), (st2, i2) = sources[0], (sources[1] if len(sources) == 2 else (sources[0][0], sources[0][1][:, :0]))
     k1, k2 = i1.shape[1], (i2.shape[1] if len(sources) == 2 else 0)
     out = torch.empty_like(q)
     if n == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    s1, s2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (s1, s2))
+    (s1, n1, r1), (s2, n2, r2) = _pointers(st1), _pointers(st2)
     i1, i2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (i1, i2))
     sink = sink.to(torch.float32).contiguous()
     nsplit = num_splits(n, k1 + k2, tiles, q.device, invariant) if splits is None else splits
@@ -217,9 +233,9 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
                   ITERS=-(-span // tiles.block_n),
                   TWO=len(sources) == 2, F32=q.dtype == torch.float32, num_warps=tiles.warps,
                   num_stages=tiles.stages)
-    args = (s1, i1, s2, i2, sink)
-    strides = (h, dim, k1, k2, q.stride(0), q.stride(1), s1.stride(0), i1.stride(0), s2.stride(0),
-               max(i2.stride(0), 1) if i2.numel() else 1)
+    args = (s1, n1, i1, s2, n2, i2, sink)
+    strides = (h, dim, k1, k2, r1, r2, q.stride(0), q.stride(1), s1.stride(0), n1.stride(0), i1.stride(0),
+               s2.stride(0), n2.stride(0), max(i2.stride(0), 1) if i2.numel() else 1)
     if nsplit == 1:
         _sparse_attn_kernel[(n, 1)](q, *args, out, out, *strides, out.stride(0), out.stride(1), 0,
                                     scale * LOG2E, **common)

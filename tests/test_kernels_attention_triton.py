@@ -47,6 +47,17 @@ def test_matches_reference(n, k1, k2):
         assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
+def test_split_store():
+    """The window as the model passes it: a SplitStore (ring pool rows, then this step's rows) read in place."""
+    from deepinfer.kernels import attention as ka
+    from deepinfer.kernels import attention_triton as kat
+    q, ((win, win_index), entries), sink = _inputs(32, 128, 512, seed=3)
+    split = ka.SplitStore(win[:-40], win[-40:])
+    want = ka._sparse_sink_attention(q, [(win, win_index), entries], sink, 0.05).float()
+    got = kat.sparse_attention(q, [(split, win_index), entries], sink, 0.05).float()
+    assert float((got - want).abs().max() / want.abs().max()) <= GPU_BOUND
+
+
 def test_batch_invariance_and_graphs():
     from deepinfer.kernels import attention_triton as kat
     q, sources, sink = _inputs(96, 128, 512, seed=7)

@@ -92,14 +92,15 @@ def _ptxas_spill_bytes(ptx: str) -> int | None:
 def test_sparse_attention_compiles_for_sm90(nsplit):
     """The sparse sink attention kernel (kernels/attention_triton.py) at released widths: 64 heads x 512, window +
     selected entries, bf16, one pass and split-KV (5 splits of 128 keys), with the DECODE tiles; both dots on
-    wgmma, shared memory within an SM, spills no worse than measured when the tiles were chosen (one pass 60
-    bytes, split 148)."""
+    wgmma, shared memory within an SM, spills no worse than measured (one pass 100 bytes, split 180, with the
+    two-part stores' pointer select)."""
     from deepinfer.kernels import attention_triton as kat
     t = kat.DECODE
-    signature = {"q_ptr": "*bf16", "s1_ptr": "*bf16", "i1_ptr": "*i64", "s2_ptr": "*bf16", "i2_ptr": "*i64",
-                 "sink_ptr": "*fp32", "o_ptr": "*bf16" if nsplit == 1 else "*fp32", "ml_ptr": "*fp32", "H": "i32",
-                 "D": "i32", "K1": "i32", "K2": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_s1": "i32",
-                 "stride_i1": "i32", "stride_s2": "i32", "stride_i2": "i32", "stride_on": "i32", "stride_oh": "i32",
+    signature = {"q_ptr": "*bf16", "s1_ptr": "*bf16", "n1_ptr": "*bf16", "i1_ptr": "*i64", "s2_ptr": "*bf16",
+                 "n2_ptr": "*bf16", "i2_ptr": "*i64", "sink_ptr": "*fp32", "o_ptr": "*bf16" if nsplit == 1 else "*fp32",
+                 "ml_ptr": "*fp32", "H": "i32", "D": "i32", "K1": "i32", "K2": "i32", "R1": "i32", "R2": "i32",
+                 "stride_qn": "i32", "stride_qh": "i32", "stride_s1": "i32", "stride_n1": "i32", "stride_i1": "i32",
+                 "stride_s2": "i32", "stride_n2": "i32", "stride_i2": "i32", "stride_on": "i32", "stride_oh": "i32",
                  "stride_os": "i32", "qk_scale": "fp32"}
     span = 640 if nsplit == 1 else t.split
     consts = dict(BLOCK_H=64, BLOCK_D=512, BLOCK_N=t.block_n, SPLIT=t.split, NSPLIT=nsplit,
@@ -110,7 +111,7 @@ def test_sparse_attention_compiles_for_sm90(nsplit):
     assert kernel.asm["ttgir"].count("warp_group_dot") >= 2
     assert kernel.metadata.shared <= 227 * 1024
     spills = _ptxas_spill_bytes(kernel.asm["ptx"])
-    assert spills is None or spills <= {1: 64, 5: 160}[nsplit], spills
+    assert spills is None or spills <= {1: 112, 5: 192}[nsplit], spills
     if nsplit > 1:
         combine = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "H": "i32",
                    "D": "i32", "stride_pn": "i32", "stride_ps": "i32", "stride_ph": "i32", "stride_on": "i32",

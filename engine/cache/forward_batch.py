@@ -102,6 +102,21 @@ class ForwardBatch:
         points into (the ring rows of the step's segments, then the new rows)."""
         return torch.cat([ring[self.seg_slots].flatten(0, 1), new.to(ring.dtype)])
 
+    def window_index(self, count: int, span: int, ring_rows: int) -> torch.Tensor:
+        """For each row at position p, the `count` positions p-count+1 .. p (oldest first) as rows of a
+        kernels.attention.SplitStore: a position before the row's segment start is its ring row slot * span +
+        tp % span of the ring pool flattened (ring_rows = slots * span rows, read in place: the ring is written
+        after the attention), a position of this step is ring_rows + its row -> [N, count] int64, -1 before 0."""
+        return self._cached(("window", count, span, ring_rows), lambda: self._window_index(count, span, ring_rows))
+
+    def _window_index(self, count: int, span: int, ring_rows: int) -> torch.Tensor:
+        pos, start, first = self.positions, self.row_start, self.row_first
+        tp = pos.unsqueeze(1) - (count - 1) + torch.arange(count, device=pos.device)          # [N, count]
+        new = ring_rows + first.unsqueeze(1) + tp - start.unsqueeze(1)
+        old = self.row_slot.unsqueeze(1) * span + tp % span
+        idx = torch.where(tp >= start.unsqueeze(1), new, old)
+        return torch.where(tp >= 0, idx, -1)
+
     def positions_index(self, rows: torch.Tensor | None, count: int, span: int) -> torch.Tensor:
         """For each row in `rows` [C] (None: all rows) at position p, the `count` positions p-count+1 .. p (oldest
         first) as rows of a store of ring span `span` -> [C, count] int64, -1 before position 0. Positions

@@ -20,7 +20,7 @@ from ..cache.spec import Entries, Ring
 from ..config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
 from . import qat
 from .compressor import Compressor, Indexer
-from .pooled import gather_window, open_windows, selected_entries
+from .pooled import open_windows, selected_entries, window_source
 from .selection import visible_entries
 from .layers import Linear, RMSNorm, fp32_param
 from .rope import RotaryEmbedding
@@ -118,7 +118,8 @@ class Attention(LatentAttention):
         """x [N, D] normed input rows of a step -> [N, D]. Reads and writes the layer's pools in place."""
         pools = batch.pools
         q, kv, comp, idx, (cos, sin) = self.project(x, batch.positions)
-        sources = [gather_window(batch, pools.rings[f"{layer}.window"], kv, self.window)]
+        ring = pools.rings[f"{layer}.window"]
+        sources = [window_source(batch, ring, kv, self.window)]
         if self.compressor is not None:
             store = pools.entries[f"{layer}.kv"]
             self._compress_pooled(self.compressor, *comp, batch, f"{layer}.kv", self._quantize_entry)
@@ -132,6 +133,7 @@ class Attention(LatentAttention):
                 entry_index = selected_entries(entry_index, top_k_indices(scores, self.indexer.topk))
             sources.append((store.flatten(0, 1), entry_index))
         out = sparse_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
+        batch.write_ring(ring, kv)                                 # after the attention read the ring in place
         return self.output(out, cos, sin)
 
     def _compress_pooled(self, comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,

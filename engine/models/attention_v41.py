@@ -23,7 +23,7 @@ from ..cache.spec import Entries, Ring
 from ..config.deepseek_v41 import DeepseekV41Config
 from .attention import LatentAttention, visibility_bias
 from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_mask
-from .pooled import gather_window, open_windows, selected_entries
+from .pooled import open_windows, selected_entries, window_source
 from .rope import RotaryEmbedding
 
 WINDOW_FP8_BLOCK = 32
@@ -99,8 +99,8 @@ class AttentionV41(LatentAttention):
         selection is kept by the query rows' indices in the whole step (`query_rows`, None: every row), since
         YOCO-truncated layers see fewer rows than the layer that selected."""
         cos, sin = self.rope(batch.positions)
-        window = gather_window(batch, batch.pools.rings[f"{self.layer}.window"], self.window_kv(x, cos, sin),
-                               self.window)
+        ring, kv = batch.pools.rings[f"{self.layer}.window"], self.window_kv(x, cos, sin)
+        window = window_source(batch, ring, kv, self.window)
         x_in = x                                                  # the KV source compresses every input row
         if qrows is not None:
             x, cos, sin, window = x[qrows], cos[qrows], sin[qrows], (window[0], window[1][qrows])
@@ -117,6 +117,7 @@ class AttentionV41(LatentAttention):
             if selected is not None:
                 sources.append((sh["entries"], selected))
         out = sparse_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
+        batch.write_ring(ring, kv)                                 # after the attention read the ring in place
         return self.output(out, cos, sin)
 
     def _publish_pooled(self, x: torch.Tensor, batch: ForwardBatch) -> None:

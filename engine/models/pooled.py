@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.attention import SplitStore
+
 from ..cache.forward_batch import ForwardBatch
 
 
-def gather_window(batch: ForwardBatch, ring: torch.Tensor, kv: torch.Tensor, window: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sliding window of every row: latents of positions p-window+1 .. p, from the ring [S, W, d] (before
-    this step) and this step's kv [N, d]. Returns one sparse-attention source (store [G*W + N, d], index
-    [N, window]); then writes kv into the ring."""
-    source = batch.store(ring, kv), batch.positions_index(None, window, ring.shape[1])
-    batch.write_ring(ring, kv)
-    return source
+def window_source(batch: ForwardBatch, ring: torch.Tensor, kv: torch.Tensor, window: int
+                  ) -> tuple[SplitStore, torch.Tensor]:
+    """The sliding window of every row: latents of positions p-window+1 .. p, from the ring [S, W, d] as it was
+    before this step, read in place, and this step's kv [N, d]. Returns one sparse-attention source (SplitStore
+    of the ring pool and kv, index [N, window]). The caller writes kv into the ring after the attention
+    (batch.write_ring): a row's ring write would overwrite a slot an earlier row of the step still reads."""
+    flat = ring.flatten(0, 1)                                                       # a view: [S * W, d]
+    return SplitStore(flat, kv.to(ring.dtype)), batch.window_index(window, ring.shape[1], flat.shape[0])
 
 
 def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor

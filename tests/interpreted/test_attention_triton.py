@@ -33,7 +33,8 @@ def inputs(n, h, d, k1, k2, dtype, seed=0, holes=0.2, empty_rows=(), stores=(40,
 
 
 def check(q, sources, sink, scale, **kw):
-    want = ka._sparse_sink_attention(q.float(), [(s.float(), i) for s, i in sources], sink, scale)
+    f32 = lambda s: ka.SplitStore(s.ring.float(), s.new.float()) if isinstance(s, ka.SplitStore) else s.float()  # noqa
+    want = ka._sparse_sink_attention(q.float(), [(f32(s), i) for s, i in sources], sink, scale)
     got = kat.sparse_attention(q, sources, sink, scale, **kw)
     assert got.dtype == q.dtype and got.shape == q.shape
     err = float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
@@ -54,6 +55,21 @@ def test_matches_reference(n, h, d, k1, k2, splits):
     got, want = check(q, sources, sink, d ** -0.5, tiles=tiles, splits=splits)
     if n > 2:
         assert torch.equal(got[0], torch.zeros_like(got[0]))               # no key: the sink alone, output 0
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_split_store_window(splits):
+    """The window as the model passes it: a SplitStore of the ring pool and this step's rows, read in place."""
+    g = torch.Generator().manual_seed(11)
+    n, h, d = 6, 4, 96
+    ring, new = torch.randn(5 * 16, d, generator=g), torch.randn(n, d, generator=g)
+    index = torch.randint(-1, ring.shape[0] + n, (n, 16), generator=g)     # ring rows, new rows, holes
+    entries = torch.randn(30, d, generator=g)
+    sources = [(ka.SplitStore(ring, new), index), (entries, torch.randint(-1, 30, (n, 9), generator=g))]
+    q, sink = torch.randn(n, h, d, generator=g), torch.randn(h, generator=g)
+    got, want = check(q, sources, sink, 0.1, tiles=kat.AttnTiles(16, 32, 4, 1), splits=splits)
+    flat = torch.cat([ring, new])                                       # the copy the model no longer makes
+    assert torch.equal(want, ka._sparse_sink_attention(q, [(flat, index), sources[1]], sink, 0.1))
 
 
 def test_fp16_and_the_default_tiles():
