@@ -120,3 +120,22 @@ def test_sparse_attention_compiles_for_sm90(nsplit):
         combine.update({name: "constexpr" for name in cc})
         triton.compile(ASTSource(kat._combine_kernel, combine, constexprs=cc), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+def test_index_scores_compile_for_sm90(heads):
+    """The lightning-indexer score kernel (kernels/indexer_triton.py) at V4's 64 and V4.1's 32 index heads x 128,
+    bf16: tensor cores for q.k^T, shared memory within an SM, no spills."""
+    from deepinfer.kernels import indexer_triton as kit
+    signature = {"q_ptr": "*bf16", "w_ptr": "*fp32", "s_ptr": "*bf16", "i_ptr": "*i64", "o_ptr": "*fp32", "H": "i32",
+                 "DI": "i32", "K": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_wn": "i32",
+                 "stride_s": "i32", "stride_in": "i32", "stride_on": "i32", "scale": "fp32"}
+    consts = dict(BLOCK_H=heads, BLOCK_D=128, BLOCK_K=kit.BLOCK_K, F32=False)
+    signature.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(kit._index_scores_kernel, signature, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": kit.WARPS})
+    ttgir = kernel.asm["ttgir"]
+    assert "warp_group_dot" in ttgir or "mma" in ttgir
+    assert kernel.metadata.shared <= 227 * 1024
+    spills = _ptxas_spill_bytes(kernel.asm["ptx"])
+    assert spills is None or spills == 0, spills

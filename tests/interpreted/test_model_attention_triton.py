@@ -1,5 +1,5 @@
-"""The whole runtime forward of the tiny V4 and V4.1 models with the Triton sparse sink attention (and the
-Triton route / permute), in Triton's interpreter, against the reference table: prefill chunks, decode and
+"""The whole runtime forward of the tiny V4 and V4.1 models with the Triton sparse sink attention and indexer
+scores (and the Triton route / permute), in Triton's interpreter, against the reference table: prefill chunks, decode and
 verify rows in mixed steps, windows wrapping, compressor windows closing. float32 with the QAT steps off (in
 fp32 the QAT's discrete roundings flip with last-bit differences; docs/model.md). Measured: max |diff| of the
 logits / their max = 9.0e-7 (V4), 1.4e-6 (V4.1) (bound 1e-4)."""
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import attention_triton as kat
+from deepinfer.kernels import indexer_triton as kit
 from deepinfer.kernels import registry
 from deepinfer.kernels.table import use
 from tests.helpers import our_model
@@ -19,10 +20,24 @@ from tests.pooled_helpers import PooledSequences
 BOUND = 1e-4
 
 
+CALLS = {"attention": 0, "index": 0}
+
+
+def _counted(name, fn):
+    def run(*args, **kwargs):
+        CALLS[name] += 1
+        return fn(*args, **kwargs)
+    return run
+
+
 @pytest.fixture
 def attention_in_the_triton_set(monkeypatch):
-    """As IN_TRITON_SETS = True will register it once the GPU test passes."""
+    """As IN_TRITON_SETS = True will register them once their GPU tests pass (the kernels' launches counted)."""
     monkeypatch.setitem(registry._IMPLS["sparse_sink_attention"], "triton", kat.sparse_sink_attention_triton)
+    monkeypatch.setitem(registry._IMPLS["sparse_index_scores"], "triton", kit.sparse_index_scores_triton)
+    for name, mod, kernel in (("attention", kat, "sparse_attention"), ("index", kit, "index_scores_kernel")):
+        monkeypatch.setattr(mod, kernel, _counted(name, getattr(mod, kernel)))
+    CALLS.update(attention=0, index=0)
 
 
 def _run(model, plan, table: str):
@@ -32,7 +47,7 @@ def _run(model, plan, table: str):
            for s in total}
     out = []
     with use(table) as t:
-        assert t.backends["sparse_sink_attention"] == table
+        assert t.backends["sparse_sink_attention"] == t.backends["sparse_index_scores"] == table
         for feeds in plan:
             got = seqs.step({s: ids[s][seqs.done[s]:seqs.done[s] + n] for s, n in feeds.items()})
             out.append(torch.cat([got[s] for s in sorted(got)]))
@@ -47,6 +62,8 @@ def test_model_forward_with_triton_attention(family):
     plan = [{1: 24, 2: 10}, {1: 1, 2: 3}, {1: 2, 2: 1}, {1: 1, 2: 9}]   # windows 16 / 8 wrap, windows close
     want = _run(model, plan, "reference")
     got = _run(model, plan, "triton")
+    layers = model.cfg.num_hidden_layers
+    assert CALLS["attention"] >= layers * len(plan) and CALLS["index"] >= len(plan)      # the kernels ran
     err = float((got - want).abs().max() / want.abs().max())
     print(f"{family}: max |triton - reference| / max = {err:.2e}")
     assert err <= BOUND, err
