@@ -6,6 +6,7 @@ run. Catches a kernel that would fail to build on the H200 before a device is us
 from __future__ import annotations
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -139,3 +140,21 @@ def test_index_scores_compile_for_sm90(heads):
     assert kernel.metadata.shared <= 227 * 1024
     spills = _ptxas_spill_bytes(kernel.asm["ptx"])
     assert spills is None or spills == 0, spills
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_hc_mixes_compiles_for_sm90(dtype):
+    """The fused mHC mixing kernel (kernels/mhc_triton.py) at released width (hc 4 x 5120 = 20480 per row), 20
+    Sinkhorn iterations: shared memory within an SM, no spills for bf16 streams (4 bytes for fp32, measured)."""
+    from deepinfer.kernels import mhc_triton as kmt
+    signature = {"x_ptr": dtype, "fn_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "pre_ptr": "*fp32",
+                 "post_ptr": "*fp32", "comb_ptr": "*fp32", "N": "i32", "K": "i32", "stride_x": "i32",
+                 "hc_eps": "fp32", "norm_eps": "fp32"}
+    block_k = kmt.BLOCK_K[torch.bfloat16 if dtype == "*bf16" else torch.float32]
+    consts = dict(HC=4, BLOCK_C=16, BLOCK_R=kmt.BLOCK_R, BLOCK_K=block_k, KITERS=20480 // block_k, ITERS=20)
+    signature.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(kmt._hc_mixes_kernel, signature, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": kmt.WARPS})
+    assert kernel.metadata.shared <= 227 * 1024
+    spills = _ptxas_spill_bytes(kernel.asm["ptx"])
+    assert spills is None or spills <= (0 if dtype == "*bf16" else 8), spills

@@ -1,8 +1,8 @@
-"""The whole runtime forward of the tiny V4 and V4.1 models with the Triton sparse sink attention and indexer
-scores (and the Triton route / permute), in Triton's interpreter, against the reference table: prefill chunks, decode and
+"""The whole runtime forward of the tiny V4 and V4.1 models with the Triton sparse sink attention, indexer scores
+and fused mHC mixes (and the Triton route / permute), in Triton's interpreter, against the reference table: prefill chunks, decode and
 verify rows in mixed steps, windows wrapping, compressor windows closing. float32 with the QAT steps off (in
 fp32 the QAT's discrete roundings flip with last-bit differences; docs/model.md). Measured: max |diff| of the
-logits / their max = 9.0e-7 (V4), 1.4e-6 (V4.1) (bound 1e-4)."""
+logits / their max = 9.0e-7 (V4), 1.1e-6 (V4.1) (bound 1e-4)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.kernels import attention_triton as kat
 from deepinfer.kernels import indexer_triton as kit
+from deepinfer.kernels import mhc_triton as kmt
 from deepinfer.kernels import registry
 from deepinfer.kernels.table import use
 from tests.helpers import our_model
@@ -20,7 +21,7 @@ from tests.pooled_helpers import PooledSequences
 BOUND = 1e-4
 
 
-CALLS = {"attention": 0, "index": 0}
+CALLS = {"attention": 0, "index": 0, "mhc": 0}
 
 
 def _counted(name, fn):
@@ -35,9 +36,11 @@ def attention_in_the_triton_set(monkeypatch):
     """As IN_TRITON_SETS = True will register them once their GPU tests pass (the kernels' launches counted)."""
     monkeypatch.setitem(registry._IMPLS["sparse_sink_attention"], "triton", kat.sparse_sink_attention_triton)
     monkeypatch.setitem(registry._IMPLS["sparse_index_scores"], "triton", kit.sparse_index_scores_triton)
-    for name, mod, kernel in (("attention", kat, "sparse_attention"), ("index", kit, "index_scores_kernel")):
+    monkeypatch.setitem(registry._IMPLS["hc_mixes"], "triton", kmt.hc_mixes_triton)
+    for name, mod, kernel in (("attention", kat, "sparse_attention"), ("index", kit, "index_scores_kernel"),
+                              ("mhc", kmt, "hc_mixes_kernel")):
         monkeypatch.setattr(mod, kernel, _counted(name, getattr(mod, kernel)))
-    CALLS.update(attention=0, index=0)
+    CALLS.update(attention=0, index=0, mhc=0)
 
 
 def _run(model, plan, table: str):
@@ -48,6 +51,7 @@ def _run(model, plan, table: str):
     out = []
     with use(table) as t:
         assert t.backends["sparse_sink_attention"] == t.backends["sparse_index_scores"] == table
+        assert t.backends["hc_mixes"] == table
         for feeds in plan:
             got = seqs.step({s: ids[s][seqs.done[s]:seqs.done[s] + n] for s, n in feeds.items()})
             out.append(torch.cat([got[s] for s in sorted(got)]))
@@ -64,6 +68,7 @@ def test_model_forward_with_triton_attention(family):
     got = _run(model, plan, "triton")
     layers = model.cfg.num_hidden_layers
     assert CALLS["attention"] >= layers * len(plan) and CALLS["index"] >= len(plan)      # the kernels ran
+    assert CALLS["mhc"] >= 2 * layers * len(plan)
     err = float((got - want).abs().max() / want.abs().max())
     print(f"{family}: max |triton - reference| / max = {err:.2e}")
     assert err <= BOUND, err

@@ -1,0 +1,43 @@
+"""kernels/mhc_triton.py on a CUDA device (`-m gpu`): the fused hc_mixes kernel at released widths (hc 4 x 4096,
+4 x 5120; bf16 streams, fp32 weights) against the reference on random inputs, any row alone = the row in a batch
+(bitwise), CUDA-graph capture. Bound: max |kernel - reference| / max |reference| <= GPU_BOUND for pre, post,
+comb (fp32 throughout; the reference's F.linear runs without TF32 here). Passing this moves the kernel into the
+Triton sets (kernels/mhc_triton.IN_TRITON_SETS). CPU: tests/interpreted/test_mhc_triton.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import capture_graph
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+GPU_BOUND = 1e-5
+
+
+@pytest.mark.parametrize("d", [4096, 5120])
+@pytest.mark.parametrize("n", [1, 16, 100, 2048])
+def test_matches_reference(d, n):
+    from deepinfer.kernels import mhc as km
+    from deepinfer.kernels import mhc_triton as kmt
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    streams = torch.randn(n, 4, d, device="cuda", generator=g).bfloat16()
+    fn = torch.randn(24, 4 * d, device="cuda", generator=g) * (4 * d) ** -0.5
+    base = torch.randn(24, device="cuda", generator=g) * 0.3
+    scale = torch.randn(3, device="cuda", generator=g) * 0.3 + 1.0
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        want = km._hc_mixes(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    got = kmt.hc_mixes_triton(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    for a, b in zip(got, want):
+        assert float((a - b).abs().max() / b.abs().max()) <= GPU_BOUND
+    if n > 1:
+        alone = kmt.hc_mixes_kernel(streams[n - 1:], fn, base, scale, 1e-6, 1e-6, 20)
+        assert all(torch.equal(a[n - 1:], b) for a, b in zip(got, alone))
+    graph, out = capture_graph(kmt.hc_mixes_kernel, streams, fn, base, scale, 1e-6, 1e-6, 20)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, got))
