@@ -411,6 +411,7 @@ def gpu_idle(run, device: torch.device, steps: int) -> dict | None:
     out = idle_from_trace(events)
     if out is not None:
         out["idle_ms_per_step"] = (out["span_us"] - out["busy_us"]) / 1e3 / steps
+        out["gpu_ops_per_step"] = out["kernels"] / steps          # kernels + memcpy / memset: the launches
     return out
 
 
@@ -569,6 +570,7 @@ def measure_point(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Invent
             "routing_outside_step_layers": sorted(k for k in routing.touched if k not in inv.experts),
             "gpu_idle_fraction": None if idle is None else idle["idle_fraction"],
             "gpu_idle_ms_per_step": None if idle is None else idle["idle_ms_per_step"],
+            "gpu_ops_per_step": None if idle is None else idle["gpu_ops_per_step"],
             "gpu_trace": idle, "trace_steps": cfg.trace_steps if idle is not None else 0}
 
 

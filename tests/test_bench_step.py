@@ -149,7 +149,7 @@ def _check_row(r, cfg_model="random:deepseek_v4:tiny:4"):
     assert r["model_type"] == "deepseek_v4" and r["layers"] == 4 and r["config_hash"]
     assert r["precision"] == "float32" and r["expert_storage"] == "dense" and r["kernel_backend"] == "reference"
     assert r["git_sha"] and r["hardware_info"]["cpu_count"] >= 1 and r["graphed"] is False
-    assert r["gpu_idle_fraction"] is None and r["iters"] == 2
+    assert r["gpu_idle_fraction"] is None and r["gpu_ops_per_step"] is None and r["iters"] == 2
     assert len(r["step_ms_samples"]) == 2 and r["step_ms_median"] > 0 and r["step_ms_p90"] >= r["step_ms_median"]
     b = r["bytes"]
     assert b["total"] == b["dense_weights"] + b["experts"] + b["state"] and b["experts"] > 0
