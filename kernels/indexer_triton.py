@@ -8,15 +8,21 @@ candidate) -> [N, K] fp32, sum_h w_h * scale * ReLU(q_h . k), -inf where the ind
 Program (n, j): row n, candidates [j*BLOCK_K, +BLOCK_K): keys [BLOCK_K, dI] gathered by index, q [h, dI] times
 keys^T on tensor cores (fp32 accumulate; fp32 inputs at ieee precision), ReLU, the scale, the head-weighted sum
 over h in fp32. A score depends only on its row's q and its key, whatever the tiling or the batch, so the kernel is
-batch-invariant as it is and serves both Triton sets. Top-k stays on its torch implementation (a stable sort) in
-both sets: the radix select (docs/attention-plan.md step 6) is next.
+batch-invariant as it is and serves both Triton sets.
+
+Top-k (`top_k_indices`, plan step 6, as a bisection rather than a radix select): program n maps its scores to an
+ordered 32-bit key (-inf -> 0), finds the k-th best key t by 32 halvings of the key range (each a counting pass
+over the row), takes every key > t and the first k - count(> t) keys == t in index order (a running cumsum), and
+sorts the k taken (key, -position) pairs: exactly the stable sort's selection and order (integer outputs; equal
+to the reference in the interpreter on FP4-like tied scores). 34 passes over a row's K scores (L2-resident at
+decode); a radix select (4 passes of 256-bin histograms) is the faster form if the passes show.
 
 Numerics: the head sum runs in a different order than the reference's, so scores differ in the last bits; near
 ties can then select differently (GPU tests compare scores, not selections). Interpreter, fp32: <= 1e-6 of the
 row's max |score| (tests/interpreted/test_indexer_triton.py).
 
-GPU status: interpreter and sm_90 compile only; outside the Triton sets (IN_TRITON_SETS) until `pytest -m gpu
-tests/test_kernels_indexer_triton.py` passes.
+GPU status: interpreter and sm_90 compile only (both kernels, no spills); outside the Triton sets
+(IN_TRITON_SETS) until `pytest -m gpu tests/test_kernels_indexer_triton.py` passes.
 """
 
 from __future__ import annotations
@@ -78,6 +84,62 @@ if triton is not None:
         score = tl.where(ok, score, float("-inf"))
         tl.store(o_ptr + n * stride_on + j, score, mask=j_ok)
 
+    @triton.jit
+    def _ordered_key(score):
+        """fp32 -> int64 key in [0, 2^32) ordered as the scores; -inf (no candidate) -> 0, below every finite."""
+        bits = score.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        key = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
+        return tl.where(score == float("-inf"), 0, key)
+
+    @triton.jit
+    def _count_at_least(s_ptr, row, K, t, BLOCK: tl.constexpr, TILES: tl.constexpr):
+        c = 0
+        for i in range(TILES):
+            j = i * BLOCK + tl.arange(0, BLOCK)
+            key = _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
+            c += tl.sum((key >= t).to(tl.int32), axis=0)
+        return c
+
+    @triton.jit
+    def _top_k_kernel(s_ptr, o_ptr, tmp_ptr, K, k, stride_s, stride_o, stride_t,
+                      BLOCK: tl.constexpr, TILES: tl.constexpr, K_PAD: tl.constexpr):
+        """Program n: row n's k best finite scores (best first, ties to the lower position), exactly the stable
+        sort's selection. A bisection over the 32-bit ordered key finds the threshold t (the k-th best key); one
+        pass in index order takes every key > t and the first k - count(> t) keys == t; a sort of the k taken
+        (key, -position) pairs orders them. -1 fills a row with fewer than k finite scores."""
+        n = tl.program_id(0).to(tl.int64)
+        row = n * stride_s
+        finite = _count_at_least(s_ptr, row, K, 1, BLOCK, TILES)
+        want = tl.minimum(finite, k)
+        lo = (want > 0).to(tl.int64)            # want = 0: t = 1 > every key of an empty row's -inf
+        hi = tl.full((), 0xFFFFFFFF, tl.int64)
+        for _ in range(32):
+            mid = (lo + hi + 1) // 2
+            ok = _count_at_least(s_ptr, row, K, mid, BLOCK, TILES) >= want
+            lo = tl.where(ok & (want > 0), mid, lo)
+            hi = tl.where(ok | (want == 0), hi, mid - 1)
+        t = tl.where(want > 0, lo, 0xFFFFFFFF + 1)
+        ties = want - _count_at_least(s_ptr, row, K, t + 1, BLOCK, TILES)     # keys == t to take
+        taken = 0
+        seen_eq = 0
+        for i in range(TILES):
+            j = i * BLOCK + tl.arange(0, BLOCK)
+            key = _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
+            eq = (key == t) & (j < K)
+            eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), axis=0) - eq.to(tl.int32)
+            take = ((key > t) | (eq & (eq_rank < ties))) & (j < K)
+            pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - take.to(tl.int32)
+            composite = (key - 0x80000000) * 0x100000000 + (0xFFFFFFFF - j.to(tl.int64))
+            tl.store(tmp_ptr + n * stride_t + pos, composite, mask=take)
+            taken += tl.sum(take.to(tl.int32), axis=0)
+            seen_eq += tl.sum(eq.to(tl.int32), axis=0)
+        tl.debug_barrier()
+        p = tl.arange(0, K_PAD)
+        got = tl.load(tmp_ptr + n * stride_t + p, mask=p < want, other=-0x7FFFFFFFFFFFFFFF - 1)
+        ordered = tl.sort(got, descending=True)
+        position = 0xFFFFFFFF - (ordered & 0xFFFFFFFF)
+        tl.store(o_ptr + n * stride_o + p, tl.where(p < want, position, -1), mask=p < k)
+
     INTERPRETED = type(_index_scores_kernel).__name__ == "InterpretedFunction"
 else:
     INTERPRETED = False
@@ -101,6 +163,37 @@ def index_scores_kernel(q, weights, store, index, scale) -> torch.Tensor:
     return out
 
 
+TOPK_BLOCK = 1024
+
+
+def top_k_supported(scores: torch.Tensor, k: int) -> bool:
+    if triton is None or scores.dim() != 2 or scores.dtype != torch.float32 or not 1 <= k <= 2048:
+        return False
+    return scores.is_cuda or (INTERPRETED and not scores.is_cuda)
+
+
+def top_k_kernel(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The kernel on `top_k_supported` inputs: [N, K] fp32 -> [N, min(k, K)] int64."""
+    n, width = scores.shape
+    k = min(k, width)
+    out = torch.empty((n, k), dtype=torch.long, device=scores.device)
+    if n == 0 or k == 0:
+        return out
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    k_pad = _pow2(k)
+    tmp = torch.empty((n, k_pad), dtype=torch.long, device=scores.device)
+    _top_k_kernel[(n,)](scores, out, tmp, width, k, scores.stride(0), out.stride(0), tmp.stride(0),
+                        BLOCK=TOPK_BLOCK, TILES=triton.cdiv(width, TOPK_BLOCK), K_PAD=k_pad, num_warps=4)
+    return out
+
+
+def top_k_indices_triton(scores, k):
+    if not top_k_supported(scores, k):
+        from .indexer import _top_k_indices
+        return _top_k_indices(scores, k)
+    return top_k_kernel(scores, k)          # integer outputs of a row's own scores: invariant as it is
+
+
 def sparse_index_scores_triton(q, weights, store, index, scale):
     if not supported(q, weights, store, index):
         from .indexer import _sparse_index_scores
@@ -118,3 +211,5 @@ def sparse_index_scores_triton_invariant(q, weights, store, index, scale):
 if triton is not None and IN_TRITON_SETS:
     implements("sparse_index_scores", "triton")(sparse_index_scores_triton)
     implements("sparse_index_scores", "triton_invariant")(sparse_index_scores_triton_invariant)
+    implements("top_k_indices", "triton")(top_k_indices_triton)
+    implements("top_k_indices", "triton_invariant")(top_k_indices_triton)

@@ -158,3 +158,18 @@ def test_hc_mixes_compiles_for_sm90(dtype):
     assert kernel.metadata.shared <= 227 * 1024
     spills = _ptxas_spill_bytes(kernel.asm["ptx"])
     assert spills is None or spills <= (0 if dtype == "*bf16" else 8), spills
+
+
+def test_top_k_compiles_for_sm90():
+    """The indexer's top-k (kernels/indexer_triton.py: bisection over the ordered key, an index-order pass, a
+    512-wide sort) for 512 of 32768 candidates: compiles, fits an SM, no spills."""
+    from deepinfer.kernels import indexer_triton as kit
+    signature = {"s_ptr": "*fp32", "o_ptr": "*i64", "tmp_ptr": "*i64", "K": "i32", "k": "i32", "stride_s": "i32",
+                 "stride_o": "i32", "stride_t": "i32"}
+    consts = dict(BLOCK=kit.TOPK_BLOCK, TILES=32768 // kit.TOPK_BLOCK, K_PAD=512)
+    signature.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(kit._top_k_kernel, signature, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.metadata.shared <= 227 * 1024
+    spills = _ptxas_spill_bytes(kernel.asm["ptx"])
+    assert spills is None or spills == 0, spills

@@ -39,3 +39,19 @@ def test_matches_reference(h, n, k):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, kit.index_scores_kernel(q, w, store, index, 0.1))
+
+
+@pytest.mark.parametrize("n,width,k", [(1, 32768, 512), (64, 4096, 512), (256, 1000, 512), (3, 131072, 512),
+                                       (8, 16384, 2048)])
+def test_top_k_equals_the_stable_sort(n, width, k):
+    """Integer outputs of the same scores: exactly the reference's selection and order, with FP4-like ties."""
+    from deepinfer.kernels import indexer as ki
+    from deepinfer.kernels import indexer_triton as kit
+    g = torch.Generator(device="cuda").manual_seed(width + n)
+    scores = torch.randint(-8, 9, (n, width), device="cuda", generator=g).float() * 0.25
+    scores[torch.rand(n, width, device="cuda", generator=g) < 0.3] = float("-inf")
+    assert torch.equal(kit.top_k_indices_triton(scores, k), ki._top_k_indices(scores, k))
+    graph, out = capture_graph(kit.top_k_kernel, scores, k)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ki._top_k_indices(scores, k))

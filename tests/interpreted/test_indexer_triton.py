@@ -57,3 +57,24 @@ def test_unsupported_falls_back():
     assert not kit.supported(q, w, store, index)
     assert torch.equal(kit.sparse_index_scores_triton(q, w, store, index, 0.3),
                        ki._sparse_index_scores(q, w, store, index, 0.3))
+
+
+def _tied_scores(n, k, seed):
+    """Scores on a coarse grid (FP4-like: many exact ties), -inf holes, an all -inf row, negative and zero values."""
+    g = torch.Generator().manual_seed(seed)
+    s = (torch.randint(-6, 7, (n, k), generator=g).float() * 0.5)
+    s[torch.rand(n, k, generator=g) < 0.2] = float("-inf")
+    s[0] = float("-inf")
+    if n > 2:
+        s[2, : k // 2] = float("-inf")
+    return s
+
+
+@pytest.mark.parametrize("n,width,k", [(4, 100, 8), (3, 2500, 512), (5, 37, 64), (2, 1024, 1024), (3, 3000, 1)])
+def test_top_k_equals_the_stable_sort(n, width, k):
+    """Exactly the reference's selection and order (integer outputs), ties to the lower position."""
+    scores = _tied_scores(n, width, seed=width + k)
+    scores[1] = torch.randn(width, generator=torch.Generator().manual_seed(1))       # a row without ties
+    assert kit.top_k_supported(scores, k)
+    got = kit.top_k_indices_triton(scores, k)
+    assert torch.equal(got, ki._top_k_indices(scores, k))
