@@ -217,11 +217,8 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                                "experts": n_experts, "experts_touched": touched, "dim": dim, "inter": inter,
                                "top_k": top_k, **_rates(ms, nbytes, flops, ceilings, peak),
                                "timing": timing, "reference_timing": ref_timing if ref_ms is not None else None,
-                               "reference_ms": ref_ms, "vs_reference": None if ref_ms is None else ref_ms / ms,
-                               "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
-                               "err_vs_a16": (None if num != "a8" or a16_out is None else _rel_err(out, a16_out)),
-                               "invariant_over_default": (ms / times["triton"] if backend == "triton_invariant"
-                                                          and "triton" in times else None)}
+                               **_against(ms, backend, times, out, ref_ms, ref_out),
+                               "err_vs_a16": (None if num != "a8" or a16_out is None else _rel_err(out, a16_out))}
                         if key not in done:
                             emit(row)
                         echo(f"  {key}: {ms:.3f} ms, {row['bandwidth_share']:.0%} of copy BW, "
@@ -229,6 +226,15 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
             del base
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+
+
+def _against(ms: float, backend: str, times: dict, out, ref_ms: float | None, ref_out) -> dict:
+    """The fields every row sets side by side: the reference's time and the error against it, and for an
+    invariant row its time over the default set's on the same inputs."""
+    return {"reference_ms": ref_ms, "vs_reference": None if ref_ms is None else ref_ms / ms,
+            "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
+            "invariant_over_default": (ms / times["triton"] if backend == "triton_invariant" and "triton" in times
+                                       else None)}
 
 
 def _rates(ms: float, nbytes: int, flops: int, ceilings: dict, peak: float | None) -> dict:
@@ -281,10 +287,7 @@ def fp8_linear_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, ech
                            / ceilings["copy_bytes_per_s"],
                            "timing": timing, "cublas_bf16_ms": cublas_ms, "scaled_mm_ms": scaled_ms,
                            "vs_scaled_mm": None if scaled_ms is None else scaled_ms / ms,
-                           "reference_ms": ref_ms, "vs_reference": None if ref_ms is None else ref_ms / ms,
-                           "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
-                           "invariant_over_default": (ms / times["triton"] if backend == "triton_invariant"
-                                                      and "triton" in times else None)}
+                           **_against(ms, backend, times, out, ref_ms, ref_out)}
                     if key not in done:
                         emit(row)
                     echo(f"  {key}: {ms:.4f} ms, weights {row['weight_bandwidth_share']:.0%} of copy BW, "
@@ -374,11 +377,7 @@ def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo
                            "ran": "kernel" if backend != "reference" and kat.supported(q, sources) else "reference",
                            "in_backend_sets": kat.IN_TRITON_SETS,
                            **_rates(ms, nbytes, flops, ceilings, ceilings["gemm_bf16_flops_per_s"]),
-                           "timing": TIMING["last"], "reference_ms": ref_ms,
-                           "vs_reference": None if ref_ms is None else ref_ms / ms,
-                           "err_vs_reference": None if ref_out is None else _rel_err(out, ref_out),
-                           "invariant_over_default": (ms / times["triton"] if backend == "triton_invariant"
-                                                      and "triton" in times else None)}
+                           "timing": TIMING["last"], **_against(ms, backend, times, out, ref_ms, ref_out)}
                     if key not in done:
                         emit(row)
                     echo(f"  {key}: {ms:.4f} ms, {row['bandwidth_share']:.0%} of copy BW, "

@@ -326,42 +326,51 @@ V4_FLASH_SHAPES = [(1024, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (200,
 # shared expert w1/w3 and w2, a ragged one
 
 
+def _gpu_cases(n, k, block, rows):
+    """Weights [n, k] with block x block scales and bf16 activations on the GPU; per row count m (TF32 off):
+    the Triton act quant checked bitwise against the reference, then (m, x, reference fp32 output, error norm)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w8, ws = quantize_fp8_blocks(torch.randn(n, k, device=dev, generator=g) * 0.02, (block, block))
+    big = torch.randn(max(rows), k, device=dev, generator=g).bfloat16()
+    w_abs = dequantize_fp8_blocks(w8, ws, (block, block), torch.float32).abs().T
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        def cases():
+            for m in rows:
+                x = big[:m]
+                q0, s0 = fl._act_quant_ref(x, block)
+                q1, s1 = fl._act_quant_triton(x, block)
+                assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1), m
+                norm = (q0.float() * s0.repeat_interleave(block, -1)[:, :k]).abs() @ w_abs
+                yield m, x, fl._fp8_linear_ref(x, w8, ws, torch.float32, block), norm
+        return w8, ws, big, list(cases())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("n,k", V4_FLASH_SHAPES)
 def test_gpu_kernels_at_model_shapes(n, k):
     pytest.importorskip("triton")
     assert fl.triton is not None and not fl._INTERPRET
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    w8, ws = quantize_fp8_blocks(torch.randn(n, k, device=dev, generator=g) * 0.02)
+    w8, ws, big, cases = _gpu_cases(n, k, 128, (1, 16, 64, 256, 8192))
     ws32 = ws.view(torch.uint8).to(torch.int32).sub(127).float().exp2()
-    big = torch.randn(8192, k, device=dev, generator=g).bfloat16()
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        for m in (1, 16, 64, 256, 8192):
-            x = big[:m]
-            q0, s0 = fl._act_quant_ref(x)
-            q1, s1 = fl._act_quant_triton(x)
-            assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1), m
-            xd = q0.float() * s0.repeat_interleave(128, -1)[:, :k]
-            norm = xd.abs() @ dequantize_fp8_blocks(w8, ws, dtype=torch.float32).abs().T
-            ref = fl._fp8_linear_ref(x, w8, ws, torch.float32)
-            for scales in (ws, ws32):
-                for backend in ("triton", "triton_invariant"):
-                    with use(backend):
-                        y = fl.fp8_linear(x, w8, scales, torch.float32)
-                        yb = fl.fp8_linear(x, w8, scales)
-                    assert rel_err(y, ref, norm) <= GPU_BOUND, (m, backend)
-                    assert yb.dtype == torch.bfloat16 and rel_err(yb, ref, norm) <= GPU_BOUND + 2 ** -8, (m, backend)
-        with use("triton_invariant"):
-            full = fl.fp8_linear(big, w8, ws)
-            for m in (1, 16, 64, 256):
-                assert torch.equal(fl.fp8_linear(big[:m], w8, ws), full[:m]), m
-            assert torch.equal(fl.fp8_linear(big[100:101], w8, ws), full[100:101])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+    for m, x, ref, norm in cases:
+        for scales in (ws, ws32):
+            for backend in ("triton", "triton_invariant"):
+                with use(backend):
+                    y = fl.fp8_linear(x, w8, scales, torch.float32)
+                    yb = fl.fp8_linear(x, w8, scales)
+                assert rel_err(y, ref, norm) <= GPU_BOUND, (m, backend)
+                assert yb.dtype == torch.bfloat16 and rel_err(yb, ref, norm) <= GPU_BOUND + 2 ** -8, (m, backend)
+    with use("triton_invariant"):
+        full = fl.fp8_linear(big, w8, ws)
+        for m in (1, 16, 64, 256):
+            assert torch.equal(fl.fp8_linear(big[:m], w8, ws), full[:m]), m
+        assert torch.equal(fl.fp8_linear(big[100:101], w8, ws), full[100:101])
 
 
 V41_FLASH_SHAPES = [(1280, 5120), (512, 5120), (5120, 8192), (2304, 5120), (5120, 2304), (200, 300)]  # (N, K): wq_a,
@@ -376,26 +385,11 @@ def test_gpu_block32_kernels_at_model_shapes(n, k):
     fl.KERNEL_BLOCKS), every path, against the reference of the same recipe; the invariant path's row bits."""
     pytest.importorskip("triton")
     assert fl.triton is not None and not fl._INTERPRET
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    w8, ws = quantize_fp8_blocks(torch.randn(n, k, device=dev, generator=g) * 0.02, (32, 32))
-    big = torch.randn(4096, k, device=dev, generator=g).bfloat16()
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        for m in (1, 16, 64, 256, 4096):
-            x = big[:m]
-            q0, s0 = fl._act_quant_ref(x, 32)
-            q1, s1 = fl._act_quant_triton(x, 32)
-            assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1), m
-            xd = q0.float() * s0.repeat_interleave(32, -1)[:, :k]
-            norm = xd.abs() @ dequantize_fp8_blocks(w8, ws, (32, 32), torch.float32).abs().T
-            ref = fl._fp8_linear_ref(x, w8, ws, torch.float32, 32)
-            for path in (None, "decode", "prefill", "invariant"):
-                y = fl._fp8_linear_triton_any(x, w8, ws, torch.float32, path == "invariant", path, block=32)
-                assert rel_err(y, ref, norm) <= GPU_BOUND, (m, path)
-        full = fl._fp8_linear_triton_any(big, w8, ws, None, True, block=32)
-        for m in (1, 16, 64, 256):
-            assert torch.equal(fl._fp8_linear_triton_any(big[:m], w8, ws, None, True, block=32), full[:m]), m
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+    w8, ws, big, cases = _gpu_cases(n, k, 32, (1, 16, 64, 256, 4096))
+    for m, x, ref, norm in cases:
+        for path in (None, "decode", "prefill", "invariant"):
+            y = fl._fp8_linear_triton_any(x, w8, ws, torch.float32, path == "invariant", path, block=32)
+            assert rel_err(y, ref, norm) <= GPU_BOUND, (m, path)
+    full = fl._fp8_linear_triton_any(big, w8, ws, None, True, block=32)
+    for m in (1, 16, 64, 256):
+        assert torch.equal(fl._fp8_linear_triton_any(big[:m], w8, ws, None, True, block=32), full[:m]), m
