@@ -32,7 +32,8 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     expert_storage="fp4" (V4.1) keeps the routed experts as the checkpoint stores them (packed e2m1 + e8m0
     scales, 0.56 bytes per weight) and dequantizes each when it runs. projection_storage="fp8" keeps the
     projections the release stores as FP8 blocks in that form and runs them through `fp8_linear` (DeepSeek's W8A8
-    recipe: activations quantized per 1x128 on the fly); "dense" dequantizes them on load, as transformers does.
+    recipe: activations quantized per 1 x block on the fly, V4 128 / V4.1 32); "dense" dequantizes them on load,
+    as transformers does.
     """
     from .env import check_environment
     from .validate import EMBEDDED, check_device, check_flag, check_model_spec, refuse_unsupported

@@ -7,8 +7,9 @@ Ops and what a row counts:
                top-k uniformly at random (seeded): bytes = the touched experts' stored weights + scales, the rows in
                (x), the SwiGLU output written and read back (h) and the fp32 output; FLOPs = 6 * rows * D * I.
                Storage fp4 / fp8 / bf16, numerics a16 (activations in bf16) / a8 (FP8 per 1x128).
-  fp8_linear   kernels.fp8_linear.fp8_linear (W8A8, 1x128 activations, 128x128 weight blocks) at a model's FP8
-               projection shapes: bytes = weights + scales + x + y; next to cuBLAS bf16 (F.linear) and
+  fp8_linear   kernels.fp8_linear.fp8_linear (W8A8) at a model's FP8 projection shapes and blocks (V4: 128x128
+               weights, 1x128 activations; V4.1: 32x32, 1x32; a block the op keeps on its reference on a GPU is
+               timed by calling the Triton GEMM directly, `ran`): bytes = weights + scales + x + y; next to cuBLAS bf16 (F.linear) and
                torch._scaled_mm (per-tensor scales) at the same shape.
   attention    kernels.attention sparse_sink_attention over a 64-head x 512 latent (V4 / V4.1 flash): layer kinds
                swa (the 128-key window), csa (window + 512 selected entries) and hca (window + every ratio-128
@@ -46,6 +47,7 @@ MODEL_SHAPES = {   # experts: (E, D, I, top_k); linears: name -> (N, K) of its F
                         "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}},
 }
 OPS = ("experts", "fp8_linear", "attention")
+FP8_BLOCK = {"v4": 128, "v41": 32}      # the release's FP8 weight blocks (activations per 1 x block)
 ATTENTION_KINDS = {"swa": None, "csa": 512, "hca": 128}   # kind -> selected entries (csa) / compress ratio (hca)
 STORAGE = ("fp4", "fp8", "bf16")
 NUMERICS = ("a16", "a8")
@@ -255,10 +257,11 @@ def fp8_linear_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, ech
     import torch.nn.functional as F
     device = cfg.device
     for model in cfg.models:
+        block = FP8_BLOCK[model]
         for name, (n, k) in MODEL_SHAPES[model]["linears"].items():
             gen = torch.Generator(device=device).manual_seed(cfg.seed)
             w = torch.randn(n, k, device=device, generator=gen) * 0.02
-            w8, ws = quantize_fp8_blocks(w, (128, 128), "ue8m0")
+            w8, ws = quantize_fp8_blocks(w, (block, block), "ue8m0")
             wb = w.to(torch.bfloat16)
             del w
             for tokens in cfg.tokens:
@@ -270,17 +273,24 @@ def fp8_linear_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, ech
                 ref_out = ref_ms = None
                 if cfg.check_reference:
                     with use("reference"):
-                        ref_out = fl.fp8_linear(x, w8, ws)
-                        ref_ms = 1e3 * _time(lambda: fl.fp8_linear(x, w8, ws), device, 1, max(1, min(cfg.iters, 5)))
+                        ref_out = fl.fp8_linear(x, w8, ws, block=block)
+                        ref_ms = 1e3 * _time(lambda: fl.fp8_linear(x, w8, ws, block=block), device, 1,
+                                             max(1, min(cfg.iters, 5)))
                 times = {}
                 for backend in cfg.backends:
-                    key = f"fp8_linear/{model}/{name}/t{tokens}/{backend}"
+                    key = f"fp8_linear/{model}/{name}/b{block}/t{tokens}/{backend}"
+                    # a block the op keeps on its reference on a GPU (fp8_linear.KERNEL_BLOCKS) times the kernel
+                    direct = backend.startswith("triton") and block not in fl.KERNEL_BLOCKS and device != "cpu"
+                    fn = ((lambda: fl._fp8_linear_triton_any(x, w8, ws, None, backend == "triton_invariant",
+                                                             block=block)) if direct
+                          else (lambda: fl.fp8_linear(x, w8, ws, block=block)))
                     with use(backend):
-                        out = fl.fp8_linear(x, w8, ws)
-                        ms = 1e3 * _time(lambda: fl.fp8_linear(x, w8, ws), device, cfg.warmup, cfg.iters)
+                        out = fn()
+                        ms = 1e3 * _time(fn, device, cfg.warmup, cfg.iters)
                         timing = TIMING["last"]
                     times[backend] = ms
                     row = {"key": key, "op": "fp8_linear", "model_shapes": model, "linear": name, "n": n, "k": k,
+                           "block": block, "ran": "kernel, called directly" if direct else "through the op",
                            "storage": "fp8", "numerics": "a8", "backend": backend, "tokens": tokens,
                            **_rates(ms, nbytes, flops, ceilings, ceilings["fp8_flops_per_s"]),
                            "weight_bandwidth_share": (w8.numel() + ws.numel() * ws.element_size()) / (ms / 1e3)
@@ -318,13 +328,15 @@ def attention_inputs(kind: str, rows: int, context: int, device, gen, heads: int
     the 128 positions before each row; csa: 512 distinct entries of context/4 (V4's ratio; V4.1's ratio 2 reads
     as many), hca: every one of context/128. Rows <= 256: one store per row; more: one shared store."""
     own = rows <= 256
+    # the window: each sequence's last 128 positions (decode rows), or one sequence's whole context (a chunk)
+    span = 128 if own else context
+    window = torch.randn((rows if own else 1) * span, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    if own:
+        win_index = (torch.arange(rows, device=device) * span).view(-1, 1) + torch.arange(128, device=device)
+    else:
+        pos = context - 1 - torch.arange(rows, device=device) % context
+        win_index = (pos.view(-1, 1) - torch.arange(128, device=device)).clamp(min=0)
     copies = rows if own else 1
-    window = torch.randn(copies * context, dim, device=device, generator=gen, dtype=torch.bfloat16)
-    base = (torch.arange(rows, device=device) * context if own else torch.zeros(rows, device=device, dtype=torch.long))
-    step = torch.arange(rows, device=device) % context if not own else torch.zeros(rows, device=device,
-                                                                                    dtype=torch.long)
-    pos = context - 1 - step                                   # each row's position: the newest of its context
-    win_index = base.view(-1, 1) + (pos.view(-1, 1) - torch.arange(128, device=device)).clamp(min=0)
     sources = [(window, win_index)]
     ratio, picked = (4, ATTENTION_KINDS[kind]) if kind == "csa" else (ATTENTION_KINDS[kind], None)
     if ratio is not None:

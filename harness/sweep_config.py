@@ -19,6 +19,7 @@ from typing import Any
 
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import DTYPE_NAMES as DTYPES
+from deepinfer.models import PROJECTION_STORAGE
 from deepinfer.validate import EXPERT_STORAGE, check_model_spec
 
 DEVICES = ("cpu", "cuda", "cuda:N")      # cuda:N: one GPU (N its index); whether it exists: validate.check_device
@@ -33,7 +34,7 @@ REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
 # engine argument -> kind: "int" (>= 1), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE)
 ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max_model_len": "int",
                     "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
-                    "block_size": "int"}
+                    "projection_storage": "projection", "block_size": "int"}
 SCENARIO_KEYS = ("isl", "osl")
 TOPOLOGY_KEYS = ("prefill_ranks", "decode_ranks", "ep", "dp")
 LADDER_KEYS = ("start", "stop")
@@ -333,6 +334,8 @@ class Validator:
                 raise self.error(p, f"must be true or false, got {_type_name(val)} {val!r}")
             elif kind == "storage":
                 self.choice(val, p, EXPERT_STORAGE)
+            elif kind == "projection":
+                self.choice(val, p, PROJECTION_STORAGE)
         if "max_num_seqs" in d and "max_num_batched_tokens" in d and d["max_num_batched_tokens"] < d["max_num_seqs"]:
             raise self.error(f"{path}.max_num_batched_tokens", f"got {d['max_num_batched_tokens']}; must be >= "
                                                                f"max_num_seqs ({d['max_num_seqs']})")

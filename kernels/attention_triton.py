@@ -10,14 +10,16 @@ layout) and streams BLOCK_N keys at a time: scores q.k^T [H, BLOCK_N] in fp32, a
 (scale * log2 e folded into the scores), P cast to the key dtype for the P.V product (FlashAttention's rounding;
 fp32 keys keep fp32), fp32 accumulator [H, d].
 
-  one pass  (NSPLIT = 1): the running max starts at the sink (m = sink * log2 e, l = 1), so the sink joins the
+  one pass  (ONE_PASS): the running max starts at the sink (m = sink * log2 e, l = 1), so the sink joins the
             softmax without a key and a row with no key ends at 0, as the reference.
-  split-KV  (NSPLIT > 1, a fixed SPLIT keys per program): each split writes its unnormalized (m, l, acc) in fp32,
+  split-KV  (a fixed SPLIT keys per program, cdiv(K, SPLIT) programs per row): each split writes its unnormalized (m, l, acc) in fp32,
             a second kernel merges the splits in ascending order with the sink:
                 M = max(sink2, m_s),  out = sum_s 2^(m_s - M) acc_s / (2^(sink2 - M) + sum_s 2^(m_s - M) l_s)
             an empty split has m = -inf, l = 0, acc = 0 and adds nothing (M is finite: the sink is).
 A row's result depends on its own keys only, whatever the batch, in both modes; the `triton` choice between them
-(split when the rows alone leave SMs idle) depends on N, so `triton_invariant` always splits with SPLIT fixed.
+(split when the rows alone leave SMs idle) depends on N, so `triton_invariant` always splits with SPLIT fixed
+(a row of one split too: its arithmetic is the split path's whatever the batch). Trip counts are runtime values
+on a GPU (a new keys-per-row compiles nothing), compile-time ones under the interpreter.
 
 Numerics against the fp32 reference (`_sparse_sink_attention`): fp32 inputs in the interpreter <= 2e-6 of max |out|
 (tests/interpreted/test_attention_triton.py); bf16 on a GPU: P rounded to bf16 (2^-9 relative), not yet measured.
@@ -95,19 +97,54 @@ def _pointers(store) -> tuple[torch.Tensor, torch.Tensor, int]:
 if triton is not None:
 
     @triton.jit
+    def _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr, i2_ptr, K1, R1, R2,
+                     stride_s1, stride_n1, stride_i1, stride_s2, stride_n2, stride_i2, qk_scale, d, d_ok,
+                     BLOCK_N: tl.constexpr, TWO: tl.constexpr, F32: tl.constexpr):
+        """One step of BLOCK_N keys (positions start + it*BLOCK_N ..) of row n: the online softmax update."""
+        t = start + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = t < stop
+        i1 = tl.load(i1_ptr + n * stride_i1 + t, mask=in_range & (t < K1), other=-1)
+        ok1 = i1 >= 0
+        row1 = tl.where(i1 < R1, s1_ptr + i1 * stride_s1, n1_ptr + (i1 - R1) * stride_n1)
+        k = tl.load(row1[:, None] + d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
+        ok = ok1
+        if TWO:
+            i2 = tl.load(i2_ptr + n * stride_i2 + (t - K1), mask=in_range & (t >= K1), other=-1)
+            ok2 = i2 >= 0
+            row2 = tl.where(i2 < R2, s2_ptr + i2 * stride_s2, n2_ptr + (i2 - R2) * stride_n2)
+            k += tl.load(row2[:, None] + d[None, :], mask=ok2[:, None] & d_ok[None, :], other=0.0)
+            ok = ok1 | ok2
+        if F32:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))                                     # [BLOCK_H, BLOCK_N] fp32
+        scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                   # an all-empty start (split mode)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if F32:
+            acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        return m_new, l, acc
+
+    @triton.jit
     def _sparse_attn_kernel(q_ptr, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr, i2_ptr, sink_ptr, o_ptr, ml_ptr,
-                            H, D, K1, K2, R1, R2, stride_qn, stride_qh, stride_s1, stride_n1, stride_i1, stride_s2,
-                            stride_n2, stride_i2,
-                            stride_on, stride_oh, stride_os, qk_scale,
+                            H, D, K1, K2, R1, R2, nsplit, iters, stride_qn, stride_qh, stride_s1, stride_n1,
+                            stride_i1, stride_s2, stride_n2, stride_i2, stride_on, stride_oh, stride_os, qk_scale,
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLIT: tl.constexpr, NSPLIT: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr,
+                            SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr,
                             F32: tl.constexpr):
-        """Program (n, s): row n, keys [s*SPLIT, (s+1)*SPLIT) of its concatenated list (NSPLIT = 1: all of them),
-        ITERS steps of BLOCK_N keys (a compile-time trip count: the interpreter cannot loop to a runtime bound).
+        """Program (n, s): row n, keys [s*SPLIT, (s+1)*SPLIT) of its concatenated list (ONE_PASS: all of them),
+        `iters` steps of BLOCK_N keys (ITERS > 0: that many, a compile-time trip count, for the interpreter,
+        which cannot loop to a runtime bound; on a GPU the count is a runtime value, so a new keys-per-row
+        does not compile the kernel again).
         A source's store is in two parts (kernels.attention.SplitStore): index i < R_i reads s_i[i], else
         n_i[i - R_i] (a plain store passes itself twice with R_i = its rows).
-        NSPLIT = 1 writes the normalized output o [N, H, D] (q's dtype); else o is [N, NSPLIT, H, D] fp32
-        (stride_os per split) of unnormalized accumulators and ml [N, NSPLIT, H, 2] their (m, l)."""
+        ONE_PASS writes the normalized output o [N, H, D] (q's dtype); else o is [N, nsplit, H, D] fp32
+        (stride_os per split) of unnormalized accumulators and ml [N, nsplit, H, 2] their (m, l)."""
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         h = tl.arange(0, BLOCK_H)
@@ -115,83 +152,75 @@ if triton is not None:
         h_ok, d_ok = h < H, d < D
         q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :],
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)              # [BLOCK_H, BLOCK_D]
-        if NSPLIT == 1:
+        if ONE_PASS:
             m = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
             l = tl.full((BLOCK_H,), 1.0, tl.float32)
+            start = 0
+            stop = K1 + K2
         else:
             m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
             l = tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-        total = K1 + K2
-        if NSPLIT == 1:
-            start = 0
-            stop = total
-        else:
             start = s * SPLIT
-            stop = tl.minimum(start + SPLIT, total)
-        for it in range(ITERS):
-            t = start + it * BLOCK_N + tl.arange(0, BLOCK_N)
-            in_range = t < stop
-            in1 = t < K1
-            i1 = tl.load(i1_ptr + n * stride_i1 + t, mask=in_range & in1, other=-1)
-            ok1 = i1 >= 0
-            row1 = tl.where(i1 < R1, s1_ptr + i1 * stride_s1, n1_ptr + (i1 - R1) * stride_n1)
-            k = tl.load(row1[:, None] + d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
-            ok = ok1
-            if TWO:
-                i2 = tl.load(i2_ptr + n * stride_i2 + (t - K1), mask=in_range & (t >= K1), other=-1)
-                ok2 = i2 >= 0
-                row2 = tl.where(i2 < R2, s2_ptr + i2 * stride_s2, n2_ptr + (i2 - R2) * stride_n2)
-                k += tl.load(row2[:, None] + d[None, :], mask=ok2[:, None] & d_ok[None, :], other=0.0)
-                ok = ok1 | ok2
-            if F32:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))                                 # [BLOCK_H, BLOCK_N] fp32
-            scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # an all-empty start (split mode)
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            if F32:
-                acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-            m = m_new
-        if NSPLIT == 1:
+            stop = tl.minimum(start + SPLIT, K1 + K2)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+        if ITERS > 0:
+            for it in range(ITERS):
+                m, l, acc = _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr,
+                                         i2_ptr, K1, R1, R2, stride_s1, stride_n1, stride_i1, stride_s2, stride_n2,
+                                         stride_i2, qk_scale, d, d_ok, BLOCK_N, TWO, F32)
+        else:
+            for it in range(iters):
+                m, l, acc = _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr,
+                                         i2_ptr, K1, R1, R2, stride_s1, stride_n1, stride_i1, stride_s2, stride_n2,
+                                         stride_i2, qk_scale, d, d_ok, BLOCK_N, TWO, F32)
+        if ONE_PASS:
             out = acc / l[:, None]
             tl.store(o_ptr + n * stride_on + h[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=h_ok[:, None] & d_ok[None, :])
         else:
             base = n * stride_on + s.to(tl.int64) * stride_os
             tl.store(o_ptr + base + h[:, None] * stride_oh + d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
-            ml = ml_ptr + ((n * NSPLIT + s) * H + h) * 2
+            ml = ml_ptr + ((n * nsplit + s) * H + h) * 2
             tl.store(ml, m, mask=h_ok)
             tl.store(ml + 1, l, mask=h_ok)
 
     @triton.jit
-    def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H, D, stride_pn, stride_ps, stride_ph,
+    def _combine_split(acc, denom, big, part_ptr, ml_ptr, n, s, nsplit, H, h, h_ok, d, d_ok, stride_pn, stride_ps,
+                       stride_ph):
+        ml = ml_ptr + ((n * nsplit + s) * H + h) * 2
+        w = tl.exp2(tl.load(ml, mask=h_ok, other=float("-inf")) - big)
+        part = tl.load(part_ptr + n * stride_pn + s * stride_ps + h[:, None] * stride_ph + d[None, :],
+                       mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        return acc + w[:, None] * part, denom + w * tl.load(ml + 1, mask=h_ok, other=0.0)
+
+    @triton.jit
+    def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H, D, nsplit, stride_pn, stride_ps, stride_ph,
                         stride_on, stride_oh,
                         NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Program n: merge row n's NSPLIT partial (m, l, acc) with the sink, splits in ascending order."""
+        """Program n: merge row n's nsplit partial (m, l, acc) with the sink, splits in ascending order
+        (NSPLIT > 0: a compile-time count, for the interpreter)."""
         n = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         h_ok, d_ok = h < H, d < D
         sink2 = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         big = sink2
-        for s in range(NSPLIT):
-            big = tl.maximum(big, tl.load(ml_ptr + ((n * NSPLIT + s) * H + h) * 2, mask=h_ok, other=0.0))
+        if NSPLIT > 0:
+            for s in range(NSPLIT):
+                big = tl.maximum(big, tl.load(ml_ptr + ((n * nsplit + s) * H + h) * 2, mask=h_ok, other=0.0))
+        else:
+            for s in range(nsplit):
+                big = tl.maximum(big, tl.load(ml_ptr + ((n * nsplit + s) * H + h) * 2, mask=h_ok, other=0.0))
         denom = tl.exp2(sink2 - big)
         acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-        for s in range(NSPLIT):
-            ml = ml_ptr + ((n * NSPLIT + s) * H + h) * 2
-            w = tl.exp2(tl.load(ml, mask=h_ok, other=float("-inf")) - big)
-            denom += w * tl.load(ml + 1, mask=h_ok, other=0.0)
-            part = tl.load(part_ptr + n * stride_pn + s * stride_ps + h[:, None] * stride_ph + d[None, :],
-                           mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            acc += w[:, None] * part
+        if NSPLIT > 0:
+            for s in range(NSPLIT):
+                acc, denom = _combine_split(acc, denom, big, part_ptr, ml_ptr, n, s, nsplit, H, h, h_ok, d, d_ok,
+                                            stride_pn, stride_ps, stride_ph)
+        else:
+            for s in range(nsplit):
+                acc, denom = _combine_split(acc, denom, big, part_ptr, ml_ptr, n, s, nsplit, H, h, h_ok, d, d_ok,
+                                            stride_pn, stride_ps, stride_ph)
         tl.store(o_ptr + n * stride_on + h[:, None] * stride_oh + d[None, :],
                  (acc / denom[:, None]).to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
@@ -201,22 +230,23 @@ else:
 
 
 def num_splits(n: int, k: int, tiles: AttnTiles, device: torch.device, invariant: bool) -> int:
-    """Programs per row: 1 (one pass) or cdiv(K, tiles.split) (split-KV, a fixed split size). `invariant` always
-    splits; otherwise split only when the rows alone leave SMs idle (N < SMs)."""
+    """Programs per row: 0 (one pass) or cdiv(K, tiles.split) (split-KV, a fixed split size, then the combine).
+    `invariant` always splits, even a row of one split, so a row's arithmetic never depends on the batch's K;
+    otherwise split only when the rows alone leave SMs idle (N < SMs)."""
     most = max(1, -(-k // tiles.split))
     if invariant:
         return most
-    return most if n < (sm_count(device) or 16) else 1
+    return most if n < (sm_count(device) or 16) else 0
 
 
 def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float, tiles: AttnTiles = DECODE,
                      invariant: bool = False, splits: int | None = None) -> torch.Tensor:
-    """The kernels on `supported` inputs (callers check). `splits` (tests) forces one pass (1) or split-KV (any
-    other value: cdiv(K, tiles.split) programs per row)."""
+    """The kernels on `supported` inputs (callers check). `splits` (tests) forces one pass (0) or split-KV (any
+    other value: cdiv(K, tiles.split) programs per row, then the combine)."""
     n, h, dim = q.shape
     (st1, i1), (st2, i2) = sources[0], (sources[1] if len(sources) == 2 else (sources[0][0], sources[0][1][:, :0]))
     k1, k2 = i1.shape[1], (i2.shape[1] if len(sources) == 2 else 0)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)         # contiguous, whatever q's strides
     if n == 0:
         return out
     if q.stride(-1) != 1:
@@ -225,28 +255,27 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
     i1, i2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (i1, i2))
     sink = sink.to(torch.float32).contiguous()
     nsplit = num_splits(n, k1 + k2, tiles, q.device, invariant) if splits is None else splits
-    if nsplit != 1:
+    if nsplit:
         nsplit = max(1, -(-(k1 + k2) // tiles.split))
     block_h, block_d = _pow2(h), _pow2(dim)
-    span = k1 + k2 if nsplit == 1 else tiles.split                     # keys per program
-    common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles.block_n, SPLIT=tiles.split, NSPLIT=nsplit,
-                  ITERS=-(-span // tiles.block_n),
-                  TWO=len(sources) == 2, F32=q.dtype == torch.float32, num_warps=tiles.warps,
-                  num_stages=tiles.stages)
+    iters = -(-(k1 + k2 if not nsplit else tiles.split) // tiles.block_n)       # steps per program
+    common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles.block_n, SPLIT=tiles.split, ONE_PASS=not nsplit,
+                  ITERS=iters if INTERPRETED else 0, TWO=len(sources) == 2, F32=q.dtype == torch.float32,
+                  num_warps=tiles.warps, num_stages=tiles.stages)
     args = (s1, n1, i1, s2, n2, i2, sink)
-    strides = (h, dim, k1, k2, r1, r2, q.stride(0), q.stride(1), s1.stride(0), n1.stride(0), i1.stride(0),
-               s2.stride(0), n2.stride(0), max(i2.stride(0), 1) if i2.numel() else 1)
-    if nsplit == 1:
-        _sparse_attn_kernel[(n, 1)](q, *args, out, out, *strides, out.stride(0), out.stride(1), 0,
+    sizes = (h, dim, k1, k2, r1, r2, max(nsplit, 1), iters, q.stride(0), q.stride(1), s1.stride(0), n1.stride(0),
+             i1.stride(0), s2.stride(0), n2.stride(0), max(i2.stride(0), 1) if i2.numel() else 1)
+    if not nsplit:
+        _sparse_attn_kernel[(n, 1)](q, *args, out, out, *sizes, out.stride(0), out.stride(1), 0,
                                     scale * LOG2E, **common)
         return out
     part = torch.empty((n, nsplit, h, dim), dtype=torch.float32, device=q.device)
     ml = torch.empty((n, nsplit, h, 2), dtype=torch.float32, device=q.device)
-    _sparse_attn_kernel[(n, nsplit)](q, *args, part, ml, *strides, part.stride(0), part.stride(2), part.stride(1),
+    _sparse_attn_kernel[(n, nsplit)](q, *args, part, ml, *sizes, part.stride(0), part.stride(2), part.stride(1),
                                      scale * LOG2E, **common)
-    _combine_kernel[(n,)](part, ml, sink, out, h, dim, part.stride(0), part.stride(1), part.stride(2),
-                          out.stride(0), out.stride(1), NSPLIT=nsplit, BLOCK_H=block_h, BLOCK_D=block_d,
-                          num_warps=4)
+    _combine_kernel[(n,)](part, ml, sink, out, h, dim, nsplit, part.stride(0), part.stride(1), part.stride(2),
+                          out.stride(0), out.stride(1), NSPLIT=nsplit if INTERPRETED else 0, BLOCK_H=block_h,
+                          BLOCK_D=block_d, num_warps=4)
     return out
 
 

@@ -39,10 +39,12 @@ BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 64}
 
 
 def supported(streams: torch.Tensor, fn: torch.Tensor) -> bool:
+    """hc a power of two up to 8 (the [hc, hc] Sinkhorn tile is a register reshape), fp32 weights, and (outside
+    the interpreter) CUDA tensors."""
     if triton is None or streams.dim() != 3 or streams.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     hc = streams.shape[1]
-    if hc * hc > 64 or fn.shape != ((2 + hc) * hc, hc * streams.shape[2]) or fn.dtype != torch.float32:
+    if hc & (hc - 1) or hc * hc > 64 or fn.shape != ((2 + hc) * hc, hc * streams.shape[2]) or fn.dtype != torch.float32:
         return False
     tensors = (streams, fn)
     return all(t.is_cuda for t in tensors) or (INTERPRETED and not any(t.is_cuda for t in tensors))

@@ -39,6 +39,9 @@ def test_which_projections_turn_fp8(pair):
     want = {n for n, m in dense.named_modules() if isinstance(m, Linear) and f"{n}.weight".endswith(fp8_names)
             and not n.endswith("attn.wo_a")}
     assert set(swapped) == want and len(want) > 20
+    pinned = {"attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "ffn.shared_experts.w1", "ffn.shared_experts.w2",
+              "ffn.shared_experts.w3"}                                   # the release's FP8 list, wo_a excepted
+    assert {n[len("layers.0."):] for n in swapped if n.startswith("layers.0.")} == pinned
     assert isinstance(fp8.get_submodule("layers.0.attn.wo_a"), Linear)      # DeepSeek's reference runs it in BF16
     assert projection_storage_of(fp8) == "fp8" and projection_storage_of(dense) == "dense"
     block = dense.cfg.quant.weight_block_size[0]
@@ -132,3 +135,35 @@ def test_refusals(tiny_checkpoint_copy):
     with pytest.raises(DeepInferError, match=r"layers.0.attn.wq_a.weight has dtype torch.bfloat16, but "
                                              r"projection_storage='fp8'.*load with projection_storage='dense'"):
         load_model(tiny_checkpoint_copy, projection_storage="fp8")
+
+
+def test_export_refused_and_keep_quantized(tiny_checkpoint_dir, tmp_path):
+    from deepinfer.checkpoint.writer import write_checkpoint
+    fp8 = load_model(tiny_checkpoint_dir, projection_storage="fp8", keep_quantized=True)
+    with pytest.raises(DeepInferError, match=r"write_checkpoint: this model keeps its FP8 projections resident"):
+        write_checkpoint(fp8, tmp_path / "out", "deepseek")
+    assert not (tmp_path / "out").exists()
+    m = fp8.get_submodule("layers.0.attn.wq_b")
+    q = m.quantized
+    assert q.fmt == "fp8" and q.data is m.weight and q.scale is m.scale and q.block == (128, 128)
+
+
+def test_nan_in_an_fp8_weight_is_refused(tiny_checkpoint_copy):
+    """e4m3fn NaN (byte 0x7F) in a resident FP8 weight: one line naming the tensor, as for the dense load."""
+    index = json.loads((tiny_checkpoint_copy / "model.safetensors.index.json").read_text())["weight_map"]
+    key = "layers.1.attn.wkv.weight"
+    shard = tiny_checkpoint_copy / index[key]
+    tensors = load_file(shard)
+    raw = tensors[key].view(torch.uint8).clone()
+    raw[3, 5] = 0x7F
+    tensors[key] = raw.view(torch.float8_e4m3fn)
+    save_file(tensors, shard)
+    with pytest.raises(DeepInferError, match=r"tensor layers.1.attn.wkv.weight: 1 of its \d+ e4m3 values are NaN"):
+        load_model(tiny_checkpoint_copy, projection_storage="fp8")
+
+
+def test_llm_random_model_with_fp8_projections():
+    llm = LLM(model="random:deepseek_v4:tiny:2", projection_storage="fp8", max_num_seqs=1)
+    assert projection_storage_of(llm.model) == "fp8"
+    out = llm.generate(["a"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 3

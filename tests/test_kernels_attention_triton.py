@@ -40,7 +40,7 @@ def test_matches_reference(n, k1, k2):
     if k2 == 0:
         sources = sources[:1]
     want = ka._sparse_sink_attention(q, sources, sink, 512 ** -0.5).float()
-    for splits in (None, 1, 2):
+    for splits in (None, 0, 2):
         got = kat.sparse_attention(q, sources, sink, 512 ** -0.5, splits=splits)
         err = float((got.float() - want).abs().max() / want.abs().max())
         assert err <= GPU_BOUND, (splits, err)
@@ -62,10 +62,10 @@ def test_batch_invariance_and_graphs():
     from deepinfer.kernels import attention_triton as kat
     q, sources, sink = _inputs(96, 128, 512, seed=7)
     for invariant in (False, True):
-        full = kat.sparse_attention(q, sources, sink, 0.05, invariant=invariant, splits=None if invariant else 1)
+        full = kat.sparse_attention(q, sources, sink, 0.05, invariant=invariant, splits=None if invariant else 0)
         for a, b in ((5, 6), (0, 40), (60, 96)):
             part = kat.sparse_attention(q[a:b], [(s, i[a:b]) for s, i in sources], sink, 0.05, invariant=invariant,
-                                        splits=None if invariant else 1)
+                                        splits=None if invariant else 0)
             assert torch.equal(part, full[a:b]), (invariant, a, b)
     for fn in (kat.sparse_sink_attention_triton, kat.sparse_sink_attention_triton_invariant):
         graph, out = capture_graph(fn, q, sources, sink, 0.05)

@@ -67,6 +67,11 @@ def test_h200_flash_shape():
     assert cfg.concurrency["prefill"] == cfg.concurrency["decode"] == (1, 2, 4, 8, 16, 32, 64)
 
 
+def test_projection_storage_is_an_engine_arg():
+    cfg = parse_sweep(sweep(engine_args={"projection_storage": "fp8"}), "s.yaml")
+    assert cfg.engine_args["projection_storage"] == "fp8"
+
+
 def test_published_shape():
     cfg = load_sweep(SWEEPS / "v41-flash-published.yaml")
     assert cfg.model == "deepseek-ai/DeepSeek-V4.1-Flash-1017"
@@ -216,6 +221,7 @@ def test_unknown_and_missing_keys(data, path, hint):
     (sweep(engine_args={"enforce_eager": "yes"}), "engine_args.enforce_eager", "true or false"),
     (sweep(engine_args={"gpu_memory_utilization": 1.5}), "engine_args.gpu_memory_utilization", "(0, 1]"),
     (sweep(engine_args={"expert_storage": "fp8"}), "engine_args.expert_storage", "allowed: dense, fp4"),
+    (sweep(engine_args={"projection_storage": "fp4"}), "engine_args.projection_storage", "allowed: dense, fp8"),
     (sweep(engine_args={"max_num_seqs": 64, "max_num_batched_tokens": 32}),
      "engine_args.max_num_batched_tokens", ">= max_num_seqs (64)"),
     (sweep(scenarios=[]), "scenarios", "non-empty list"),

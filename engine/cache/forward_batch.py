@@ -4,8 +4,10 @@ A step feeds G segments; segment g is n_g new tokens of the sequence in slot s_g
 positions, so its rows (o_g .. o_g + n_g - 1 of the flat batch of N rows) sit at positions a_g .. a_g + n_g - 1.
 Prefill chunks, decode rows (n = 1) and verify rows (n = q + 1) are all segments; each row attends causally.
 
-A position tp < a_g of segment g lives in the pools, a position tp >= a_g in this step's rows. Every state
-read goes through a per-step *store*: a ring's rows of the step's segments, followed by the step's new values,
+A position tp < a_g of segment g lives in the pools, a position tp >= a_g in this step's rows. The attention
+window reads its ring pool in place (`window_index`: rows of a kernels.attention.SplitStore of the flattened
+ring, then the step's new latents; the ring is written after the attention). The compressors' pending rings go
+through a per-step *store*: a ring's rows of the step's segments, followed by the step's new values,
 `[G * span + N, width]`; `positions_index` turns positions into rows of such a store (-1: before position 0).
 Rows write rings only for the last `span` positions of their segment (the others would collide); writes that
 must go nowhere land on scratch slot / block 0.

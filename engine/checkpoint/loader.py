@@ -107,7 +107,8 @@ class CheckpointLoader:
         self._dequantized: set[str] = set()
         self.pending: dict[str, _Pending] = {}
         self._nonfinite: torch.Tensor | None = None          # this shard's screen (a sum), on the model's device
-        self._nan_scales: torch.Tensor | None = None         # this shard's count of NaN FP4-resident scales
+        self._nan_scales: torch.Tensor | None = None         # this shard's count of NaN bytes: FP4-resident
+                                                             # experts' e8m0 scales, FP8-resident weights' e4m3
         self._finite_checked: list[tuple[str, torch.Tensor, str]] = []   # (key, loaded tensor, kind)
 
     def _expected_names(self) -> set[str]:
@@ -294,8 +295,9 @@ class CheckpointLoader:
     def _copy_fp8_part(self, key: str, dest: torch.Tensor, tensor: torch.Tensor, path: Path,
                        value: torch.Tensor) -> None:
         if tuple(tensor.shape) != tuple(dest.shape):
+            block = self._fp8_module(key).block
             raise CheckpointError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                                  f" (FP8 weight [out, in] / scale per 128x128 block)")
+                                  f" (FP8 weight [out, in] / scale per {block}x{block} block)")
         with torch.no_grad():
             dest.copy_(value)
         self.seen.add(key)
@@ -400,7 +402,9 @@ class CheckpointLoader:
     def _count_nonfinite(self, key: str, loaded: torch.Tensor, kind: str) -> None:
         """Screen a just-loaded tensor for NaN/inf, as the model holds it (after dequantization, so FP8 NaN
         codes, NaN e8m0 scales and scales that overflow all show up). kind "e8m0": FP4-resident expert
-        scales, kept as bytes (e2m1 weights have no NaN/inf; a scale byte 0xFF is NaN).
+        scales, kept as bytes (e2m1 weights have no NaN/inf; a scale byte 0xFF is NaN); kind "fp8": FP8-resident
+        projection weights, screened by their bytes (e4m3fn has no inf; NaN is x111 1111), their fp32 scales as
+        "float".
 
         Cost, the choice made: the screen is the tensor's plain sum (one reduction kernel, no temporary; a sum
         is non-finite whenever any term is), added to a per-shard total that stays on the device. The total
@@ -410,9 +414,11 @@ class CheckpointLoader:
         if kind == "e8m0":       # uint8 ops only: every device has them for any byte tensor
             term = (loaded.view(torch.uint8) == 0xFF).sum()
             self._nan_scales = term if self._nan_scales is None else self._nan_scales + term
-        else:                    # "fp8": e4m3 bytes have no sum of their own; NaN codes become float NaN
-            values = loaded.to(torch.float32) if kind == "fp8" else loaded
-            term = values.sum(dtype=torch.float64 if values.dtype == torch.float64 else torch.float32)
+        elif kind == "fp8":      # e4m3fn has no inf; its NaN codes are the bytes x111 1111
+            term = ((loaded.view(torch.uint8) & 0x7F) == 0x7F).sum()
+            self._nan_scales = term if self._nan_scales is None else self._nan_scales + term
+        else:
+            term = loaded.sum(dtype=torch.float64 if loaded.dtype == torch.float64 else torch.float32)
             self._nonfinite = term if self._nonfinite is None else self._nonfinite + term
         self._finite_checked.append((key, loaded, kind))
 
@@ -430,6 +436,8 @@ class CheckpointLoader:
             if n:
                 if kind == "e8m0":
                     what = f"{n} of its {loaded.numel()} e8m0 scales are NaN (byte 0xFF)"
+                elif kind == "fp8":
+                    what = f"{n} of its {loaded.numel()} e4m3 values are NaN (byte 0x7F / 0xFF)"
                 elif kind == "dequantized":
                     scale = key[: -len(".weight")] + ".scale" if key.endswith(".weight") else key + ".scale"
                     what = f"{n} of its {loaded.numel()} values are non-finite (NaN/inf) once dequantized with {scale}"
@@ -465,7 +473,9 @@ def _nonfinite_count(t: torch.Tensor, kind: str = "float") -> int:
     """Exact number of NaN/inf values of `t` (kind "e8m0": of 0xFF bytes); only run to locate a bad tensor."""
     if kind == "e8m0":
         return int((t.view(torch.uint8) == 0xFF).sum())
-    return int(t.numel() - torch.isfinite(t.to(torch.float32) if kind == "fp8" else t).sum())
+    if kind == "fp8":
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    return int(t.numel() - torch.isfinite(t).sum())
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, keep_quantized: bool = False) -> None:

@@ -325,6 +325,10 @@ def write_checkpoint(model: torch.nn.Module, out: str | Path, fmt: str, overwrit
     The directory and files get the modes of any normal write (0o777 / 0o666 & ~umask). Any OSError (disk
     full, read-only, permissions, busy) is one DeepInferError line naming the path; the temporary directory
     and any parent directories made for `out` are removed, and an existing `out` (--overwrite) is kept."""
+    from ..models import projection_storage_of
+    if projection_storage_of(model) != "dense":
+        raise DeepInferError("write_checkpoint: this model keeps its FP8 projections resident "
+                             "(projection_storage='fp8'); export a model built with projection_storage='dense'")
     out = check_out_dir(out, fmt, overwrite)
     made, parent = [], out.parent
     while not os.path.lexists(parent):

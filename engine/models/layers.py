@@ -77,6 +77,11 @@ class Fp8Linear(nn.Module):
         """W [out, in] in the compute dtype (exact: e4m3 values times powers of two fit bf16)."""
         return dequantize_fp8_blocks(self.weight, self.scale, (self.block, self.block), self.dtype)
 
+    @property
+    def quantized(self) -> QuantizedWeight:
+        """The on-disk form (what keep_quantized attaches to a dense Linear): here the module's own tensors."""
+        return QuantizedWeight(self.weight, self.scale, "fp8", (self.block, self.block))
+
 
 def fp8_projections(model: nn.Module, is_fp8, block: int, keep_dense: tuple[str, ...] = ()) -> list[str]:
     """Swap every Linear whose `<name>.weight` is FP8 in the release (`is_fp8(checkpoint name)`) for an Fp8Linear

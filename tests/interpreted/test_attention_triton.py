@@ -48,7 +48,7 @@ def test_runs_interpreted():
 
 @pytest.mark.parametrize("n,h,d,k1,k2", [(3, 4, 96, 16, 9), (5, 16, 64, 128, 40), (2, 64, 128, 33, None),
                                          (1, 8, 32, 0, 70), (4, 1, 16, 5, 5)])
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("splits", [None, 0, 3])
 def test_matches_reference(n, h, d, k1, k2, splits):
     q, sources, sink = inputs(n, h, d, k1, k2, torch.float32, seed=n * 7 + h, empty_rows=(0,) if n > 2 else ())
     tiles = kat.AttnTiles(block_n=16, split=32, warps=4, stages=1)
@@ -57,7 +57,7 @@ def test_matches_reference(n, h, d, k1, k2, splits):
         assert torch.equal(got[0], torch.zeros_like(got[0]))               # no key: the sink alone, output 0
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [0, 3])
 def test_split_store_window(splits):
     """The window as the model passes it: a SplitStore of the ring pool and this step's rows, read in place."""
     g = torch.Generator().manual_seed(11)
@@ -82,7 +82,7 @@ def test_a_row_alone_equals_the_row_in_a_batch():
     """Every mode reads only the row's own keys: bits do not depend on the batch (the invariant set's premise)."""
     q, sources, sink = inputs(9, 8, 64, 24, 50, torch.float32, seed=5)
     tiles = kat.AttnTiles(block_n=16, split=32, warps=4, stages=1)
-    for splits in (1, 3):
+    for splits in (0, 3):
         full = kat.sparse_attention(q, sources, sink, 0.1, tiles=tiles, splits=splits)
         alone = kat.sparse_attention(q[4:5], [(s, i[4:5]) for s, i in sources], sink, 0.1, tiles=tiles,
                                      splits=splits)
@@ -92,9 +92,17 @@ def test_a_row_alone_equals_the_row_in_a_batch():
 def test_split_counts():
     t = kat.DECODE
     assert kat.num_splits(1, 640, t, torch.device("cpu"), invariant=False) == 5      # 16 SMs under the interpreter
-    assert kat.num_splits(64, 640, t, torch.device("cpu"), invariant=False) == 1
+    assert kat.num_splits(64, 640, t, torch.device("cpu"), invariant=False) == 0      # one pass
     assert kat.num_splits(64, 640, t, torch.device("cpu"), invariant=True) == 5
-    assert kat.num_splits(1, 0, t, torch.device("cpu"), invariant=True) == 1
+    assert kat.num_splits(1, 0, t, torch.device("cpu"), invariant=True) == 1         # invariant: always split
+    assert kat.num_splits(64, 128, t, torch.device("cpu"), invariant=True) == 1
+
+
+def test_a_permuted_q_gives_the_same_output():
+    q, sources, sink = inputs(3, 4, 32, 8, 8, torch.float32, seed=13)
+    permuted = q.permute(0, 2, 1).contiguous().permute(0, 2, 1)          # same values, heads innermost
+    assert permuted.stride(-1) != 1
+    assert torch.equal(kat.sparse_attention(permuted, sources, sink, 0.2), kat.sparse_attention(q, sources, sink, 0.2))
 
 
 def test_through_the_op_fallbacks():

@@ -33,6 +33,14 @@ def test_matches_reference(n, hc, d, iters):
         assert float((g - w).abs().max() / w.abs().max()) <= BOUND, float((g - w).abs().max())
 
 
+def test_hc_not_a_power_of_two_falls_back():
+    streams, fn, base, scale = inputs(4, 3, 32, seed=2)
+    assert not kmt.supported(streams, fn)
+    got = kmt.hc_mixes_triton(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    want = km._hc_mixes(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_rows_do_not_depend_on_the_batch():
     """Prefixes only: the interpreter's tl.dot (numpy matmul) rounds a row by its position in the tile, which the
     MMA does not (the GPU test checks any row alone)."""
