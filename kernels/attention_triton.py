@@ -31,13 +31,12 @@ passes. The functions are importable for the tests either way.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .attention import SplitStore
-from .registry import implements, sm_count
+from .registry import implements, is_interpreted, on_kernel_device, pow2, sm_count
 
 try:
     import triton
@@ -65,10 +64,6 @@ DECODE = AttnTiles(block_n=16, split=128, warps=8, stages=2)
 INVARIANT = DECODE                      # the same tiles, always split
 
 
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
 def supported(q: torch.Tensor, sources) -> bool:
     """What the kernel runs: 1-2 sources, heads and dims a program can hold, float16/bfloat16/float32, and
     (outside the interpreter) CUDA tensors."""
@@ -77,9 +72,7 @@ def supported(q: torch.Tensor, sources) -> bool:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.shape[1] > 64 or q.shape[2] > 512:
         return False
     parts = [p for store, _ in sources for p in _parts(store)]
-    tensors = [q, *parts, *(i for _, i in sources)]
-    on_gpu = all(t.is_cuda for t in tensors)
-    return (on_gpu or (INTERPRETED and not any(t.is_cuda for t in tensors))) and all(
+    return on_kernel_device(INTERPRETED, q, *parts, *(i for _, i in sources)) and all(
         p.dtype == q.dtype and p.dim() == 2 and p.shape[-1] == q.shape[2] for p in parts)
 
 
@@ -224,7 +217,7 @@ if triton is not None:
         tl.store(o_ptr + n * stride_on + h[:, None] * stride_oh + d[None, :],
                  (acc / denom[:, None]).to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
-    INTERPRETED = type(_sparse_attn_kernel).__name__ == "InterpretedFunction"
+    INTERPRETED = is_interpreted(_sparse_attn_kernel)
 else:
     INTERPRETED = False
 
@@ -257,7 +250,7 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
     nsplit = num_splits(n, k1 + k2, tiles, q.device, invariant) if splits is None else splits
     if nsplit:
         nsplit = max(1, -(-(k1 + k2) // tiles.split))
-    block_h, block_d = _pow2(h), _pow2(dim)
+    block_h, block_d = pow2(h), pow2(dim)
     iters = -(-(k1 + k2 if not nsplit else tiles.split) // tiles.block_n)       # steps per program
     common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles.block_n, SPLIT=tiles.split, ONE_PASS=not nsplit,
                   ITERS=iters if INTERPRETED else 0, TWO=len(sources) == 2, F32=q.dtype == torch.float32,

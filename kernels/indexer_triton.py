@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import implements
+from .registry import implements, is_interpreted, on_kernel_device, pow2
 
 try:
     import triton
@@ -42,20 +42,12 @@ BLOCK_K = 64                 # candidates per program
 WARPS = 4
 
 
-def _pow2(n: int, least: int = 16) -> int:
-    p = least
-    while p < n:
-        p *= 2
-    return p
-
-
 def supported(q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, index: torch.Tensor) -> bool:
     if triton is None or q.dim() != 3 or store.dim() != 2 or q.shape[1] > 128 or q.shape[2] > 256:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or store.dtype != q.dtype:
         return False
-    tensors = (q, weights, store, index)
-    return all(t.is_cuda for t in tensors) or (INTERPRETED and not any(t.is_cuda for t in tensors))
+    return on_kernel_device(INTERPRETED, q, weights, store, index)
 
 
 if triton is not None:
@@ -140,7 +132,7 @@ if triton is not None:
         position = 0xFFFFFFFF - (ordered & 0xFFFFFFFF)
         tl.store(o_ptr + n * stride_o + p, tl.where(p < want, position, -1), mask=p < k)
 
-    INTERPRETED = type(_index_scores_kernel).__name__ == "InterpretedFunction"
+    INTERPRETED = is_interpreted(_index_scores_kernel)
 else:
     INTERPRETED = False
 
@@ -158,7 +150,7 @@ def index_scores_kernel(q, weights, store, index, scale) -> torch.Tensor:
     index = index if index.stride(-1) == 1 else index.contiguous()
     _index_scores_kernel[(n, triton.cdiv(k, BLOCK_K))](
         q, weights, store, index, out, h, di, k, q.stride(0), q.stride(1), weights.stride(0), store.stride(0),
-        index.stride(0), out.stride(0), float(scale), BLOCK_H=_pow2(h), BLOCK_D=_pow2(di), BLOCK_K=BLOCK_K,
+        index.stride(0), out.stride(0), float(scale), BLOCK_H=pow2(h), BLOCK_D=pow2(di), BLOCK_K=BLOCK_K,
         F32=q.dtype == torch.float32, num_warps=WARPS)
     return out
 
@@ -169,7 +161,7 @@ TOPK_BLOCK = 1024
 def top_k_supported(scores: torch.Tensor, k: int) -> bool:
     if triton is None or scores.dim() != 2 or scores.dtype != torch.float32 or not 1 <= k <= 2048:
         return False
-    return scores.is_cuda or (INTERPRETED and not scores.is_cuda)
+    return on_kernel_device(INTERPRETED, scores)
 
 
 def top_k_kernel(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -180,7 +172,7 @@ def top_k_kernel(scores: torch.Tensor, k: int) -> torch.Tensor:
     if n == 0 or k == 0:
         return out
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    k_pad = _pow2(k)
+    k_pad = pow2(k)
     tmp = torch.empty((n, k_pad), dtype=torch.long, device=scores.device)
     _top_k_kernel[(n,)](scores, out, tmp, width, k, scores.stride(0), out.stride(0), tmp.stride(0),
                         BLOCK=TOPK_BLOCK, TILES=triton.cdiv(width, TOPK_BLOCK), K_PAD=k_pad, num_warps=4)

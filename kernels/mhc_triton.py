@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import implements
+from .registry import implements, is_interpreted, on_kernel_device, pow2
 
 try:
     import triton
@@ -46,8 +46,7 @@ def supported(streams: torch.Tensor, fn: torch.Tensor) -> bool:
     hc = streams.shape[1]
     if hc & (hc - 1) or hc * hc > 64 or fn.shape != ((2 + hc) * hc, hc * streams.shape[2]) or fn.dtype != torch.float32:
         return False
-    tensors = (streams, fn)
-    return all(t.is_cuda for t in tensors) or (INTERPRETED and not any(t.is_cuda for t in tensors))
+    return on_kernel_device(INTERPRETED, streams, fn)
 
 
 if triton is not None:
@@ -116,7 +115,7 @@ if triton is not None:
         flat = tl.reshape(comb, (BLOCK_R, BLOCK_C))
         tl.store(comb_ptr + rows64[:, None] * (HC * HC) + c[None, :], flat, mask=r_ok[:, None] & sq_ok[None, :])
 
-    INTERPRETED = type(_hc_mixes_kernel).__name__ == "InterpretedFunction"
+    INTERPRETED = is_interpreted(_hc_mixes_kernel)
 else:
     INTERPRETED = False
 
@@ -133,9 +132,7 @@ def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
         return pre, post, comb
     x = streams.reshape(n, k)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    block_c = 16
-    while block_c < hc * hc:
-        block_c *= 2
+    block_c = pow2(hc * hc)
     block_k = BLOCK_K[streams.dtype]
     _hc_mixes_kernel[(triton.cdiv(n, BLOCK_R),)](
         x, fn.contiguous(), base.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous(), pre, post,

@@ -59,6 +59,27 @@ def sm_count(device) -> int | None:
     return _SM_COUNT[key]
 
 
+def is_interpreted(kernel) -> bool:
+    """Whether triton.jit made `kernel` an interpreted function (TRITON_INTERPRET=1 when its module imported)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def on_kernel_device(interpreted: bool, *tensors) -> bool:
+    """Whether a Triton kernel can take these tensors: all on CUDA, or all off it when the kernel module was
+    imported under Triton's interpreter (TRITON_INTERPRET=1: the CPU tests)."""
+    if all(t.is_cuda for t in tensors):
+        return True
+    return interpreted and not any(t.is_cuda for t in tensors)
+
+
+def pow2(n: int, least: int = 16) -> int:
+    """The smallest power of two >= max(n, least): a Triton block size."""
+    p = least
+    while p < n:
+        p *= 2
+    return p
+
+
 class KernelBackendError(ValueError):
     """An unknown backend-set name (the engine turns it into one error line)."""
 
