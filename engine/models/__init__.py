@@ -41,7 +41,8 @@ PROJECTION_STORAGE = ("dense", "fp8")
 
 
 def check_projection_storage(projection_storage, cfg=None) -> str:
-    """'dense' or 'fp8' (with a config: 'fp8' needs the release's FP8 projections, 128x128 blocks)."""
+    """'dense' or 'fp8' (with a config: 'fp8' needs the release's FP8 projections in square blocks of 32 or
+    128)."""
     if projection_storage not in PROJECTION_STORAGE:
         raise DeepInferError(f"projection_storage={projection_storage!r} is not supported; use 'dense' or 'fp8'")
     if projection_storage == "fp8" and cfg is not None:
