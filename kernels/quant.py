@@ -95,7 +95,7 @@ def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     return ((k + 127) << 23).view(torch.float32)
 
 
-def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     """A stored scale (E8M0 bytes, float8_e8m0fnu, or a float dtype) -> float32."""
     if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
         return e8m0_to_float(scale)
@@ -168,7 +168,7 @@ def dequantize_fp8_blocks(
     want = (-(-R // block[0]), -(-C // block[1]))
     if tuple(scale.shape) != want:
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match {want} for {(R, C)}")
-    s = _expand_2d(_scale_to_float(scale), R, C, block)
+    s = _expand_2d(scale_to_float(scale), R, C, block)
     return (w_fp8.to(torch.float32) * s).to(dtype)
 
 
@@ -252,7 +252,7 @@ def dequantize_fp4(
     K = vals.shape[-1]
     if scale.shape[-1] * block != K or scale.shape[:-1] != vals.shape[:-1]:
         raise ValueError(f"scale shape {tuple(scale.shape)} does not fit values {tuple(vals.shape)}")
-    s = _scale_to_float(scale).repeat_interleave(block, dim=-1)       # [..., K]
+    s = scale_to_float(scale).repeat_interleave(block, dim=-1)       # [..., K]
     return (vals * s).to(dtype)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, e8m0_to_float
+from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, scale_to_float
 
 from ..errors import CheckpointError
 from ..models.engram import dequantize_engram_rows
@@ -36,6 +36,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 FP4_BLOCK = 32
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32, torch.bfloat16)
+# tensors screened by their bytes: kind -> the NaN bytes (e8m0: 0xFF; e4m3fn, which has no inf: x111 1111)
+NAN_BYTES = {"e8m0": lambda b: b == 0xFF, "fp8": lambda b: (b & 0x7F) == 0x7F}
 
 
 def shard_map(ckpt_dir: Path) -> dict[str, list[str]]:
@@ -207,12 +209,14 @@ class CheckpointLoader:
                 stem = name.rsplit(".", 1)[-1]
                 if stem in EXPERTS_HF:
                     return self._take_hf_experts(name, key, tensor, path)
-                if self._fp8_module(name) is not None:
-                    return self._take_fp8(name, tensor, path)
+                fp8 = self._fp8_module(name)
+                if fp8 is not None:
+                    return self._take_fp8(name, tensor, path, fp8)
                 return self._assign(name, tensor, key, path)
             key = name   # V4.1: DeepSeek's names behind the prefix; quantized tensors as below
-        if self._fp8_module(key) is not None:
-            return self._take_fp8(key, tensor, path)
+        fp8 = self._fp8_module(key)
+        if fp8 is not None:
+            return self._take_fp8(key, tensor, path, fp8)
         resident = self._resident_target(key)
         if resident is not None:
             return self._take_resident(key, tensor, path, *resident)
@@ -271,31 +275,27 @@ class CheckpointLoader:
         module = self.model.get_submodule(base)
         return module if isinstance(module, Fp8Linear) else None
 
-    def _take_fp8(self, key: str, tensor: torch.Tensor, path: Path) -> None:
+    def _take_fp8(self, key: str, tensor: torch.Tensor, path: Path, module: Fp8Linear) -> None:
         """An FP8-resident projection (projection_storage="fp8") keeps the release's bytes: the e4m3 weight as
         it is, its block scale as float32 (exact for e8m0)."""
-        module = self._fp8_module(key)
         if key in self.seen:
             raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
         if key.endswith(".scale"):
             if tensor.dtype not in SCALE_DTYPES:
                 raise CheckpointError(f"{path}: scale {key} has dtype {tensor.dtype}, expected float8_e8m0fnu "
                                       f"(e8m0) or float32")
-            self._copy_fp8_part(key, module.scale, tensor, path,
-                                e8m0_to_float(tensor) if tensor.dtype in (torch.uint8, torch.float8_e8m0fnu)
-                                else tensor.to(torch.float32))
+            self._copy_fp8_part(key, module.scale, tensor, path, scale_to_float(tensor), module.block)
             return
         if tensor.dtype == torch.float8_e4m3fn:
-            self._copy_fp8_part(key, module.weight, tensor, path, tensor)
+            self._copy_fp8_part(key, module.weight, tensor, path, tensor, module.block)
             return
         raise CheckpointError(f"{path}: tensor {key} has dtype {tensor.dtype}, but projection_storage='fp8' keeps "
                               f"the release's FP8 projections, which needs it stored float8_e4m3fn with a .scale; "
                               f"load with projection_storage='dense'")
 
     def _copy_fp8_part(self, key: str, dest: torch.Tensor, tensor: torch.Tensor, path: Path,
-                       value: torch.Tensor) -> None:
+                       value: torch.Tensor, block: int) -> None:
         if tuple(tensor.shape) != tuple(dest.shape):
-            block = self._fp8_module(key).block
             raise CheckpointError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                                   f" (FP8 weight [out, in] / scale per {block}x{block} block)")
         with torch.no_grad():
@@ -411,11 +411,8 @@ class CheckpointLoader:
         is read once per shard (`_check_finite`), so a GPU load of thousands of tensors adds one host sync
         per shard, not one per tensor. Only a non-finite total (a bad tensor, or, harmlessly, finite sums
         overflowing) makes `_check_finite` count each of that shard's tensors exactly to name the culprit."""
-        if kind == "e8m0":       # uint8 ops only: every device has them for any byte tensor
-            term = (loaded.view(torch.uint8) == 0xFF).sum()
-            self._nan_scales = term if self._nan_scales is None else self._nan_scales + term
-        elif kind == "fp8":      # e4m3fn has no inf; its NaN codes are the bytes x111 1111
-            term = ((loaded.view(torch.uint8) & 0x7F) == 0x7F).sum()
+        if kind in NAN_BYTES:    # uint8 ops only: every device has them for any byte tensor
+            term = NAN_BYTES[kind](loaded.view(torch.uint8)).sum()
             self._nan_scales = term if self._nan_scales is None else self._nan_scales + term
         else:
             term = loaded.sum(dtype=torch.float64 if loaded.dtype == torch.float64 else torch.float32)
@@ -470,11 +467,10 @@ class CheckpointLoader:
 
 
 def _nonfinite_count(t: torch.Tensor, kind: str = "float") -> int:
-    """Exact number of NaN/inf values of `t` (kind "e8m0": of 0xFF bytes); only run to locate a bad tensor."""
-    if kind == "e8m0":
-        return int((t.view(torch.uint8) == 0xFF).sum())
-    if kind == "fp8":
-        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    """Exact number of NaN/inf values of `t` (a kind in NAN_BYTES: of its NaN bytes); only run to locate a bad
+    tensor."""
+    if kind in NAN_BYTES:
+        return int(NAN_BYTES[kind](t.view(torch.uint8)).sum())
     return int(t.numel() - torch.isfinite(t).sum())
 
 

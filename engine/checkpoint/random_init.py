@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from deepinfer.kernels.quant import (dequantize_fp4, dequantize_fp8_blocks, e8m0_to_float, quantize_fp4,
-                                     quantize_fp8_blocks)
+from deepinfer.kernels.quant import (dequantize_fp4, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks,
+                                     scale_to_float)
 
 from .names import checkpoint_tensors
 
@@ -98,8 +98,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         if t.dtype == torch.float8_e4m3fn:       # projection_storage="fp8": the bytes the release would hold
             w, scale = quantize_fp8_blocks(value, quant.weight_block_size, quant.scale_fmt)
             t.copy_(w)
-            tensors[name[: -len("weight")] + "scale"].copy_(
-                e8m0_to_float(scale) if scale.dtype == torch.float8_e8m0fnu else scale)
+            tensors[name[: -len("weight")] + "scale"].copy_(scale_to_float(scale))
             continue
         if not t.dtype.is_floating_point:
             t.copy_(value)
