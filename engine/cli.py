@@ -8,7 +8,7 @@ import time
 import click
 
 from .errors import DeepInferError
-from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, PRESETS, resolve_model
+from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, PRESETS, PROJECTION_STORAGE, resolve_model
 
 
 def run_cli(entry) -> None:
@@ -111,7 +111,7 @@ def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, out,
 @click.option("--no-qat", is_flag=True, help="turn off the reference's QAT fake-quant steps")
 @click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True,
               help="fp4: keep V4.1 routed experts packed as stored (0.56 B/weight), dequantized per use")
-@click.option("--projection-storage", type=click.Choice(["dense", "fp8"]), default="dense", show_default=True,
+@click.option("--projection-storage", type=click.Choice(PROJECTION_STORAGE), default="dense", show_default=True,
               help="fp8: keep the FP8 projections as stored and run them W8A8 (fp8_linear)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_storage, projection_storage,

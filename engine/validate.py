@@ -20,6 +20,7 @@ DTYPE_NAMES = tuple(DTYPES)
 ARCHS = ("deepseek_v41", "deepseek_v4")
 PRESETS = ("tiny", "flash")
 EXPERT_STORAGE = ("dense", "fp4")
+PROJECTION_STORAGE = ("dense", "fp8")      # models.check_projection_storage: what a config allows
 EMBEDDED = "tiny"                     # the embedded tiny checkpoint (built once into the user cache)
 MODEL_FORMS = (f"a checkpoint directory, a hub id (org/name), '{EMBEDDED}' (the embedded tiny model) or "
                f"random:ARCH:PRESET:LAYERS (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")

@@ -10,7 +10,7 @@ import click
 
 from deepinfer.cli import run_cli
 from deepinfer.kernels.registry import BACKEND_SETS
-from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE
+from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE, PROJECTION_STORAGE
 
 from .kernel_bench import OPS as KOPS   # noqa: E402  deepinfer-bench kernels --op
 
@@ -180,7 +180,7 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
 @click.option("--trace-steps", type=int, default=5, show_default=True, help="steps in the GPU idle trace")
 @click.option("--no-graphs", is_flag=True, help="eager steps (the engine's enforce_eager)")
 @click.option("--expert-act-quant", is_flag=True, help="W4A8 experts: FP8 activations per 1x128 (with fp4 storage)")
-@click.option("--projection-storage", type=click.Choice(["dense", "fp8"]), default="dense", show_default=True,
+@click.option("--projection-storage", type=click.Choice(PROJECTION_STORAGE), default="dense", show_default=True,
               help="fp8: the release's FP8 projections stay FP8 and run fp8_linear (W8A8)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
@@ -244,8 +244,8 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
               help="run directory (overrides --report-dir / --run-id)")
 @click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished rows")
-def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backends, no_reference, experts_limit, iters, warmup,
-                seed, report_dir, run_id, out, resume) -> None:
+def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backends, no_reference, experts_limit,
+                iters, warmup, seed, report_dir, run_id, out, resume) -> None:
     """Kernel rows: time, TB/s, TFLOP/s and their share of the ceilings measured in the same run, next to the
     torch reference (and cuBLAS for the dense GEMM), with the error against the reference (docs/bench.md)."""
     from .kernel_bench import KernelConfig, run_kernel_bench, table
@@ -257,7 +257,8 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
         raise click.UsageError("--experts-limit must be >= 1")
     split = lambda v: tuple(p.strip() for p in v.split(",") if p.strip())   # noqa: E731
     cfg = KernelConfig(device=device, ops=split(ops), models=split(models), tokens=parse_int_list(tokens, "--tokens"),
-                       contexts=parse_int_list(contexts, "--contexts"), storage=split(storage), numerics=split(numerics), backends=split(backends),
+                       contexts=parse_int_list(contexts, "--contexts"), storage=split(storage),
+                       numerics=split(numerics), backends=split(backends),
                        iters=iters, warmup=warmup, seed=seed, check_reference=not no_reference,
                        experts_limit=experts_limit)
     run_dir = run_dir_for(report_dir, run_id, out, "kernels")

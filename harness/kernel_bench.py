@@ -48,7 +48,8 @@ MODEL_SHAPES = {   # experts: (E, D, I, top_k); linears: name -> (N, K) of its F
 }
 OPS = ("experts", "fp8_linear", "attention")
 FP8_BLOCK = {"v4": 128, "v41": 32}      # the release's FP8 weight blocks (activations per 1 x block)
-ATTENTION_KINDS = {"swa": None, "csa": 512, "hca": 128}   # kind -> selected entries (csa) / compress ratio (hca)
+# layer kind -> (compress ratio of its entries, entries selected per row; None: none / every visible one)
+ATTENTION_KINDS = {"swa": (None, None), "csa": (4, 512), "hca": (128, None)}
 STORAGE = ("fp4", "fp8", "bf16")
 NUMERICS = ("a16", "a8")
 BACKENDS = ("triton", "triton_invariant", "reference")
@@ -319,8 +320,6 @@ def _scaled_mm_ms(x, w8, device, cfg) -> float | None:
         return None
 
 
-# ---------------------------------------------------------------------------------------------------- the run
-
 # ------------------------------------------------------------------------------------------------ attention cases
 
 def attention_inputs(kind: str, rows: int, context: int, device, gen, heads: int = 64, dim: int = 512):
@@ -328,17 +327,17 @@ def attention_inputs(kind: str, rows: int, context: int, device, gen, heads: int
     the 128 positions before each row; csa: 512 distinct entries of context/4 (V4's ratio; V4.1's ratio 2 reads
     as many), hca: every one of context/128. Rows <= 256: one store per row; more: one shared store."""
     own = rows <= 256
+    copies = rows if own else 1
     # the window: each sequence's last 128 positions (decode rows), or one sequence's whole context (a chunk)
     span = 128 if own else context
-    window = torch.randn((rows if own else 1) * span, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    window = torch.randn(copies * span, dim, device=device, generator=gen, dtype=torch.bfloat16)
     if own:
         win_index = (torch.arange(rows, device=device) * span).view(-1, 1) + torch.arange(128, device=device)
     else:
         pos = context - 1 - torch.arange(rows, device=device) % context
         win_index = (pos.view(-1, 1) - torch.arange(128, device=device)).clamp(min=0)
-    copies = rows if own else 1
     sources = [(window, win_index)]
-    ratio, picked = (4, ATTENTION_KINDS[kind]) if kind == "csa" else (ATTENTION_KINDS[kind], None)
+    ratio, picked = ATTENTION_KINDS[kind]
     if ratio is not None:
         entries = max(1, context // ratio)
         store = torch.randn(copies * entries, dim, device=device, generator=gen, dtype=torch.bfloat16)
@@ -398,6 +397,8 @@ def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
 
+
+# ---------------------------------------------------------------------------------------------------- the run
 
 CASES = {"experts": expert_rows, "fp8_linear": fp8_linear_rows, "attention": attention_rows}
 

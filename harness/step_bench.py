@@ -38,9 +38,8 @@ from pathlib import Path
 import torch
 
 from deepinfer.errors import DeepInferError
-from deepinfer.models import PROJECTION_STORAGE
 from deepinfer.models.layers import Fp8Linear
-from deepinfer.validate import EXPERT_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
+from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,

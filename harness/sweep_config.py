@@ -19,8 +19,7 @@ from typing import Any
 
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import DTYPE_NAMES as DTYPES
-from deepinfer.models import PROJECTION_STORAGE
-from deepinfer.validate import EXPERT_STORAGE, check_model_spec
+from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_model_spec
 
 DEVICES = ("cpu", "cuda", "cuda:N")      # cuda:N: one GPU (N its index); whether it exists: validate.check_device
 DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:[0-9]+)$")

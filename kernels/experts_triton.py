@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .experts import FP8_ACT_BLOCK, ExpertWeights, _reference, expert_tiles
-from .registry import implements, sm_count
+from .registry import implements, is_interpreted, sm_count
 
 try:
     import triton
@@ -74,7 +74,7 @@ DECODE_ROWS_PER_EXPERT = 4    # DECODE while rows <= 4 * experts
 
 def interpreting() -> bool:
     """Whether the kernels were built by Triton's interpreter (decided when Triton decorated them, at import)."""
-    return triton is not None and type(_expert_gemm).__name__ == "InterpretedFunction"
+    return triton is not None and is_interpreted(_expert_gemm)
 
 
 def supported(x: torch.Tensor, ew: ExpertWeights) -> bool:

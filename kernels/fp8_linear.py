@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from .quant import FP8_AMAX_FLOOR, FP8_E4M3_MAX, _e8m0_scale, _to_e4m3, dequantize_fp8_blocks
-from .registry import call, implements, sm_count
+from .registry import call, implements, is_interpreted, on_kernel_device, sm_count
 from .tiles import row_tiles
 
 try:                                    # optional: CPU-only installs have no triton
@@ -208,13 +208,11 @@ if triton is not None:
         out = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys + rows64[:, None] * stride_y + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    _INTERPRET = type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
+    _INTERPRET = is_interpreted(_fp8_gemm_kernel)
+
     def _sm_count(device: torch.device) -> int:
         """SMs of a CUDA device (16 under the interpreter, so small test shapes still split K)."""
         return sm_count(device) or 16
-
-    def _on_triton(*ts) -> bool:
-        return all(t.is_cuda for t in ts) or (_INTERPRET and not any(t.is_cuda for t in ts))
 
     def _act_quant_triton_2d(x2: torch.Tensor, block: int):
         M, K = x2.shape
@@ -230,7 +228,7 @@ if triton is not None:
     @implements("act_quant_fp8", "triton")
     @implements("act_quant_fp8", "triton_invariant")        # exact arithmetic: the same bits whatever M
     def _act_quant_triton(x, block=BLOCK):
-        if not _on_triton(x) or block & (block - 1) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if not on_kernel_device(_INTERPRET, x) or block & (block - 1) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return _act_quant_ref(x, block)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[-1] and x2.stride(-1) != 1:
@@ -301,7 +299,7 @@ if triton is not None:
         return y.view(*x.shape[:-1], N)
 
     def _supported(x, w_fp8, w_scale, block) -> bool:
-        return (_on_triton(x, w_fp8, w_scale) and w_fp8.dtype == torch.float8_e4m3fn
+        return (on_kernel_device(_INTERPRET, x, w_fp8, w_scale) and w_fp8.dtype == torch.float8_e4m3fn
                 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
                 and (block in KERNEL_BLOCKS or (_INTERPRET and block in BLOCKS)))
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .matmul import linear
 from .precision import upcast
-from .registry import call, implements
+from .registry import call, implements, is_interpreted
 from .tiles import row_tiles
 
 
@@ -259,7 +259,7 @@ if triton is not None:
 
     # whether triton.jit made interpreted kernels (TRITON_INTERPRET=1 when this module was imported): they run on
     # CPU tensors (float32 / float16 / integers: the interpreter reads bfloat16 wrong, numpy having none)
-    _INTERPRETED = type(_route_kernel).__name__ == "InterpretedFunction"
+    _INTERPRETED = is_interpreted(_route_kernel)
 
     def _runs_kernels(*tensors) -> bool:
         """Whether the kernels take these tensors: CUDA ones (any under the interpreter), none float64."""

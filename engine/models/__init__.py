@@ -7,6 +7,7 @@ import torch
 from deepinfer.kernels.fp8_linear import BLOCKS as FP8_BLOCKS
 
 from ..errors import DeepInferError
+from ..validate import PROJECTION_STORAGE
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .deepseek_v41 import DeepseekV41ForCausalLM
 from .layers import Fp8Linear, fp8_projections
@@ -35,9 +36,6 @@ def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = to
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
     return model.eval()
-
-
-PROJECTION_STORAGE = ("dense", "fp8")
 
 
 def check_projection_storage(projection_storage, cfg=None) -> str:
