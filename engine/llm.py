@@ -52,18 +52,6 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise DeepInferError(f"{name}={value!r} must be an integer >= 1" + (" or None" if optional else ""))
 
 
-def _warn_torch_fp8_projections(model, device: str, backend: str) -> None:
-    """One warning where FP8-resident projections would run fp8_linear's torch reference on a GPU (a block size
-    the Triton GEMM does not run there yet): slower than projection_storage='dense'."""
-    from deepinfer.kernels.fp8_linear import KERNEL_BLOCKS
-    from .models.layers import Fp8Linear
-    blocks = sorted({m.block for m in model.modules() if isinstance(m, Fp8Linear)} - set(KERNEL_BLOCKS))
-    if blocks and device.startswith("cuda") and backend.startswith("triton"):
-        log.warning("projection_storage='fp8': %s weight blocks run fp8_linear's torch reference on %s (the Triton "
-                    "GEMM for them has not passed its GPU test yet: fp8_linear.KERNEL_BLOCKS); expect it slower "
-                    "than projection_storage='dense'", "/".join(f"{b}x{b}" for b in blocks), device)
-
-
 class LLM:
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str | torch.dtype = "float32",
                  seed: int = 0, qat_fake_quant: bool = True, **engine_args):
@@ -109,7 +97,6 @@ class LLM:
                                  f"in, which holds its FP8 projections as {projection_storage_of(self.model)!r}: "
                                  f"drop the argument or build the model with it")
         set_expert_act_quant(self.model, args["expert_act_quant"])     # on or off: a passed-in model is reused
-        _warn_torch_fp8_projections(self.model, device, backend)
         self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]

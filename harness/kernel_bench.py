@@ -8,9 +8,8 @@ Ops and what a row counts:
                (x), the SwiGLU output written and read back (h) and the fp32 output; FLOPs = 6 * rows * D * I.
                Storage fp4 / fp8 / bf16, numerics a16 (activations in bf16) / a8 (FP8 per 1x128).
   fp8_linear   kernels.fp8_linear.fp8_linear (W8A8) at a model's FP8 projection shapes and blocks (V4: 128x128
-               weights, 1x128 activations; V4.1: 32x32, 1x32; a block the op keeps on its reference on a GPU is
-               timed by calling the Triton GEMM directly, `ran`): bytes = weights + scales + x + y; next to cuBLAS bf16 (F.linear) and
-               torch._scaled_mm (per-tensor scales) at the same shape.
+               weights, 1x128 activations; V4.1: 32x32, 1x32): bytes = weights + scales + x + y; next to cuBLAS
+               bf16 (F.linear) and torch._scaled_mm (per-tensor scales) at the same shape.
   attention    kernels.attention sparse_sink_attention over a 64-head x 512 latent (V4 / V4.1 flash): layer kinds
                swa (the 128-key window), csa (window + 512 selected entries) and hca (window + every ratio-128
                entry of the context), `tokens` query rows at each of `contexts`: bytes = the keys each row reads
@@ -142,28 +141,41 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
-TIMING = {}   # how the last _time call timed: "graph" (CUDA-graph replays: kernel time, no host launch cost) or "eager"
+TIMING = {}   # how the last _time call timed: "graph, cold L2" (see _time) or "eager"
+GRAPH_CALLS = 8          # calls of the op per captured graph: a replay's own launch cost spread over them
+FLUSH_BYTES = 128 << 20  # zeroed before every call: more than the L2 (50 MB on H100/H200), so weights come from HBM
 
 
 def _time(fn, device, warmup: int, iters: int) -> float:
-    """Median seconds of one fn(). On CUDA fn is captured once in a CUDA graph and its replays are timed (as the
-    engine runs decode steps); a fn that cannot be captured (a host sync) is timed eagerly. TIMING says which."""
+    """Median seconds of one fn(), its inputs not in L2. On CUDA: GRAPH_CALLS x (zero FLUSH_BYTES, fn) captured in
+    one CUDA graph and GRAPH_CALLS x (zero FLUSH_BYTES) in another, both replayed; one call = (first - second) /
+    GRAPH_CALLS, so neither the graph launch nor the flush counts and a decode GEMM reads its weights from HBM as
+    it does inside a step (back-to-back replays of one call would find them in L2). A fn that cannot be captured
+    (a host sync) is timed eagerly, one call at a time, without the flush. TIMING says which."""
     device = torch.device(device)
     if device.type == "cuda":
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
         try:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 fn()
             torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            both, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(both):
+                for _ in range(GRAPH_CALLS):
+                    flush.zero_()
+                    fn()
+            with torch.cuda.graph(flushes):
+                for _ in range(GRAPH_CALLS):
+                    flush.zero_()
         except RuntimeError:
             torch.cuda.synchronize(device)
         else:
-            TIMING["last"] = "graph"
-            return _time_calls(graph.replay, device, warmup, iters)
+            TIMING["last"] = "graph, cold L2"
+            with_fn = _time_calls(both.replay, device, warmup, iters)
+            alone = _time_calls(flushes.replay, device, warmup, iters)
+            return max(with_fn - alone, 0.0) / GRAPH_CALLS
     TIMING["last"] = "eager"
     return _time_calls(fn, device, warmup, iters)
 
@@ -280,18 +292,14 @@ def fp8_linear_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, ech
                 times = {}
                 for backend in cfg.backends:
                     key = f"fp8_linear/{model}/{name}/b{block}/t{tokens}/{backend}"
-                    # a block the op keeps on its reference on a GPU (fp8_linear.KERNEL_BLOCKS) times the kernel
-                    direct = backend.startswith("triton") and block not in fl.KERNEL_BLOCKS and device != "cpu"
-                    fn = ((lambda: fl._fp8_linear_triton_any(x, w8, ws, None, backend == "triton_invariant",
-                                                             block=block)) if direct
-                          else (lambda: fl.fp8_linear(x, w8, ws, block=block)))
+                    fn = lambda: fl.fp8_linear(x, w8, ws, block=block)  # noqa: E731
                     with use(backend):
                         out = fn()
                         ms = 1e3 * _time(fn, device, cfg.warmup, cfg.iters)
                         timing = TIMING["last"]
                     times[backend] = ms
                     row = {"key": key, "op": "fp8_linear", "model_shapes": model, "linear": name, "n": n, "k": k,
-                           "block": block, "ran": "kernel, called directly" if direct else "through the op",
+                           "block": block,
                            "storage": "fp8", "numerics": "a8", "backend": backend, "tokens": tokens,
                            **_rates(ms, nbytes, flops, ceilings, ceilings["fp8_flops_per_s"]),
                            "weight_bandwidth_share": (w8.numel() + ws.numel() * ws.element_size()) / (ms / 1e3)

@@ -375,6 +375,9 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_b - cur_a if cur_b is not None else 0.0)
 
 
+TOP_KERNELS = 25         # GPU activities listed per traced point (gpu_trace.top_kernels)
+
+
 def idle_from_trace(events: list[dict]) -> dict | None:
     """Chrome-trace events -> GPU idle between the first kernel start and the last kernel end (None when the
     trace holds no GPU activity)."""
@@ -411,7 +414,23 @@ def gpu_idle(run, device: torch.device, steps: int) -> dict | None:
     if out is not None:
         out["idle_ms_per_step"] = (out["span_us"] - out["busy_us"]) / 1e3 / steps
         out["gpu_ops_per_step"] = out["kernels"] / steps          # kernels + memcpy / memset: the launches
+        out["top_kernels"] = top_kernels(events, steps)
     return out
+
+
+def top_kernels(events: list[dict], steps: int, top: int = TOP_KERNELS) -> list[dict]:
+    """Where a step's GPU time goes: the `top` GPU activities by total time, per step, each {name (cut to 120
+    characters), us (per step), calls (per step), share (of all GPU activity time)}."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")).lower() in BUSY_CATEGORIES:
+            acc = by_name.setdefault(str(e.get("name", "?"))[:120], [0.0, 0])
+            acc[0] += float(e.get("dur", 0))
+            acc[1] += 1
+    total = sum(us for us, _ in by_name.values()) or 1.0
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": name, "us": us / steps, "calls": calls / steps, "share": us / total}
+            for name, (us, calls) in ranked]
 
 
 # ------------------------------------------------------------------------------------------- engine glue

@@ -5,28 +5,30 @@ Contract (kernels/attention.py): q [N, H, d]; one or two sources (store [M_i, d]
 key); row n attends to the rows its indices name, in source order, and to the per-head sink (a logit in the
 denominator only); K = V (one shared latent, MQA). Returns [N, H, d] in q's dtype.
 
-One program per (row, key split) holds all of the row's heads (H <= 64: the MMA's M dimension, FlashMLA's Hopper
-layout) and streams BLOCK_N keys at a time: scores q.k^T [H, BLOCK_N] in fp32, an online softmax in base 2
+One program per (row, key split, block of block_h heads; H <= 64) streams BLOCK_N keys at a time (each key tile
+serves the block's heads: MQA): scores q.k^T [H, BLOCK_N] in fp32, an online softmax in base 2
 (scale * log2 e folded into the scores), P cast to the key dtype for the P.V product (FlashAttention's rounding;
-fp32 keys keep fp32), fp32 accumulator [H, d].
+fp32 keys keep fp32), fp32 accumulator [block_h, d].
 
   one pass  (ONE_PASS): the running max starts at the sink (m = sink * log2 e, l = 1), so the sink joins the
             softmax without a key and a row with no key ends at 0, as the reference.
-  split-KV  (a fixed SPLIT keys per program, cdiv(K, SPLIT) programs per row): each split writes its unnormalized (m, l, acc) in fp32,
-            a second kernel merges the splits in ascending order with the sink:
+  split-KV  (SPLIT keys per program, cdiv(K, SPLIT) programs per row and head block): each split writes its
+            unnormalized (m, l, acc) in fp32, a second kernel (one program per row and COMBINE_HEADS heads)
+            merges the splits in ascending order with the sink:
                 M = max(sink2, m_s),  out = sum_s 2^(m_s - M) acc_s / (2^(sink2 - M) + sum_s 2^(m_s - M) l_s)
             an empty split has m = -inf, l = 0, acc = 0 and adds nothing (M is finite: the sink is).
-A row's result depends on its own keys only, whatever the batch, in both modes; the `triton` choice between them
-(split when the rows alone leave SMs idle) depends on N, so `triton_invariant` always splits with SPLIT fixed
-(a row of one split too: its arithmetic is the split path's whatever the batch). Trip counts are runtime values
+A row's result depends on its own keys only, whatever the batch, in both modes; the `triton` choice (split_plan:
+one pass when the rows' head blocks fill the SMs, else the split size that gives about two programs per SM, a
+decode row's keys spread over the GPU) depends on N, so `triton_invariant` always splits at the fixed
+tiles.split (a row of one split too: its arithmetic is the split path's whatever the batch). Trip counts are runtime values
 on a GPU (a new keys-per-row compiles nothing), compile-time ones under the interpreter.
 
 Numerics against the fp32 reference (`_sparse_sink_attention`): fp32 inputs in the interpreter <= 2e-6 of max |out|
-(tests/interpreted/test_attention_triton.py); bf16 on a GPU: P rounded to bf16 (2^-9 relative), not yet measured.
+(tests/interpreted/test_attention_triton.py); bf16 on an H200 at released widths, P rounded to bf16: 2.5e-3 to
+6.5e-3 of max |out| (kernel bench rows, swa / csa / hca at 1-64 rows; the GPU test's bound is 1e-2).
 
-GPU status: written, checked in Triton's interpreter and compiled for sm_90 on CPU; not yet run on a GPU, so it is
-not in the Triton backend sets (IN_TRITON_SETS) until `pytest -m gpu tests/test_kernels_attention_triton.py`
-passes. The functions are importable for the tests either way.
+GPU status: `pytest -m gpu tests/test_kernels_attention_triton.py` passed on an H200 (17 tests), so the kernels
+are in the Triton sets (IN_TRITON_SETS). Speed against the reference: docs/results.md.
 """
 
 from __future__ import annotations
@@ -44,24 +46,26 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = False       # flips once the GPU test passes (see the module docstring)
+IN_TRITON_SETS = True        # passed `pytest -m gpu tests/test_kernels_attention_triton.py` on an H200
 LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class AttnTiles:
     block_n: int        # keys per inner step
-    split: int          # keys per program in split-KV mode (a multiple of block_n)
-    warps: int
+    split: int          # keys per program in split-KV mode: `triton_invariant`'s fixed split, `triton`'s largest
+    warps: int          # (a power-of-two multiple of block_n)
     stages: int
+    block_h: int = 64   # heads per program (a power of two; fewer: more programs, each key read once per block)
 
 
-# 64 heads x 512 dims: the fp32 accumulator alone is 128 registers a thread at 8 warps. ptxas for sm_90 (compiled
-# on CPU, tests/test_kernels_compile_sm90.py) spills 60 bytes at BLOCK_N 16 / 8 warps / 2 stages (148 in split
-# mode; 100 / 180 with the two-part stores' pointer select), 852 at BLOCK_N 32, 3.6 KB at 4 warps, 1.6 KB at
-# 16 warps (128 registers each). Untimed: the GPU picks among them next.
-DECODE = AttnTiles(block_n=16, split=128, warps=8, stages=2)
-INVARIANT = DECODE                      # the same tiles, always split
+# Chosen on an H200 (devrun tuning, docs/results.md): 30 tile / split / head-block variants at the released widths
+# (64 heads x 512) for swa / csa / hca rows at 1, 16 and 64 tokens. 32 heads a program with 32-key steps and 4
+# warps was within 1.2x of the best variant at every shape and the best at 4 of 9; 16 heads was best at one
+# token (up to 1.2x faster there) and 1.1-1.5x slower at 64; the old 64 heads x 16 keys x 8 warps was 1.0-1.5x.
+DECODE = AttnTiles(block_n=32, split=128, warps=4, stages=2, block_h=32)
+INVARIANT = DECODE                      # the same tiles, always split at 128 keys
+COMBINE_HEADS = 4                       # heads per combine program: a decode row's merge spread over 16 SMs
 
 
 def supported(q: torch.Tensor, sources) -> bool:
@@ -130,7 +134,8 @@ if triton is not None:
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr,
                             F32: tl.constexpr):
-        """Program (n, s): row n, keys [s*SPLIT, (s+1)*SPLIT) of its concatenated list (ONE_PASS: all of them),
+        """Program (n, s, b): row n, heads [b*BLOCK_H, (b+1)*BLOCK_H), keys [s*SPLIT, (s+1)*SPLIT) of its
+        concatenated list (ONE_PASS: all of them),
         `iters` steps of BLOCK_N keys (ITERS > 0: that many, a compile-time trip count, for the interpreter,
         which cannot loop to a runtime bound; on a GPU the count is a runtime value, so a new keys-per-row
         does not compile the kernel again).
@@ -140,7 +145,7 @@ if triton is not None:
         (stride_os per split) of unnormalized accumulators and ml [N, nsplit, H, 2] their (m, l)."""
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
-        h = tl.arange(0, BLOCK_H)
+        h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)                # this program's block of heads
         d = tl.arange(0, BLOCK_D)
         h_ok, d_ok = h < H, d < D
         q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :],
@@ -190,10 +195,10 @@ if triton is not None:
     def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H, D, nsplit, stride_pn, stride_ps, stride_ph,
                         stride_on, stride_oh,
                         NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Program n: merge row n's nsplit partial (m, l, acc) with the sink, splits in ascending order
-        (NSPLIT > 0: a compile-time count, for the interpreter)."""
+        """Program (n, b): merge row n's nsplit partial (m, l, acc) of heads [b*BLOCK_H, (b+1)*BLOCK_H) with the
+        sink, splits in ascending order (NSPLIT > 0: a compile-time count, for the interpreter)."""
         n = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, BLOCK_H)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         h_ok, d_ok = h < H, d < D
         sink2 = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -222,20 +227,29 @@ else:
     INTERPRETED = False
 
 
-def num_splits(n: int, k: int, tiles: AttnTiles, device: torch.device, invariant: bool) -> int:
-    """Programs per row: 0 (one pass) or cdiv(K, tiles.split) (split-KV, a fixed split size, then the combine).
-    `invariant` always splits, even a row of one split, so a row's arithmetic never depends on the batch's K;
-    otherwise split only when the rows alone leave SMs idle (N < SMs)."""
-    most = max(1, -(-k // tiles.split))
+def split_plan(n: int, heads: int, k: int, tiles: AttnTiles, device: torch.device, invariant: bool) -> tuple[int, int]:
+    """(splits per row, keys per split): (0, K) is one pass; else cdiv(K, split) programs per row and head block,
+    then the combine. `invariant` always splits at the fixed tiles.split, even a row of one split, so a row's
+    arithmetic never depends on the batch. Otherwise one pass when the rows' head blocks fill the SMs, else the
+    smallest power-of-two multiple of block_n (at most tiles.split) that gives about two programs per SM:
+    a decode row's few hundred keys spread over the GPU instead of one SM walking them all."""
     if invariant:
-        return most
-    return most if n < (sm_count(device) or 16) else 0
+        return max(1, -(-k // tiles.split)), tiles.split
+    programs = n * -(-heads // tiles.block_h)
+    sms = sm_count(device) or 16
+    if programs >= sms or k <= tiles.block_n:
+        return 0, k
+    want = -(-2 * sms // programs)                          # splits per row for ~2 programs per SM
+    split = tiles.block_n
+    while split < tiles.split and split * want < k:
+        split *= 2
+    return -(-k // split), split
 
 
 def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float, tiles: AttnTiles = DECODE,
                      invariant: bool = False, splits: int | None = None) -> torch.Tensor:
-    """The kernels on `supported` inputs (callers check). `splits` (tests) forces one pass (0) or split-KV (any
-    other value: cdiv(K, tiles.split) programs per row, then the combine)."""
+    """The kernels on `supported` inputs (callers check). `splits` (tests, tuning) forces one pass (0) or split-KV
+    at tiles.split keys a program (any other value); None: split_plan's choice."""
     n, h, dim = q.shape
     (st1, i1), (st2, i2) = sources[0], (sources[1] if len(sources) == 2 else (sources[0][0], sources[0][1][:, :0]))
     k1, k2 = i1.shape[1], (i2.shape[1] if len(sources) == 2 else 0)
@@ -247,28 +261,33 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
     (s1, n1, r1), (s2, n2, r2) = _pointers(st1), _pointers(st2)
     i1, i2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (i1, i2))
     sink = sink.to(torch.float32).contiguous()
-    nsplit = num_splits(n, k1 + k2, tiles, q.device, invariant) if splits is None else splits
-    if nsplit:
-        nsplit = max(1, -(-(k1 + k2) // tiles.split))
-    block_h, block_d = pow2(h), pow2(dim)
-    iters = -(-(k1 + k2 if not nsplit else tiles.split) // tiles.block_n)       # steps per program
-    common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles.block_n, SPLIT=tiles.split, ONE_PASS=not nsplit,
-                  ITERS=iters if INTERPRETED else 0, TWO=len(sources) == 2, F32=q.dtype == torch.float32,
-                  num_warps=tiles.warps, num_stages=tiles.stages)
+    if splits is None:
+        nsplit, split = split_plan(n, h, k1 + k2, tiles, q.device, invariant)
+    else:
+        split = tiles.split if splits else k1 + k2
+        nsplit = max(1, -(-(k1 + k2) // split)) if splits else 0
+    block_h, block_d = min(pow2(h), tiles.block_h), pow2(dim)
+    hblocks = -(-h // block_h)
+    iters = -(-split // tiles.block_n)                                  # steps per program
+    common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles.block_n, SPLIT=split if nsplit else 1,
+                  ONE_PASS=not nsplit, ITERS=iters if INTERPRETED else 0, TWO=len(sources) == 2,
+                  F32=q.dtype == torch.float32, num_warps=tiles.warps, num_stages=tiles.stages)
     args = (s1, n1, i1, s2, n2, i2, sink)
     sizes = (h, dim, k1, k2, r1, r2, max(nsplit, 1), iters, q.stride(0), q.stride(1), s1.stride(0), n1.stride(0),
              i1.stride(0), s2.stride(0), n2.stride(0), max(i2.stride(0), 1) if i2.numel() else 1)
     if not nsplit:
-        _sparse_attn_kernel[(n, 1)](q, *args, out, out, *sizes, out.stride(0), out.stride(1), 0,
-                                    scale * LOG2E, **common)
+        _sparse_attn_kernel[(n, 1, hblocks)](q, *args, out, out, *sizes, out.stride(0), out.stride(1), 0,
+                                             scale * LOG2E, **common)
         return out
     part = torch.empty((n, nsplit, h, dim), dtype=torch.float32, device=q.device)
     ml = torch.empty((n, nsplit, h, 2), dtype=torch.float32, device=q.device)
-    _sparse_attn_kernel[(n, nsplit)](q, *args, part, ml, *sizes, part.stride(0), part.stride(2), part.stride(1),
-                                     scale * LOG2E, **common)
-    _combine_kernel[(n,)](part, ml, sink, out, h, dim, nsplit, part.stride(0), part.stride(1), part.stride(2),
-                          out.stride(0), out.stride(1), NSPLIT=nsplit if INTERPRETED else 0, BLOCK_H=block_h,
-                          BLOCK_D=block_d, num_warps=4)
+    _sparse_attn_kernel[(n, nsplit, hblocks)](q, *args, part, ml, *sizes, part.stride(0), part.stride(2),
+                                              part.stride(1), scale * LOG2E, **common)
+    combine_h = min(pow2(h), COMBINE_HEADS)
+    _combine_kernel[(n, -(-h // combine_h))](part, ml, sink, out, h, dim, nsplit, part.stride(0), part.stride(1),
+                                             part.stride(2), out.stride(0), out.stride(1),
+                                             NSPLIT=nsplit if INTERPRETED else 0, BLOCK_H=combine_h,
+                                             BLOCK_D=block_d, num_warps=4)
     return out
 
 

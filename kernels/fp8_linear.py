@@ -4,7 +4,8 @@ Weights W [N, K] float8_e4m3fn with one scale per 128x128 block, w_scale [ceil(N
 uint8 / float8_e8m0fnu, scale = 2^(b-127); or float32). Activations x [M, K] are quantized on the fly per 1x128
 block along K, as quant.fake_quant_fp8(round_scale=True) (DeepSeek's act_quant with ue8m0 scales). The formulas
 below are written for V4's block of 128; `block=32` (V4.1's release: 32x32 weight blocks, activations per 1x32)
-is the same recipe with 32 for 128 everywhere (the Triton GEMM then steps K by 32, see KERNEL_BLOCKS):
+is the same recipe with 32 for 128 everywhere (the Triton GEMM then steps K by 32 and reads one weight scale per
+32 columns; both blocks passed `pytest -m gpu tests/test_kernels_fp8_linear.py` on an H200):
 
     scale_x[m, b] = 2^ceil(log2(max(amax_b(x[m]), 1e-4) * float32(1/448)))
     x_fp8[m, k]   = e4m3(clamp(x[m, k] / scale_x[m, k // 128], -448, 448))          (round to nearest even)
@@ -60,9 +61,6 @@ else:
 
 BLOCK = 128                 # scale block: 1x128 for activations, 128x128 for weights (V4); V4.1: 32
 BLOCKS = (32, 128)          # the scale blocks the op runs
-KERNEL_BLOCKS = (128,)      # the ones the Triton GEMM runs on a GPU: 32 passes in the interpreter and compiles for
-                            # sm_90, not yet run on a GPU (tests/test_kernels_fp8_linear.py -m gpu), so it runs the
-                            # reference there until it has
 DECODE_MAX_M = 64           # triton: rows up to this many take the decode path
 DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
 PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
@@ -301,7 +299,7 @@ if triton is not None:
     def _supported(x, w_fp8, w_scale, block) -> bool:
         return (on_kernel_device(_INTERPRET, x, w_fp8, w_scale) and w_fp8.dtype == torch.float8_e4m3fn
                 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-                and (block in KERNEL_BLOCKS or (_INTERPRET and block in BLOCKS)))
+                and block in BLOCKS)
 
     @implements("fp8_linear", "triton")
     def _fp8_linear_triton(x, w_fp8, w_scale, out_dtype=None, block=BLOCK):

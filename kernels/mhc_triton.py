@@ -9,22 +9,27 @@ fn [(2 + hc) * hc, hc * D], base [(2 + hc) * hc], scale [3] fp32:
     post = 2 * sigmoid(m[hc:2hc] * scale1 + base[hc:2hc])
     comb = Sinkhorn(softmax(m[2hc:] as [hc, hc] * scale2 + base[2hc:]) + hc_eps): columns once, then rows and
            columns sinkhorn_iters - 1 times, each sum + hc_eps
-Program r: rows [r*BLOCK_R, +BLOCK_R), K = hc*D streamed BLOCK_K at a time into three fp32 accumulators (pre,
-post, comb columns of fn, padded to BLOCK_C) and the sum of squares; the epilogue runs in registers. fp32 dots at
-ieee precision (the reference's F.linear in fp32). Rows are independent: batch-invariant as it is.
+Program r: rows [r*BLOCK_R, +BLOCK_R), K = hc*D summed over fixed CHUNK-column chunks, each streamed BLOCK_K at a
+time into three fp32 accumulators (pre, post, comb columns of fn, padded to BLOCK_C) and the sum of squares, the
+chunks added in order; the epilogue runs in registers. At decode (few row blocks) a first kernel computes the
+chunks, one program per (row block, chunk), and the mixes kernel adds them: one program walking all of K (1.5 MB
+of fn at V4) took 870 us a call on an H200 (docs/results.md). fp32 dots at ieee precision (the reference's
+F.linear in fp32). The two orders of work agree bitwise in the interpreter but not on the H200 (last bits, within
+the reference bound), so `triton` picks by N and `triton_invariant` always takes the chunk kernel: its rows
+are then independent of the batch (partial sums in memory: 5 KB a row at V4.1, 84 MB for 16k rows).
 
 Numerics: the reference normalizes before the projection, the kernel after (one rounding apart), and sums K in
 another order: interpreter <= 1e-6 of max for pre / post / comb (tests/interpreted/test_mhc_triton.py).
 
-GPU status: interpreter and sm_90 compile only; outside the Triton sets (IN_TRITON_SETS) until `pytest -m gpu
-tests/test_kernels_mhc_triton.py` passes.
+GPU status: `pytest -m gpu tests/test_kernels_mhc_triton.py` passed on an H200 (8 tests), so the kernel is in
+the Triton sets (IN_TRITON_SETS).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .registry import implements, is_interpreted, on_kernel_device, pow2
+from .registry import implements, is_interpreted, on_kernel_device, pow2, sm_count
 
 try:
     import triton
@@ -32,8 +37,9 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = False
+IN_TRITON_SETS = True     # passed `pytest -m gpu` on an H200 (docs/results.md)
 BLOCK_R, WARPS = 16, 4
+CHUNK = 1024          # hc * d columns per chunk: the fixed unit of the projection's fp32 sum (V4 16, V4.1 20)
 # sm_90 (ptxas on CPU): 16-bit streams at 128 no spills; fp32 at 128 spills 300 bytes, at 64 4 bytes
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 64}
 
@@ -56,22 +62,17 @@ if triton is not None:
         return 1.0 / (1.0 + tl.exp(-x))
 
     @triton.jit
-    def _hc_mixes_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, N, K, stride_x,
-                         hc_eps, norm_eps,
-                         HC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                         KITERS: tl.constexpr, ITERS: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_ok = rows < N
-        rows64 = rows.to(tl.int64)
-        c = tl.arange(0, BLOCK_C)
-        one_ok = c < HC                                                  # pre / post columns
-        sq_ok = c < HC * HC                                              # comb columns
+    def _chunk_mixes(x_ptr, fn_ptr, rows64, r_ok, c, one_ok, sq_ok, k0, K, stride_x, HC: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                     CHUNK_ITERS: tl.constexpr):
+        """Columns [k0, k0 + CHUNK_ITERS * BLOCK_K) of the rows: their x.fn^T for pre, post, comb [BLOCK_R,
+        BLOCK_C] and their sum of squares [BLOCK_R], fp32, from zero."""
         acc_pre = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         acc_post = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         acc_comb = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         sq = tl.zeros((BLOCK_R,), tl.float32)
-        for it in range(KITERS):
-            k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+        for it in range(CHUNK_ITERS):
+            k = k0 + it * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
             x = tl.load(x_ptr + rows64[:, None] * stride_x + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)                           # [BLOCK_R, BLOCK_K]
@@ -82,9 +83,64 @@ if triton is not None:
                              mask=k_ok[:, None] & one_ok[None, :], other=0.0)
             w_comb = tl.load(fn_ptr + (2 * HC + c[None, :]).to(tl.int64) * K + k[:, None],
                              mask=k_ok[:, None] & sq_ok[None, :], other=0.0)
-            acc_pre += tl.dot(x, w_pre, input_precision="ieee")
-            acc_post += tl.dot(x, w_post, input_precision="ieee")
-            acc_comb += tl.dot(x, w_comb, input_precision="ieee")
+            acc_pre = tl.dot(x, w_pre, acc_pre, input_precision="ieee")
+            acc_post = tl.dot(x, w_post, acc_post, input_precision="ieee")
+            acc_comb = tl.dot(x, w_comb, acc_comb, input_precision="ieee")
+        return acc_pre, acc_post, acc_comb, sq
+
+    @triton.jit
+    def _hc_chunks_kernel(x_ptr, fn_ptr, part_ptr, N, K, stride_x, HC: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr):
+        """Program (b, s): part [S, N, 4, BLOCK_C] fp32 at [s, rows of block b] = chunk s's (pre, post, comb,
+        sum of squares in column 0) from _chunk_mixes."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        s = tl.program_id(1)
+        r_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        pre, post, comb, sq = _chunk_mixes(x_ptr, fn_ptr, rows64, r_ok, c, c < HC, c < HC * HC,
+                                           s * (CHUNK_ITERS * BLOCK_K), K, stride_x, HC, BLOCK_C, BLOCK_R, BLOCK_K,
+                                           CHUNK_ITERS)
+        at = part_ptr + ((s.to(tl.int64) * N + rows64[:, None]) * 4) * BLOCK_C + c[None, :]
+        tl.store(at, pre, mask=r_ok[:, None])
+        tl.store(at + BLOCK_C, post, mask=r_ok[:, None])
+        tl.store(at + 2 * BLOCK_C, comb, mask=r_ok[:, None])
+        tl.store(part_ptr + ((s.to(tl.int64) * N + rows64) * 4 + 3) * BLOCK_C, sq, mask=r_ok)
+
+    @triton.jit
+    def _hc_mixes_kernel(x_ptr, fn_ptr, part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, N, K, stride_x,
+                         hc_eps, norm_eps,
+                         HC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CHUNKS: tl.constexpr, CHUNK_ITERS: tl.constexpr, FROM_PARTS: tl.constexpr,
+                         ITERS: tl.constexpr):
+        """Rows [pid * BLOCK_R, +BLOCK_R): the mixes from the sum, in chunk order, of CHUNKS chunk products
+        (_chunk_mixes): read from part (FROM_PARTS: _hc_chunks_kernel wrote them, a program per chunk) or
+        computed here one after the other."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        one_ok = c < HC                                                  # pre / post columns
+        sq_ok = c < HC * HC                                              # comb columns
+        acc_pre = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        acc_post = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        acc_comb = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        sq = tl.zeros((BLOCK_R,), tl.float32)
+        for ch in range(CHUNKS):
+            if FROM_PARTS:
+                at = part_ptr + ((ch * N + rows64[:, None]) * 4) * BLOCK_C + c[None, :]
+                p_pre = tl.load(at, mask=r_ok[:, None], other=0.0)
+                p_post = tl.load(at + BLOCK_C, mask=r_ok[:, None], other=0.0)
+                p_comb = tl.load(at + 2 * BLOCK_C, mask=r_ok[:, None], other=0.0)
+                p_sq = tl.load(part_ptr + ((ch * N + rows64) * 4 + 3) * BLOCK_C, mask=r_ok, other=0.0)
+            else:
+                p_pre, p_post, p_comb, p_sq = _chunk_mixes(x_ptr, fn_ptr, rows64, r_ok, c, one_ok, sq_ok,
+                                                           ch * (CHUNK_ITERS * BLOCK_K), K, stride_x, HC, BLOCK_C,
+                                                           BLOCK_R, BLOCK_K, CHUNK_ITERS)
+            acc_pre = acc_pre + p_pre
+            acc_post = acc_post + p_post
+            acc_comb = acc_comb + p_comb
+            sq = sq + p_sq
         rs = 1.0 / tl.sqrt(sq / K + norm_eps)
         s0 = tl.load(scale_ptr)
         s1 = tl.load(scale_ptr + 1)
@@ -120,8 +176,10 @@ else:
     INTERPRETED = False
 
 
-def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
-    """The kernel on `supported` inputs (callers check)."""
+def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, split: bool | None = None):
+    """The kernels on `supported` inputs (callers check). split: one program per (row block, chunk) first, then
+    the mixes (decode: the few row blocks alone would each walk all of K), or each row block walks its chunks
+    (None: by the row blocks against the SMs)."""
     n, hc, d = streams.shape
     k = hc * d
     dev = streams.device
@@ -134,10 +192,21 @@ def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_c = pow2(hc * hc)
     block_k = BLOCK_K[streams.dtype]
-    _hc_mixes_kernel[(triton.cdiv(n, BLOCK_R),)](
-        x, fn.contiguous(), base.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous(), pre, post,
+    chunk_iters = max(2, CHUNK // block_k)     # >= 2: a one-step chunk could fold into the sum's add
+    chunks = triton.cdiv(k, chunk_iters * block_k)
+    blocks = triton.cdiv(n, BLOCK_R)
+    fn = fn.contiguous()
+    split = chunks > 1 and blocks * 2 <= (sm_count(dev) or 16) if split is None else split
+    part = x
+    if split:
+        part = torch.empty((chunks, n, 4, block_c), dtype=torch.float32, device=dev)
+        _hc_chunks_kernel[(blocks, chunks)](x, fn, part, n, k, x.stride(0), HC=hc, BLOCK_C=block_c, BLOCK_R=BLOCK_R,
+                                            BLOCK_K=block_k, CHUNK_ITERS=chunk_iters, num_warps=WARPS)
+    _hc_mixes_kernel[(blocks,)](
+        x, fn, part, base.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous(), pre, post,
         comb, n, k, x.stride(0), float(hc_eps), float(norm_eps), HC=hc, BLOCK_C=block_c, BLOCK_R=BLOCK_R,
-        BLOCK_K=block_k, KITERS=triton.cdiv(k, block_k), ITERS=max(int(sinkhorn_iters), 1), num_warps=WARPS)
+        BLOCK_K=block_k, CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x,
+        ITERS=max(int(sinkhorn_iters), 1), num_warps=WARPS)
     return pre, post, comb
 
 
@@ -152,7 +221,7 @@ def hc_mixes_triton_invariant(streams, fn, base, scale, hc_eps, norm_eps, sinkho
     if not supported(streams, fn) or sinkhorn_iters < 1:
         from .mhc import _hc_mixes_tiles
         return _hc_mixes_tiles(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
-    return hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)   # rows independent
+    return hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, split=True)  # any N: same bits
 
 
 if triton is not None and IN_TRITON_SETS:

@@ -14,7 +14,11 @@ Backends:
   reference         plain torch (the math the model used before these ops)
   invariant         route on fixed row tiles (kernels/tiles.py); permute is exact, so its reference stands in
   triton            route: one fused kernel per block of ROUTE_BLOCK_ROWS rows (fp32 IEEE logits, score fn, bias,
-                    k rounds of argmax, gather, normalize). permute: a counting sort in two kernels (per-block
+                    k rounds of argmax, gather, normalize). The logits are a sum over fixed ROUTE_CHUNK-column
+                    chunks; at decode (few row blocks) one program per (row block, chunk) computes them first
+                    and the fused kernel adds the chunks in order (one program walking the whole [E, D] router
+                    weight took 630-940 us a layer on an H200, docs/results.md); else each program walks its
+                    chunks itself. The same arithmetic either way. permute: a counting sort in two kernels (per-block
                     expert histograms; a sort of per-block unique keys + each block's base offsets) and a few
                     device-side cumsums in between: static shapes, no host sync, CUDA-graph capturable.
   triton_invariant  the same route kernel: its tile configuration depends on E and D only, never on N, and
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 
 from .matmul import linear
 from .precision import upcast
-from .registry import call, implements, is_interpreted
+from .registry import call, implements, is_interpreted, sm_count
 from .tiles import row_tiles
 
 
@@ -56,6 +60,7 @@ SCORE_FUNCS = {
 _SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}     # the Triton kernel's SCORE constexpr
 
 ROUTE_BLOCK_ROWS = 16      # rows per route program (tl.dot needs >= 16)
+ROUTE_CHUNK = 512          # D columns per logits chunk: the fixed unit of route's fp32 sum (V4 8, V4.1 10 chunks)
 PERMUTE_BLOCK_ROWS = 128   # rows per permute program (128 * next_pow2(k) sort keys)
 
 
@@ -122,28 +127,62 @@ def _pow2(n: int, least: int = 1) -> int:
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
-                      N, temp, route_scale, D: tl.constexpr, E: tl.constexpr,
-                      K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
-                      NORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      E_PAD: tl.constexpr, K_PAD: tl.constexpr):
-        """One program: rows [pid * BLOCK_N, +BLOCK_N) of x [N, D] -> out_w [N, K] fp32, out_ids [N, K] int64."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, E_PAD)
-        col_ok = cols < E
+    def _chunk_logits(x_ptr, w_ptr, rows64, row_ok, cols, col_ok, k0, D: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, E_PAD: tl.constexpr):
+        """x W^T over the D columns [k0, k0 + CHUNK_ITERS * BLOCK_D) of rows `rows64`: [BLOCK_N, E_PAD] fp32,
+        fp32 operands, IEEE fp32 accumulation (no TF32), from zero."""
         dk = tl.arange(0, BLOCK_D)
-
-        # logits [BLOCK_N, E_PAD] = x W^T: fp32 operands, IEEE fp32 accumulation (no TF32)
         acc = tl.zeros((BLOCK_N, E_PAD), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + dk
+        for it in range(CHUNK_ITERS):
+            d = k0 + it * BLOCK_D + dk
             d_ok = d < D
             xt = tl.load(x_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             wt = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + d[:, None], mask=d_ok[:, None] & col_ok[None, :],
                          other=0.0)                                                       # W^T tile [BLOCK_D, E_PAD]
             acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _route_logits_kernel(x_ptr, w_ptr, part_ptr, N, D: tl.constexpr, E: tl.constexpr,
+                             CHUNK_ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             E_PAD: tl.constexpr):
+        """Program (b, s): part [S, N, E_PAD] fp32 at [s, rows of block b] = chunk s's x W^T (_chunk_logits)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = tl.program_id(1)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, E_PAD)
+        acc = _chunk_logits(x_ptr, w_ptr, rows64, row_ok, cols, cols < E, s * (CHUNK_ITERS * BLOCK_D), D,
+                            CHUNK_ITERS, BLOCK_N, BLOCK_D, E_PAD)
+        tl.store(part_ptr + (s.to(tl.int64) * N + rows64[:, None]) * E_PAD + cols[None, :], acc,
+                 mask=row_ok[:, None])
+
+    @triton.jit
+    def _route_kernel(x_ptr, w_ptr, part_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, out_w_ptr, out_ids_ptr,
+                      N, temp, route_scale, D: tl.constexpr, E: tl.constexpr,
+                      K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+                      NORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      E_PAD: tl.constexpr, K_PAD: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+                      FROM_PARTS: tl.constexpr):
+        """One program: rows [pid * BLOCK_N, +BLOCK_N) of x [N, D] -> out_w [N, K] fp32, out_ids [N, K] int64.
+        The logits are the sum, in chunk order, of CHUNKS chunk products (_chunk_logits): read from part
+        (FROM_PARTS: _route_logits_kernel wrote them, one program per chunk) or computed here one after the
+        other. Both orders of work do the same arithmetic, so the choice (the host's, by N) changes no bit."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, E_PAD)
+        col_ok = cols < E
+
+        acc = tl.zeros((BLOCK_N, E_PAD), dtype=tl.float32)                 # logits [BLOCK_N, E_PAD]
+        for c in range(CHUNKS):
+            if FROM_PARTS:
+                chunk = tl.load(part_ptr + (c * N + rows64[:, None]) * E_PAD + cols[None, :], mask=row_ok[:, None],
+                                other=0.0)
+            else:
+                chunk = _chunk_logits(x_ptr, w_ptr, rows64, row_ok, cols, col_ok, c * (CHUNK_ITERS * BLOCK_D), D,
+                                      CHUNK_ITERS, BLOCK_N, BLOCK_D, E_PAD)
+            acc = acc + chunk
         z = acc / temp
 
         if SCORE == 0:      # sqrt(softplus(z)), softplus as torch: z above 20, else log1p(exp(z))
@@ -265,8 +304,14 @@ if triton is not None:
         """Whether the kernels take these tensors: CUDA ones (any under the interpreter), none float64."""
         return all(t.dtype != torch.float64 for t in tensors) and (_INTERPRETED or all(t.is_cuda for t in tensors))
 
+    def route_splits(n: int, chunks: int, device) -> bool:
+        """Whether the logits run one program per (row block, chunk), then the epilogue (decode: the router's
+        [E, D] weight read by many SMs), or one program per row block walks its chunks (the row blocks alone fill
+        the SMs; no partial sums in memory)."""
+        return chunks > 1 and triton.cdiv(n, ROUTE_BLOCK_ROWS) * 2 <= (sm_count(device) or 16)
+
     def _route_triton(x, weight, bias, *, top_k, score_func, route_scale, temp, normalize, tid2eid=None,
-                      input_ids=None, fallback=_route_reference):
+                      input_ids=None, fallback=_route_reference, split=None):
         if not _runs_kernels(x, weight):
             return fallback(x, weight, bias, top_k=top_k, score_func=score_func, route_scale=route_scale,
                             temp=temp, normalize=normalize, tid2eid=tid2eid, input_ids=input_ids)
@@ -279,14 +324,25 @@ if triton is not None:
         hashed = tid2eid is not None
         e_pad = _pow2(e, 16)
         block_d = min(64 if e_pad <= 256 else 32, _pow2(d, 16))
-        x = x.contiguous()
-        _route_kernel[(triton.cdiv(n, ROUTE_BLOCK_ROWS),)](
-            x, weight.contiguous(), x if bias is None or hashed else bias.contiguous(),
+        chunk_iters = max(2, ROUTE_CHUNK // block_d)     # >= 2: a one-step chunk could fold into the sum's add
+        chunks = triton.cdiv(d, chunk_iters * block_d)
+        x, weight = x.contiguous(), weight.contiguous()
+        blocks = triton.cdiv(n, ROUTE_BLOCK_ROWS)
+        warps = 8 if e_pad >= 256 else 4
+        split = route_splits(n, chunks, x.device) if split is None else split
+        part = x
+        if split and chunks > 1:
+            part = torch.empty((chunks, n, e_pad), dtype=torch.float32, device=x.device)
+            _route_logits_kernel[(blocks, chunks)](x, weight, part, n, D=d, E=e, CHUNK_ITERS=chunk_iters,
+                                                   BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
+                                                   num_warps=warps)
+        _route_kernel[(blocks,)](
+            x, weight, part, x if bias is None or hashed else bias.contiguous(),
             tid2eid.contiguous() if hashed else x, input_ids.contiguous() if hashed else x, out_w, out_ids,
             n, float(temp), float(route_scale), D=d, E=e,
             K=top_k, SCORE=_SCORE_CODE[score_func], HAS_BIAS=bias is not None and not hashed, HASH=hashed,
             NORMALIZE=bool(normalize), BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
-            K_PAD=_pow2(top_k), num_warps=8 if e_pad >= 256 else 4)
+            K_PAD=_pow2(top_k), CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x, num_warps=warps)
         return out_w, out_ids
 
     @implements("route", "triton")

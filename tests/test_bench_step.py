@@ -13,7 +13,7 @@ from deepinfer.harness import step_bench
 from deepinfer.harness.ceilings import measure_ceilings, roofline
 from deepinfer.harness.cli import cli
 from deepinfer.harness.step_bench import (Routing, StepConfig, StepPoint, attention_flops, busy_union,
-                                          idle_from_trace, inventory, parse_int_list, routing_from_calls,
+                                          idle_from_trace, inventory, top_kernels, parse_int_list, routing_from_calls,
                                           step_traffic)
 
 try:
@@ -76,6 +76,17 @@ def test_intervals_and_idle():
     out = idle_from_trace(ev)
     assert out["busy_us"] == 5 and out["span_us"] == 10 and out["idle_fraction"] == pytest.approx(0.5)
     assert idle_from_trace([{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1}]) is None
+
+
+def test_top_kernels():
+    ev = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 6}, {"ph": "X", "cat": "kernel", "name": "add",
+          "ts": 6, "dur": 1}, {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 9, "dur": 2},
+          {"ph": "X", "cat": "cpu_op", "name": "gemm", "ts": 0, "dur": 50}, {"ph": "X", "cat": "gpu_memset",
+          "name": "Memset", "ts": 12, "dur": 1}]
+    top = top_kernels(ev, steps=2)
+    assert [k["name"] for k in top] == ["gemm", "add", "Memset"]               # by total GPU time, cpu ops left out
+    assert top[0] == {"name": "gemm", "us": 4.0, "calls": 1.0, "share": 0.8}
+    assert top_kernels(ev, steps=1, top=1) == [{"name": "gemm", "us": 8.0, "calls": 2, "share": 0.8}]
 
 
 def test_parse_lists():

@@ -105,9 +105,10 @@ def _ptxas_spill_bytes(ptx: str) -> int:
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_sparse_attention_compiles_for_sm90(one_pass):
     """The sparse sink attention kernel (kernels/attention_triton.py) at released widths: 64 heads x 512, window +
-    selected entries, bf16, one pass and split-KV (+ the combine), runtime trip counts, with the DECODE tiles;
-    both dots on wgmma, spills no worse than measured (one pass 100 bytes, split 180, with the two-part stores'
-    pointer select)."""
+    selected entries, bf16, one pass and split-KV (+ the combine), runtime trip counts, with the DECODE tiles
+    (32 heads a program: both dots on mma.sync, M = 32 being under wgmma's 64); spills no worse than measured with
+    Triton 3.6 (one pass 1384 bytes, split 1408: the tiles the H200 timed fastest spill; 64 heads x 16 keys x 8
+    warps spilled 100 / 180 on wgmma and ran 1.0-1.5x slower, docs/results.md)."""
     from deepinfer.kernels import attention_triton as kat
     t = kat.DECODE
     runtime = {"q_ptr": "*bf16", "s1_ptr": "*bf16", "n1_ptr": "*bf16", "i1_ptr": "*i64", "s2_ptr": "*bf16",
@@ -117,17 +118,19 @@ def test_sparse_attention_compiles_for_sm90(one_pass):
                                                        "stride_i1", "stride_s2", "stride_n2", "stride_i2",
                                                        "stride_on", "stride_oh", "stride_os")},
                "qk_scale": "fp32"}
-    consts = dict(BLOCK_H=64, BLOCK_D=512, BLOCK_N=t.block_n, SPLIT=t.split, ONE_PASS=one_pass, ITERS=0, TWO=True,
-                  F32=False)
+    consts = dict(BLOCK_H=t.block_h, BLOCK_D=512, BLOCK_N=t.block_n, SPLIT=t.split, ONE_PASS=one_pass, ITERS=0,
+                  TWO=True, F32=False)
     kernel = compile_sm90(kat._sparse_attn_kernel, runtime, consts, num_warps=t.warps, num_stages=t.stages)
-    assert kernel.asm["ttgir"].count("warp_group_dot") >= 2
+    assert "mma" in kernel.asm["ttgir"]
+    assert kernel.metadata.shared <= 227 * 1024
     spills = _ptxas_spill_bytes(kernel.asm["ptx"])
-    assert spills <= (112 if one_pass else 192), spills
+    assert spills <= (1400 if one_pass else 1420), spills
     if not one_pass:
         combine = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16",
                    **{a: "i32" for a in ("H", "D", "nsplit", "stride_pn", "stride_ps", "stride_ph", "stride_on",
                                          "stride_oh")}}
-        compile_sm90(kat._combine_kernel, combine, dict(NSPLIT=0, BLOCK_H=64, BLOCK_D=512), num_warps=4)
+        compile_sm90(kat._combine_kernel, combine, dict(NSPLIT=0, BLOCK_H=kat.COMBINE_HEADS, BLOCK_D=512),
+                     num_warps=4)
 
 
 @pytest.mark.parametrize("heads", [64, 32])
@@ -145,18 +148,28 @@ def test_index_scores_compile_for_sm90(heads):
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
 
 
+@pytest.mark.parametrize("from_parts", [False, True])
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
-def test_hc_mixes_compiles_for_sm90(dtype):
-    """The fused mHC mixing kernel (kernels/mhc_triton.py) at released width (hc 4 x 5120 = 20480 per row), 20
-    Sinkhorn iterations: shared memory within an SM, no spills for bf16 streams (4 bytes for fp32, measured)."""
+def test_hc_mixes_compiles_for_sm90(dtype, from_parts):
+    """The fused mHC mixing kernels (kernels/mhc_triton.py) at released width (hc 4 x 5120 = 20480 per row), 20
+    Sinkhorn iterations, walking the chunks or adding the chunk kernel's parts (+ that kernel): shared memory
+    within an SM, spills no worse than measured with Triton 3.6 (bf16 streams: 8 bytes walking the chunks, none
+    from the parts; fp32: 88 and 8; the chunk kernel: none and 8)."""
     from deepinfer.kernels import mhc_triton as kmt
-    runtime = {"x_ptr": dtype, "fn_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "pre_ptr": "*fp32",
-               "post_ptr": "*fp32", "comb_ptr": "*fp32", "N": "i32", "K": "i32", "stride_x": "i32",
-               "hc_eps": "fp32", "norm_eps": "fp32"}
+    runtime = {"x_ptr": dtype, "fn_ptr": "*fp32", "part_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
+               "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "N": "i32", "K": "i32",
+               "stride_x": "i32", "hc_eps": "fp32", "norm_eps": "fp32"}
     block_k = kmt.BLOCK_K[torch.bfloat16 if dtype == "*bf16" else torch.float32]
-    kernel = compile_sm90(kmt._hc_mixes_kernel, runtime, dict(HC=4, BLOCK_C=16, BLOCK_R=kmt.BLOCK_R, BLOCK_K=block_k,
-                                                              KITERS=20480 // block_k, ITERS=20), num_warps=kmt.WARPS)
-    assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= (0 if dtype == "*bf16" else 8)
+    chunk_iters = kmt.CHUNK // block_k
+    tiles = dict(HC=4, BLOCK_C=16, BLOCK_R=kmt.BLOCK_R, BLOCK_K=block_k, CHUNK_ITERS=chunk_iters)
+    kernel = compile_sm90(kmt._hc_mixes_kernel, runtime, dict(tiles, CHUNKS=20480 // kmt.CHUNK,
+                                                              FROM_PARTS=from_parts, ITERS=20), num_warps=kmt.WARPS)
+    bound = {("*bf16", False): 8, ("*fp32", False): 88, ("*bf16", True): 0, ("*fp32", True): 8}[dtype, from_parts]
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= bound
+    if from_parts:
+        chunks = {a: runtime[a] for a in ("x_ptr", "fn_ptr", "part_ptr", "N", "K", "stride_x")}
+        kernel = compile_sm90(kmt._hc_chunks_kernel, chunks, tiles, num_warps=kmt.WARPS)
+        assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= (0 if dtype == "*bf16" else 8)
 
 
 def test_top_k_compiles_for_sm90():

@@ -1,8 +1,9 @@
 """kernels/mhc_triton.py on a CUDA device (`-m gpu`): the fused hc_mixes kernel at released widths (hc 4 x 4096,
-4 x 5120; bf16 streams, fp32 weights) against the reference on random inputs, any row alone = the row in a batch
-(bitwise), CUDA-graph capture. Bound: max |kernel - reference| / max |reference| <= GPU_BOUND for pre, post,
-comb (fp32 throughout; the reference's F.linear runs without TF32 here). Passing this moves the kernel into the
-Triton sets (kernels/mhc_triton.IN_TRITON_SETS). CPU: tests/interpreted/test_mhc_triton.py."""
+4 x 5120; bf16 streams, fp32 weights) against the reference on random inputs, both orders of work (the chunk
+kernel first or not), any row alone = the row in a batch (bitwise, triton_invariant), CUDA-graph capture.
+Bound: max |kernel - reference| / max |reference| <= GPU_BOUND for pre, post, comb (fp32 throughout; the
+reference's F.linear runs without TF32 here). Passing this keeps the kernel in the Triton sets
+(kernels/mhc_triton.IN_TRITON_SETS). CPU: tests/interpreted/test_mhc_triton.py."""
 
 from __future__ import annotations
 
@@ -34,9 +35,14 @@ def test_matches_reference(d, n):
     got = kmt.hc_mixes_triton(streams, fn, base, scale, 1e-6, 1e-6, 20)
     for a, b in zip(got, want):
         assert float((a - b).abs().max() / b.abs().max()) <= GPU_BOUND
-    if n > 1:
-        alone = kmt.hc_mixes_kernel(streams[n - 1:], fn, base, scale, 1e-6, 1e-6, 20)
-        assert all(torch.equal(a[n - 1:], b) for a, b in zip(got, alone))
+    for split in (True, False):         # chunk programs first, or each row block walking its chunks
+        both = kmt.hc_mixes_kernel(streams, fn, base, scale, 1e-6, 1e-6, 20, split=split)
+        for a, b in zip(both, want):
+            assert float((a - b).abs().max() / b.abs().max()) <= GPU_BOUND, split
+    if n > 1:                           # triton_invariant: any row alone = the row in the batch, bitwise
+        full = kmt.hc_mixes_triton_invariant(streams, fn, base, scale, 1e-6, 1e-6, 20)
+        alone = kmt.hc_mixes_triton_invariant(streams[n - 1:], fn, base, scale, 1e-6, 1e-6, 20)
+        assert all(torch.equal(a[n - 1:], b) for a, b in zip(full, alone))
     graph, out = capture_graph(kmt.hc_mixes_kernel, streams, fn, base, scale, 1e-6, 1e-6, 20)
     graph.replay()
     torch.cuda.synchronize()

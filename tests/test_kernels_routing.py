@@ -293,6 +293,18 @@ if INTERPRETER:
         b = b if bias else None
         _check_route(routing._route_triton_default(x, w, b, **kw), routing._route_reference(x, w, b, **kw))
 
+    @pytest.mark.parametrize("d", [200, 130])
+    def test_interp_route_chunks_split_or_not_same_bits(d, monkeypatch):
+        """The logits in 64-column chunks (2-4 of them, a ragged last one): one program per (row block, chunk)
+        then the epilogue, or one program walking its chunks, give the same bits, both = the reference."""
+        monkeypatch.setattr(routing, "ROUTE_CHUNK", 64)
+        x, w, bias, tid2eid, tok = router_inputs(21, d, 16, 3, seed=d)
+        kw = _route_kw("sqrtsoftplus", True, 3, False, tid2eid, tok)
+        split = routing._route_triton(x, w, bias, split=True, **kw)
+        whole = routing._route_triton(x, w, bias, split=False, **kw)
+        assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+        _check_route(split, routing._route_reference(x, w, bias, **kw))
+
     @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
     @pytest.mark.parametrize("score_func", SCORE_FUNCS)
     @pytest.mark.parametrize("n", [1, 33])
@@ -462,6 +474,9 @@ def test_cuda_triton_invariant_route_is_batch_invariant(family):
         for rows in (slice(21, 22), slice(5, 40), slice(3, 70)):
             part = routing.route(x[rows], w, bias, **kw)
             assert torch.equal(part[0], full[0][rows]) and torch.equal(part[1], full[1][rows])
+    for split in (True, False):             # the chunk programs or one program per row block: the same bits
+        got = routing._route_triton(x, w, bias, split=split, **kw)
+        assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1]), split
 
 
 @pytest.mark.gpu

@@ -49,9 +49,11 @@ def test_runs_interpreted():
 @pytest.mark.parametrize("n,h,d,k1,k2", [(3, 4, 96, 16, 9), (5, 16, 64, 128, 40), (2, 64, 128, 33, None),
                                          (1, 8, 32, 0, 70), (4, 1, 16, 5, 5)])
 @pytest.mark.parametrize("splits", [None, 0, 3])
-def test_matches_reference(n, h, d, k1, k2, splits):
+@pytest.mark.parametrize("block_h", [64, 4])
+def test_matches_reference(n, h, d, k1, k2, splits, block_h):
+    """block_h 4: the heads in blocks of 4, one program each (a partial last block where h is not a multiple)."""
     q, sources, sink = inputs(n, h, d, k1, k2, torch.float32, seed=n * 7 + h, empty_rows=(0,) if n > 2 else ())
-    tiles = kat.AttnTiles(block_n=16, split=32, warps=4, stages=1)
+    tiles = kat.AttnTiles(block_n=16, split=32, warps=4, stages=1, block_h=block_h)
     got, want = check(q, sources, sink, d ** -0.5, tiles=tiles, splits=splits)
     if n > 2:
         assert torch.equal(got[0], torch.zeros_like(got[0]))               # no key: the sink alone, output 0
@@ -89,13 +91,16 @@ def test_a_row_alone_equals_the_row_in_a_batch():
         assert torch.equal(full[4:5], alone)
 
 
-def test_split_counts():
-    t = kat.DECODE
-    assert kat.num_splits(1, 640, t, torch.device("cpu"), invariant=False) == 5      # 16 SMs under the interpreter
-    assert kat.num_splits(64, 640, t, torch.device("cpu"), invariant=False) == 0      # one pass
-    assert kat.num_splits(64, 640, t, torch.device("cpu"), invariant=True) == 5
-    assert kat.num_splits(1, 0, t, torch.device("cpu"), invariant=True) == 1         # invariant: always split
-    assert kat.num_splits(64, 128, t, torch.device("cpu"), invariant=True) == 1
+def test_split_plan():
+    t, cpu = kat.DECODE, torch.device("cpu")                # 16 SMs under the interpreter
+    assert kat.split_plan(1, 64, 640, t, cpu, invariant=False) == (10, 64)    # 2 head blocks: ~2 programs a SM
+    assert kat.split_plan(4, 64, 640, t, cpu, invariant=False) == (5, 128)    # capped at tiles.split
+    assert kat.split_plan(64, 64, 640, t, cpu, invariant=False) == (0, 640)   # the rows fill the SMs: one pass
+    assert kat.split_plan(1, 64, 16, t, cpu, invariant=False) == (0, 16)      # one tile of keys: one pass
+    assert kat.split_plan(4, 64, 640, kat.AttnTiles(16, 128, 8, 2, block_h=16), cpu, invariant=False) == (0, 640)
+    assert kat.split_plan(64, 64, 640, t, cpu, invariant=True) == (5, 128)    # invariant: the fixed split
+    assert kat.split_plan(1, 64, 0, t, cpu, invariant=True) == (1, 128)       # always split, even no key
+    assert kat.split_plan(64, 64, 128, t, cpu, invariant=True) == (1, 128)
 
 
 def test_a_permuted_q_gives_the_same_output():

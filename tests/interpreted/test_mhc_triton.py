@@ -49,3 +49,17 @@ def test_rows_do_not_depend_on_the_batch():
     for m in (1, 8, 16):
         part = kmt.hc_mixes_kernel(streams[:m], fn, base, scale, 1e-6, 1e-6, 20)
         assert all(torch.equal(f[:m], p) for f, p in zip(full, part)), m
+
+
+@pytest.mark.parametrize("d", [64, 72])
+def test_chunks_split_or_not_same_bits(d, monkeypatch):
+    """K = 4 x d in 128-column chunks (2, or 3 with a ragged last one): one program per (row block, chunk) and
+    then the mixes, or each row block walking its chunks, give the same bits here (numpy's arithmetic; on the
+    H200 they differ in last bits, tests/test_kernels_mhc_triton.py), both = the reference."""
+    monkeypatch.setattr(kmt, "CHUNK", 128)
+    streams, fn, base, scale = inputs(19, 4, d, seed=d)
+    split = kmt.hc_mixes_kernel(streams, fn, base, scale, 1e-6, 1e-6, 20, split=True)
+    whole = kmt.hc_mixes_kernel(streams, fn, base, scale, 1e-6, 1e-6, 20, split=False)
+    assert all(torch.equal(a, b) for a, b in zip(split, whole))
+    want = km._hc_mixes(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    assert all(float((g - w).abs().max() / w.abs().max()) <= BOUND for g, w in zip(split, want))

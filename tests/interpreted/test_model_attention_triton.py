@@ -34,7 +34,7 @@ def _counted(name, fn):
 
 @pytest.fixture
 def attention_in_the_triton_set(monkeypatch):
-    """As IN_TRITON_SETS = True will register them once their GPU tests pass (the kernels' launches counted)."""
+    """The Triton set as IN_TRITON_SETS = True registers it, the kernels' launches counted."""
     monkeypatch.setitem(registry._IMPLS["sparse_sink_attention"], "triton", kat.sparse_sink_attention_triton)
     monkeypatch.setitem(registry._IMPLS["sparse_index_scores"], "triton", kit.sparse_index_scores_triton)
     monkeypatch.setitem(registry._IMPLS["hc_mixes"], "triton", kmt.hc_mixes_triton)
