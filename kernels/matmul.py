@@ -1,10 +1,12 @@
-"""Dense linear ops: `linear` (x W^T) and `grouped_linear` (one weight per group of channels)."""
+"""Dense linear ops: `linear` (x W^T), `linear_f32` (x W^T in >= fp32 whatever the dtypes: the LM heads, the
+compressor projections) and `grouped_linear` (one weight per group of channels)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .precision import upcast
 from .registry import call, implements
 from .tiles import row_tiles
 
@@ -12,6 +14,11 @@ from .tiles import row_tiles
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N]."""
     return call("linear")(x, w)
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T accumulated and returned in >= fp32 (float64 stays float64) -> [..., N]."""
+    return call("linear_f32")(x, w)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -28,6 +35,29 @@ def _linear(x, w):
 def _linear_tiles(x, w):
     flat = x.reshape(-1, x.shape[-1])
     return row_tiles(lambda t: F.linear(t, w), flat).view(*x.shape[:-1], w.shape[0])
+
+
+@implements("linear_f32", "reference")
+def _linear_f32(x, w):
+    return F.linear(upcast(x), upcast(w))
+
+
+@implements("linear_f32", "invariant")
+def _linear_f32_tiles(x, w):
+    flat = x.reshape(-1, x.shape[-1])
+    return row_tiles(lambda t: _linear_f32(t, w), flat).view(*x.shape[:-1], w.shape[0])
+
+
+@implements("linear_f32", "triton")
+def _linear_f32_mixed(x, w):
+    """16-bit x and w of one dtype on CUDA: one cuBLAS GEMM accumulating in fp32 with an fp32 output
+    (torch.mm's out_dtype), so no step makes an fp32 copy of w (the LM head's 1 GB bf16 weight became 2 GB each
+    step: 0.75 ms of copy plus a 2 GB GEMV at V4 flash width). A product of two 16-bit floats is exact in fp32,
+    so only the summation order differs from the reference. Anything else: the reference."""
+    if not (x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)):
+        return _linear_f32(x, w)
+    flat = x.reshape(-1, x.shape[-1])
+    return torch.mm(flat, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
 
 
 @implements("grouped_linear", "reference")

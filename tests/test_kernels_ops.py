@@ -30,6 +30,7 @@ def _sparse_sources(n=37, k1=9, k2=5, d=24, m1=50, m2=30):
 # op name -> (function of the inputs, inputs builder); every input's dim 0 is the row dim
 CASES = {
     "linear": (lambda x, w: matmul.linear(x, w), lambda n: (r(n, 33), r(17, 33))),
+    "linear_f32": (lambda x, w: matmul.linear_f32(x, w), lambda n: (r(n, 33), r(17, 33))),
     "grouped_linear": (lambda x, w: matmul.grouped_linear(x, w), lambda n: (r(n, 4, 32), r(4, 16, 32))),
     "rms_norm": (lambda x, w: norm.rms_norm(x, w, 1e-6), lambda n: (r(n, 40), r(40))),
     "rope": (lambda x, c, s: rope.apply_rope(x, c, s), lambda n: (r(n, 4, 16), r(n, 4), r(n, 4))),
@@ -44,13 +45,13 @@ CASES = {
     "hc_head": (lambda h, f, b, s: mhc.hc_head(h, f, b, s, 1e-6, 1e-6), lambda n: (r(n, 4, 12), r(4, 48), r(4), r(1))),
     "rowwise": (lambda x: rowwise.rowwise(lambda t: (t.softmax(-1) * t).cumsum(-1), x), lambda n: (r(n, 9),)),
 }
-ROW_LOCAL = {"linear", "grouped_linear", "rms_norm", "rope", "index_scores", "softmax_pool", "hc_collapse",
+ROW_LOCAL = {"linear", "linear_f32", "grouped_linear", "rms_norm", "rope", "index_scores", "softmax_pool", "hc_collapse",
              "hc_post", "hc_mixes", "hc_head"}     # outputs of row i depend on input row i only
 
 
 def _rows_of(args, op, rows):
     """Slice every per-row input of op's arguments to `rows`."""
-    per_row = {"linear": [0], "grouped_linear": [0], "rms_norm": [0], "rope": [0, 1, 2], "sink_attention": [0, 2],
+    per_row = {"linear": [0], "linear_f32": [0], "grouped_linear": [0], "rms_norm": [0], "rope": [0, 1, 2], "sink_attention": [0, 2],
                "index_scores": [0, 1], "softmax_pool": [0, 1], "hc_collapse": [0, 1], "hc_post": [0, 1, 2, 3],
                "hc_mixes": [0], "hc_head": [0], "rowwise": [0]}[op]
     return tuple(a[rows] if i in per_row else a for i, a in enumerate(args))
@@ -70,6 +71,22 @@ def test_every_backend_matches_reference(op):
         with use(name):
             got = _flat(fn(*args))
         assert torch.allclose(got, want, atol=1e-12, rtol=1e-12), (op, name)
+
+
+@pytest.mark.parametrize("backend", BACKEND_SETS)
+def test_linear_f32_returns_fp32_from_16_bit_inputs(backend):
+    """bf16 x and w -> fp32 (the LM head's case); off CUDA the triton backend computes the reference's bits, the
+    invariant ones the reference on row tiles (CPU BLAS blocks them differently: last bits)."""
+    x, w = r(9, 64).bfloat16(), r(40, 64).bfloat16()
+    want = torch.nn.functional.linear(x.float(), w.float())
+    with use(backend):
+        got = matmul.linear_f32(x, w)
+    assert got.dtype == torch.float32
+    if backend in ("reference", "triton"):
+        assert torch.equal(got, want)
+    else:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert matmul.linear_f32(x.double(), w.double()).dtype == torch.float64
 
 
 @pytest.mark.parametrize("op", sorted(ROW_LOCAL | {"sink_attention"}))

@@ -18,7 +18,7 @@ from torch import nn
 
 from deepinfer.kernels.compress import softmax_pool
 from deepinfer.kernels.indexer import index_scores
-from deepinfer.kernels.matmul import linear
+from deepinfer.kernels.matmul import linear_f32
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import fake_quant_fp4
 from deepinfer.kernels.rope import apply_rope
@@ -66,8 +66,7 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio > 1: x [T, D] -> (kv, gate) [T, d] each in >= fp32, what the open window buffers."""
-        w_kv, w_gate = upcast(self.wkv.weight), upcast(self.wgate.weight)
-        return linear(upcast(x), w_kv), linear(upcast(x), w_gate)
+        return linear_f32(x, self.wkv.weight), linear_f32(x, self.wgate.weight)
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Closed groups kv, gate [n, r, d] (slots in position order) -> latents [n, d] in `dtype`."""

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.attention import sink_attention
-from deepinfer.kernels.matmul import linear
+from deepinfer.kernels.matmul import linear, linear_f32
 from deepinfer.kernels.precision import upcast
 
 from ..cache.sequence_state import SequenceState
@@ -64,7 +64,7 @@ class MarkovHead(nn.Module):
     def forward(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """prev [B] -> (bias [B, V] fp32, embedding [B, rank])."""
         e = self.embed(prev)
-        return linear(upcast(e), upcast(self.head.weight)), e
+        return linear_f32(e, self.head.weight), e
 
 
 class ConfidenceHead(nn.Module):

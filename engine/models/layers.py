@@ -8,12 +8,11 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.fp8_linear import fp8_linear
-from deepinfer.kernels.matmul import grouped_linear, linear
+from deepinfer.kernels.matmul import grouped_linear, linear, linear_f32
 from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import dequantize_fp8_blocks
 
-from ..errors import DeepInferError
 
 
 @dataclass
@@ -49,7 +48,7 @@ class Linear(nn.Module):
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """In >= fp32 whatever the weight dtype: the LM heads (DeepSeek's reference computes logits in fp32)."""
-        return linear(upcast(x), upcast(self.weight))
+        return linear_f32(x, self.weight)
 
 
 class Fp8Linear(nn.Module):
