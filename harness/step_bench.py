@@ -419,17 +419,17 @@ def gpu_idle(run, device: torch.device, steps: int) -> dict | None:
 
 
 def top_kernels(events: list[dict], steps: int, top: int = TOP_KERNELS) -> list[dict]:
-    """Where a step's GPU time goes: the `top` GPU activities by total time, per step, each {name (cut to 120
-    characters), us (per step), calls (per step), share (of all GPU activity time)}."""
+    """Where a step's GPU time goes: the `top` GPU activities (grouped by full name) by total time, per step, each
+    {name (cut to 120 characters), us (per step), calls (per step), share (of all GPU activity time)}."""
     by_name: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and str(e.get("cat", "")).lower() in BUSY_CATEGORIES:
-            acc = by_name.setdefault(str(e.get("name", "?"))[:120], [0.0, 0])
+            acc = by_name.setdefault(str(e.get("name", "?")), [0.0, 0])
             acc[0] += float(e.get("dur", 0))
             acc[1] += 1
     total = sum(us for us, _ in by_name.values()) or 1.0
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"name": name, "us": us / steps, "calls": calls / steps, "share": us / total}
+    return [{"name": name[:120], "us": us / steps, "calls": calls / steps, "share": us / total}
             for name, (us, calls) in ranked]
 
 

@@ -59,10 +59,11 @@ class AttnTiles:
     block_h: int = 64   # heads per program (a power of two; fewer: more programs, each key read once per block)
 
 
-# Chosen on an H200 (devrun tuning, docs/results.md): 30 tile / split / head-block variants at the released widths
-# (64 heads x 512) for swa / csa / hca rows at 1, 16 and 64 tokens. 32 heads a program with 32-key steps and 4
-# warps was within 1.2x of the best variant at every shape and the best at 4 of 9; 16 heads was best at one
-# token (up to 1.2x faster there) and 1.1-1.5x slower at 64; the old 64 heads x 16 keys x 8 warps was 1.0-1.5x.
+# Chosen on an H200 (harness/attention_tiles.py, docs/results.md): 42 tile / split / head-block variants at the
+# released widths (64 heads x 512) for swa / csa / hca rows at 1, 16 and 64 tokens. 32 heads a program with
+# 32-key steps and 4 warps was within 1.2x of the best variant at every shape and the best at 4 of 9; 16 heads
+# was best at one token (up to 1.2x faster there) and 1.1-1.5x slower at 64; the old 64 heads x 16 keys x 8
+# warps was 1.0-1.5x slower than the best.
 DECODE = AttnTiles(block_n=32, split=128, warps=4, stages=2, block_h=32)
 INVARIANT = DECODE                      # the same tiles, always split at 128 keys
 COMBINE_HEADS = 4                       # heads per combine program: a decode row's merge spread over 16 SMs

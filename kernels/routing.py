@@ -177,8 +177,8 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, E_PAD), dtype=tl.float32)                 # logits [BLOCK_N, E_PAD]
         for c in range(CHUNKS):
             if FROM_PARTS:
-                chunk = tl.load(part_ptr + (c * N + rows64[:, None]) * E_PAD + cols[None, :], mask=row_ok[:, None],
-                                other=0.0)
+                chunk = tl.load(part_ptr + (c * N + rows64[:, None]) * E_PAD + cols[None, :],
+                                mask=row_ok[:, None], other=0.0)
             else:
                 chunk = _chunk_logits(x_ptr, w_ptr, rows64, row_ok, cols, col_ok, c * (CHUNK_ITERS * BLOCK_D), D,
                                       CHUNK_ITERS, BLOCK_N, BLOCK_D, E_PAD)

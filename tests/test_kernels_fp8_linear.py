@@ -381,8 +381,8 @@ V41_FLASH_SHAPES = [(1280, 5120), (512, 5120), (5120, 8192), (2304, 5120), (5120
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("n,k", V41_FLASH_SHAPES)
 def test_gpu_block32_kernels_at_model_shapes(n, k):
-    """V4.1's 32x32 blocks through the Triton GEMM itself (the op keeps them on the reference until this passes:
-    fl.KERNEL_BLOCKS), every path, against the reference of the same recipe; the invariant path's row bits."""
+    """V4.1's 32x32 blocks through the Triton GEMM (passed on the H200, so the op runs them there), every path,
+    against the reference of the same recipe; the invariant path's row bits."""
     pytest.importorskip("triton")
     assert fl.triton is not None and not fl._INTERPRET
     w8, ws, big, cases = _gpu_cases(n, k, 32, (1, 16, 64, 256, 4096))
