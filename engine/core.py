@@ -48,8 +48,9 @@ class EngineConfig:
 
 def unsupported(params) -> str | None:
     """Why the engine cannot run these SamplingParams as asked (None when it can); one line, said up front."""
-    if params.so_args is not None:
-        return "so_args (structured outputs) is not supported yet; remove it"
+    if params.so_args is not None and params.ignore_eos:
+        return ("so_args with ignore_eos=True: a complete grammar allows only EOS next, so the output would end "
+                "there anyway; drop ignore_eos")
     return None
 
 
@@ -120,6 +121,11 @@ class EngineCore:
     # ---- requests ----
     def add_request(self, req: Request) -> None:
         why = unsupported(req.params)
+        if why is None and req.params.so_args is not None:
+            if req.grammar is None:
+                why = "so_args needs the request's grammar matcher (LLM.generate compiles it: engine/structured.py)"
+            elif self.drafter is not None:
+                why = "so_args with speculative decoding is not supported yet (drafts would need the grammar)"
         if why is not None:
             raise DeepInferError(f"request {req.request_id}: {why}")
         if not 0 < req.num_tokens < self.max_model_len:
@@ -167,11 +173,11 @@ class EngineCore:
 
     def _needs_host_outputs(self) -> bool:
         """Penalty counts are built from host output ids; drafts (and the positions after a verify row) need the
-        committed tokens, and a drafter proposes from them: such requests are not planned while a row of them
-        is in flight."""
+        committed tokens, and a drafter proposes from them; a grammar's mask for the next token needs its
+        matcher advanced by the last one: such requests are not planned while a row of them is in flight."""
         return self.drafter is not None or any(
-            r.spec_token_ids or r.params.repetition_penalty != 1 or r.params.presence_penalty
-            or r.params.frequency_penalty for r in self.scheduler.running)
+            r.spec_token_ids or r.grammar is not None or r.params.repetition_penalty != 1
+            or r.params.presence_penalty or r.params.frequency_penalty for r in self.scheduler.running)
 
     def _launch(self, batch: list[Scheduled]):
         for fn in self.step_observers:

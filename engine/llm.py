@@ -116,6 +116,7 @@ class LLM:
                                args["block_size"])
         self.engine = self._build_engine(kernels, manager)
         self._next_id = 0
+        self._grammars = None          # engine/structured.Grammars, built with the first so_args request
 
     def _build_engine(self, kernels: KernelTable, manager: StateManager) -> EngineCore:
         """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant)."""
@@ -171,11 +172,15 @@ class LLM:
                    for i, p in enumerate(prompts)]                    # every request checked before any work
         for i, sp in enumerate(params):
             self._check_params(i, sp)
+        compiled = self._compile_grammars(params)                   # every schema compiled before any work
         groups = []
-        for (text, ids), sp in zip(encoded, params):
+        for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
             rid = str(self._next_id)
             self._next_id += 1
-            groups.append((rid, text, ids, [self._request(rid, ids, sp, j) for j in range(sp.n)]))
+            reqs = [self._request(rid, ids, sp, j) for j in range(sp.n)]
+            for r in reqs:
+                r.grammar = self._grammars.matcher(compiled[i]) if i in compiled else None
+            groups.append((rid, text, ids, reqs))
         self._run([r for *_, reqs in groups for r in reqs], use_tqdm)
         return [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in groups]
 
@@ -259,10 +264,27 @@ class LLM:
         if sp.stop and self.tokenizer is None:
             raise DeepInferError(f"request {i}: stop strings need the tokenizer, but the engine was built with "
                                  f"skip_tokenizer_init=True; use stop_token_ids")
+        if sp.so_args is not None and self.tokenizer is None:
+            raise DeepInferError(f"request {i}: so_args compiles its grammar over the tokenizer's vocabulary, but "
+                                 f"the engine was built with skip_tokenizer_init=True")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(sp, name)
             if k is not None and k > min(MAX_LOGPROBS, vocab):
                 raise DeepInferError(f"request {i}: {name}={k} exceeds the maximum {min(MAX_LOGPROBS, vocab)}")
+
+    def _compile_grammars(self, params: list[SamplingParams]) -> dict[int, object]:
+        """Prompt index -> its compiled grammar, for the prompts with so_args: every distinct schema submitted
+        to the compiler threads first (they compile at once), then each waited for; a schema that does not
+        compile is one line naming its request."""
+        wanted = {i: sp.so_args for i, sp in enumerate(params) if sp.so_args is not None}
+        if not wanted:
+            return {}
+        if self._grammars is None:
+            from .structured import Grammars
+            self._grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, [self.model.cfg.eos_token_id])
+        for so in wanted.values():
+            self._grammars.submit(so)
+        return {i: self._grammars.compiled(f"request {i}", so) for i, so in wanted.items()}
 
     def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int) -> Request:
         """Sample j of a prompt; its draws use seed + j (mod 2^63; seeded) or a seed drawn from the engine's

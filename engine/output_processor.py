@@ -6,7 +6,9 @@ checks after each, so a multi-token commit ends exactly where one-at-a-time deco
 that reaches max_tokens / max_model_len, an EOS or stop id, or the token whose text completes a stop string
 is kept, every token after it (and its logprob) is dropped. Check order as vLLM: length limits, then (from
 min_tokens on) EOS, stop token ids, stop strings; a stop string found on the token that also reaches
-max_tokens reports "stop" (as vLLM v1)."""
+max_tokens reports "stop" (as vLLM v1). A request with a grammar (so_args) advances its matcher with each token
+first; a token the grammar refuses (drawn only when no token was legal) is dropped and ends the request with
+"grammar_dead_end"."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ class OutputProcessor:
         """Append a row's committed tokens (with their logprob entries, None where not asked); returns how many
         were kept (fewer than given when one of them finished the request)."""
         for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            if r.grammar is not None and not r.grammar.accept(tok):
+                r.finish_reason = "grammar_dead_end"      # sampled only when no token was legal (all -inf)
+                r.metrics.finished_time = now
+                return i
             self._append(r, tok, lp, now)
             if r.finish_reason is not None:
                 r.metrics.finished_time = now

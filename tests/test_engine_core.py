@@ -2,7 +2,7 @@
 chunked prefill, preemption when blocks run out, verify rows that commit 1..q+1 tokens (drafts accepted and
 rejected, num_computed rolled back), stop strings / stop ids / max_tokens inside multi-token commits,
 min_tokens, logprobs trimmed with their tokens, asynchronous scheduling on == off, steps that must wait for
-host outputs, an interrupted run giving every seat back, so_args refused, statistics.
+host outputs, an interrupted run giving every seat back, so_args without a matcher refused, statistics.
 
 The fake model: the token after position p is f(token at p, p, prompt[0]) — it depends on the token fed, so a
 wrong input (a stale in-flight read, an unrolled-back draft) changes the outputs; the fake state manager keeps
@@ -399,12 +399,15 @@ def test_an_interrupted_run_gives_every_seat_back():
     assert r.output_ids == reference(PROMPTS[0], 5)
 
 
-def test_so_args_is_refused_before_any_work():
+def test_so_args_without_a_grammar_matcher_is_refused_before_any_work():
+    """The engine core applies a request's grammar matcher (LLM.generate compiles it); so_args without one, or
+    with ignore_eos, is one line before any step."""
     core = make_core()
-    r = Request("7", [1, 2], SamplingParams(so_args={"regex": "a+"}), seed=0)
-    with pytest.raises(DeepInferError) as err:
-        core.add_request(r)
-    assert str(err.value) == "request 7: so_args (structured outputs) is not supported yet; remove it"
+    for sp, why in ((SamplingParams(so_args={"regex": "a+"}), "so_args needs the request's grammar matcher"),
+                    (SamplingParams(so_args={"regex": "a+"}, ignore_eos=True), "so_args with ignore_eos=True")):
+        with pytest.raises(DeepInferError) as err:
+            core.add_request(Request("7", [1, 2], sp, seed=0))
+        assert str(err.value).startswith(f"request 7: {why}") and "\n" not in str(err.value)
     assert not core.has_unfinished() and core.runner.steps == 0 and core.stats.requests_added == 0
 
 

@@ -353,13 +353,14 @@ def test_stop_strings_ignore_text_before_min_tokens(llm):
     assert out.token_ids == ids and out.finish_reason == "length"
 
 
-def test_so_args_is_refused_before_any_work(llm):
-    """Structured outputs are not applied yet: a request asking for them fails in one line, before any step."""
+def test_so_args_schema_that_does_not_compile_fails_before_any_work(llm):
+    """A schema xgrammar refuses is one line naming the request, before any step (tests/test_structured_outputs.py
+    has the rest)."""
     steps = llm.stats.steps
     with pytest.raises(DeepInferError) as err:
-        llm.generate(["fine", "also fine"], [SamplingParams(), SamplingParams(so_args={"regex": "a+"})],
+        llm.generate(["fine", "also fine"], [SamplingParams(), SamplingParams(so_args={"regex": "a+("})],
                      use_tqdm=False)
-    assert str(err.value) == "request 1: so_args (structured outputs) is not supported yet; remove it"
+    assert str(err.value).startswith("request 1: so_args regex schema does not compile: ") and "\n" not in str(err.value)
     assert llm.stats.steps == steps and not llm.engine.has_unfinished()
 
 

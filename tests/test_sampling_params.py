@@ -81,6 +81,9 @@ INVALID = [
     ("so_args", {"regex": 3}), ("so_args", {"regex": ""}), ("so_args", {"ebnf": None}), ("so_args", {"ebnf": "  "}),
     ("so_args", {"json": "not json"}), ("so_args", {"json": "[1, 2]"}), ("so_args", {"json": 5}),
     ("so_args", {"json": {"x": object()}}), ("so_args", {"json": {"x": math.nan}}),
+    ("so_args", {"schema_type": "regexp", "schema": "a"}), ("so_args", {"schema_type": "regex"}),
+    ("so_args", {"schema_type": "regex", "schema": "a", "extra": 1}), ("so_args", {"schema_type": "json", "schema": 3}),
+    ("so_args", {"structural_tag": "not json"}),
 ]
 
 
@@ -154,23 +157,29 @@ def test_seed_alias_conflict(seed, seq_seed):
     assert "\n" not in msg and ("seq_seed" in msg)
 
 
-@pytest.mark.parametrize("so_args", [
-    {"regex": r"\d{3}-\d{4}"},
-    {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
-    {"json": '{"type": "object"}'},
-    {"ebnf": 'root ::= "yes" | "no"'},
+@pytest.mark.parametrize("so_args,canonical", [
+    ({"schema_type": "regex", "schema": r"\d{3}-\d{4}"}, None),
+    ({"schema_type": "json", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}, None),
+    ({"schema_type": "json", "schema": '{"type": "object"}'}, None),
+    ({"schema_type": "ebnf", "schema": 'root ::= "yes" | "no"'}, None),
+    ({"schema_type": "structural_tag", "schema": {"type": "structural_tag", "format": {"type": "const_string",
+                                                                                        "value": "x"}}}, None),
+    ({"regex": r"\d{3}"}, {"schema_type": "regex", "schema": r"\d{3}"}),                 # the one-key alias
+    ({"json": '{"type": "object"}'}, {"schema_type": "json", "schema": '{"type": "object"}'}),
 ])
-def test_so_args_valid_shapes(so_args):
+def test_so_args_valid_shapes(so_args, canonical):
     sp = SamplingParams(so_args=so_args)
-    assert sp.so_args == so_args and sp.so_args is not so_args  # copied: later edits by the caller don't leak in
-    assert json.loads(json.dumps(sp.to_dict()))["so_args"] == so_args
+    want = canonical or so_args
+    assert sp.so_args == want and sp.so_args is not so_args  # copied: later edits by the caller don't leak in
+    assert json.loads(json.dumps(sp.to_dict()))["so_args"] == want
+    assert SamplingParams(**sp.to_dict()).so_args == want
 
 
 def test_so_args_copied_in():
     schema = {"type": "object"}
-    sp = SamplingParams(so_args={"json": schema})
+    sp = SamplingParams(so_args={"schema_type": "json", "schema": schema})
     schema["type"] = "array"
-    assert sp.so_args == {"json": {"type": "object"}}
+    assert sp.so_args == {"schema_type": "json", "schema": {"type": "object"}}
 
 
 def test_frozen_and_clone_validates():
@@ -200,8 +209,8 @@ def test_to_dict_json_round_trip():
     back = SamplingParams(**json.loads(json.dumps(d)))
     assert back == sp and back.to_dict() == d
     d["stop"].append("mutated")
-    d["so_args"]["json"]["type"] = "array"
-    assert sp.stop == ["\n\n", "END"] and sp.so_args == {"json": {"type": "object"}}
+    d["so_args"]["schema"]["type"] = "array"
+    assert sp.stop == ["\n\n", "END"] and sp.so_args == {"schema_type": "json", "schema": {"type": "object"}}
 
 
 def test_pickle_and_deepcopy():

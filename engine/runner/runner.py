@@ -17,6 +17,7 @@ import torch
 from ..cache.forward_batch import ForwardBatch
 from ..env import yoco_prefill, yoco_prefill_min_tokens
 from ..sampling.sampler import build_sampling_tensors, logprobs, sample
+from ..structured import apply_grammar_masks
 from ..scheduler.scheduler import Scheduled
 from .graphs import StepGraphs
 from .inputs import StepInputs, logprob_entry, record_prompt_logprobs, wants_prompt_logprobs
@@ -116,6 +117,7 @@ class ModelRunner:
                 positions.append(p + 1)
                 outputs.append(r.output_ids + drafts if drafts else r.output_ids)
                 n_out.append(len(r.output_ids) + r.num_inflight + len(drafts))
+        apply_grammar_masks(logits, [r.grammar for r in reqs])       # so_args rows: only legal tokens stay finite
         t = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], positions, logits.shape[-1],
                                    logits.device, [r.prompt_ids for r in reqs], outputs,
                                    self.model.cfg.eos_token_id, n_out)

@@ -8,8 +8,9 @@ Same names, defaults and ranges as `vllm.SamplingParams` for the fields we have.
 - greedy means temperature == 0 exactly; tiny positive temperatures are kept as given (vLLM clamps
   values below 0.01 up to 0.01; here the sampler owns numerics). Greedy with n > 1 is rejected, as in vLLM.
 - logprobs / prompt_logprobs=-1 (vLLM's "whole vocabulary") is not supported.
-- so_args replaces vLLM's `structured_outputs`; it is validated for shape here, and the engine refuses a
-  request that sets it (one DeepInferError line, before any work) until structured outputs land.
+- so_args replaces vLLM's `structured_outputs`, in DeepInfer's spelling {"schema_type": "regex" | "json" |
+  "ebnf" | "structural_tag", "schema": ...} (the one-key form {"regex": ...} is an alias); it is validated for
+  shape here and stored canonical; the engine compiles it (engine/structured.py).
 - Any other keyword (best_of, logit_bias, skip_special_tokens, ...) is an error, never silently ignored.
 - Instances are frozen: derive variants with `clone(**changes)`, which validates again.
 Every invalid value raises SamplingParamsError (a ValueError and a DeepInferError) in one line:
@@ -30,7 +31,7 @@ from typing import Any, Optional
 from ..errors import DeepInferError
 
 SEED_LIMIT = 2**63
-SO_KEYS = ("regex", "json", "ebnf")
+SO_TYPES = ("regex", "json", "ebnf", "structural_tag")     # engine/structured.py: what each schema is
 
 
 class SamplingParamsError(DeepInferError, ValueError):
@@ -99,14 +100,22 @@ def _stop_token_ids(value: Any) -> list[int]:
 
 
 def _so_args(value: Any) -> Optional[dict]:
+    """DeepInfer's spelling {"schema_type": t, "schema": s}, or the alias {t: s}; stored canonical."""
     if value is None:
         return None
-    allowed = ('must be None or a dict with exactly one key: "regex" (non-empty str), '
-               '"json" (JSON-schema dict or str) or "ebnf" (non-empty str)')
-    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in SO_KEYS:
+    allowed = ('must be None, {"schema_type": "regex" | "json" | "ebnf" | "structural_tag", "schema": ...} or '
+               'the one-key alias {"regex": ...}')
+    if not isinstance(value, dict):
         _fail("so_args", value, allowed)
-    (key, spec), = value.items()
-    if key == "json":
+    if set(value) == {"schema_type", "schema"}:
+        kind, spec = value["schema_type"], value["schema"]
+    elif len(value) == 1:
+        (kind, spec), = value.items()
+    else:
+        _fail("so_args", value, allowed)
+    if kind not in SO_TYPES:
+        _fail("so_args", value, allowed)
+    if kind in ("json", "structural_tag"):
         try:
             if isinstance(spec, str):
                 ok = isinstance(json.loads(spec), dict)
@@ -115,10 +124,11 @@ def _so_args(value: Any) -> Optional[dict]:
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            _fail("so_args", value, 'so_args["json"] must be a JSON-serializable dict or a str holding a JSON object')
+            _fail("so_args", value, f'the {kind} schema must be a JSON-serializable dict or a str holding a JSON '
+                                    f'object')
     elif not (isinstance(spec, str) and spec.strip()):
-        _fail("so_args", value, f'so_args["{key}"] must be a non-empty str')
-    return {key: copy.deepcopy(spec)}
+        _fail("so_args", value, f"the {kind} schema must be a non-empty str")
+    return {"schema_type": kind, "schema": copy.deepcopy(spec)}
 
 
 @dataclass(frozen=True, init=False)

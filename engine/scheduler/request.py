@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..outputs import RequestMetrics
 from ..sampling import SamplingParams
@@ -38,6 +39,7 @@ class Request:
     stop_checked: int = 0            # output text length already scanned for stop strings
     logprobs: list[dict] | None = None           # per committed token: {id: Logprob}
     prompt_logprobs: list[dict | None] | None = None
+    grammar: Any = None              # engine/structured.RequestGrammar when params.so_args is set (LLM makes it)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

@@ -1,0 +1,145 @@
+"""Structured outputs through xgrammar: `SamplingParams(so_args={"schema_type": ..., "schema": ...})`.
+
+    schema_type "regex"           schema: a regular expression the whole output must match
+                "json"            schema: a JSON-schema dict or its JSON text (the output is one JSON value of it)
+                "ebnf"            schema: an EBNF grammar in xgrammar's (GBNF) syntax, rule `root` first
+                "structural_tag"  schema: xgrammar's structural-tag format (a dict or its JSON text): free text
+                                  until a trigger, then a schema-constrained body (tool calls)
+
+Per engine, `Grammars` holds xgrammar's view of the tokenizer (built once) and compiles each distinct schema
+once (a cache keyed by (schema_type, schema text)) on xgrammar's compiler threads, in a thread pool, so several
+requests' grammars compile at once. Per request a `RequestGrammar` holds one matcher:
+  - before each sampling step the runner fills the row's bitmask of legal next tokens and sets every other
+    logit to -inf before penalties, temperature, top-k / top-p and the draw (kernels of xgrammar on the logits'
+    device); unconstrained rows are untouched, so their draws are the same bits as without any constraint;
+  - the output processor advances it with each committed token; a token it refuses (only when no legal token
+    existed: every logit was -inf) ends the request with finish_reason "grammar_dead_end";
+  - `rollback(k)` undoes the last k accepted tokens (for rejected speculative tokens).
+When the grammar is complete the mask allows only the stop tokens (EOS), so the request ends with "stop".
+
+Known limit (xgrammar 0.2.9): a string with maxLength / minLength compiles to `[^"\\\r\n]{m,n}`, which admits
+raw control characters (strict JSON parsers refuse them: `json.loads(text, strict=False)` reads them) and no
+escapes; unbounded strings exclude control characters as JSON requires.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .errors import DeepInferError
+
+SCHEMA_TYPES = ("regex", "json", "ebnf", "structural_tag")
+JSON_MAX_WHITESPACE = 20   # whitespace characters allowed in a row between JSON tokens (indented output fits; a
+                           # model cannot stall in whitespace forever, which unbounded runs let random models do)
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")      # "[21:44:17] /project/cpp/x.cc:94: " on xgrammar errors
+
+
+def schema_text(so_args: dict) -> str:
+    """The cache key's text of a canonical so_args: the schema as given (str) or json.dumps of the dict, keys in
+    their order (a JSON schema's property order is the output's), so a dict and its json.dumps text share one
+    compiled grammar."""
+    schema = so_args["schema"]
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _message(err: Exception) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return _CPP_PREFIX.sub("", lines[0]) if lines else type(err).__name__
+
+
+class Grammars:
+    """xgrammar's tokenizer info and compiler for one engine, and its compiled grammars by schema."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 4):
+        """tokenizer: a `tokenizers.Tokenizer` (the checkpoint's); vocab_size: the model's logits width (>= the
+        tokenizer's: the rows past it are never legal); stop_token_ids: the tokens that end a complete output."""
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise DeepInferError("so_args (structured outputs) needs the xgrammar package: pip install "
+                                 "xgrammar==0.2.9") from None
+        from transformers import PreTrainedTokenizerFast
+        self.xgr = xgr
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self._compiled: dict[tuple[str, str], Future] = {}
+
+    def submit(self, so_args: dict) -> Future:
+        """The compiled grammar of canonical so_args (SamplingParams' form), compiled once per distinct schema."""
+        key = (so_args["schema_type"], schema_text(so_args))
+        fut = self._compiled.get(key)
+        if fut is None:
+            fut = self._compiled[key] = self.pool.submit(self._compile, *key)
+        return fut
+
+    def _compile(self, schema_type: str, text: str):
+        c = self.compiler
+        if schema_type == "regex":
+            return c.compile_regex(text)
+        if schema_type == "json":
+            return c.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if schema_type == "ebnf":
+            return c.compile_grammar(text)
+        return c.compile_structural_tag(text)
+
+    def compiled(self, label: str, so_args: dict):
+        """The compiled grammar (waits for it); a schema xgrammar refuses is one DeepInferError line naming the
+        request (`label`) and quoting the compiler."""
+        try:
+            return self.submit(so_args).result()
+        except Exception as err:   # noqa: BLE001  xgrammar raises RuntimeError / ValueError with the reason
+            raise DeepInferError(f"{label}: so_args {so_args['schema_type']} schema does not compile: "
+                                 f"{_message(err)}") from None
+
+    def matcher(self, compiled) -> "RequestGrammar":
+        """A new matcher (one per request) over a compiled grammar."""
+        return RequestGrammar(self.xgr.GrammarMatcher(compiled), self)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's matcher, advanced from its committed tokens only."""
+
+    def __init__(self, matcher, grammars: Grammars):
+        self.matcher, self.grammars = matcher, grammars
+
+    def accept(self, token: int) -> bool:
+        """Advance by one committed token; False when the grammar does not allow it (the matcher unchanged)."""
+        return bool(self.matcher.accept_token(int(token)))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of an xgrammar bitmask [rows, ceil(V / 32)] int32: the legal next tokens."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
+    """logits [M, V] in place: row i keeps only the tokens grammars[i] allows (None: the row is untouched)."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    xgr = grammars[rows[0]].grammars.xgr
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])      # all allowed
+    for i in rows:
+        grammars[i].fill(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+__all__ = ["Grammars", "RequestGrammar", "SCHEMA_TYPES", "apply_grammar_masks", "schema_text"]

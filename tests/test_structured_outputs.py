@@ -1,0 +1,144 @@
+"""Structured outputs (engine/structured.py) on the tiny random models, CPU: `so_args` in DeepInfer's spelling
+through xgrammar. Every output that ends with "stop" parses and validates (JSON schema: the `jsonschema`
+package; regex: fullmatch; EBNF: in the language) over seeds and temperatures; no output is refused by its
+grammar; unconstrained rows keep their bits when constrained rows share the batch (batch-invariant mode); a
+schema that does not compile and the refused combinations are one line before any work; rollback restores the
+matcher exactly; n > 1, logprobs and stop strings work with a grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.errors import DeepInferError
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "n", "items"],
+          "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "items": {"type": "array", "maxItems": 3,
+                                   "items": {"type": "object", "required": ["id"], "additionalProperties": False,
+                                             "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9},
+                                                            "tag": {"enum": ["a", "b"]}}}}}}
+REGEX = r"(cat|dog)s? [0-9]{1,3}( and (cat|dog))?"
+EBNF = 'root ::= answer | answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z]{1,8}'
+EBNF_RE = r"(yes|no)( because [a-z]{1,8})?"
+
+
+@pytest.fixture(scope="module", params=["deepseek_v41", "deepseek_v4"])
+def llm(request):
+    return LLM(embedded_tiny_dir(request.param))
+
+
+def _runs(so_args, max_tokens, seeds=range(4), temps=(0.0, 0.7, 1.3)):
+    return [SamplingParams(max_tokens=max_tokens, temperature=t, seed=s, so_args=so_args)
+            for t in temps for s in (seeds if t else [0])]
+
+
+def test_json_schema_outputs_validate(llm):
+    params = _runs({"schema_type": "json", "schema": SCHEMA}, 160, seeds=range(3), temps=(0.0, 1.0))
+    outs = [o.outputs[0] for o in llm.generate(["Give me JSON:"] * len(params), params, use_tqdm=False)]
+    reasons = [o.finish_reason for o in outs]
+    assert "grammar_dead_end" not in reasons
+    assert reasons.count("stop") >= len(outs) // 2, reasons       # the rest ran out of max_tokens mid-value
+    for o in outs:
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), SCHEMA)         # strict JSON: no raw control characters
+
+
+def test_json_schema_as_text_and_the_alias_give_the_same_output(llm):
+    sp = dict(max_tokens=40, temperature=0.9, seed=3)
+    a = llm.generate("x", SamplingParams(**sp, so_args={"schema_type": "json", "schema": SCHEMA}), use_tqdm=False)
+    b = llm.generate("x", SamplingParams(**sp, so_args={"json": json.dumps(SCHEMA)}), use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kind,schema,pattern", [("regex", REGEX, REGEX), ("ebnf", EBNF, EBNF_RE)])
+def test_regex_and_ebnf_outputs_match(llm, kind, schema, pattern):
+    params = _runs({"schema_type": kind, "schema": schema}, 40)
+    for out in llm.generate(["q"] * len(params), params, use_tqdm=False):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), (o.text, o.finish_reason)
+
+
+def test_the_only_legal_token_is_never_masked(llm):
+    """A regex with one possible output: greedy and sampled draws both spell it, then stop."""
+    for t in (0.0, 1.5):
+        o = llm.generate("q", SamplingParams(temperature=t, seed=1, max_tokens=30,
+                                             so_args={"regex": "exactly this"}), use_tqdm=False)[0].outputs[0]
+        assert o.text == "exactly this" and o.finish_reason == "stop"
+
+
+def test_unconstrained_rows_keep_their_bits_beside_constrained_ones():
+    """Batch-invariant mode: a free row's tokens equal the same request run alone, with constrained rows around
+    it (their masks touch their own rows only)."""
+    llm = LLM(embedded_tiny_dir("deepseek_v4"), kernel_backend="invariant")
+    free = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
+    alone = llm.generate("the free one", free, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(["json", "the free one", "regex"], [
+        SamplingParams(max_tokens=40, temperature=0.8, seed=1, so_args={"json": SCHEMA}), free,
+        SamplingParams(max_tokens=12, temperature=0.8, seed=2, so_args={"regex": REGEX})], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_n_logprobs_and_stop_strings_with_a_grammar(llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, logprobs=2, stop=[" and"],
+                        so_args={"regex": REGEX})
+    outs = llm.generate("q", sp, use_tqdm=False)[0].outputs
+    assert len(outs) == 3
+    for o in outs:
+        assert o.finish_reason == "stop" and re.fullmatch(r"(cat|dog)s? [0-9]{1,3}", o.text), o.text
+        assert len(o.logprobs) == len(o.token_ids)
+        for tok, entry in zip(o.token_ids, o.logprobs):
+            assert entry[tok].logprob > -float("inf")              # the masked distribution: illegal ones are -inf
+
+
+@pytest.mark.parametrize("so_args,why", [
+    ({"regex": "(unclosed"}, "request 1: so_args regex schema does not compile: "),
+    ({"json": '{"type": "objec"}'}, "request 1: so_args json schema does not compile: "),
+    ({"ebnf": 'root ::= "a" |'}, "request 1: so_args ebnf schema does not compile: "),
+])
+def test_a_schema_that_does_not_compile_is_one_line_before_any_work(llm, so_args, why):
+    steps = llm.stats.steps
+    with pytest.raises(DeepInferError) as err:
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=3), SamplingParams(so_args=so_args)], use_tqdm=False)
+    msg = str(err.value)
+    assert msg.startswith(why) and "\n" not in msg and "/project/" not in msg, msg
+    assert llm.stats.steps == steps and not llm.engine.has_unfinished()
+
+
+def test_refused_combinations_are_one_line():
+    llm = LLM(embedded_tiny_dir("deepseek_v4"), skip_tokenizer_init=True)
+    with pytest.raises(DeepInferError, match="request 0: so_args compiles its grammar over the tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(so_args={"regex": "a"}), use_tqdm=False)
+    with pytest.raises(ValueError, match="so_args="):
+        SamplingParams(so_args={"schema_type": "yaml", "schema": "a"})
+    with pytest.raises(DeepInferError, match="so_args with ignore_eos=True"):
+        LLM(embedded_tiny_dir("deepseek_v4")).generate(
+            "x", SamplingParams(so_args={"regex": "a"}, ignore_eos=True), use_tqdm=False)
+
+
+def test_rollback_restores_the_matcher_exactly(llm):
+    from deepinfer.structured import Grammars
+    g = Grammars(llm.tokenizer, llm.model.cfg.vocab_size, [llm.model.cfg.eos_token_id])
+    m = g.matcher(g.compiled("test", {"schema_type": "regex", "schema": REGEX}))
+    bits = lambda: (lambda b: (m.fill(b, 0), b)[1])(g.xgr.allocate_token_bitmask(1, g.vocab_size))  # noqa: E731
+    ids = llm.tokenizer.encode("dogs 42 and cat", add_special_tokens=False).ids
+    masks = [bits()]
+    for t in ids:
+        assert m.accept(t)
+        masks.append(bits())
+    for k in range(len(ids), 0, -1):
+        m.rollback(1)
+        assert torch.equal(bits(), masks[k - 1]), k
+    (x,) = llm.tokenizer.encode("x", add_special_tokens=False).ids
+    assert not m.accept(x)                                          # illegal first: refused, the matcher unchanged
+    assert torch.equal(bits(), masks[0])
+    g.close()
