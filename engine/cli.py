@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -72,7 +73,9 @@ GENERATE_EXAMPLES = """Examples:
 
 \b
   deepinfer generate --prompt "The capital of France is" --max-tokens 8
-  deepinfer generate --model tiny --prompt a --prompt b --temperature 0.8 --seed 1 --n 2 --json"""
+  deepinfer generate --model tiny --prompt a --prompt b --temperature 0.8 --seed 1 --n 2 --json
+  deepinfer generate --prompt "Phone:" --so-regex "[0-9]{3}-[0-9]{4}"
+  deepinfer generate --prompt "A user as JSON:" --so-json user.schema.json --max-tokens 200"""
 
 MODEL_HELP = "checkpoint dir, hub id, tiny or random:ARCH:PRESET:LAYERS [default: the embedded tiny model]"
 DEVICE_HELP = "cpu, cuda or cuda:N [default: $DEEPINFER_ACCELERATOR, else cpu]"
@@ -187,13 +190,21 @@ def _token_bar(llm, total: int):
 @click.option("--device", default=None, help=DEVICE_HELP)
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON line per prompt")
-def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed, device, dtype, as_json) -> None:
+@click.option("--so-json", "so_json", default=None, type=click.Path(dir_okay=False),
+              help="structured output: a JSON-schema file the output must follow")
+@click.option("--so-regex", "so_regex", default=None, help="structured output: a regex the output must match")
+@click.option("--so-ebnf", "so_ebnf", default=None, type=click.Path(dir_okay=False),
+              help="structured output: an EBNF (GBNF) grammar file, rule root first")
+def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed, device, dtype, as_json, so_json,
+                 so_regex, so_ebnf) -> None:
     import json
 
     from .llm import LLM
     from .sampling import SamplingParams
     from .validate import check_model_spec
-    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed)
+    so_args = _so_args_option(so_json, so_regex, so_ebnf)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed,
+                        so_args=so_args)
     model = check_model_spec(model)
     if not (isinstance(model, str) and model.startswith("random:")):
         _check_prompt_first(resolve_model(model, "cpu", "float32") if model in (None, EMBEDDED) else model, None,
@@ -207,6 +218,23 @@ def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed,
         else:
             for o in out.outputs:
                 click.echo(f"{out.prompt!r} -> {o.text!r} ({o.finish_reason})")
+
+
+def _so_args_option(so_json: str | None, so_regex: str | None, so_ebnf: str | None) -> dict | None:
+    """At most one of --so-json / --so-regex / --so-ebnf as so_args; a file that cannot be read is one line."""
+    given = [(k, v) for k, v in (("json", so_json), ("regex", so_regex), ("ebnf", so_ebnf)) if v is not None]
+    if len(given) > 1:
+        raise click.UsageError("give at most one of --so-json, --so-regex, --so-ebnf")
+    if not given:
+        return None
+    (kind, value), = given
+    if kind == "regex":
+        return {"schema_type": "regex", "schema": value}
+    try:
+        text = Path(value).read_text()
+    except OSError as err:
+        raise click.UsageError(f"--so-{kind} {value}: cannot read it ({err.strerror})") from None
+    return {"schema_type": kind, "schema": text}
 
 
 def main() -> None:

@@ -49,8 +49,8 @@ class EngineConfig:
 def unsupported(params) -> str | None:
     """Why the engine cannot run these SamplingParams as asked (None when it can); one line, said up front."""
     if params.so_args is not None and params.ignore_eos:
-        return ("so_args with ignore_eos=True: a complete grammar allows only EOS next, so the output would end "
-                "there anyway; drop ignore_eos")
+        return ("so_args with ignore_eos=True: the grammar ends the output with EOS once it is complete; drop "
+                "ignore_eos")
     return None
 
 

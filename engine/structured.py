@@ -15,7 +15,8 @@ requests' grammars compile at once. Per request a `RequestGrammar` holds one mat
   - the output processor advances it with each committed token; a token it refuses (only when no legal token
     existed: every logit was -inf) ends the request with finish_reason "grammar_dead_end";
   - `rollback(k)` undoes the last k accepted tokens (for rejected speculative tokens).
-When the grammar is complete the mask allows only the stop tokens (EOS), so the request ends with "stop".
+Once the output is complete the stop token (EOS) is legal (the only legal one when nothing may follow), and
+drawing it ends the request with "stop".
 
 Known limit (xgrammar 0.2.9): a string with maxLength / minLength compiles to `[^"\\\r\n]{m,n}`, which admits
 raw control characters (strict JSON parsers refuse them: `json.loads(text, strict=False)` reads them) and no

@@ -125,6 +125,24 @@ def test_refused_combinations_are_one_line():
             "x", SamplingParams(so_args={"regex": "a"}, ignore_eos=True), use_tqdm=False)
 
 
+def test_generate_cli_so_regex_and_the_example():
+    import subprocess
+    import sys
+    from pathlib import Path
+    cli = [sys.executable, "-c", "from deepinfer.cli import main; main()", "generate", "--model",
+           str(embedded_tiny_dir("deepseek_v41")), "--prompt", "Phone:", "--so-regex", "[0-9]{3}-[0-9]{4}",
+           "--temperature", "1", "--seed", "4", "--json"]
+    ok = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout.splitlines()[-1])["outputs"][0]
+    assert out["finish_reason"] == "stop" and re.fullmatch("[0-9]{3}-[0-9]{4}", out["text"])
+    example = Path(__file__).parent.parent / "examples" / "structured_output.py"
+    ran = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert any(line.startswith("regex") and "stop" in line for line in lines) and any("parsed:" in l for l in lines)
+
+
 def test_rollback_restores_the_matcher_exactly(llm):
     from deepinfer.structured import Grammars
     g = Grammars(llm.tokenizer, llm.model.cfg.vocab_size, [llm.model.cfg.eos_token_id])
