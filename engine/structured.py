@@ -66,7 +66,16 @@ class Grammars:
         from transformers import PreTrainedTokenizerFast
         self.xgr = xgr
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # special tokens as "": xgrammar then never allows them in the text (decoding drops them, so an output
+        # holding one would not match its own grammar); the stop tokens still end a complete output
+        encoded = [""] * vocab_size
+        special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size and i not in special:
+                encoded[i] = token
+        self.info = xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size,
+                                      stop_token_ids=stop_token_ids, add_prefix_space=detected.add_prefix_space)
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")

@@ -76,6 +76,19 @@ def test_the_only_legal_token_is_never_masked(llm):
         assert o.text == "exactly this" and o.finish_reason == "stop"
 
 
+def test_special_tokens_are_never_legal_inside_the_text(llm):
+    """A grammar naming the pad token's text: the special token itself (dropped by decoding) is never drawn, so
+    every complete output's text matches its grammar (review finding: pad + "ab" had decoded to "ab")."""
+    pad = "<｜▁pad▁｜>"
+    specials = {i for i, t in llm.tokenizer.get_added_tokens_decoder().items() if t.special}
+    params = _runs({"regex": f"({re.escape(pad)}|z)ab"}, 16, seeds=range(6), temps=(1.5,))
+    for out in llm.generate(["q"] * len(params), params, use_tqdm=False):
+        o = out.outputs[0]
+        assert not specials & set(o.token_ids[:-1]), o.token_ids            # the last one may be EOS
+        if o.finish_reason == "stop":
+            assert re.fullmatch(f"({re.escape(pad)}|z)ab", o.text), o.text
+
+
 def test_unconstrained_rows_keep_their_bits_beside_constrained_ones():
     """Batch-invariant mode: a free row's tokens equal the same request run alone, with constrained rows around
     it (their masks touch their own rows only)."""

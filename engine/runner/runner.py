@@ -117,7 +117,9 @@ class ModelRunner:
                 positions.append(p + 1)
                 outputs.append(r.output_ids + drafts if drafts else r.output_ids)
                 n_out.append(len(r.output_ids) + r.num_inflight + len(drafts))
-        apply_grammar_masks(logits, [r.grammar for r in reqs])       # so_args rows: only legal tokens stay finite
+        # so_args rows: only legal tokens stay finite. One matcher state per request: right while a constrained
+        # request has one logit row (EngineCore refuses so_args with a drafter, so no verify rows)
+        apply_grammar_masks(logits, [r.grammar for r in reqs])
         t = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], positions, logits.shape[-1],
                                    logits.device, [r.prompt_ids for r in reqs], outputs,
                                    self.model.cfg.eos_token_id, n_out)
