@@ -33,7 +33,6 @@ import torch
 
 from .errors import DeepInferError
 
-SCHEMA_TYPES = ("regex", "json", "ebnf", "structural_tag")
 JSON_MAX_WHITESPACE = 20   # whitespace characters allowed in a row between JSON tokens (indented output fits; a
                            # model cannot stall in whitespace forever, which unbounded runs let random models do)
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")      # "[21:44:17] /project/cpp/x.cc:94: " on xgrammar errors
@@ -135,10 +134,6 @@ class RequestGrammar:
         """Row `row` of an xgrammar bitmask [rows, ceil(V / 32)] int32: the legal next tokens."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    @property
-    def is_terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
-
 
 def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
     """logits [M, V] in place: row i keeps only the tokens grammars[i] allows (None: the row is untouched)."""
@@ -152,4 +147,4 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | No
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 
-__all__ = ["Grammars", "RequestGrammar", "SCHEMA_TYPES", "apply_grammar_masks", "schema_text"]
+__all__ = ["Grammars", "RequestGrammar", "apply_grammar_masks", "schema_text"]

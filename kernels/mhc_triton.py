@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import implements, is_interpreted, on_kernel_device, pow2, sm_count
+from .registry import chunks_first, implements, is_interpreted, on_kernel_device, pow2
 
 try:
     import triton
@@ -196,7 +196,7 @@ def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, 
     chunks = triton.cdiv(k, chunk_iters * block_k)
     blocks = triton.cdiv(n, BLOCK_R)
     fn = fn.contiguous()
-    split = chunks > 1 and blocks * 2 <= (sm_count(dev) or 16) if split is None else split
+    split = chunks_first(blocks, chunks, dev) if split is None else split
     part = x
     if split:
         part = torch.empty((chunks, n, 4, block_c), dtype=torch.float32, device=dev)

@@ -59,6 +59,14 @@ def sm_count(device) -> int | None:
     return _SM_COUNT[key]
 
 
+def chunks_first(row_blocks: int, chunks: int, device) -> bool:
+    """Whether a kernel reducing a long K should first compute its K chunks on programs of their own, one per
+    (row block, chunk), then add them in order: when there is more than one chunk and the row blocks alone leave
+    at least half the SMs idle (decode), else each row block walks its chunks (no partial sums in memory). The
+    route logits and the mHC projection use it (kernels/routing.py, kernels/mhc_triton.py)."""
+    return chunks > 1 and row_blocks * 2 <= (sm_count(device) or 16)
+
+
 def is_interpreted(kernel) -> bool:
     """Whether triton.jit made `kernel` an interpreted function (TRITON_INTERPRET=1 when its module imported)."""
     return type(kernel).__name__ == "InterpretedFunction"

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .matmul import linear
 from .precision import upcast
-from .registry import call, implements, is_interpreted, sm_count
+from .registry import call, chunks_first, implements, is_interpreted
 from .tiles import row_tiles
 
 
@@ -304,12 +304,6 @@ if triton is not None:
         """Whether the kernels take these tensors: CUDA ones (any under the interpreter), none float64."""
         return all(t.dtype != torch.float64 for t in tensors) and (_INTERPRETED or all(t.is_cuda for t in tensors))
 
-    def route_splits(n: int, chunks: int, device) -> bool:
-        """Whether the logits run one program per (row block, chunk), then the epilogue (decode: the router's
-        [E, D] weight read by many SMs), or one program per row block walks its chunks (the row blocks alone fill
-        the SMs; no partial sums in memory)."""
-        return chunks > 1 and triton.cdiv(n, ROUTE_BLOCK_ROWS) * 2 <= (sm_count(device) or 16)
-
     def _route_triton(x, weight, bias, *, top_k, score_func, route_scale, temp, normalize, tid2eid=None,
                       input_ids=None, fallback=_route_reference, split=None):
         if not _runs_kernels(x, weight):
@@ -329,7 +323,7 @@ if triton is not None:
         x, weight = x.contiguous(), weight.contiguous()
         blocks = triton.cdiv(n, ROUTE_BLOCK_ROWS)
         warps = 8 if e_pad >= 256 else 4
-        split = route_splits(n, chunks, x.device) if split is None else split
+        split = chunks_first(blocks, chunks, x.device) if split is None else split
         part = x
         if split and chunks > 1:
             part = torch.empty((chunks, n, e_pad), dtype=torch.float32, device=x.device)

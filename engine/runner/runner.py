@@ -17,8 +17,8 @@ import torch
 from ..cache.forward_batch import ForwardBatch
 from ..env import yoco_prefill, yoco_prefill_min_tokens
 from ..sampling.sampler import build_sampling_tensors, logprobs, sample
-from ..structured import apply_grammar_masks
 from ..scheduler.scheduler import Scheduled
+from ..structured import apply_grammar_masks
 from .graphs import StepGraphs
 from .inputs import StepInputs, logprob_entry, record_prompt_logprobs, wants_prompt_logprobs
 
