@@ -7,11 +7,13 @@
 
 Asynchronous scheduling (on by default): a step plans and launches step N+1 before it reads step N's tokens,
 so the host never waits for the device before a launch; a row whose input token is still in flight reads it
-on the device from the previous StepOutput (the runner's part; Request.num_inflight is the host's). A step
-waits for the previous tokens first when the host needs them to plan: a running request uses penalties (the
-counts are built from host output ids) or has draft tokens (a verify row commits 1..q+1 tokens, so the
-positions after it are not known before it is read), and always while a drafter is set (it proposes from the
-committed tokens).
+on the device from the previous StepOutput (the runner's part; Request.num_inflight is the host's). Rows whose
+sampling needs the previous tokens on the host (a grammar's mask needs its matcher advanced by the last token;
+penalty counts are built from host output ids) do not stop that: the step's forward is launched first and the
+previous step is read while it runs, before this step samples (the runner's before_sample). A step waits for
+the previous tokens before planning only when the plan needs them: a running request has draft tokens (a
+verify row commits 1..q+1 tokens, so the positions after it are not known before it is read), and always
+while a drafter is set (it proposes from the committed tokens).
 
 Each sampled row commits 0..q+1 tokens (engine/spec/verify.py); the output processor advances each request
 from its committed tokens only. After a verify row rejects drafts, num_computed rolls back to the positions
@@ -64,7 +66,8 @@ class EngineCore:
     def __init__(self, runner, manager, kernels: KernelTable, config: EngineConfig,
                  decode: Callable[[list[int]], str], eos_token_id: int | None,
                  drafter: Callable[[Request], list[int]] | None = None):
-        """runner: `execute(batch, prev) -> StepOutput`; manager: a scheduler.SeatManager; decode: output ids ->
+        """runner: `execute(batch, prev, before_sample) -> StepOutput` (before_sample: None or a call to make
+        between launching the forward and sampling); manager: a scheduler.SeatManager; decode: output ids ->
         text (stop strings); drafter: proposes a request's next draft tokens after it commits (none yet)."""
         self.runner, self.manager, self.kernels, self.config = runner, manager, kernels, config
         self.processor = OutputProcessor(decode, eos_token_id, config.max_model_len)
@@ -160,7 +163,7 @@ class EngineCore:
             if self._prev is not None and (not self.async_scheduling or self._needs_host_outputs()):
                 finished += self._update()
             batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
-            launched = self._launch(batch) if batch else None
+            launched = self._launch(batch, finished) if batch else None
             if self._prev is not None:
                 finished += self._update()
             elif launched is None and self.scheduler.has_unfinished():
@@ -172,21 +175,32 @@ class EngineCore:
         return finished
 
     def _needs_host_outputs(self) -> bool:
-        """Penalty counts are built from host output ids; drafts (and the positions after a verify row) need the
-        committed tokens, and a drafter proposes from them; a grammar's mask for the next token needs its
-        matcher advanced by the last one: such requests are not planned while a row of them is in flight."""
-        return self.drafter is not None or any(
-            r.spec_token_ids or r.grammar is not None or r.params.repetition_penalty != 1
-            or r.params.presence_penalty or r.params.frequency_penalty for r in self.scheduler.running)
+        """Drafts (and the positions after a verify row) need the committed tokens, and a drafter proposes from
+        them: such requests are not planned while a row of them is in flight."""
+        return self.drafter is not None or any(r.spec_token_ids for r in self.scheduler.running)
 
-    def _launch(self, batch: list[Scheduled]):
+    @staticmethod
+    def _samples_from_host(batch: list[Scheduled]) -> bool:
+        """A sampled row whose last token is in flight needs it on the host before it samples: a grammar's mask
+        (the matcher advanced by it) or penalties (counts from host output ids)."""
+        return any(s.num_logits and s.req.num_inflight and (
+            s.req.grammar is not None or s.req.params.repetition_penalty != 1 or s.req.params.presence_penalty
+            or s.req.params.frequency_penalty) for s in batch)
+
+    def _launch(self, batch: list[Scheduled], finished: list[Request]):
+        """Launch the step; when its sampling needs the previous step's tokens on the host, the previous step is
+        read (into `finished`) after the forward is launched and before sampling, overlapping the forward."""
         for fn in self.step_observers:
             fn(batch)
         now = time.perf_counter()
         for s in batch:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
         drafts = {id(s): list(s.req.spec_token_ids) for s in batch if s.num_logits > 1}
-        out = self.runner.execute(batch, self._prev)
+        read_prev = None
+        if self._prev is not None and self._samples_from_host(batch):
+            def read_prev():
+                finished.extend(self._update())
+        out = self.runner.execute(batch, self._prev, read_prev)
         c, fed = self._counters, sum(s.n for s in batch)
         c.steps += 1
         c.fed_tokens += fed

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .errors import DeepInferError
 
+CACHE_BYTES = 256 << 20    # compiled grammars kept (least recently used dropped past this; matchers keep theirs)
+CACHE_ENTRIES = 1024       # and at most this many
 JSON_MAX_WHITESPACE = 20   # whitespace characters allowed in a row between JSON tokens (indented output fits; a
                            # model cannot stall in whitespace forever, which unbounded runs let random models do)
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")      # "[21:44:17] /project/cpp/x.cc:94: " on xgrammar errors
@@ -54,9 +57,12 @@ def _message(err: Exception) -> str:
 class Grammars:
     """xgrammar's tokenizer info and compiler for one engine, and its compiled grammars by schema."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 4):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 4,
+                 cache_bytes: int = CACHE_BYTES):
         """tokenizer: a `tokenizers.Tokenizer` (the checkpoint's); vocab_size: the model's logits width (>= the
-        tokenizer's: the rows past it are never legal); stop_token_ids: the tokens that end a complete output."""
+        tokenizer's: the rows past it are never legal); stop_token_ids: the tokens that end a complete output;
+        cache_bytes: the compiled grammars kept, least recently used dropped first (xgrammar's own cache is
+        off: this one is the cache)."""
         try:
             import xgrammar as xgr
         except ImportError:
@@ -76,17 +82,34 @@ class Grammars:
         self.info = xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size,
                                       stop_token_ids=stop_token_ids, add_prefix_space=detected.add_prefix_space)
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
-        self._compiled: dict[tuple[str, str], Future] = {}
+        self.cache_bytes = int(cache_bytes)
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()   # least recently used first
+        self.masks = MaskBuffer(xgr)
 
     def submit(self, so_args: dict) -> Future:
-        """The compiled grammar of canonical so_args (SamplingParams' form), compiled once per distinct schema."""
+        """The compiled grammar of canonical so_args (SamplingParams' form), compiled once per distinct schema
+        while it stays in the cache."""
         key = (so_args["schema_type"], schema_text(so_args))
         fut = self._compiled.get(key)
         if fut is None:
+            self._evict()
             fut = self._compiled[key] = self.pool.submit(self._compile, *key)
+        self._compiled.move_to_end(key)
         return fut
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished compiles while the cache holds over cache_bytes or
+        CACHE_ENTRIES grammars (a failed compile counts as an entry of no bytes)."""
+        def size(f: Future) -> int:
+            return f.result().memory_size_bytes if f.exception() is None else 0
+        done = [k for k, f in self._compiled.items() if f.done()]          # least recently used first
+        total = sum(size(self._compiled[k]) for k in done)
+        for key in done:
+            if total <= self.cache_bytes and len(self._compiled) < CACHE_ENTRIES:
+                break
+            total -= size(self._compiled.pop(key))
 
     def _compile(self, schema_type: str, text: str):
         c = self.compiler
@@ -135,16 +158,38 @@ class RequestGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+class MaskBuffer:
+    """One engine's host bitmask [rows, ceil(V / 32)] int32, reused every step: pinned when the logits are on a
+    GPU, so its copy is asynchronous; the next step's fill waits for the previous copy to have left it."""
+
+    def __init__(self, xgr):
+        self.xgr, self.host, self.copied = xgr, None, None
+
+    def apply(self, logits: torch.Tensor, grammars: list) -> None:
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return
+        m, v = logits.shape
+        cuda = logits.device.type == "cuda"
+        if self.host is None or self.host.shape[0] < m or self.host.shape[1] != (v + 31) // 32:
+            self.host = torch.empty(max(m, 64), (v + 31) // 32, dtype=torch.int32, pin_memory=cuda)
+        elif self.copied is not None:
+            self.copied.synchronize()           # the previous step's copy has read the buffer
+        bitmask = self.host[:m]                 # rows not in `rows` are never read (indices below)
+        for i in rows:
+            grammars[i].fill(bitmask, i)
+        if cuda:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
 def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
     """logits [M, V] in place: row i keeps only the tokens grammars[i] allows (None: the row is untouched)."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if not rows:
-        return
-    xgr = grammars[rows[0]].grammars.xgr
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])      # all allowed
-    for i in rows:
-        grammars[i].fill(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    first = next((g for g in grammars if g is not None), None)
+    if first is not None:
+        first.grammars.masks.apply(logits, grammars)
 
 
 __all__ = ["Grammars", "RequestGrammar", "apply_grammar_masks", "schema_text"]

@@ -91,7 +91,7 @@ class FakeRunner:
     def __init__(self, manager: FakeManager):
         self.manager, self.events, self.graph_replays, self.steps = manager, [], 0, 0
 
-    def execute(self, batch, prev):
+    def execute(self, batch, prev, before_sample=None):
         self.steps += 1
         self.events.append(("execute", self.steps))
         sampled, tokens, lps = [], [], []
@@ -117,6 +117,9 @@ class FakeRunner:
                 lps.append([{t: -p / 1000} if r.params.logprobs is not None else None
                             for t, p in zip(toks, range(first, s.start + s.n))])
         self.graph_replays += all(s.n == 1 for s in batch)        # "decode-only steps replay a graph"
+        if before_sample is not None:            # the engine's host work between forward and sampling
+            before_sample()
+            self.events.append(("sample", self.steps))
         return FakeOutput(self, self.steps, sampled, tokens, lps)
 
 
@@ -244,13 +247,26 @@ def test_async_on_equals_off_and_overlaps():
 
 
 @pytest.mark.parametrize("params", [dict(repetition_penalty=1.2), dict(frequency_penalty=0.5)])
-def test_penalties_wait_for_host_outputs(params):
-    core = make_core()
-    run(core, make_requests(PROMPTS[:1], max_tokens=6) + [Request("p", [3, 4], SamplingParams(
-        temperature=0, max_tokens=6, ignore_eos=True, **params), seed=0)])
-    ev = core.runner.events
-    for k in range(2, core.runner.steps + 1):
-        assert ev.index(("resolve", k - 1)) < ev.index(("execute", k))
+def test_penalties_read_the_previous_step_while_the_forward_runs(params):
+    """A penalty row's counts need the last token on the host: step k's forward is launched before step k-1 is
+    read, and step k-1 is read before step k samples (the runner's before_sample); outputs equal synchronous
+    scheduling."""
+    outs = {}
+    for on in (True, False):
+        core = make_core(async_scheduling=on)
+        reqs = make_requests(PROMPTS[:1], max_tokens=6) + [Request("p", [3, 4], SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, **params), seed=0)]
+        run(core, reqs)
+        outs[on] = [r.output_ids for r in reqs]
+        ev = core.runner.events
+        if on:
+            deferred = [k for k in range(2, core.runner.steps + 1) if ("sample", k) in ev]
+            assert len(deferred) >= 4
+            for k in deferred:
+                assert ev.index(("execute", k)) < ev.index(("resolve", k - 1)) < ev.index(("sample", k))
+        else:
+            assert not any(e[0] == "sample" for e in ev)
+    assert outs[True] == outs[False]
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

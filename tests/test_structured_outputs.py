@@ -101,6 +101,31 @@ def test_unconstrained_rows_keep_their_bits_beside_constrained_ones():
     assert mixed[1].outputs[0].token_ids == alone
 
 
+def test_async_scheduling_reads_matchers_while_the_forward_runs():
+    """Asynchronous scheduling with constrained rows: a step's forward is launched before the previous step is
+    read; its masks are filled after (the runner's before_sample); outputs equal synchronous scheduling bitwise,
+    constrained and free rows alike."""
+    prompts = ["json", "free", "regex", "free two"]
+    params = [SamplingParams(max_tokens=40, temperature=0.8, seed=1, so_args={"json": SCHEMA}),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, so_args={"regex": REGEX}),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)]
+    outs, deferred = {}, {}
+    for on in (True, False):
+        llm = LLM(embedded_tiny_dir("deepseek_v41"), async_scheduling=on)
+        execute, calls = llm.engine.runner.execute, []
+
+        def spy(batch, prev, before_sample=None, execute=execute, calls=calls):
+            calls.append(before_sample is not None)
+            return execute(batch, prev, before_sample)
+        llm.engine.runner.execute = spy
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs[on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        deferred[on] = sum(calls)
+    assert outs[True] == outs[False]
+    assert deferred[True] >= 10 and deferred[False] == 0
+
+
 def test_n_logprobs_and_stop_strings_with_a_grammar(llm):
     sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, logprobs=2, stop=[" and"],
                         so_args={"regex": REGEX})
@@ -173,3 +198,27 @@ def test_rollback_restores_the_matcher_exactly(llm):
     assert not m.accept(x)                                          # illegal first: refused, the matcher unchanged
     assert torch.equal(bits(), masks[0])
     g.close()
+
+
+def test_the_compiled_grammar_cache_drops_the_least_recently_used():
+    from deepinfer.structured import Grammars
+    llm = LLM(embedded_tiny_dir("deepseek_v4"))
+    g = Grammars(llm.tokenizer, llm.model.cfg.vocab_size, [llm.model.cfg.eos_token_id], cache_bytes=1)
+    so = [{"schema_type": "regex", "schema": f"[a-z]{{{k}}}"} for k in (1, 2, 3)]
+    first = g.compiled("r", so[0])
+    assert g.submit(so[0]).result() is first                        # a hit: not compiled again
+    g.compiled("r", so[1])
+    keys = list(g._compiled)
+    assert keys == [("regex", "[a-z]{2}")]                         # over 1 byte: the older one went
+    m = g.matcher(first)                                           # a matcher keeps its grammar alive
+    g.compiled("r", so[2])
+    assert list(g._compiled) == [("regex", "[a-z]{3}")]
+    (a,) = llm.tokenizer.encode("a", add_special_tokens=False).ids
+    assert m.accept(a)
+    big = Grammars(llm.tokenizer, llm.model.cfg.vocab_size, [llm.model.cfg.eos_token_id])
+    for s in so:
+        big.compiled("r", s)
+    big.submit(so[0])                                              # used again: now the most recent
+    assert list(big._compiled) == [("regex", "[a-z]{2}"), ("regex", "[a-z]{3}"), ("regex", "[a-z]{1}")]
+    g.close()
+    big.close()

@@ -5,12 +5,17 @@ Inputs are built once per step (runner/inputs.py). A step whose segments are all
 (decode, q = 1; verify, q = draft length + 1) replays a CUDA graph of that shape on GPU (runner/graphs.py);
 everything else runs eagerly with compact per-step lists. A row whose input token is still in flight
 (asynchronous scheduling) reads it on the device from the previous step's sampled tokens, so planning step
-N+1 never waits for step N. `StepOutput.resolve()` is the one host synchronisation: it brings the sampled tokens
-(and logprobs) back."""
+N+1 never waits for step N. Sampling reads host state last: `execute(..., before_sample)` calls before_sample
+once the forward is launched and before the sampler's inputs are built, so the engine can read the previous
+step (advance grammar matchers, commit the tokens that penalties count) while the device runs this step's
+forward. The sampled tokens (and logprobs) start back to pinned host memory as soon as they are drawn;
+`StepOutput.resolve()` is the one host synchronisation and waits for that copy only, not for steps launched
+after it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -32,16 +37,32 @@ class StepOutput:
     offsets: list[int] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)   # request id -> its last sampled token in `tokens`
     lp: tuple | None = None              # (token rows [R], chosen [R], rank [R], top ids [R, k], top values [R, k])
+    _host: list | None = None            # pinned copies of [tokens, *lp] (CUDA), filled behind the step's work
+    _ready: object = None                # torch.cuda.Event recorded after those copies
+
+    def start_copy(self) -> None:
+        """Begin the device->host copy of the tokens and logprobs (CUDA): resolve() then waits for this step's
+        work only, where a plain .tolist() would wait for every step launched after it too."""
+        if self.tokens is None or self.tokens.device.type != "cuda":
+            return
+        self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+            t, non_blocking=True) for t in [self.tokens, *(self.lp or ())]]
+        self._ready = torch.cuda.Event()
+        self._ready.record()
 
     def resolve(self) -> list[tuple[Scheduled, list[int], list[dict | None]]]:
         """Per sampled row: its sampled tokens (one per logit position, in position order) and their logprob
         entries (None where not asked)."""
         if self.tokens is None:
             return []
-        toks = self.tokens.tolist()
+        host = [self.tokens, *(self.lp or ())]
+        if self._ready is not None:
+            self._ready.synchronize()
+            host = self._host
+        toks = host[0].tolist()
         entries: dict[int, dict] = {}
         if self.lp is not None:
-            rows, chosen, rank, ids, vals = (t.tolist() if t is not None else None for t in self.lp)
+            rows, chosen, rank, ids, vals = (t.tolist() if t is not None else None for t in host[1:])
             owner = {o + j: r for r, (s, o) in enumerate(zip(self.sampled, self.offsets)) for j in range(s.num_logits)}
             for j, t in enumerate(rows):
                 k = self.sampled[owner[t]].req.params.logprobs
@@ -67,7 +88,9 @@ class ModelRunner:
         self.keep_draft_rings = False
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], prev: StepOutput | None) -> StepOutput:
+    def execute(self, batch: list[Scheduled], prev: StepOutput | None,
+                before_sample: Callable[[], None] | None = None) -> StepOutput:
+        """Launch the step's forward, call before_sample (host work that overlaps it), then sample."""
         inputs = StepInputs.build(batch, self.manager, prev, self.model.device)
         for s in batch:
             if s.num_logits > 1:             # a verify row: keep the rings as they are before it (rollback)
@@ -77,7 +100,7 @@ class ModelRunner:
             logits = self.graphs.run(inputs, ctx, self.keep_draft_rings)
             if logits is not None:
                 self.graph_replays += 1
-                return self._sample(inputs, logits)
+                return self._sample(inputs, logits, before_sample)
         last_only = [self.truncate and s.num_logits <= 1 and s.n >= self.truncate_min_tokens
                      and not wants_prompt_logprobs(s) for s in batch] if self.truncate else None
         fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only,
@@ -86,7 +109,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[inputs.logit_rows_tensor()])
         for s, rows in inputs.prompt_logprob_rows():
             record_prompt_logprobs(s, logits[rows])
-        return self._sample(inputs, logits[inputs.sample_rows_in_logits()])
+        return self._sample(inputs, logits[inputs.sample_rows_in_logits()], before_sample)
 
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """A verify row rejected drafts: put back the rings as they were before it; returns the positions the
@@ -102,8 +125,10 @@ class ModelRunner:
         return min(1 << (need - 1).bit_length(), self.pools.max_blocks)
 
     # ---- sampling ----
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepOutput:
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, before_sample=None) -> StepOutput:
         """logits [M, V]: the sampled rows' logit positions, row by row in position order."""
+        if before_sample is not None:
+            before_sample()
         sampled = inputs.sampled
         if not sampled:
             return StepOutput([], None)
@@ -118,8 +143,9 @@ class ModelRunner:
                 outputs.append(r.output_ids + drafts if drafts else r.output_ids)
                 n_out.append(len(r.output_ids) + r.num_inflight + len(drafts))
         # so_args rows: only legal tokens stay finite. One matcher state per request: right while a constrained
-        # request has one logit row (EngineCore refuses so_args with a drafter, so no verify rows)
-        apply_grammar_masks(logits, [r.grammar for r in reqs])
+        # request has one logit row (EngineCore refuses so_args with a drafter, so no verify rows). A request
+        # that ended in the step before_sample read is not masked: its row here is dropped.
+        apply_grammar_masks(logits, [r.grammar if r.finish_reason is None else None for r in reqs])
         t = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], positions, logits.shape[-1],
                                    logits.device, [r.prompt_ids for r in reqs], outputs,
                                    self.model.cfg.eos_token_id, n_out)
@@ -135,6 +161,7 @@ class ModelRunner:
             k = max(reqs[i].params.logprobs for i in want)
             idx = torch.tensor(want, device=logits.device)
             out.lp = (idx, *logprobs(logits[idx], tokens[idx], k))
+        out.start_copy()
         return out
 
 
