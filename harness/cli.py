@@ -268,6 +268,49 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
         click.echo("  " + line)
 
 
+@cli.command("structured", epilog="""Examples:
+
+\b
+  deepinfer-bench structured --report-dir /tmp/reports              # tiny model on CPU (about a minute)
+  deepinfer-bench structured --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
+      --expert-storage fp4 --batch 1,16,64 --isl 256 --osl 128""")
+@click.option("--model", default="tiny", show_default=True, callback=not_blank,
+              help="dir, hub id, tiny or random:ARCH:PRESET:N")
+@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
+@click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
+@click.option("--schemas", default="json,regex", show_default=True, callback=not_blank,
+              help="the bench's grammars (harness/structured_bench.py SCHEMAS)")
+@click.option("--batch", "batches", default="1,4,16", show_default=True, callback=not_blank,
+              help="concurrencies, comma-separated")
+@click.option("--fractions", default="0,0.5,1", show_default=True, callback=not_blank,
+              help="share of each batch constrained")
+@click.option("--isl", type=int, default=64, show_default=True, help="prompt tokens")
+@click.option("--osl", type=int, default=64, show_default=True, help="most output tokens")
+@click.option("--rounds", type=int, default=2, show_default=True, help="timed requests per point = batch x rounds")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: structured-<time>]")
+@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
+              help="run directory (overrides --report-dir / --run-id)")
+def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fractions, isl, osl, rounds, seed,
+                   report_dir, run_id, out) -> None:
+    """Structured outputs' cost: TPOT and throughput with 0 / 50 / 100% of each batch constrained (JSON schema,
+    regex), one row per point, each set against the unconstrained baseline of its batch."""
+    from .rows import run_dir_for
+    from .step_bench import parse_int_list
+    from .structured_bench import StructuredConfig, parse_fractions, run_structured_bench, table
+    cfg = StructuredConfig(model=model, device=device, dtype=dtype, expert_storage=expert_storage,
+                           schemas=tuple(s.strip() for s in schemas.split(",") if s.strip()),
+                           batches=parse_int_list(batches, "--batch"), fractions=parse_fractions(fractions),
+                           isl=isl, osl=osl, rounds=rounds, seed=seed)
+    run_dir = run_dir_for(report_dir, run_id, out, "structured")
+    rows = run_structured_bench(cfg, run_dir, echo=click.echo)
+    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
+    for line in table(rows):
+        click.echo("  " + line)
+
+
 def _check_options(f):
     for opt in reversed([
         click.option("--model", default="tiny", show_default=True, callback=not_blank,

@@ -1,0 +1,213 @@
+"""`deepinfer-bench structured`: what structured outputs cost the decode loop. One row per (schema, batch,
+constrained fraction) point (docs/structured-outputs.md).
+
+Per point: batch x rounds random-token prompts of `isl` tokens run at concurrency = batch (all ready at the
+start, as the sweep's decode points); in every group of `batch` consecutive requests the first
+round(fraction x batch) carry so_args of the schema (max_tokens = osl, they may end earlier when the grammar
+completes), the rest are free (ignore_eos, exactly osl tokens). One untimed round first (graph capture, the
+grammar compiled). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into
+constrained and free requests, output tokens and finish reasons per class, and how many constrained outputs
+that ended "stop" parse (json: json.loads + the jsonschema package when installed; regex: fullmatch).
+Fraction 0 is one baseline per batch (key none/b{batch}/f0), shared by the schemas; the table sets each
+point's TPOT against it."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from deepinfer import SamplingParams
+from deepinfer.errors import DeepInferError
+from deepinfer.validate import check_device, parse_dtype
+
+from .metrics import RequestTiming, compute_metrics
+from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
+                   run_dir_guard, utc_now)
+from .workload import client_send_times, random_workload, seats
+
+STRUCTURED_METHOD_VERSION = "1"
+# The bench's grammars: open-ended ones (a random model rarely completes them early), with the large legal
+# token sets of free text inside JSON strings / the regex's words: the expensive case for the mask.
+SCHEMAS = {
+    "json": {"type": "object", "required": ["name", "tags", "score"], "additionalProperties": False,
+             "properties": {"name": {"type": "string"}, "score": {"type": "number"},
+                            "tags": {"type": "array", "items": {"type": "string"}}}},
+    "regex": r"([a-z]+[ ,.])+",
+}
+
+
+@dataclass(frozen=True)
+class StructuredConfig:
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+    expert_storage: str = "dense"
+    schemas: tuple[str, ...] = ("json", "regex")
+    batches: tuple[int, ...] = (1, 4, 16)
+    fractions: tuple[float, ...] = (0.0, 0.5, 1.0)
+    isl: int = 64
+    osl: int = 64
+    rounds: int = 2
+    seed: int = 0
+
+    def points(self) -> list[tuple[str, int, float]]:
+        """(schema or "none", batch, fraction): the fraction-0 baseline once per batch, first."""
+        out = []
+        for b in self.batches:
+            if 0.0 in self.fractions:
+                out.append(("none", b, 0.0))
+            out += [(s, b, f) for s in self.schemas for f in self.fractions if f > 0]
+        return out
+
+    def check(self) -> None:
+        unknown = [s for s in self.schemas if s not in SCHEMAS]
+        if unknown or not self.schemas:
+            raise DeepInferError(f"--schemas {','.join(self.schemas)!r}: choose from {', '.join(SCHEMAS)}")
+        bad = [f for f in self.fractions if not 0 <= f <= 1]
+        if bad or not self.fractions:
+            raise DeepInferError(f"--fractions: give fractions in [0, 1], e.g. 0,0.5,1 (got {bad or 'none'})")
+        for name, v in (("--isl", self.isl), ("--osl", self.osl), ("--rounds", self.rounds)):
+            if v < 1:
+                raise DeepInferError(f"{name} must be at least 1, got {v}")
+        if self.osl < 2:
+            raise DeepInferError("--osl must be at least 2 (TPOT needs two tokens)")
+
+
+def key(schema: str, batch: int, fraction: float) -> str:
+    return f"{schema}/b{batch}/f{fraction:g}"
+
+
+def parse_fractions(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise DeepInferError(f"--fractions {text!r}: give comma-separated fractions in [0, 1], e.g. 0,0.5,1") \
+            from None
+    if len(set(out)) != len(out):
+        raise DeepInferError(f"--fractions {text!r} repeats a value")
+    return out
+
+
+def output_parses(schema: str, text: str) -> bool:
+    """A constrained output that ended "stop" is in its grammar's language."""
+    if schema == "regex":
+        return re.fullmatch(SCHEMAS["regex"], text) is not None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return isinstance(value, dict)
+    try:
+        jsonschema.validate(value, SCHEMAS["json"])
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def _params(cfg: StructuredConfig, schema: str, batch: int, fraction: float, n: int) -> list[SamplingParams]:
+    k = round(fraction * batch)
+    so = None if schema == "none" else {"schema_type": schema, "schema": SCHEMAS[schema]}
+    return [SamplingParams(temperature=0, max_tokens=cfg.osl, so_args=so) if i % batch < k and so else
+            SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True) for i in range(n)]
+
+
+def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction: float, index: int) -> dict:
+    vocab = llm.model.cfg.vocab_size
+    n = batch * cfg.rounds
+    work = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index)
+    warm = random_workload(batch, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919)
+    prompts = lambda w: [{"prompt_token_ids": p} for p in w.prompts]     # noqa: E731
+    with seats(llm, batch):
+        llm.generate(prompts(warm), _params(cfg, schema, batch, fraction, batch), use_tqdm=False)
+        params = _params(cfg, schema, batch, fraction, n)
+        llm.engine.reset_stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts(work), params, use_tqdm=False)
+        duration = time.perf_counter() - t0
+    sent = client_send_times(t0, [o.metrics[0].finished_time for o in outs], batch)
+    timings = [RequestTiming(s, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids), o.finished)
+               for s, o, p in zip(sent, outs, work.prompts)]
+    row = compute_metrics(timings, duration=duration).to_row()
+    for cls, pick in (("constrained", lambda sp: sp.so_args is not None), ("free", lambda sp: sp.so_args is None)):
+        idx = [i for i, sp in enumerate(params) if pick(sp)]
+        tpots = [(t.token_times[-1] - t.token_times[0]) / (t.output_tokens - 1)
+                 for t in (timings[i] for i in idx) if t.output_tokens > 1]
+        row[f"{cls}_requests"] = len(idx)
+        row[f"{cls}_mean_tpot"] = sum(tpots) / len(tpots) if tpots else None
+        row[f"{cls}_mean_output_tokens"] = sum(timings[i].output_tokens for i in idx) / len(idx) if idx else None
+        reasons: dict[str, int] = {}
+        for i in idx:
+            r = outs[i].outputs[0].finish_reason
+            reasons[r] = reasons.get(r, 0) + 1
+        row[f"{cls}_finish_reasons"] = reasons
+    stopped = [outs[i].outputs[0].text for i, sp in enumerate(params)
+               if sp.so_args is not None and outs[i].outputs[0].finish_reason == "stop"]
+    row["constrained_stopped"] = len(stopped)
+    row["constrained_stopped_parse"] = sum(output_parses(schema, t) for t in stopped)
+    st = llm.stats
+    row["engine"] = {"steps": st.steps, "graph_replays": st.graph_replays, "async_scheduling": st.async_scheduling}
+    return row
+
+
+def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> list[dict]:
+    """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused); returns the rows."""
+    from .step_bench import check_model, kernel_info
+    from .sweep import build_llm
+    from .sweep_config import parse_sweep
+    echo = echo or (lambda s: None)
+    cfg.check()
+    check_device(cfg.device)
+    parse_dtype(cfg.dtype)
+    check_model(cfg.model, cfg.expert_storage)
+    refuse_existing_rows(run_dir, resumable=False)
+    max_len = cfg.isl + cfg.osl + 8
+    sweep = parse_sweep({"name": "structured", "model": cfg.model, "device": cfg.device, "dtype": cfg.dtype,
+                         "engine_args": {"max_model_len": max_len, "max_num_seqs": max(cfg.batches),
+                                         "expert_storage": cfg.expert_storage},
+                         "scenarios": [{"isl": cfg.isl, "osl": cfg.osl}], "concurrency": [1], "seed": cfg.seed},
+                        "deepinfer-bench structured")
+    t0 = time.perf_counter()
+    llm = build_llm(sweep)
+    echo(f"engine built in {time.perf_counter() - t0:.1f} s; {len(cfg.points())} points")
+    with run_dir_guard(run_dir):
+        store, env = RowStore(run_dir), environment()
+        atomic_write_text(run_dir / "structured.json", json.dumps(asdict(cfg), indent=1) + "\n")
+        backend, backends = kernel_info(llm)
+        identity = {"schema_version": SCHEMA_VERSION, "method_version": STRUCTURED_METHOD_VERSION,
+                    "bench": "structured", "run_id": run_dir.name, "model": cfg.model,
+                    "model_type": llm.model.cfg.model_type, "precision": cfg.dtype, "device": cfg.device,
+                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "kernel_backend": backend,
+                    "kernel_backends": backends, "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
+                    "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl, "rounds": cfg.rounds,
+                    "seed": cfg.seed}
+        for i, (schema, batch, fraction) in enumerate(cfg.points()):
+            row = {**identity, "key": key(schema, batch, fraction), "schema": schema,
+                   "schema_text": None if schema == "none" else json.dumps(SCHEMAS[schema]), "batch": batch,
+                   "fraction": fraction, "started": utc_now()}
+            row.update(measure_point(llm, cfg, schema, batch, fraction, i), status="ok")
+            store.append(row)
+            echo(f"  {row['key']:<18} TPOT {row['mean_tpot'] * 1e3:8.2f} ms  {row['output_throughput']:9.1f} tok/s")
+    return read_rows(run_dir)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Per (schema, batch): mean TPOT of every fraction and its ratio to the unconstrained baseline."""
+    ok = {r["key"]: r for r in rows if r.get("status") == "ok"}
+    base = {r["batch"]: r for r in ok.values() if r["schema"] == "none"}
+    lines = [f"{'schema':<7} {'batch':>5} {'fraction':>8} {'TPOT ms':>9} {'vs f0':>7} {'tok/s':>9} "
+             f"{'out/req':>8} {'parse':>7}"]
+    for r in sorted(ok.values(), key=lambda r: (r["batch"], r["schema"] != "none", r["schema"], r["fraction"])):
+        b = base.get(r["batch"])
+        ratio = r["mean_tpot"] / b["mean_tpot"] if b and b["mean_tpot"] and not math.isnan(r["mean_tpot"]) else None
+        parse = f"{r['constrained_stopped_parse']}/{r['constrained_stopped']}" if r["schema"] != "none" else "-"
+        lines.append(f"{r['schema']:<7} {r['batch']:>5} {r['fraction']:>8g} {r['mean_tpot'] * 1e3:>9.2f} "
+                     f"{'-' if ratio is None else format(ratio, '.3f'):>7} {r['output_throughput']:>9.1f} "
+                     f"{r['total_output_tokens'] / r['completed']:>8.1f} {parse:>7}")
+    return lines
