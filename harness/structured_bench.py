@@ -4,8 +4,9 @@ constrained fraction) point (docs/structured-outputs.md).
 Per point: batch x rounds random-token prompts of `isl` tokens run at concurrency = batch (all ready at the
 start, as the sweep's decode points); in every group of `batch` consecutive requests the first
 round(fraction x batch) carry so_args of the schema (max_tokens = osl, they may end earlier when the grammar
-completes), the rest are free (ignore_eos, exactly osl tokens). One untimed round first (graph capture, the
-grammar compiled). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into
+completes), the rest are free (ignore_eos, exactly osl tokens). The same number of other prompts first,
+untimed (every graph shape captured, kernels compiled, the grammar compiled: a first H200 run with a one-round
+warm-up had a 4.7 s stall inside its first batch-64 point). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into
 constrained and free requests, output tokens and finish reasons per class, and how many constrained outputs
 that ended "stop" parse (json: json.loads + the jsonschema package when installed; regex: fullmatch).
 Fraction 0 is one baseline per batch (key none/b{batch}/f0), shared by the schemas; the table sets each
@@ -122,11 +123,11 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
     vocab = llm.model.cfg.vocab_size
     n = batch * cfg.rounds
     work = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index)
-    warm = random_workload(batch, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919)
+    warm = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919)
     prompts = lambda w: [{"prompt_token_ids": p} for p in w.prompts]     # noqa: E731
     with seats(llm, batch):
-        llm.generate(prompts(warm), _params(cfg, schema, batch, fraction, batch), use_tqdm=False)
         params = _params(cfg, schema, batch, fraction, n)
+        llm.generate(prompts(warm), params, use_tqdm=False)
         llm.engine.reset_stats()
         t0 = time.perf_counter()
         outs = llm.generate(prompts(work), params, use_tqdm=False)
@@ -193,21 +194,25 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
                    "fraction": fraction, "started": utc_now()}
             row.update(measure_point(llm, cfg, schema, batch, fraction, i), status="ok")
             store.append(row)
-            echo(f"  {row['key']:<18} TPOT {row['mean_tpot'] * 1e3:8.2f} ms  {row['output_throughput']:9.1f} tok/s")
+            echo(f"  {row['key']:<18} median TPOT {row['median_tpot'] * 1e3:8.2f} ms  "
+                 f"{row['output_throughput']:9.1f} tok/s")
     return read_rows(run_dir)
 
 
 def table(rows: list[dict]) -> list[str]:
-    """Per (schema, batch): mean TPOT of every fraction and its ratio to the unconstrained baseline."""
+    """Per (schema, batch): median TPOT of every fraction and its ratio to the unconstrained baseline (the median:
+    one stall in a point moves its mean, as the first H200 run showed)."""
     ok = {r["key"]: r for r in rows if r.get("status") == "ok"}
     base = {r["batch"]: r for r in ok.values() if r["schema"] == "none"}
-    lines = [f"{'schema':<7} {'batch':>5} {'fraction':>8} {'TPOT ms':>9} {'vs f0':>7} {'tok/s':>9} "
-             f"{'out/req':>8} {'parse':>7}"]
+    lines = [f"{'schema':<7} {'batch':>5} {'fraction':>8} {'p50 TPOT':>9} {'vs f0':>7} {'mean TPOT':>9} "
+             f"{'tok/s':>9} {'out/req':>8} {'parse':>7}"]
     for r in sorted(ok.values(), key=lambda r: (r["batch"], r["schema"] != "none", r["schema"], r["fraction"])):
         b = base.get(r["batch"])
-        ratio = r["mean_tpot"] / b["mean_tpot"] if b and b["mean_tpot"] and not math.isnan(r["mean_tpot"]) else None
+        ratio = r["median_tpot"] / b["median_tpot"] if b and b["median_tpot"] and \
+            not math.isnan(r["median_tpot"]) else None
         parse = f"{r['constrained_stopped_parse']}/{r['constrained_stopped']}" if r["schema"] != "none" else "-"
-        lines.append(f"{r['schema']:<7} {r['batch']:>5} {r['fraction']:>8g} {r['mean_tpot'] * 1e3:>9.2f} "
-                     f"{'-' if ratio is None else format(ratio, '.3f'):>7} {r['output_throughput']:>9.1f} "
+        lines.append(f"{r['schema']:<7} {r['batch']:>5} {r['fraction']:>8g} {r['median_tpot'] * 1e3:>9.2f} "
+                     f"{'-' if ratio is None else format(ratio, '.3f'):>7} {r['mean_tpot'] * 1e3:>9.2f} "
+                     f"{r['output_throughput']:>9.1f} "
                      f"{r['total_output_tokens'] / r['completed']:>8.1f} {parse:>7}")
     return lines

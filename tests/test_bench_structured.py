@@ -34,7 +34,7 @@ def test_rows_split_constrained_and_free_requests(tmp_path):
         assert "grammar_dead_end" not in r["constrained_finish_reasons"]
     lines = table(rows)
     assert len(lines) == 6
-    assert lines[1].split()[:5] == ["none", "2", "0", f"{by['none/b2/f0']['mean_tpot'] * 1e3:.2f}", "1.000"]
+    assert lines[1].split()[:5] == ["none", "2", "0", f"{by['none/b2/f0']['median_tpot'] * 1e3:.2f}", "1.000"]
     assert json.loads((tmp_path / "run" / "structured.json").read_text())["osl"] == 6
     with pytest.raises(DeepInferError, match="already has rows"):
         run_structured_bench(cfg, tmp_path / "run")
