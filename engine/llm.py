@@ -154,6 +154,13 @@ class LLM:
         """The engine's statistics (counters since it was built or `llm.engine.reset_stats()`)."""
         return self.engine.stats
 
+    @property
+    def grammar_mask_stats(self) -> dict:
+        """Steps that filled structured-output masks and the host seconds they took, since the first so_args
+        request (engine/structured.MaskBuffer)."""
+        m = self._grammars.masks if self._grammars is not None else None
+        return {"fills": m.fills if m else 0, "fill_seconds": m.fill_seconds if m else 0.0}
+
     def get_tokenizer(self):
         """The checkpoint's tokenizer (a `tokenizers.Tokenizer`; None with skip_tokenizer_init=True)."""
         return self.tokenizer

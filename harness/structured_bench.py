@@ -8,7 +8,8 @@ completes), the rest are free (ignore_eos, exactly osl tokens). The same number 
 untimed (every graph shape captured, kernels compiled, the grammar compiled: a first H200 run with a one-round
 warm-up had a 4.7 s stall inside its first batch-64 point). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into
 constrained and free requests, output tokens and finish reasons per class, and how many constrained outputs
-that ended "stop" parse (json: json.loads + the jsonschema package when installed; regex: fullmatch).
+that ended "stop" parse (json: json.loads + the jsonschema package when installed; regex: fullmatch), and the
+host time of the steps' mask fills (engine.mask_fill_ms_per_fill).
 Fraction 0 is one baseline per batch (key none/b{batch}/f0), shared by the schemas; the table sets each
 point's TPOT against it."""
 
@@ -129,9 +130,11 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
         params = _params(cfg, schema, batch, fraction, n)
         llm.generate(prompts(warm), params, use_tqdm=False)
         llm.engine.reset_stats()
+        masks0 = llm.grammar_mask_stats
         t0 = time.perf_counter()
         outs = llm.generate(prompts(work), params, use_tqdm=False)
         duration = time.perf_counter() - t0
+        masks1 = llm.grammar_mask_stats
     sent = client_send_times(t0, [o.metrics[0].finished_time for o in outs], batch)
     timings = [RequestTiming(s, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids), o.finished)
                for s, o, p in zip(sent, outs, work.prompts)]
@@ -153,7 +156,10 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
     row["constrained_stopped"] = len(stopped)
     row["constrained_stopped_parse"] = sum(output_parses(schema, t) for t in stopped)
     st = llm.stats
-    row["engine"] = {"steps": st.steps, "graph_replays": st.graph_replays, "async_scheduling": st.async_scheduling}
+    fills = masks1["fills"] - masks0["fills"]
+    row["engine"] = {"steps": st.steps, "graph_replays": st.graph_replays, "async_scheduling": st.async_scheduling,
+                     "mask_fills": fills, "mask_fill_ms_per_fill":
+                     (masks1["fill_seconds"] - masks0["fill_seconds"]) * 1e3 / fills if fills else None}
     return row
 
 

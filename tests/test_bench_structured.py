@@ -26,6 +26,8 @@ def test_rows_split_constrained_and_free_requests(tmp_path):
     assert by["none/b2/f0"]["constrained_requests"] == 0 and by["none/b2/f0"]["free_requests"] == 2
     assert by["regex/b2/f0.5"]["constrained_requests"] == 1 and by["regex/b2/f0.5"]["free_requests"] == 1
     assert by["json/b2/f1"]["constrained_requests"] == 2 and by["json/b2/f1"]["free_mean_tpot"] is None
+    assert by["none/b2/f0"]["engine"]["mask_fills"] == 0 and by["json/b2/f1"]["engine"]["mask_fills"] >= 5
+    assert by["json/b2/f1"]["engine"]["mask_fill_ms_per_fill"] > 0
     for r in rows:
         assert r["status"] == "ok" and r["completed"] == 2 and r["mean_tpot"] > 0
         assert r["free_requests"] == 0 or r["free_mean_output_tokens"] == 6          # free: exactly osl tokens
