@@ -26,7 +26,6 @@ escapes; unbounded strings exclude control characters as JSON requires.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections import OrderedDict
@@ -38,8 +37,6 @@ from .errors import DeepInferError
 
 CACHE_BYTES = 256 << 20    # compiled grammars kept (least recently used dropped past this; matchers keep theirs)
 CACHE_ENTRIES = 1024       # and at most this many
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))   # xgrammar threads filling a step's mask rows (0: one
-                                                             # row at a time on the engine's thread)
 JSON_MAX_WHITESPACE = 20   # whitespace characters allowed in a row between JSON tokens (indented output fits; a
                            # model cannot stall in whitespace forever, which unbounded runs let random models do)
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")      # "[21:44:17] /project/cpp/x.cc:94: " on xgrammar errors
@@ -164,13 +161,14 @@ class RequestGrammar:
 
 class MaskBuffer:
     """One engine's host bitmask [rows, ceil(V / 32)] int32, reused every step: pinned when the logits are on a
-    GPU, so its copy is asynchronous; the next step's fill waits for the previous copy to have left it. The rows
-    are filled by xgrammar's batch matcher on its own threads (FILL_THREADS); `fills` / `fill_seconds` count the
-    steps that filled and the host time they took (fill + copy launch + the masking kernel's launch)."""
+    GPU, so its copy is asynchronous; the next step's fill waits for the previous copy to have left it. Rows are
+    filled one at a time on the engine's thread: on the H200 at batch 64, xgrammar's BatchGrammarMatcher with 8
+    threads took longer per step (1.02 vs 0.78 ms) and cost 11 points more TPOT (docs/structured-outputs.md).
+    `fills` / `fill_seconds` count the steps that filled and the host time they took (fill, copy launch and the
+    masking kernel's launch)."""
 
     def __init__(self, xgr):
         self.xgr, self.host, self.copied = xgr, None, None
-        self.batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS) if FILL_THREADS else None
         self.fills, self.fill_seconds = 0, 0.0
 
     def apply(self, logits: torch.Tensor, grammars: list) -> None:
@@ -185,11 +183,8 @@ class MaskBuffer:
         elif self.copied is not None:
             self.copied.synchronize()           # the previous step's copy has read the buffer
         bitmask = self.host[:m]                 # rows not in `rows` are never read (indices below)
-        if self.batch is not None:
-            self.batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, indices=rows)
-        else:                                   # FILL_THREADS = 0: row by row on this thread
-            for i in rows:
-                grammars[i].fill(bitmask, i)
+        for i in rows:
+            grammars[i].fill(bitmask, i)
         if cuda:
             bitmask = bitmask.to(logits.device, non_blocking=True)
             self.copied = torch.cuda.Event()

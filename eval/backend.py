@@ -9,7 +9,8 @@
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length = max_model_len - 2 tokens, each
   scored as above.
 - generate_until: stop sequences (+ the EOS text), max_gen_toks, do_sample / temperature / top_p / top_k / min_p
-  / penalties (anything else is an error), a seed per request (backend seed, task, doc, index) when sampling;
+  / penalties, so_args (a grammar in DeepInfer's spelling, as SamplingParams takes it: a task's
+  generation_kwargs can constrain its replies) (anything else is an error), a seed per request (backend seed, task, doc, index) when sampling;
   the context is left-truncated to max_length - max_gen_toks, as the HF backend does.
 - concurrency: at most this many sequences run at once (the engine's seats); suites run the same requests at
   the maximum and the median concurrency, where batch-dependent regressions show.
@@ -28,7 +29,7 @@ from deepinfer.errors import DeepInferError
 
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-PASSED_GEN_KWARGS = ("top_p", "top_k", "min_p") + PENALTIES     # lm-eval gen kwargs that map onto SamplingParams
+PASSED_GEN_KWARGS = ("top_p", "top_k", "min_p", "so_args") + PENALTIES   # gen kwargs that map onto SamplingParams
 
 
 @register_model("deepinfer")
@@ -180,7 +181,7 @@ class DeepInferLM(TemplateLM):
                                  f"{', '.join(PASSED_GEN_KWARGS)}")
         passed = {k: kw[k] for k in PASSED_GEN_KWARGS if k in kw}
         if not sample:
-            return dict(temperature=0.0, **{k: v for k, v in passed.items() if k in PENALTIES})
+            return dict(temperature=0.0, **{k: v for k, v in passed.items() if k in PENALTIES + ("so_args",)})
         key = f"{getattr(req, 'task_name', None)}/{getattr(req, 'doc_id', None)}/{req.idx}"
         return dict(temperature=temperature, seed=(self.seed + zlib.crc32(key.encode())) % 2**63, **passed)
 

@@ -68,6 +68,11 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     task_manager = managers.get(True) or manager(False)   # the full index only if a non-offline task needed it
     if reference is not None:
         _check_reference_model(suite.model)
+        constrained = [t.name for t, e in zip(suite.tasks, entries) if isinstance(e, dict) and
+                       (e.get("generation_kwargs") or {}).get("so_args") is not None]
+        if constrained:
+            raise DeepInferError(f"--reference transformers: task {', '.join(constrained)} constrains its replies "
+                                 f"with so_args, which lm-eval's HF backend cannot apply; run it without --reference")
     llm = build_engine(suite.model, suite.device, suite.dtype, suite.seed, qat_fake_quant=reference is None,
                        engine_args=dict(suite.engine_args))
     # the suite's mode is the engine's kernel backend (an engine of its own): nothing process-wide to restore

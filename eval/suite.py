@@ -24,7 +24,7 @@ CONCURRENCY_WORDS = ("max", "median")
 BOUND_KEYS = ("min", "max")
 # metrics that are fractions in [0, 1] (lm-eval's names before the filter): a bound on one that every value in
 # [0, 1] meets (e.g. acc >= 0) cannot fail, so a suite may not hold one
-FRACTION_METRICS = ("acc", "acc_norm", "exact_match", "pass@1", "f1", "agreement")
+FRACTION_METRICS = ("acc", "acc_norm", "exact_match", "pass@1", "f1", "agreement", "json_valid", "field_match")
 
 
 class SuiteError(DeepInferError, ValueError):

@@ -22,13 +22,24 @@ class TaskError(DeepInferError, ValueError):
 
 
 def offline_tasks() -> dict[str, dict]:
-    """name -> task config (data paths absolute) of every offline task."""
+    """name -> task config (data paths absolute; `process_results: NAME` bound to eval/tasks/metrics.py's
+    function, with the schema of the task's so_args) of every offline task."""
+    import functools
+
     import yaml
+
+    from .metrics import METRICS
     out = {}
     for path in sorted(TASKS_DIR.glob("*.yaml")):
         cfg = yaml.safe_load(path.read_text())
         files = cfg.get("dataset_kwargs", {}).get("data_files", {})
         cfg.setdefault("dataset_kwargs", {})["data_files"] = {k: str(TASKS_DIR / v) for k, v in files.items()}
+        name = cfg.get("process_results")
+        if name is not None:
+            if name not in METRICS:
+                raise TaskError(f"{path}: process_results {name!r} is not in eval/tasks/metrics.py ({', '.join(METRICS)})")
+            so = cfg.get("generation_kwargs", {}).get("so_args") or {}
+            cfg["process_results"] = functools.partial(METRICS[name], schema=so.get("schema"))
         out[cfg["task"]] = cfg
     return out
 

@@ -4,6 +4,7 @@ bytes. `python -m deepinfer.evals.tasks.make_data` (or `python eval/tasks/make_d
 arith.jsonl  generate_until: "What is a + b?" with the sum as the answer
 choice.jsonl multiple choice: which of four numbers is the largest
 text.jsonl   loglikelihood_rolling: short templated passages (perplexity)
+json.jsonl   generate_until with a JSON-schema grammar: a person's record (name, age, city) as JSON
 """
 
 from __future__ import annotations
@@ -46,9 +47,23 @@ def text(rng: random.Random, n: int) -> list[dict]:
     return rows
 
 
+NAMES = ["Ada", "Boris", "Chen", "Dana", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun"]
+CITIES = ["Paris", "Lima", "Oslo", "Seoul", "Accra", "Quito"]        # deepinfer_json.yaml's schema enum
+
+
+def record(rng: random.Random, n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        fields = {"name": rng.choice(NAMES), "age": rng.randint(18, 90), "city": rng.choice(CITIES)}
+        rows.append({"id": i, "question": f"{fields['name']} is {fields['age']} and lives in {fields['city']}.",
+                     "answer": json.dumps(fields), "fields": fields})
+    return rows
+
+
 def main() -> None:
     DATA.mkdir(parents=True, exist_ok=True)
-    for name, make, n in (("arith", arith, 200), ("choice", choice, 200), ("text", text, 100)):
+    for name, make, n in (("arith", arith, 200), ("choice", choice, 200), ("text", text, 100),
+                          ("json", record, 100)):
         rows = make(random.Random(f"deepinfer-{name}"), n)
         (DATA / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
