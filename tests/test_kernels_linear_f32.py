@@ -41,3 +41,19 @@ def test_matches_reference(n, vocab, dim):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+def test_invariant_rows_keep_their_bits_at_every_batch_position():
+    """The invariant backend on CUDA (fp32-output cuBLAS on fixed 64-row tiles): a row's logits are the same bits
+    alone and at any position of batches of 5, 64 and 200 rows, and within GPU_BOUND of the reference."""
+    from deepinfer.kernels import matmul
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(129280, 4096, device="cuda", generator=g) * 4096 ** -0.5).bfloat16()
+    row = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
+    alone = matmul._linear_f32_tiles(row, w)
+    for n, at in ((5, 3), (64, 63), (200, 130)):
+        batch = torch.randn(n, 4096, device="cuda", generator=g).bfloat16()
+        batch[at] = row[0]
+        assert torch.equal(matmul._linear_f32_tiles(batch, w)[at], alone[0]), (n, at)
+    want = matmul._linear_f32(row, w)
+    assert float((alone - want).abs().max() / want.abs().max()) <= GPU_BOUND
