@@ -27,6 +27,15 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "c
                                    "items": {"type": "object", "required": ["id"], "additionalProperties": False,
                                              "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9},
                                                             "tag": {"enum": ["a", "b"]}}}}}}
+# patterns, a nested object, an array with both bounds, numbers and a nullable field
+SCHEMA_PATTERNS = {"type": "object", "additionalProperties": False, "required": ["id", "where", "codes"],
+                   "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                                  "where": {"type": "object", "additionalProperties": False, "required": ["lat"],
+                                            "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90},
+                                                           "note": {"type": ["string", "null"],
+                                                                    "pattern": "^[a-z ]*$"}}},
+                                  "codes": {"type": "array", "minItems": 1, "maxItems": 4,
+                                            "items": {"type": "integer", "minimum": 100, "maximum": 999}}}}
 REGEX = r"(cat|dog)s? [0-9]{1,3}( and (cat|dog))?"
 EBNF = 'root ::= answer | answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z]{1,8}'
 EBNF_RE = r"(yes|no)( because [a-z]{1,8})?"
@@ -42,15 +51,16 @@ def _runs(so_args, max_tokens, seeds=range(4), temps=(0.0, 0.7, 1.3)):
             for t in temps for s in (seeds if t else [0])]
 
 
-def test_json_schema_outputs_validate(llm):
-    params = _runs({"schema_type": "json", "schema": SCHEMA}, 160, seeds=range(3), temps=(0.0, 1.0))
+@pytest.mark.parametrize("schema", [SCHEMA, SCHEMA_PATTERNS], ids=["enums-arrays", "patterns-numbers"])
+def test_json_schema_outputs_validate(llm, schema):
+    params = _runs({"schema_type": "json", "schema": schema}, 160, seeds=range(3), temps=(0.0, 1.0))
     outs = [o.outputs[0] for o in llm.generate(["Give me JSON:"] * len(params), params, use_tqdm=False)]
     reasons = [o.finish_reason for o in outs]
     assert "grammar_dead_end" not in reasons
     assert reasons.count("stop") >= len(outs) // 2, reasons       # the rest ran out of max_tokens mid-value
     for o in outs:
         if o.finish_reason == "stop":
-            jsonschema.validate(json.loads(o.text), SCHEMA)         # strict JSON: no raw control characters
+            jsonschema.validate(json.loads(o.text), schema)         # strict JSON: no raw control characters
 
 
 def test_json_schema_as_text_and_the_alias_give_the_same_output(llm):
@@ -91,7 +101,8 @@ def test_special_tokens_are_never_legal_inside_the_text(llm):
 
 def test_unconstrained_rows_keep_their_bits_beside_constrained_ones():
     """Batch-invariant mode: a free row's tokens equal the same request run alone, with constrained rows around
-    it (their masks touch their own rows only)."""
+    it (their masks touch their own rows only); a seeded constrained request gives the same output alone and in
+    the mixed batch."""
     llm = LLM(embedded_tiny_dir("deepseek_v4"), kernel_backend="invariant")
     free = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
     alone = llm.generate("the free one", free, use_tqdm=False)[0].outputs[0].token_ids
@@ -99,6 +110,9 @@ def test_unconstrained_rows_keep_their_bits_beside_constrained_ones():
         SamplingParams(max_tokens=40, temperature=0.8, seed=1, so_args={"json": SCHEMA}), free,
         SamplingParams(max_tokens=12, temperature=0.8, seed=2, so_args={"regex": REGEX})], use_tqdm=False)
     assert mixed[1].outputs[0].token_ids == alone
+    json_alone = llm.generate("json", SamplingParams(max_tokens=40, temperature=0.8, seed=1, so_args={"json": SCHEMA}),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert mixed[0].outputs[0].token_ids == json_alone
 
 
 def test_async_scheduling_reads_matchers_while_the_forward_runs():
