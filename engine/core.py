@@ -183,9 +183,8 @@ class EngineCore:
     def _samples_from_host(batch: list[Scheduled]) -> bool:
         """A sampled row whose last token is in flight needs it on the host before it samples: a grammar's mask
         (the matcher advanced by it) or penalties (counts from host output ids)."""
-        return any(s.num_logits and s.req.num_inflight and (
-            s.req.grammar is not None or s.req.params.repetition_penalty != 1 or s.req.params.presence_penalty
-            or s.req.params.frequency_penalty) for s in batch)
+        return any(s.num_logits and s.req.num_inflight and (s.req.grammar is not None or s.req.params.uses_penalties)
+                   for s in batch)
 
     def _launch(self, batch: list[Scheduled], finished: list[Request]):
         """Launch the step; when its sampling needs the previous step's tokens on the host, the previous step is

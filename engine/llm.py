@@ -289,9 +289,8 @@ class LLM:
         if self._grammars is None:
             from .structured import Grammars
             self._grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, [self.model.cfg.eos_token_id])
-        for so in wanted.values():
-            self._grammars.submit(so)
-        return {i: self._grammars.compiled(f"request {i}", so) for i, so in wanted.items()}
+        futures = {i: self._grammars.submit(so) for i, so in wanted.items()}   # kept: none evicted mid-call
+        return {i: self._grammars.compiled(f"request {i}", so, futures[i]) for i, so in wanted.items()}
 
     def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int) -> Request:
         """Sample j of a prompt; its draws use seed + j (mod 2^63; seeded) or a seed drawn from the engine's

@@ -104,7 +104,7 @@ class Grammars:
         """Drop the least recently used finished compiles while the cache holds over cache_bytes or
         CACHE_ENTRIES grammars (a failed compile counts as an entry of no bytes)."""
         def size(f: Future) -> int:
-            return f.result().memory_size_bytes if f.exception() is None else 0
+            return 0 if f.cancelled() or f.exception() is not None else f.result().memory_size_bytes
         done = [k for k, f in self._compiled.items() if f.done()]          # least recently used first
         total = sum(size(self._compiled[k]) for k in done)
         for key in done:
@@ -122,11 +122,11 @@ class Grammars:
             return c.compile_grammar(text)
         return c.compile_structural_tag(text)
 
-    def compiled(self, label: str, so_args: dict):
-        """The compiled grammar (waits for it); a schema xgrammar refuses is one DeepInferError line naming the
-        request (`label`) and quoting the compiler."""
+    def compiled(self, label: str, so_args: dict, future: Future | None = None):
+        """The compiled grammar (waits for it: `future`, from an earlier submit, else submitted now); a schema
+        xgrammar refuses is one DeepInferError line naming the request (`label`) and quoting the compiler."""
         try:
-            return self.submit(so_args).result()
+            return (future or self.submit(so_args)).result()
         except Exception as err:   # noqa: BLE001  xgrammar raises RuntimeError / ValueError with the reason
             raise DeepInferError(f"{label}: so_args {so_args['schema_type']} schema does not compile: "
                                  f"{_message(err)}") from None
@@ -188,7 +188,7 @@ class MaskBuffer:
         if cuda:
             bitmask = bitmask.to(logits.device, non_blocking=True)
             self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(logits.device))    # the copy's stream (cuda:N)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
         self.fills += 1
         self.fill_seconds += time.perf_counter() - t0

@@ -4,7 +4,8 @@ constrained fraction) point (docs/structured-outputs.md).
 Per point: batch x rounds random-token prompts of `isl` tokens run at concurrency = batch (all ready at the
 start, as the sweep's decode points); in every group of `batch` consecutive requests the first
 round(fraction x batch) carry so_args of the schema (max_tokens = osl, they may end earlier when the grammar
-completes), the rest are free (ignore_eos, exactly osl tokens). The same number of other prompts first,
+completes), the rest are free (ignore_eos, exactly osl tokens); round half up, and a fraction whose count repeats
+another's at a batch is skipped there (rows: constrained_fraction, the share that ran). The same number of other prompts first,
 untimed (every graph shape captured, kernels compiled, the grammar compiled: a first H200 run with a one-round
 warm-up had a 4.7 s stall inside its first batch-64 point). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into
 constrained and free requests, output tokens and finish reasons per class, and how many constrained outputs
@@ -57,12 +58,20 @@ class StructuredConfig:
     seed: int = 0
 
     def points(self) -> list[tuple[str, int, float]]:
-        """(schema or "none", batch, fraction): the fraction-0 baseline once per batch, first."""
+        """(schema or "none", batch, fraction): the fraction-0 baseline once per batch, first. A fraction is the
+        share of a batch constrained, constrained(fraction, batch) requests of it; a fraction whose count repeats
+        a smaller fraction's (0.5 of batch 1 is 1 request, as 1.0 is; 0.1 of batch 4 is none) is skipped at that
+        batch, so no point is a copy of another under a different label."""
         out = []
         for b in self.batches:
             if 0.0 in self.fractions:
                 out.append(("none", b, 0.0))
-            out += [(s, b, f) for s in self.schemas for f in self.fractions if f > 0]
+            seen, fracs = {0}, []
+            for f in sorted(self.fractions, reverse=True):       # the largest fraction keeps a repeated count
+                if constrained(f, b) not in seen:
+                    seen.add(constrained(f, b))
+                    fracs.append(f)
+            out += [(s, b, f) for s in self.schemas for f in sorted(fracs)]
         return out
 
     def check(self) -> None:
@@ -77,6 +86,11 @@ class StructuredConfig:
                 raise DeepInferError(f"{name} must be at least 1, got {v}")
         if self.osl < 2:
             raise DeepInferError("--osl must be at least 2 (TPOT needs two tokens)")
+
+
+def constrained(fraction: float, batch: int) -> int:
+    """Requests of a batch that carry the grammar: fraction x batch rounded half up."""
+    return math.floor(fraction * batch + 0.5)
 
 
 def key(schema: str, batch: int, fraction: float) -> str:
@@ -95,26 +109,15 @@ def parse_fractions(text: str) -> tuple[float, ...]:
 
 
 def output_parses(schema: str, text: str) -> bool:
-    """A constrained output that ended "stop" is in its grammar's language."""
+    """A constrained output that ended "stop" is in its grammar's language (json: the eval's json_valid)."""
+    from deepinfer.evals.tasks.metrics import json_record
     if schema == "regex":
         return re.fullmatch(SCHEMAS["regex"], text) is not None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    try:
-        import jsonschema
-    except ImportError:
-        return isinstance(value, dict)
-    try:
-        jsonschema.validate(value, SCHEMAS["json"])
-    except jsonschema.ValidationError:
-        return False
-    return True
+    return json_record({}, [text], SCHEMAS["json"])["json_valid"] == 1.0
 
 
 def _params(cfg: StructuredConfig, schema: str, batch: int, fraction: float, n: int) -> list[SamplingParams]:
-    k = round(fraction * batch)
+    k = constrained(fraction, batch)
     so = None if schema == "none" else {"schema_type": schema, "schema": SCHEMAS[schema]}
     return [SamplingParams(temperature=0, max_tokens=cfg.osl, so_args=so) if i % batch < k and so else
             SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True) for i in range(n)]
@@ -153,6 +156,7 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
         row[f"{cls}_finish_reasons"] = reasons
     stopped = [outs[i].outputs[0].text for i, sp in enumerate(params)
                if sp.so_args is not None and outs[i].outputs[0].finish_reason == "stop"]
+    row["constrained_fraction"] = constrained(fraction, batch) / batch
     row["constrained_stopped"] = len(stopped)
     row["constrained_stopped_parse"] = sum(output_parses(schema, t) for t in stopped)
     st = llm.stats

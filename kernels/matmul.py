@@ -52,7 +52,7 @@ def _linear_f32_tiles(x, w):
     tile copied the head 16 times a step at 256 rows: 36% of the invariant step's GPU time on the H200)."""
     flat = x.reshape(-1, x.shape[-1])
     if _mixed(x, w):
-        out = row_tiles(lambda t: torch.mm(t, w.t(), out_dtype=torch.float32), flat, tile=MIXED_TILE)
+        out = row_tiles(lambda t: _mm_f32(t, w), flat, tile=MIXED_TILE)
     else:
         w32 = upcast(w)
         out = row_tiles(lambda t: F.linear(upcast(t), w32), flat)
@@ -63,6 +63,11 @@ def _mixed(x, w) -> bool:
     return x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
 
 
+def _mm_f32(x2d, w):
+    """x2d [M, K] @ w [N, K]^T as one cuBLAS GEMM accumulating in fp32, fp32 out."""
+    return torch.mm(x2d, w.t(), out_dtype=torch.float32)
+
+
 @implements("linear_f32", "triton")
 def _linear_f32_mixed(x, w):
     """16-bit x and w of one dtype on CUDA: one cuBLAS GEMM accumulating in fp32 with an fp32 output
@@ -71,8 +76,7 @@ def _linear_f32_mixed(x, w):
     so only the summation order differs from the reference. Anything else: the reference."""
     if not _mixed(x, w):
         return _linear_f32(x, w)
-    flat = x.reshape(-1, x.shape[-1])
-    return torch.mm(flat, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+    return _mm_f32(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
 
 @implements("grouped_linear", "reference")

@@ -64,3 +64,8 @@ def test_bad_options_are_one_line(tmp_path, args, why):
     err = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and why in err[0], res.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_points_skip_fractions_that_repeat_a_count():
+    cfg = StructuredConfig(schemas=("json",), batches=(1, 4), fractions=(0.0, 0.1, 0.5, 1.0))
+    assert cfg.points() == [("none", 1, 0.0), ("json", 1, 1.0), ("none", 4, 0.0), ("json", 4, 0.5), ("json", 4, 1.0)]

@@ -60,3 +60,22 @@ def test_reference_refuses_a_constrained_task(tmp_path):
     assert p.returncode != 0 and len(lines) == 1, p.stderr[-2000:]
     assert "task deepinfer_json constrains its replies with so_args" in lines[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_the_metric_follows_the_tasks_grammar(tmp_path):
+    """A suite override that sets so_args is scored against its own schema, one that drops the grammar keeps the
+    task's; a task YAML naming the metric without so_args is one line."""
+    from lm_eval.tasks import TaskManager
+
+    from deepinfer.evals.suite import TaskSpec
+    from deepinfer.evals.tasks import TaskError, bind_metric, task_configs
+    other = {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}
+    spec = TaskSpec("deepinfer_json", 0, {"generation_kwargs": {"so_args": {"schema_type": "json", "schema": other},
+                                                                 "until": ["\nText:"], "max_gen_toks": 8}})
+    free = TaskSpec("deepinfer_json", 0, {"generation_kwargs": {"until": ["\nText:"], "max_gen_toks": 8}})
+    (a,), (b,) = (task_configs([s], lambda defaults: TaskManager(include_defaults=False)) for s in (spec, free))
+    assert a["process_results"]({}, ['{"x": 3}'])["json_valid"] == 1.0
+    assert b["process_results"]({}, ['{"x": 3}'])["json_valid"] == 0.0
+    assert b["process_results"]({}, ['{"name": "Ada", "age": 3, "city": "Lima"}'])["json_valid"] == 1.0
+    with pytest.raises(TaskError, match="x.yaml: process_results json_record scores against the schema"):
+        bind_metric({"task": "t", "process_results": "json_record"}, "x.yaml")

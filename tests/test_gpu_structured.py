@@ -31,20 +31,26 @@ def llm():
 
 
 def test_cuda_masks_equal_cpu_masks(llm):
+    """Two engines' worth of Grammars: the CPU one masks with its unpinned buffer, the GPU one with its pinned
+    buffer, asynchronous copy and event (a buffer is pinned when first allocated for CUDA logits)."""
     g = Grammars(llm.tokenizer, llm.model.cfg.vocab_size, [llm.model.cfg.eos_token_id])
+    gpu_side = Grammars(llm.tokenizer, llm.model.cfg.vocab_size, [llm.model.cfg.eos_token_id])
     so = [{"schema_type": "json", "schema": SCHEMA}, None, {"schema_type": "regex", "schema": REGEX}, None]
     ids = llm.tokenizer.encode('{"a": "x", "b": [1', add_special_tokens=False).ids
     for step in range(3):                      # the reused pinned buffer across steps and matcher states
         ms = [g.matcher(g.compiled("t", s)) if s else None for s in so]
+        ms_gpu = [gpu_side.matcher(gpu_side.compiled("t", s)) if s else None for s in so]
         for t in ids[:step * 3]:
-            assert ms[0].accept(t)
+            assert ms[0].accept(t) and ms_gpu[0].accept(t)
         logits = torch.randn(4, llm.model.cfg.vocab_size, generator=torch.Generator().manual_seed(step))
         cpu, gpu = logits.clone(), logits.cuda()
         apply_grammar_masks(cpu, ms)
-        apply_grammar_masks(gpu, ms)
+        apply_grammar_masks(gpu, ms_gpu)
+        assert gpu_side.masks.host.is_pinned() and not g.masks.host.is_pinned()
         assert torch.equal(gpu.cpu(), cpu)
         assert torch.equal(cpu[1], logits[1]) and torch.isinf(cpu[0]).any() and torch.isinf(cpu[2]).any()
     g.close()
+    gpu_side.close()
 
 
 def test_constrained_outputs_on_cuda_parse_and_async_equals_sync(llm):

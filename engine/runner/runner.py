@@ -48,7 +48,7 @@ class StepOutput:
         self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
             t, non_blocking=True) for t in [self.tokens, *(self.lp or ())]]
         self._ready = torch.cuda.Event()
-        self._ready.record()
+        self._ready.record(torch.cuda.current_stream(self.tokens.device))   # the copies' stream, not cuda:0's
 
     def resolve(self) -> list[tuple[Scheduled, list[int], list[dict | None]]]:
         """Per sampled row: its sampled tokens (one per logit position, in position order) and their logprob

@@ -201,6 +201,11 @@ class SamplingParams:
         return self.seed
 
     @property
+    def uses_penalties(self) -> bool:
+        """Any repetition / presence / frequency penalty (their counts come from the host's output ids)."""
+        return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def greedy(self) -> bool:
         """True when temperature == 0: argmax decoding, lowest token id on ties."""
         return self.temperature == 0.0

@@ -104,7 +104,7 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
         t.prompt_mask = torch.zeros(b, vocab, dtype=torch.bool, device=device)
         for i, ids in enumerate(prompt_ids or []):
             t.prompt_mask[i, as_t(ids, torch.long)] = True
-    if t.repetition_penalty is not None or any(p.presence_penalty or p.frequency_penalty for p in params):
+    if any(p.uses_penalties for p in params):
         t.presence_penalty = as_t([p.presence_penalty for p in params], torch.float32)
         t.frequency_penalty = as_t([p.frequency_penalty for p in params], torch.float32)
         t.output_counts = torch.stack([torch.bincount(as_t(ids, torch.long), minlength=vocab)[:vocab]

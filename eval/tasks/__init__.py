@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
+import json
 import os
 from pathlib import Path
 
@@ -24,8 +26,6 @@ class TaskError(DeepInferError, ValueError):
 def offline_tasks() -> dict[str, dict]:
     """name -> task config (data paths absolute; `process_results: NAME` bound to eval/tasks/metrics.py's
     function, with the schema of the task's so_args) of every offline task."""
-    import functools
-
     import yaml
 
     from .metrics import METRICS
@@ -35,13 +35,32 @@ def offline_tasks() -> dict[str, dict]:
         files = cfg.get("dataset_kwargs", {}).get("data_files", {})
         cfg.setdefault("dataset_kwargs", {})["data_files"] = {k: str(TASKS_DIR / v) for k, v in files.items()}
         name = cfg.get("process_results")
-        if name is not None:
-            if name not in METRICS:
-                raise TaskError(f"{path}: process_results {name!r} is not in eval/tasks/metrics.py ({', '.join(METRICS)})")
-            so = cfg.get("generation_kwargs", {}).get("so_args") or {}
-            cfg["process_results"] = functools.partial(METRICS[name], schema=so.get("schema"))
-        out[cfg["task"]] = cfg
+        if name is not None and name not in METRICS:
+            raise TaskError(f"{path}: process_results {name!r} is not in eval/tasks/metrics.py ({', '.join(METRICS)})")
+        out[cfg["task"]] = bind_metric(cfg, str(path))
     return out
+
+
+def bind_metric(cfg: dict, where: str) -> dict:
+    """cfg with `process_results: NAME` (a name, or a function bound earlier) bound to metrics.NAME and the
+    schema of cfg's generation_kwargs.so_args. A suite override that sets so_args is scored against its own
+    schema; one that drops the grammar keeps the task's (what the replies should have been). A schema metric
+    in a task YAML without so_args is a TaskError."""
+    from .metrics import METRICS
+    fn = cfg.get("process_results")
+    if fn is None:
+        return cfg
+    name = fn if isinstance(fn, str) else fn.func.__name__
+    schema = ((cfg.get("generation_kwargs") or {}).get("so_args") or {}).get("schema")
+    if schema is None:
+        if not isinstance(fn, str):
+            return cfg                                          # the task's own schema, bound at load
+        raise TaskError(f"{where}: process_results {name} scores against the schema of generation_kwargs.so_args, "
+                        f"which the task does not set; give so_args (schema_type json) or another metric")
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    cfg["process_results"] = functools.partial(METRICS[name], schema=schema)
+    return cfg
 
 
 def task_configs(specs, task_manager_factory, unsafe_code: bool = False) -> list:
@@ -67,6 +86,8 @@ def task_configs(specs, task_manager_factory, unsafe_code: bool = False) -> list
                                 f"tasks: `lm-eval ls tasks`")
             cfg = {"task": spec.name}
         cfg.update(copy.deepcopy(dict(spec.overrides)))
+        if spec.name in local:
+            cfg = bind_metric(cfg, f"task {spec.name}")
         if spec.num_fewshot is not None:
             cfg["num_fewshot"] = spec.num_fewshot
         entry = cfg if spec.name in local or len(cfg) > 1 else spec.name
