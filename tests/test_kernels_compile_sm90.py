@@ -181,3 +181,15 @@ def test_top_k_compiles_for_sm90():
     kernel = compile_sm90(kit._top_k_kernel, runtime, dict(BLOCK=kit.TOPK_BLOCK, TILES=32768 // kit.TOPK_BLOCK,
                                                            K_PAD=512), num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("dtype,block_n", [("*bf16", 8192), ("*bf16", 512), ("*fp32", 8192)])
+def test_rms_norm_compiles_for_sm90(dtype, block_n):
+    """The RMSNorm kernel (kernels/norm_triton.py) at the hidden widths (5120 -> BLOCK_N 8192, one row a program)
+    and the q-norm's 512 (8 rows a program): compiles, fits an SM, no spills."""
+    from deepinfer.kernels import norm_triton as knt
+    runtime = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "rows": "i32", "n": "i32", "eps": "fp32"}
+    block_r = max(1, min(16, 4096 // block_n))           # as rms_norm_kernel picks it
+    kernel = compile_sm90(knt._rms_norm_kernel, runtime, dict(HAS_W=True, BLOCK_R=block_r, BLOCK_N=block_n),
+                          num_warps=knt.WARPS)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
