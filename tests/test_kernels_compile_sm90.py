@@ -193,3 +193,15 @@ def test_rms_norm_compiles_for_sm90(dtype, block_n):
     kernel = compile_sm90(knt._rms_norm_kernel, runtime, dict(HAS_W=True, BLOCK_R=block_r, BLOCK_N=block_n),
                           num_warps=knt.WARPS)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_mhc_row_kernels_compile_for_sm90(dtype):
+    """hc_collapse / hc_post (kernels/mhc_rows_triton.py) at hc 4: compile, fit an SM, no spills."""
+    from deepinfer.kernels import mhc_rows_triton as kr
+    consts = dict(HC=4, BLOCK_D=kr.BLOCK_D)
+    collapse = compile_sm90(kr._collapse_kernel, {"h_ptr": dtype, "pre_ptr": "*fp32", "out_ptr": dtype, "D": "i32"},
+                            consts, num_warps=kr.WARPS)
+    post = compile_sm90(kr._post_kernel, {"f_ptr": dtype, "h_ptr": dtype, "post_ptr": "*fp32", "comb_ptr": "*fp32",
+                                          "out_ptr": dtype, "D": "i32"}, consts, num_warps=kr.WARPS)
+    assert _ptxas_spill_bytes(collapse.asm["ptx"]) == 0 and _ptxas_spill_bytes(post.asm["ptx"]) == 0
