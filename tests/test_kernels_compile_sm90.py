@@ -205,3 +205,13 @@ def test_mhc_row_kernels_compile_for_sm90(dtype):
     post = compile_sm90(kr._post_kernel, {"f_ptr": dtype, "h_ptr": dtype, "post_ptr": "*fp32", "comb_ptr": "*fp32",
                                           "out_ptr": dtype, "D": "i32"}, consts, num_warps=kr.WARPS)
     assert _ptxas_spill_bytes(collapse.asm["ptx"]) == 0 and _ptxas_spill_bytes(post.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_rope_compiles_for_sm90(dtype):
+    """RoPE (kernels/rope_triton.py) over 512-channel rows, 8 rows a program: compiles, fits an SM, no spills."""
+    from deepinfer.kernels import rope_triton as krt
+    runtime = {"x_ptr": dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": dtype, "M": "i32", "D": "i32",
+               "HALF": "i32", "SIGN": "fp32"}
+    kernel = compile_sm90(krt._rope_kernel, runtime, dict(BLOCK_M=8, BLOCK_D=512), num_warps=krt.WARPS)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
