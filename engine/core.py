@@ -195,10 +195,8 @@ class EngineCore:
         for s in batch:
             s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
         drafts = {id(s): list(s.req.spec_token_ids) for s in batch if s.num_logits > 1}
-        read_prev = None
-        if self._prev is not None and self._samples_from_host(batch):
-            def read_prev():
-                finished.extend(self._update())
+        read_prev = (lambda: finished.extend(self._update())) \
+            if self._prev is not None and self._samples_from_host(batch) else None
         out = self.runner.execute(batch, self._prev, read_prev)
         c, fed = self._counters, sum(s.n for s in batch)
         c.steps += 1
