@@ -10,8 +10,9 @@
   scored as above.
 - generate_until: stop sequences (+ the EOS text), max_gen_toks, do_sample / temperature / top_p / top_k / min_p
   / penalties, so_args (a grammar in DeepInfer's spelling, as SamplingParams takes it: a task's
-  generation_kwargs can constrain its replies) (anything else is an error), a seed per request (backend seed, task, doc, index) when sampling;
-  the context is left-truncated to max_length - max_gen_toks, as the HF backend does.
+  generation_kwargs can constrain its replies); anything else is an error. A seed per request (backend seed,
+  task, doc, index) when sampling; the context is left-truncated to max_length - max_gen_toks, as the HF backend
+  does.
 - concurrency: at most this many sequences run at once (the engine's seats); suites run the same requests at
   the maximum and the median concurrency, where batch-dependent regressions show.
 Tokenization mirrors lm-eval's HF backend (the tokenizer's special tokens, BOS as the empty-context prefix), so

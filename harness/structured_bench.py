@@ -27,10 +27,10 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .metrics import RequestTiming, compute_metrics
+from .metrics import compute_metrics
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
-from .workload import client_send_times, random_workload, seats
+from .workload import random_workload, run_requests
 
 STRUCTURED_METHOD_VERSION = "1"
 # The bench's grammars: open-ended ones (a random model rarely completes them early), with the large legal
@@ -128,26 +128,18 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
     n = batch * cfg.rounds
     work = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index)
     warm = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919)
-    prompts = lambda w: [{"prompt_token_ids": p} for p in w.prompts]     # noqa: E731
-    with seats(llm, batch):
-        params = _params(cfg, schema, batch, fraction, n)
-        llm.generate(prompts(warm), params, use_tqdm=False)
-        llm.engine.reset_stats()
-        masks0 = llm.grammar_mask_stats
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts(work), params, use_tqdm=False)
-        duration = time.perf_counter() - t0
-        masks1 = llm.grammar_mask_stats
-    sent = client_send_times(t0, [o.metrics[0].finished_time for o in outs], batch)
-    timings = [RequestTiming(s, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids), o.finished)
-               for s, o, p in zip(sent, outs, work.prompts)]
+    params = _params(cfg, schema, batch, fraction, n)
+    run_requests(llm, warm.prompts, params, batch)
+    llm.engine.reset_stats()
+    masks0 = llm.grammar_mask_stats
+    outs, timings, duration = run_requests(llm, work.prompts, params, batch)
+    masks1 = llm.grammar_mask_stats
     row = compute_metrics(timings, duration=duration).to_row()
     for cls, pick in (("constrained", lambda sp: sp.so_args is not None), ("free", lambda sp: sp.so_args is None)):
         idx = [i for i, sp in enumerate(params) if pick(sp)]
-        tpots = [(t.token_times[-1] - t.token_times[0]) / (t.output_tokens - 1)
-                 for t in (timings[i] for i in idx) if t.output_tokens > 1]
+        tpot = compute_metrics([timings[i] for i in idx], duration=duration).tpot if idx else None
         row[f"{cls}_requests"] = len(idx)
-        row[f"{cls}_mean_tpot"] = sum(tpots) / len(tpots) if tpots else None
+        row[f"{cls}_mean_tpot"] = tpot.mean if tpot is not None and tpot.count else None
         row[f"{cls}_mean_output_tokens"] = sum(timings[i].output_tokens for i in idx) / len(idx) if idx else None
         reasons: dict[str, int] = {}
         for i in idx:

@@ -54,15 +54,22 @@ def client_send_times(t0: float, finished: list[float], concurrency: int) -> lis
 
 
 def run_workload(llm, work: Workload, concurrency: int) -> tuple[list[RequestTiming], float]:
-    """Run every request at the given concurrency; returns per-request records and the wall duration. A request's
-    clock starts when the client would send it (client_send_times), so time queued in the engine (for step
-    budget or state blocks) counts in its TTFT, as vLLM's client measures."""
+    """Run every request (greedy, exactly its drawn output length) at the given concurrency; returns per-request
+    records and the wall duration (run_requests)."""
+    params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in work.output_lens]
+    _, records, duration = run_requests(llm, work.prompts, params, concurrency)
+    return records, duration
+
+
+def run_requests(llm, prompts: list[list[int]], params: list, concurrency: int):
+    """Token-id prompts with their SamplingParams at the given concurrency -> (RequestOutputs, per-request
+    records, wall duration). A request's clock starts when the client would send it (client_send_times), so time
+    queued in the engine (for step budget or state blocks) counts in its TTFT, as vLLM's client measures."""
     import time
     with seats(llm, concurrency):
-        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in work.output_lens]
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         duration = time.perf_counter() - t0
     sent = client_send_times(t0, [o.metrics[0].finished_time for o in outs], concurrency)
-    return [RequestTiming(start, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids), o.finished)
-            for start, o, p in zip(sent, outs, work.prompts)], duration
+    return outs, [RequestTiming(start, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids),
+                                o.finished) for start, o, p in zip(sent, outs, prompts)], duration

@@ -27,16 +27,11 @@ def offline_tasks() -> dict[str, dict]:
     """name -> task config (data paths absolute; `process_results: NAME` bound to eval/tasks/metrics.py's
     function, with the schema of the task's so_args) of every offline task."""
     import yaml
-
-    from .metrics import METRICS
     out = {}
     for path in sorted(TASKS_DIR.glob("*.yaml")):
         cfg = yaml.safe_load(path.read_text())
         files = cfg.get("dataset_kwargs", {}).get("data_files", {})
         cfg.setdefault("dataset_kwargs", {})["data_files"] = {k: str(TASKS_DIR / v) for k, v in files.items()}
-        name = cfg.get("process_results")
-        if name is not None and name not in METRICS:
-            raise TaskError(f"{path}: process_results {name!r} is not in eval/tasks/metrics.py ({', '.join(METRICS)})")
         out[cfg["task"]] = bind_metric(cfg, str(path))
     return out
 
@@ -51,6 +46,8 @@ def bind_metric(cfg: dict, where: str) -> dict:
     if fn is None:
         return cfg
     name = fn if isinstance(fn, str) else fn.func.__name__
+    if name not in METRICS:
+        raise TaskError(f"{where}: process_results {name!r} is not in eval/tasks/metrics.py ({', '.join(METRICS)})")
     schema = ((cfg.get("generation_kwargs") or {}).get("so_args") or {}).get("schema")
     if schema is None:
         if not isinstance(fn, str):
