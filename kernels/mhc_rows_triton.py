@@ -12,8 +12,8 @@ fixed order, so a row's bits never depend on its batch: one kernel serves `trito
 Numerics: the reference sums j with torch's reduction / a batched matmul; the kernel in order: interpreter
 (fp32) <= 1e-6 of max (tests/interpreted/test_mhc_rows_triton.py).
 
-GPU status: not yet run on a GPU, so the kernels are not in the Triton sets (IN_TRITON_SETS = False). The flag
-flips once `pytest -m gpu tests/test_kernels_mhc_rows_triton.py` passes on the H200.
+GPU status: `pytest -m gpu tests/test_kernels_mhc_rows_triton.py`
+passed on an H200 (session 24), so it is in the Triton sets (IN_TRITON_SETS).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = False    # not yet run with `pytest -m gpu` (docs/kernels.md)
+IN_TRITON_SETS = True     # passed `pytest -m gpu tests/test_kernels_mhc_rows_triton.py` on an H200 (docs/results.md)
 BLOCK_D, WARPS = 1024, 4
 MAX_HC = 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -10,8 +10,8 @@ depend on its batch or its position in it: one kernel serves `triton` and `trito
 Numerics: the reference's mean is torch's reduction order, the kernel's tl.sum's; interpreter (fp32) <= 1e-6 of
 max (tests/interpreted/test_norm_triton.py).
 
-GPU status: not yet run on a GPU, so the kernel is not in the Triton sets (IN_TRITON_SETS = False). The flag
-flips once `pytest -m gpu tests/test_kernels_norm_triton.py` passes on the H200.
+GPU status: `pytest -m gpu tests/test_kernels_norm_triton.py`
+passed on an H200 (session 24), so it is in the Triton sets (IN_TRITON_SETS).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = False    # not yet run with `pytest -m gpu` (docs/kernels.md)
+IN_TRITON_SETS = True     # passed `pytest -m gpu tests/test_kernels_norm_triton.py` on an H200 (docs/results.md)
 MAX_N = 16384             # widest row held in registers (hidden 4096 / 5120, head dim 512 of q-norms)
 WARPS = 4
 

@@ -10,8 +10,8 @@ per row, so one kernel serves every Triton set.
 Numerics: the reference's x_e * cos - x_o * sin against the kernel's (a fused multiply-add may round once less):
 interpreter (fp32) <= 1e-6 of max; the copied channels are bitwise (tests/interpreted/test_rope_triton.py).
 
-GPU status: not yet run on a GPU, so the kernel is not in the Triton sets (IN_TRITON_SETS = False). The flag flips
-once `pytest -m gpu tests/test_kernels_rope_triton.py` passes on the H200.
+GPU status: `pytest -m gpu tests/test_kernels_rope_triton.py`
+passed on an H200 (session 24), so it is in the Triton sets (IN_TRITON_SETS).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = False    # not yet run with `pytest -m gpu` (docs/kernels.md)
+IN_TRITON_SETS = True     # passed `pytest -m gpu tests/test_kernels_rope_triton.py` on an H200 (docs/results.md)
 MAX_D, WARPS = 1024, 4
 
 
