@@ -31,6 +31,7 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.moe import set_expert_act_quant
+from .cache.pools import KV_CACHE_DTYPES
 
 log = logging.getLogger("deepinfer")
 INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width entry lists get costly (docs/runtime.md)
@@ -38,7 +39,7 @@ INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width e
 _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
                 "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
-                "projection_storage": "dense",
+                "projection_storage": "dense", "kv_cache_dtype": "auto",
                 "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
                 "expert_act_quant": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
@@ -83,6 +84,9 @@ class LLM:
             raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
                                  f"{args['max_num_seqs']}: every running sequence needs a token of each step's budget")
         check_projection_storage(args["projection_storage"])
+        if args["kv_cache_dtype"] not in KV_CACHE_DTYPES:
+            raise DeepInferError(f"kv_cache_dtype={args['kv_cache_dtype']!r} is not known; use one of "
+                                 f"{list(KV_CACHE_DTYPES)} ('fp8': the release's FP8 / FP4 cache records)")
         built = isinstance(model, torch.nn.Module)
         model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant, args["projection_storage"])
         if isinstance(model, torch.nn.Module):      # an already built model (load_model / random:... / random_model)
@@ -113,7 +117,7 @@ class LLM:
             log.warning("batch-invariant mode reads every block column: with max_model_len=%d each row's entry "
                         "lists cover the whole length; set max_model_len to what the run needs", self.max_model_len)
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
-                               args["block_size"])
+                               args["block_size"], args["kv_cache_dtype"])
         self.engine = self._build_engine(kernels, manager)
         self._next_id = 0
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
@@ -246,7 +250,8 @@ class LLM:
         torch.cuda.reset_peak_memory_stats(dev)
         n = min(self._args["max_num_batched_tokens"], self.max_model_len - 1)
         ids = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-        profile_prefill(self.model, ids.to(dev), self._args["block_size"], kernels, self.max_model_len)
+        profile_prefill(self.model, ids.to(dev), self._args["block_size"], kernels, self.max_model_len,
+                        self._args["kv_cache_dtype"])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         total = torch.cuda.get_device_properties(dev).total_memory
@@ -366,14 +371,15 @@ class LLM:
 
 
 @torch.inference_mode()
-def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable, max_model_len: int) -> None:
+def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable, max_model_len: int,
+                    kv_cache_dtype: str = "auto") -> None:
     """The largest step the budget allows, through the runtime forward on throw-away pools of one sequence: a
     prefill of ids [n], untruncated, with every row's logits and their log-softmax (what a prompt-logprob piece
     computes), reading all block columns under the invariant table (as its engine does). Decode activations at
     the largest batch are not profiled."""
     from .cache.forward_batch import ForwardBatch
     from .cache.pools import PoolLayout, StatePools
-    layout = PoolLayout.for_model(model, block_size)
+    layout = PoolLayout.for_model(model, block_size, kv_cache_dtype)
     n = ids.shape[0]
     blocks = max(layout.blocks_for(n), 1)
     pools = StatePools(layout, 1, blocks, max_model_len, model.device)

@@ -22,9 +22,9 @@ DEFAULT_CPU_BYTES = 4 << 30
 
 class StateManager:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None,
-                 block_size: int | None = None):
+                 block_size: int | None = None, kv_cache_dtype: str = "auto"):
         """model: anything with state_spec(), dtype and device (the cache knows the model by its spec only)."""
-        layout = PoolLayout.for_model(model, block_size)
+        layout = PoolLayout.for_model(model, block_size, kv_cache_dtype)
         device = model.device
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
@@ -48,7 +48,8 @@ class StateManager:
         self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
         self.snapshots: dict[str, tuple[int, dict]] = {}      # request id -> (num_tokens, ring copies)
         self.summary = (
-            f"state pools: {layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
+            f"state pools ({'fp8 records' if kv_cache_dtype == 'fp8' else 'model dtype'}): "
+            f"{layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
             f"tokens), {layout.bytes_per_slot() / 2**20:.2f} MiB fixed per sequence, "
             f"{full_seq / 2**20:.1f} MiB per max_model_len={max_model_len} sequence; {slots} seats, "
             f"{blocks} blocks ({blocks * layout.block_tokens} tokens), {self.pools.nbytes() / 2**30:.3f} GiB")

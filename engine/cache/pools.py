@@ -8,6 +8,10 @@ From the model's StateSpec (cache/spec.py):
   block_table    [S, max_blocks]    int32: a sequence's block k (positions k*bt .. (k+1)*bt - 1) -> pool block
 Slot 0 and block 0 are scratch: padding rows of a CUDA-graph batch and writes that must go nowhere land there,
 and nothing real ever reads them. The pools know nothing of the model beyond the spec.
+
+kv_cache_dtype="fp8" stores each kind that declares a `packed` record (the release's FP8 / FP4 cache layout) as
+a kernels.kv_formats.PackedStore of uint8 records [..., record_bytes], which reads and writes as the values it
+stands for; "auto" (the default) stores every kind in its dtype.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.kv_formats import PackedStore, raw
+
 from ..errors import DeepInferError
 from .spec import StateSpec, torch_dtype
+
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 MIN_BLOCK_TOKENS = 64
 SCRATCH = 0
@@ -30,32 +38,46 @@ class PoolLayout:
     spec: StateSpec
     block_tokens: int
     dtype: torch.dtype            # the model's compute dtype
+    kv_cache_dtype: str = "auto"  # "fp8": kinds with a packed record store it
 
     @classmethod
-    def of(cls, spec: StateSpec, dtype: torch.dtype, block_tokens: int | None = None) -> "PoolLayout":
+    def of(cls, spec: StateSpec, dtype: torch.dtype, block_tokens: int | None = None,
+           kv_cache_dtype: str = "auto") -> "PoolLayout":
         """block_tokens: positions per block (default: MIN_BLOCK_TOKENS rounded up to a multiple of every entry
         ratio); a given value must be such a multiple."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise DeepInferError(f"kv_cache_dtype={kv_cache_dtype!r} is not known; use one of {list(KV_CACHE_DTYPES)}")
+        if kv_cache_dtype == "fp8" and not any(k.packed for k in spec.rings + spec.entries):
+            raise DeepInferError("kv_cache_dtype='fp8': this model declares no FP8 cache layout; use 'auto'")
         lcm = spec.block_multiple()
         if block_tokens is None:
             block_tokens = lcm * math.ceil(MIN_BLOCK_TOKENS / lcm)
         elif block_tokens < 1 or block_tokens % lcm:
             raise DeepInferError(f"block_size={block_tokens} must be a positive multiple of {lcm} (every compress "
                                  f"ratio of this model divides a block)")
-        return cls(spec, block_tokens, dtype)
+        return cls(spec, block_tokens, dtype, kv_cache_dtype)
 
     @classmethod
-    def for_model(cls, model, block_tokens: int | None = None) -> "PoolLayout":
-        return cls.of(model.state_spec(), model.dtype, block_tokens)
+    def for_model(cls, model, block_tokens: int | None = None, kv_cache_dtype: str = "auto") -> "PoolLayout":
+        return cls.of(model.state_spec(), model.dtype, block_tokens, kv_cache_dtype)
 
-    def _el(self, kind: str) -> int:
-        return torch.empty(0, dtype=torch_dtype(kind, self.dtype)).element_size()
+    def packed(self, kind):
+        """The record a kind is stored as (None: its dtype)."""
+        return kind.packed if self.kv_cache_dtype == "fp8" else None
+
+    def row_bytes(self, kind) -> int:
+        """Bytes one position (ring) or entry holds."""
+        fmt = self.packed(kind)
+        if fmt is not None:
+            return fmt.record_bytes
+        return kind.width * torch.empty(0, dtype=torch_dtype(kind.dtype, self.dtype)).element_size()
 
     def bytes_per_slot(self) -> int:
         """Fixed bytes of one sequence: every ring."""
-        return sum(r.span * r.width * self._el(r.dtype) for r in self.spec.rings)
+        return sum(r.span * self.row_bytes(r) for r in self.spec.rings)
 
     def bytes_per_block(self) -> int:
-        return sum(self.block_tokens // e.ratio * e.width * self._el(e.dtype) for e in self.spec.entries)
+        return sum(self.block_tokens // e.ratio * self.row_bytes(e) for e in self.spec.entries)
 
     def bytes_per_token(self) -> float:
         return self.bytes_per_block() / self.block_tokens
@@ -75,25 +97,31 @@ class StatePools:
         self.num_slots, self.num_blocks = num_slots, num_blocks
         self.block_tokens = layout.block_tokens
         self.max_blocks = max(layout.blocks_for(max_model_len), 1)
-        S, dt = num_slots + 1, layout.dtype
-        self.rings = {r.name: torch.zeros(S, r.span, r.width, dtype=torch_dtype(r.dtype, dt), device=device)
-                      for r in layout.spec.rings}
-        self.entries = {e.name: torch.zeros(num_blocks + 1, layout.block_tokens // e.ratio, e.width,
-                                            dtype=torch_dtype(e.dtype, dt), device=device)
+        S = num_slots + 1
+        self.rings = {r.name: self._allocate(r, (S, r.span)) for r in layout.spec.rings}
+        self.entries = {e.name: self._allocate(e, (num_blocks + 1, layout.block_tokens // e.ratio))
                         for e in layout.spec.entries}
-        self.block_table = torch.zeros(S, self.max_blocks, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(S, self.max_blocks, dtype=torch.int32, device=self.device)
+
+    def _allocate(self, kind, lead: tuple[int, int]):
+        """[*lead, width] in the kind's dtype, or a PackedStore of records [*lead, record_bytes]."""
+        fmt = self.layout.packed(kind)
+        if fmt is None:
+            return torch.zeros(*lead, kind.width, dtype=torch_dtype(kind.dtype, self.layout.dtype), device=self.device)
+        return PackedStore(torch.zeros(*lead, fmt.record_bytes, dtype=torch.uint8, device=self.device), fmt,
+                           self.layout.dtype)
 
     def nbytes(self) -> int:
-        tensors = [*self.rings.values(), *self.entries.values(), self.block_table]
+        tensors = [raw(t) for t in (*self.rings.values(), *self.entries.values())] + [self.block_table]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- a sequence's slot-fixed state: what speculative rollback and prefix caching restore ----
     def snapshot(self, slot: int) -> dict[str, torch.Tensor]:
-        """Copies of every ring row of `slot` (entries are append-only by position and need no copy)."""
-        return {name: ring[slot].clone() for name, ring in self.rings.items()}
+        """Copies of every ring row of `slot` as stored (entries are append-only by position and need no copy)."""
+        return {name: raw(ring)[slot].clone() for name, ring in self.rings.items()}
 
     def restore(self, slot: int, snapshot: dict[str, torch.Tensor]) -> None:
         if set(snapshot) != set(self.rings):
             raise DeepInferError("internal: a snapshot of another state layout was restored")
         for name, ring in self.rings.items():
-            ring[slot].copy_(snapshot[name])
+            raw(ring)[slot].copy_(snapshot[name])

@@ -6,7 +6,9 @@ Two kinds, which are all the cache needs to size, allocate, snapshot and restore
   Entries  per block of positions, growing with the sequence: one entry per `ratio` positions
            (compressed KV entries, indexer keys)
 A kind's dtype is "compute" (the model's dtype), "accum" (>= fp32: buffers the reference keeps in fp32) or
-"int64" (token-derived ids)."""
+"int64" (token-derived ids). A kind the attention or the indexer reads may name `packed`, the release's FP8 / FP4
+cache record for it (kernels/kv_formats.py): the pools store those records when the engine is built with
+kv_cache_dtype="fp8", else the compute dtype."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from deepinfer.kernels.kv_formats import KVFormat
 
 DTYPES = ("compute", "accum", "int64")
 
@@ -24,6 +28,7 @@ class Ring:
     span: int         # positions held
     width: int        # values per position
     dtype: str = "compute"
+    packed: KVFormat | None = None      # the record kv_cache_dtype="fp8" stores instead
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class Entries:
     ratio: int        # positions per entry
     width: int
     dtype: str = "compute"
+    packed: KVFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class StateSpec:
         for k in self.rings + self.entries:
             if k.dtype not in DTYPES:
                 raise ValueError(f"state {k.name}: dtype {k.dtype!r} is not one of {DTYPES}")
+            if k.packed is not None and (k.dtype != "compute" or k.packed.width != k.width):
+                raise ValueError(f"state {k.name}: a packed record holds {k.width} compute-dtype values")
 
     @classmethod
     def of(cls, kinds) -> "StateSpec":

@@ -102,14 +102,16 @@ class Attention(LatentAttention):
         """What this layer keeps per sequence (cache/spec.py): its window ring; a compressor's entries and
         open-window buffers (two windows with overlap: the next entry pools the previous window's A halves); the
         indexer's keys and buffers."""
-        kinds = [Ring(f"{layer}.window", self.window, self.head_dim)]
+        latent = qat.latent_record(self.head_dim, self.rope_dim)
+        kinds = [Ring(f"{layer}.window", self.window, self.head_dim, packed=latent)]
         for name, comp, width in ((f"{layer}.kv", self.compressor, self.head_dim),
                                   (f"{layer}.index", self.indexer and self.indexer.compressor,
                                    self.indexer and self.indexer.head_dim)):
             if comp is None:
                 continue
             span, c = (2 if comp.overlap else 1) * comp.ratio, (2 if comp.overlap else 1) * width
-            kinds += [Entries(name, comp.ratio, width), Ring(f"{name}.pending_kv", span, c, "accum"),
+            record = latent if name.endswith(".kv") else qat.index_record(width)
+            kinds += [Entries(name, comp.ratio, width, packed=record), Ring(f"{name}.pending_kv", span, c, "accum"),
                       Ring(f"{name}.pending_score", span, c, "accum")]
         return kinds
 

@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
 from deepinfer.kernels.indexer import sparse_index_scores, top_k_indices
+from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.quant import fake_quant_fp8
 from deepinfer.kernels.rope import apply_rope
 
@@ -22,11 +23,17 @@ from ..cache.sequence_state import CompressorState, LayerState, SequenceState
 from ..cache.spec import Entries, Ring
 from ..config.deepseek_v41 import DeepseekV41Config
 from .attention import LatentAttention, visibility_bias
-from .csa2 import Compressor, Indexer, candidate_blocks, quantize_entry, top_k_mask
+from .csa2 import Compressor, Indexer, candidate_blocks, entry_record, quantize_entry, top_k_mask
 from .pooled import open_windows, selected_entries, window_source
+from .qat import index_record
 from .rope import RotaryEmbedding
 
 WINDOW_FP8_BLOCK = 32
+
+
+def window_record(head_dim: int) -> KVFormat:
+    """The release's cache record of a window latent: every channel e4m3 per 32, ue8m0 scales (528 B at 512)."""
+    return KVFormat("fp8", head_dim, WINDOW_FP8_BLOCK)
 QUERY_BLOCK = 1024   # indexer queries scored at a time
 
 
@@ -70,11 +77,12 @@ class AttentionV41(LatentAttention):
     def state_kinds(self) -> list:
         """What this layer keeps per sequence (cache/spec.py): its window ring; a KV source also its group's
         entries (+ index keys) and, at ratio > 1, the open group's buffers."""
-        kinds = [Ring(f"{self.layer}.window", self.window, self.head_dim)]
+        kinds = [Ring(f"{self.layer}.window", self.window, self.head_dim, packed=window_record(self.head_dim))]
         if self.compressor is not None:
-            kinds.append(Entries(f"{self.layer}.kv", self.ratio, self.head_dim))
+            kinds.append(Entries(f"{self.layer}.kv", self.ratio, self.head_dim, packed=entry_record(self.head_dim)))
             if self.indexer is not None:
-                kinds.append(Entries(f"{self.layer}.index", self.ratio, self.indexer.index_dim))
+                kinds.append(Entries(f"{self.layer}.index", self.ratio, self.indexer.index_dim,
+                                     packed=index_record(self.indexer.index_dim)))
             if self.ratio > 1:
                 kinds += [Ring(f"{self.layer}.kv.pending_kv", self.ratio, self.head_dim, "accum"),
                           Ring(f"{self.layer}.kv.pending_score", self.ratio, self.head_dim, "accum")]

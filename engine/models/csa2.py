@@ -18,6 +18,7 @@ from torch import nn
 
 from deepinfer.kernels.compress import softmax_pool
 from deepinfer.kernels.indexer import index_scores
+from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.matmul import linear_f32
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import fake_quant_fp4
@@ -30,6 +31,11 @@ from .selection import top_k_mask, visible_entries
 
 ENTRY_FP4_BLOCK = 16    # compressed KV: e2m1, one e4m3 scale per 16 channels
 INDEX_FP4_BLOCK = 32    # indexer q and k: e2m1, one ue8m0 scale per 32 channels
+
+
+def entry_record(head_dim: int) -> KVFormat:
+    """The release's cache record of a compressed entry: FP4 e2m1 per 16 with e4m3 scales (288 B at 512)."""
+    return KVFormat("fp4", head_dim, ENTRY_FP4_BLOCK, scale="e4m3")
 
 
 def quantize_entry(x: torch.Tensor) -> torch.Tensor:

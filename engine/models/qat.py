@@ -6,6 +6,7 @@ with like. See docs/quantization.md for the reference behaviour each one reprodu
 
 import torch
 
+from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.quant import fake_quant_fp4, fake_quant_fp8, hadamard_rotate
 
 KV_FP8_BLOCK = 64      # the K=V latent's non-RoPE channels: FP8 e4m3, one ue8m0 scale per 64
@@ -20,3 +21,14 @@ def quantize_kv_latent(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
 def quantize_index(x: torch.Tensor) -> torch.Tensor:
     """x: [..., dI] indexer query or key."""
     return fake_quant_fp4(hadamard_rotate(x), INDEX_FP4_BLOCK)
+
+
+def latent_record(head_dim: int, rope_dim: int) -> KVFormat:
+    """The release's FP8 cache record of a K=V latent (window and compressed entries): the non-RoPE channels e4m3
+    per 64 with ue8m0 scales, the RoPE slice bf16 (584 B at 512 / 64)."""
+    return KVFormat("fp8", head_dim, KV_FP8_BLOCK, tail=rope_dim)
+
+
+def index_record(index_dim: int) -> KVFormat:
+    """The cache record of an indexer key: FP4 e2m1 per 32 with ue8m0 scales (68 B at 128)."""
+    return KVFormat("fp4", index_dim, INDEX_FP4_BLOCK)
