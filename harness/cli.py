@@ -10,6 +10,7 @@ import click
 
 from deepinfer.cli import run_cli
 from deepinfer.kernels.registry import BACKEND_SETS
+from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE, PROJECTION_STORAGE
 
 from .kernel_bench import OPS as KOPS   # noqa: E402  deepinfer-bench kernels --op
@@ -182,6 +183,8 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
 @click.option("--expert-act-quant", is_flag=True, help="W4A8 experts: FP8 activations per 1x128 (with fp4 storage)")
 @click.option("--projection-storage", type=click.Choice(PROJECTION_STORAGE), default="dense", show_default=True,
               help="fp8: the release's FP8 projections stay FP8 and run fp8_linear (W8A8)")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
+              help="fp8: the release's FP8 / FP4 KV cache records (docs/kernels.md)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: step-<time>]")
@@ -190,8 +193,8 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
 @click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished points")
 @click.option("--continue-on-error", is_flag=True, help="record a failed point and go on")
 def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, contexts, query_len, prefill, iters,
-             warmup, trace_steps, no_graphs, expert_act_quant, projection_storage, seed, report_dir, run_id, out,
-             resume, continue_on_error) -> None:
+             warmup, trace_steps, no_graphs, expert_act_quant, projection_storage, kv_cache_dtype, seed, report_dir,
+             run_id, out, resume, continue_on_error) -> None:
     """Decode / verify / prefill step time against its roofline: one row per point (docs/bench.md).
 
     Per point: measured step time (CUDA events over graph replays on a GPU), the roofline from the bytes the
@@ -207,7 +210,8 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
     cfg = StepConfig(model=model or DEFAULT_MODEL, device=device, dtype=dtype, expert_storage=expert_storage,
                      kernel_backend=kernel_backend, batches=b, contexts=c, query_len=query_len, prefill=pre,
                      iters=iters, warmup=warmup, trace_steps=trace_steps, graphs=not no_graphs, seed=seed,
-                     expert_act_quant=expert_act_quant, projection_storage=projection_storage)
+                     expert_act_quant=expert_act_quant, projection_storage=projection_storage,
+                     kv_cache_dtype=kv_cache_dtype)
     run_dir, rows = run_step_bench(cfg, report_dir, run_id, out, resume, continue_on_error, echo=click.echo)
     click.echo(f"rows in {run_dir / 'rows.jsonl'}")
     for line in table(rows):

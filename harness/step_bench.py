@@ -39,6 +39,7 @@ import torch
 
 from deepinfer.errors import DeepInferError
 from deepinfer.models.layers import Fp8Linear
+from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
@@ -112,6 +113,7 @@ class StepConfig:
     seed: int = 0
     expert_act_quant: bool = False      # W4A8 experts (LLM(expert_act_quant=True)); FP4 storage only
     projection_storage: str = "dense"   # "fp8": the release's FP8 projections kept FP8 (fp8_linear, W8A8)
+    kv_cache_dtype: str = "auto"        # "fp8": the release's FP8 / FP4 cache records (LLM(kv_cache_dtype=...))
 
     def __post_init__(self):
         if self.expert_act_quant and self.expert_storage != "fp4":
@@ -127,6 +129,8 @@ class StepConfig:
                                  f"{', '.join(PROJECTION_STORAGE)}")
         if self.expert_storage not in EXPERT_STORAGE:
             raise DeepInferError(f"--expert-storage {self.expert_storage!r}: use one of {', '.join(EXPERT_STORAGE)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise DeepInferError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
         parse_dtype(self.dtype)
         if not self.points():
             raise DeepInferError("no points: give --batch and --context, or --prefill")
@@ -158,6 +162,8 @@ class StepConfig:
             args["expert_act_quant"] = True
         if self.projection_storage != "dense":
             args["projection_storage"] = self.projection_storage
+        if self.kv_cache_dtype != "auto":
+            args["kv_cache_dtype"] = self.kv_cache_dtype
         return args
 
 
@@ -595,7 +601,7 @@ def measure_point(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Invent
 def comparable(settings: dict) -> dict:
     """A run's settings as --resume compares them: without the point lists (they may grow), and without options
     at their defaults that runs from before the option did not record (expert_act_quant off, dense projections)."""
-    defaults = {"expert_act_quant": False, "projection_storage": "dense"}
+    defaults = {"expert_act_quant": False, "projection_storage": "dense", "kv_cache_dtype": "auto"}
     return {k: v for k, v in settings.items() if k not in ("batches", "contexts", "prefill")
             and not (k in defaults and v == defaults[k])}
 
@@ -674,7 +680,8 @@ def _identity(cfg: StepConfig, llm, run_name: str, storage: str, probe_cls, ceil
             "mode": "step", "run_id": run_name, "model": cfg.model, "model_type": mcfg.model_type,
             "layers": mcfg.num_hidden_layers, "config_hash": mcfg.config_hash(), "precision": cfg.dtype,
             "expert_storage": storage, "expert_act_quant": cfg.expert_act_quant,
-            "projection_storage": cfg.projection_storage, "kernel_backend": backend,
+            "projection_storage": cfg.projection_storage, "kv_cache_dtype": cfg.kv_cache_dtype,
+            "kernel_backend": backend,
             "kernel_backends": backends,
             "device": cfg.device, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
             "hardware_info": env["hardware"], "engine": "deepinfer", "git_sha": env["git"]["sha"],

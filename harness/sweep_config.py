@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import DTYPE_NAMES as DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_model_spec
@@ -30,10 +31,11 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TOP_KEYS = ("name", "model", "device", "dtype", "engine_args", "mode", "scenarios", "range_ratio", "topology",
             "concurrency", "num_prompts_per_concurrency", "warmup", "seed")
 REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
-# engine argument -> kind: "int" (>= 1), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE)
+# engine argument -> kind: "int" (>= 1), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE),
+# "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES)
 ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max_model_len": "int",
                     "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
-                    "projection_storage": "projection", "block_size": "int"}
+                    "projection_storage": "projection", "block_size": "int", "kv_cache_dtype": "kv_cache_dtype"}
 SCENARIO_KEYS = ("isl", "osl")
 TOPOLOGY_KEYS = ("prefill_ranks", "decode_ranks", "ep", "dp")
 LADDER_KEYS = ("start", "stop")
@@ -335,6 +337,8 @@ class Validator:
                 self.choice(val, p, EXPERT_STORAGE)
             elif kind == "projection":
                 self.choice(val, p, PROJECTION_STORAGE)
+            elif kind == "kv_cache_dtype":
+                self.choice(val, p, KV_CACHE_DTYPES)
         if "max_num_seqs" in d and "max_num_batched_tokens" in d and d["max_num_batched_tokens"] < d["max_num_seqs"]:
             raise self.error(f"{path}.max_num_batched_tokens", f"got {d['max_num_batched_tokens']}; must be >= "
                                                                f"max_num_seqs ({d['max_num_seqs']})")

@@ -38,11 +38,15 @@ from dataclasses import dataclass
 import torch
 
 from .attention import SplitStore
+from .kv_formats import PackedStore
+from .kv_formats_triton import readable, record_args
 from .registry import implements, is_interpreted, on_kernel_device, pow2, sm_count
 
 try:
     import triton
     import triton.language as tl
+
+    from .kv_formats_triton import load_records
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -77,41 +81,64 @@ def supported(q: torch.Tensor, sources) -> bool:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.shape[1] > 64 or q.shape[2] > 512:
         return False
     parts = [p for store, _ in sources for p in _parts(store)]
-    return on_kernel_device(INTERPRETED, q, *parts, *(i for _, i in sources)) and all(
-        p.dtype == q.dtype and p.dim() == 2 and p.shape[-1] == q.shape[2] for p in parts)
+    plain = [p for p in parts if not isinstance(p, PackedStore)]
+    packed_ok = all(readable(p, q.shape[2]) for p in parts if isinstance(p, PackedStore))
+    return packed_ok and on_kernel_device(INTERPRETED, q, *(getattr(p, "data", p) for p in parts),
+                                          *(i for _, i in sources)) and all(
+        p.dtype == q.dtype and p.dim() == 2 and p.shape[-1] == q.shape[2] for p in plain)
 
 
-def _parts(store) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first part, second part) of a store: a SplitStore's ring and new rows; a plain store twice."""
+def _parts(store) -> tuple:
+    """(first part, second part) of a store: a SplitStore's ring and new rows; a plain store twice. Only a first
+    part may be packed (a SplitStore's new rows are this step's latents)."""
     return (store.ring, store.new) if isinstance(store, SplitStore) else (store, store)
 
 
-def _pointers(store) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The kernel's view of a store: (rows before R, rows from R, R), each part with unit stride along d."""
-    a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in _parts(store))
-    return a, b, a.shape[0]             # a plain store: every valid index is below its row count
+def _pointers(store, q: torch.Tensor):
+    """The kernel's view of a store: (first part's RecordArgs, the rows from R as a plain tensor, R). A packed store
+    on its own has no second part: q stands in (never read: every index is below R)."""
+    a, b = _parts(store)
+    b = q if isinstance(b, PackedStore) else (b if b.stride(-1) == 1 else b.contiguous())
+    return record_args(a), b, a.shape[0]          # a plain store: every valid index is below its row count
 
 
 if triton is not None:
 
     @triton.jit
-    def _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr, i2_ptr, K1, R1, R2,
-                     stride_s1, stride_n1, stride_i1, stride_s2, stride_n2, stride_i2, qk_scale, d, d_ok,
-                     BLOCK_N: tl.constexpr, TWO: tl.constexpr, F32: tl.constexpr):
+    def _source_keys(s_ptr, s16_ptr, n_ptr, idx, R, stride_s, stride_n, d, d_ok, D,
+                     KIND: tl.constexpr, Q: tl.constexpr, SOFF: tl.constexpr, BLK: tl.constexpr,
+                     E4M3: tl.constexpr):
+        """Keys [BLOCK_N, BLOCK_D] of one source, in the second part's dtype: index i < R reads the first part (a
+        plain store, or packed records decoded in registers: kernels/kv_formats_triton.py), else new row i - R."""
+        ok = idx >= 0
+        if KIND == 0:
+            row = tl.where(idx < R, s_ptr + idx * stride_s, n_ptr + (idx - R) * stride_n)
+            k = tl.load(row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            first = idx < R
+            kb = tl.load(n_ptr + ((idx - R) * stride_n)[:, None] + d[None, :],
+                         mask=(ok & ~first)[:, None] & d_ok[None, :], other=0.0)
+            ka = load_records(s_ptr, s16_ptr, idx * stride_s, d, ok & first, D, KIND, Q, SOFF, BLK, E4M3,
+                              n_ptr.dtype.element_ty)
+            k = tl.where(first[:, None], ka, kb)
+        return k
+
+    @triton.jit
+    def _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, s1_16, n1_ptr, i1_ptr, s2_ptr, s2_16, n2_ptr, i2_ptr,
+                     K1, R1, R2, stride_s1, stride_n1, stride_i1, stride_s2, stride_n2, stride_i2, qk_scale, d, d_ok,
+                     D, BLOCK_N: tl.constexpr, TWO: tl.constexpr, F32: tl.constexpr,
+                     P1: tl.constexpr, Q1: tl.constexpr, O1: tl.constexpr, B1: tl.constexpr, E1: tl.constexpr,
+                     P2: tl.constexpr, Q2: tl.constexpr, O2: tl.constexpr, B2: tl.constexpr, E2: tl.constexpr):
         """One step of BLOCK_N keys (positions start + it*BLOCK_N ..) of row n: the online softmax update."""
         t = start + it * BLOCK_N + tl.arange(0, BLOCK_N)
         in_range = t < stop
         i1 = tl.load(i1_ptr + n * stride_i1 + t, mask=in_range & (t < K1), other=-1)
-        ok1 = i1 >= 0
-        row1 = tl.where(i1 < R1, s1_ptr + i1 * stride_s1, n1_ptr + (i1 - R1) * stride_n1)
-        k = tl.load(row1[:, None] + d[None, :], mask=ok1[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
-        ok = ok1
+        ok = i1 >= 0
+        k = _source_keys(s1_ptr, s1_16, n1_ptr, i1, R1, stride_s1, stride_n1, d, d_ok, D, P1, Q1, O1, B1, E1)
         if TWO:
             i2 = tl.load(i2_ptr + n * stride_i2 + (t - K1), mask=in_range & (t >= K1), other=-1)
-            ok2 = i2 >= 0
-            row2 = tl.where(i2 < R2, s2_ptr + i2 * stride_s2, n2_ptr + (i2 - R2) * stride_n2)
-            k += tl.load(row2[:, None] + d[None, :], mask=ok2[:, None] & d_ok[None, :], other=0.0)
-            ok = ok1 | ok2
+            k += _source_keys(s2_ptr, s2_16, n2_ptr, i2, R2, stride_s2, stride_n2, d, d_ok, D, P2, Q2, O2, B2, E2)
+            ok = ok | (i2 >= 0)
         if F32:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -129,19 +156,22 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _sparse_attn_kernel(q_ptr, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr, i2_ptr, sink_ptr, o_ptr, ml_ptr,
-                            H, D, K1, K2, R1, R2, nsplit, iters, stride_qn, stride_qh, stride_s1, stride_n1,
+    def _sparse_attn_kernel(q_ptr, s1_ptr, s1_16, n1_ptr, i1_ptr, s2_ptr, s2_16, n2_ptr, i2_ptr, sink_ptr, o_ptr,
+                            ml_ptr, H, D, K1, K2, R1, R2, nsplit, iters, stride_qn, stride_qh, stride_s1, stride_n1,
                             stride_i1, stride_s2, stride_n2, stride_i2, stride_on, stride_oh, stride_os, qk_scale,
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr,
-                            F32: tl.constexpr):
+                            F32: tl.constexpr,
+                            P1: tl.constexpr, Q1: tl.constexpr, O1: tl.constexpr, B1: tl.constexpr, E1: tl.constexpr,
+                            P2: tl.constexpr, Q2: tl.constexpr, O2: tl.constexpr, B2: tl.constexpr, E2: tl.constexpr):
         """Program (n, s, b): row n, heads [b*BLOCK_H, (b+1)*BLOCK_H), keys [s*SPLIT, (s+1)*SPLIT) of its
         concatenated list (ONE_PASS: all of them),
         `iters` steps of BLOCK_N keys (ITERS > 0: that many, a compile-time trip count, for the interpreter,
         which cannot loop to a runtime bound; on a GPU the count is a runtime value, so a new keys-per-row
         does not compile the kernel again).
         A source's store is in two parts (kernels.attention.SplitStore): index i < R_i reads s_i[i], else
-        n_i[i - R_i] (a plain store passes itself twice with R_i = its rows).
+        n_i[i - R_i] (a plain store passes itself twice with R_i = its rows). P_i > 0: s_i holds packed records
+        (kernels/kv_formats.py; s_i16 their bf16 view, Q/O/B/E_i the format's constants), decoded in registers.
         ONE_PASS writes the normalized output o [N, H, D] (q's dtype); else o is [N, nsplit, H, D] fp32
         (stride_os per split) of unnormalized accumulators and ml [N, nsplit, H, 2] their (m, l)."""
         n = tl.program_id(0).to(tl.int64)
@@ -164,14 +194,16 @@ if triton is not None:
         acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
         if ITERS > 0:
             for it in range(ITERS):
-                m, l, acc = _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr,
-                                         i2_ptr, K1, R1, R2, stride_s1, stride_n1, stride_i1, stride_s2, stride_n2,
-                                         stride_i2, qk_scale, d, d_ok, BLOCK_N, TWO, F32)
+                m, l, acc = _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, s1_16, n1_ptr, i1_ptr, s2_ptr,
+                                         s2_16, n2_ptr, i2_ptr, K1, R1, R2, stride_s1, stride_n1, stride_i1,
+                                         stride_s2, stride_n2, stride_i2, qk_scale, d, d_ok, D, BLOCK_N, TWO, F32,
+                                         P1, Q1, O1, B1, E1, P2, Q2, O2, B2, E2)
         else:
             for it in range(iters):
-                m, l, acc = _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, n1_ptr, i1_ptr, s2_ptr, n2_ptr,
-                                         i2_ptr, K1, R1, R2, stride_s1, stride_n1, stride_i1, stride_s2, stride_n2,
-                                         stride_i2, qk_scale, d, d_ok, BLOCK_N, TWO, F32)
+                m, l, acc = _attend_tile(q, m, l, acc, it, n, start, stop, s1_ptr, s1_16, n1_ptr, i1_ptr, s2_ptr,
+                                         s2_16, n2_ptr, i2_ptr, K1, R1, R2, stride_s1, stride_n1, stride_i1,
+                                         stride_s2, stride_n2, stride_i2, qk_scale, d, d_ok, D, BLOCK_N, TWO, F32,
+                                         P1, Q1, O1, B1, E1, P2, Q2, O2, B2, E2)
         if ONE_PASS:
             out = acc / l[:, None]
             tl.store(o_ptr + n * stride_on + h[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -259,7 +291,7 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    (s1, n1, r1), (s2, n2, r2) = _pointers(st1), _pointers(st2)
+    (a1, n1, r1), (a2, n2, r2) = _pointers(st1, q), _pointers(st2, q)
     i1, i2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (i1, i2))
     sink = sink.to(torch.float32).contiguous()
     if splits is None:
@@ -272,10 +304,12 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
     iters = -(-split // tiles.block_n)                                  # steps per program
     common = dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles.block_n, SPLIT=split if nsplit else 1,
                   ONE_PASS=not nsplit, ITERS=iters if INTERPRETED else 0, TWO=len(sources) == 2,
-                  F32=q.dtype == torch.float32, num_warps=tiles.warps, num_stages=tiles.stages)
-    args = (s1, n1, i1, s2, n2, i2, sink)
-    sizes = (h, dim, k1, k2, r1, r2, max(nsplit, 1), iters, q.stride(0), q.stride(1), s1.stride(0), n1.stride(0),
-             i1.stride(0), s2.stride(0), n2.stride(0), max(i2.stride(0), 1) if i2.numel() else 1)
+                  F32=q.dtype == torch.float32, num_warps=tiles.warps, num_stages=tiles.stages,
+                  **dict(zip(("P1", "Q1", "O1", "B1", "E1"), a1.constexprs)),
+                  **dict(zip(("P2", "Q2", "O2", "B2", "E2"), a2.constexprs)))
+    args = (a1.p8, a1.p16, n1, i1, a2.p8, a2.p16, n2, i2, sink)
+    sizes = (h, dim, k1, k2, r1, r2, max(nsplit, 1), iters, q.stride(0), q.stride(1), a1.stride, n1.stride(0),
+             i1.stride(0), a2.stride, n2.stride(0), max(i2.stride(0), 1) if i2.numel() else 1)
     if not nsplit:
         _sparse_attn_kernel[(n, 1, hblocks)](q, *args, out, out, *sizes, out.stride(0), out.stride(1), 0,
                                              scale * LOG2E, **common)

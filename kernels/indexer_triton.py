@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import torch
 
+from .kv_formats import PackedStore
+from .kv_formats_triton import readable, record_args
 from .registry import implements, is_interpreted, on_kernel_device, pow2
 
 try:
     import triton
     import triton.language as tl
+
+    from .kv_formats_triton import load_records
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -43,19 +47,24 @@ WARPS = 4
 
 
 def supported(q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, index: torch.Tensor) -> bool:
+    """Keys plain in q's dtype, or packed records (kernels/kv_formats.py) the kernel decodes in registers."""
     if triton is None or q.dim() != 3 or store.dim() != 2 or q.shape[1] > 128 or q.shape[2] > 256:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or store.dtype != q.dtype:
         return False
-    return on_kernel_device(INTERPRETED, q, weights, store, index)
+    if isinstance(store, PackedStore) and not readable(store, q.shape[2]):
+        return False
+    return on_kernel_device(INTERPRETED, q, weights, getattr(store, "data", store), index)
 
 
 if triton is not None:
 
     @triton.jit
-    def _index_scores_kernel(q_ptr, w_ptr, s_ptr, i_ptr, o_ptr, H, DI, K, stride_qn, stride_qh, stride_wn,
+    def _index_scores_kernel(q_ptr, w_ptr, s_ptr, s16_ptr, i_ptr, o_ptr, H, DI, K, stride_qn, stride_qh, stride_wn,
                              stride_s, stride_in, stride_on, scale,
-                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr):
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+                             P: tl.constexpr, PQ: tl.constexpr, PO: tl.constexpr, PB: tl.constexpr,
+                             PE: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         h = tl.arange(0, BLOCK_H)
@@ -66,7 +75,11 @@ if triton is not None:
         w = tl.load(w_ptr + n * stride_wn + h, mask=h_ok, other=0.0).to(tl.float32)
         idx = tl.load(i_ptr + n * stride_in + j, mask=j_ok, other=-1)
         ok = idx >= 0
-        keys = tl.load(s_ptr + idx[:, None] * stride_s + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if P == 0:
+            keys = tl.load(s_ptr + idx[:, None] * stride_s + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                           other=0.0)
+        else:                                                                    # packed records (P > 0)
+            keys = load_records(s_ptr, s16_ptr, idx * stride_s, d, ok, DI, P, PQ, PO, PB, PE, q_ptr.dtype.element_ty)
         if F32:
             s = tl.dot(q, tl.trans(keys), input_precision="ieee")               # [BLOCK_H, BLOCK_K] fp32
         else:
@@ -145,13 +158,14 @@ def index_scores_kernel(q, weights, store, index, scale) -> torch.Tensor:
     if n == 0 or k == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    store = store if store.stride(-1) == 1 else store.contiguous()
+    keys = record_args(store)
     weights = weights.contiguous()
     index = index if index.stride(-1) == 1 else index.contiguous()
     _index_scores_kernel[(n, triton.cdiv(k, BLOCK_K))](
-        q, weights, store, index, out, h, di, k, q.stride(0), q.stride(1), weights.stride(0), store.stride(0),
-        index.stride(0), out.stride(0), float(scale), BLOCK_H=pow2(h), BLOCK_D=pow2(di), BLOCK_K=BLOCK_K,
-        F32=q.dtype == torch.float32, num_warps=WARPS)
+        q, weights, keys.p8, keys.p16, index, out, h, di, k, q.stride(0), q.stride(1), weights.stride(0),
+        keys.stride, index.stride(0), out.stride(0), float(scale), BLOCK_H=pow2(h), BLOCK_D=pow2(di),
+        BLOCK_K=BLOCK_K, F32=q.dtype == torch.float32, num_warps=WARPS,
+        **dict(zip(("P", "PQ", "PO", "PB", "PE"), keys.constexprs)))
     return out
 
 

@@ -1,0 +1,91 @@
+"""Reading packed KV records (kernels/kv_formats.py) inside Triton kernels: the attention and indexer kernels
+decode the rows they gather in registers, so an FP8 cache is read at its own bytes (no unpacked copy).
+
+`record_args(store)` gives a kernel what it needs of one store part: the records as uint8 (and as bf16, for V4's
+bf16 RoPE slice), the row stride in bytes, and the format's constants (kind, quantized channels, scale offset,
+channels per scale, scale kind). `load_records` decodes [rows, channels] to fp32, exactly as `KVFormat.unpack`:
+e4m3 / e2m1 values times their ue8m0 (2^(b - 127)) or e4m3 scale, the bf16 tail as stored."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .kv_formats import PackedStore
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:          # CPU-only installs
+    triton = None
+
+PLAIN, FP8, FP4 = 0, 1, 2
+
+
+class RecordArgs(NamedTuple):
+    p8: torch.Tensor          # records as uint8 [M, B] (a plain store: the store itself)
+    p16: torch.Tensor         # records as bf16 [M, B / 2] (the tail's view; = p8 when the format has none)
+    stride: int               # row stride, in p8's elements
+    kind: int                 # PLAIN, FP8, FP4
+    quantized: int            # channels on the 8/4-bit grid
+    scale_offset: int         # byte of the first scale
+    block: int                # channels per scale
+    e4m3: bool                # scales are e4m3 bytes (else ue8m0)
+
+    @property
+    def constexprs(self) -> tuple:
+        return self.kind, self.quantized, self.scale_offset, self.block, self.e4m3
+
+
+def record_args(part) -> RecordArgs:
+    """A store part (a tensor [M, d] or a PackedStore [M, d]) as a kernel reads it."""
+    if not isinstance(part, PackedStore):
+        t = part if part.stride(-1) == 1 else part.contiguous()
+        return RecordArgs(t, t, t.stride(0), PLAIN, 0, 0, 1, False)
+    data, fmt = part.data, part.fmt
+    if data.stride(-1) != 1 or data.stride(0) != fmt.record_bytes:
+        data = data.contiguous()
+    p16 = data.view(torch.bfloat16) if fmt.tail else data
+    return RecordArgs(data, p16, data.stride(0), FP8 if fmt.kind == "fp8" else FP4, fmt.quantized,
+                      fmt.scale_offset, fmt.block, fmt.scale == "e4m3" and fmt.kind == "fp4")
+
+
+def readable(part, width: int) -> bool:
+    """Whether the kernels decode this part in place: a PackedStore of `width` values whose bf16 tail (if any)
+    lines up for the bf16 view."""
+    return isinstance(part, PackedStore) and part.fmt.width == width and part.fmt.record_bytes % 2 == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def load_records(p8, p16, off, d, ok, D, KIND: tl.constexpr, Q: tl.constexpr, SOFF: tl.constexpr,
+                     BLK: tl.constexpr, E4M3: tl.constexpr, OUT: tl.constexpr):
+        """Rows at byte offsets off [R] (int64; ok [R] the rows to read), channels d [C] < D -> OUT [R, C]
+        (bf16 / fp16 / fp32: e4m3 or e2m1 values times a power-of-two or e4m3 scale have at most 7 significant
+        bits, so the products are exact in any of them); unread rows and channels are 0."""
+        quant = d < Q
+        m = ok[:, None] & quant[None, :]
+        if KIND == 1:
+            b = tl.load(p8 + off[:, None] + d[None, :], mask=m, other=0)
+            v = b.to(tl.float8e4nv, bitcast=True).to(OUT)
+        else:
+            b = tl.load(p8 + off[:, None] + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
+            nib = (b >> ((d % 2) * 4)[None, :]) & 15
+            mag = nib & 7
+            e = mag >> 1
+            frac = (mag & 1).to(tl.float32)
+            v = tl.where(e == 0, 0.5 * frac, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * frac))
+            v = tl.where(nib >= 8, -v, v).to(OUT)
+        sb = tl.load(p8 + off[:, None] + SOFF + (d // BLK)[None, :], mask=m, other=0)
+        if E4M3:
+            scale = sb.to(tl.float8e4nv, bitcast=True).to(OUT)
+        else:
+            scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(OUT)      # 2^(b - 127)
+        v = v * scale
+        if KIND == 1:
+            if Q < SOFF:                                                              # a bf16 tail
+                v += tl.load(p16 + (off // 2)[:, None] + (d - Q // 2)[None, :],
+                             mask=ok[:, None] & (~quant & (d < D))[None, :], other=0.0).to(OUT)   # v is 0 there
+        return v
