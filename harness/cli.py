@@ -104,25 +104,35 @@ def index_hint(report_dir, run_dir) -> str:
 \b
   deepinfer-bench report 20250101-120000-tiny-cpu          # one run's summary.csv and charts, and the index
   deepinfer-bench report --all --no-png                   # every run under reports/, HTML and CSV only
-  git add -f reports/1/RUN && deepinfer-bench report --all # publish a run: list it in reports/index.md""")
+  git add -f reports/1/RUN && deepinfer-bench report --all # publish a run: list it in reports/index.md
+  deepinfer-bench report NEW --against OLD                  # NEW's charts, and NEW against OLD in one chart each""")
 @click.argument("run_ids", nargs=-1, callback=lambda ctx, param, value: [not_blank(ctx, param, v) for v in value])
 @click.option("--all", "all_runs", is_flag=True, help="every run under the report dir")
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--no-png", is_flag=True, help="HTML and CSV only")
-def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
+@click.option("--against", "against", multiple=True, callback=lambda ctx, param, value: [not_blank(ctx, param, v)
+                                                                                         for v in value],
+              help="an earlier run to chart the named run against (repeatable): <mode>_vs_<run>.html / .png")
+def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
     """Regenerate summary.csv and the Pareto charts of RUN_IDS (or --all) from their stored rows, and the index
     (reports/index.md: the only command that writes it). A corrupt row in a named run is an error before anything
     is written; with --all such a run is listed as unreadable."""
     from deepinfer.errors import DeepInferError
 
-    from .report import ok_rows, report_run, sweep_runs, write_index
+    from .report import comparison_charts, ok_rows, report_run, sweep_runs, write_index
     from .rows import CorruptRowError
     root = Path(report_dir)
     if not root.is_dir():
         raise DeepInferError(f"no report directory {root}: run a sweep first, or pass --report-dir")
     if all_runs and run_ids:
         raise click.UsageError(f"name RUN_IDS or pass --all, not both (got {', '.join(run_ids)} and --all)")
+    if against and len(run_ids) != 1:
+        raise click.UsageError("--against compares one named run with earlier ones: name exactly one RUN_ID")
     runs = sweep_runs(root)
+    runs_all = runs
+    missing = [r for r in against if not any(d.name == r for d in runs)]
+    if missing:
+        raise DeepInferError(f"--against: no stored rows for run(s) {missing} under {root}")
     if not all_runs:
         if not run_ids:
             raise click.UsageError("name RUN_IDS or pass --all")
@@ -143,6 +153,8 @@ def report_cmd(run_ids, all_runs, report_dir, no_png) -> None:
             click.echo(f"{run_dir}: no sweep points (a check run or nothing finished): no charts")
             continue
         written = report_run(run_dir, png=not no_png, rows=rows)
+        for other in (d for d in runs_all if d.name in against):
+            written += comparison_charts(run_dir, rows, other, ok_rows(other), png=not no_png)
         click.echo(f"{run_dir}: " + ", ".join(p.name for p in written))
     click.echo(f"index: {write_index(root)}")
 

@@ -54,12 +54,13 @@ def write_summary(run_dir: Path, rows: list[dict]) -> Path:
     return path
 
 
-def pareto_figure(rows: list[dict], mode: str, title: str):
+def pareto_figure(rows: list[dict], mode: str, title: str, by_run: bool = False):
+    """One chart of a mode's points and frontiers, a series per group (CHART_GROUP_KEYS; by_run: per run too)."""
     import plotly.graph_objects as go
     x, y, x_better, x_title, y_title = CHARTS[mode]
     points = [r for r in rows if r["mode"] == mode and r.get(x) is not None and r.get(y) is not None]
     fig = go.Figure()
-    keys = CHART_GROUP_KEYS
+    keys = (("run_id",) if by_run else ()) + tuple(CHART_GROUP_KEYS)
     for group, front in frontiers(points, keys, x, y, x_better=x_better).items():
         members = [r for r in points if tuple(r.get(k) for k in keys) == group]
         *who, projected, isl, osl = group
@@ -168,6 +169,30 @@ def _eval_line(run_dir: Path) -> str:
             f"{', '.join(sorted({r['task'] for r in metrics}))} | "
             f"{', '.join(str(c) for c in sorted({r['concurrency'] for r in metrics}))} | "
             f"{sum(r['passed'] for r in checked)} / {sum(not r['passed'] for r in checked)} | {agreement} |")
+
+
+def comparison_charts(run_dir: Path, rows: list[dict], other: Path, other_rows: list[dict], png: bool = True
+                      ) -> list[Path]:
+    """Charts of this run's points against another run's, a series per run: <mode>_vs_<other>.html (and .png)
+    beside the run's own charts, for every mode both runs have."""
+    written = []
+    for mode in CHARTS:
+        if not any(r["mode"] == mode for r in rows) or not any(r["mode"] == mode for r in other_rows):
+            continue
+        fig = pareto_figure(rows + other_rows, mode, f"{run_dir.name} against {other.name}: {mode} Pareto", by_run=True)
+        stem = run_dir / f"{mode}_vs_{other.name}"
+        html = stem.with_suffix(".html")
+        atomic_write_text(html, fig.to_html(include_plotlyjs="../../plotly.min.js", full_html=True,
+                                            div_id=f"{mode}-vs", config={"displaylogo": False}))
+        written.append(html)
+        if png:
+            try:
+                fig.write_image(stem.with_suffix(".png"), format="png", scale=2)
+                written.append(stem.with_suffix(".png"))
+            except Exception as e:     # noqa: BLE001  as write_charts
+                log.warning(f"PNG charts skipped: kaleido could not start a browser ({type(e).__name__}); {PNG_HELP}")
+                png = False
+    return written
 
 
 def report_run(run_dir: Path, png: bool = True, rows: list[dict] | None = None) -> list[Path]:

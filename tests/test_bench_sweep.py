@@ -164,6 +164,21 @@ def test_report_is_regenerated_byte_for_byte_from_rows(tmp_path):
     assert list(table["key"]) == [p.key for p in parse_sweep(MICRO).points()]
 
 
+def test_report_charts_a_run_against_an_earlier_one(tmp_path):
+    """--against: one chart per mode with a series per run (both runs' frontiers), beside the run's own charts."""
+    old = run_sweep(parse_sweep(MICRO), tmp_path, "old", progress=False)
+    new = run_sweep(parse_sweep({**MICRO, "seed": 3}), tmp_path, "new", progress=False)
+    res = CliRunner().invoke(cli, ["report", "new", "--against", "old", "--report-dir", str(tmp_path), "--no-png"])
+    assert res.exit_code == 0, res.output
+    html = (new / "decode_vs_old.html").read_text()
+    assert '"name":"new \\u002f' in html and '"name":"old \\u002f' in html and html.count(" frontier") == 2
+    assert (new / "prefill_vs_old.html").exists() and not list(old.glob("*_vs_*"))
+    for args, msg in ((["new", "old", "--against", "old"], "exactly one RUN_ID"),
+                      (["new", "--against", "gone"], "no stored rows for run(s) ['gone']")):
+        res = CliRunner().invoke(cli, ["report", *args, "--report-dir", str(tmp_path), "--no-png"])
+        assert res.exit_code != 0 and msg in (res.output + str(res.exception))
+
+
 def test_missing_model_is_one_error_line(tmp_path):
     res = CliRunner().invoke(cli, ["sweep", "--model", str(tmp_path / "nope"), "--report-dir", str(tmp_path),
                                    "--no-progress"])

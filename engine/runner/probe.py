@@ -20,6 +20,8 @@ from ..cache.forward_batch import ForwardBatch
 from ..errors import DeepInferError
 from .inputs import StepInputs
 
+FILL_BLOCKS = 256          # entry blocks filled with random values at a time
+
 
 class StepProbe:
     def __init__(self, llm, batch_size: int, context_len: int, query_len: int = 1, seed: int = 0):
@@ -57,12 +59,14 @@ class StepProbe:
         slots = torch.tensor(self.slots, device=pools.device)
         for ring in pools.rings.values():
             if ring.dtype.is_floating_point:
-                ring[slots] = torch.randn(ring[slots].shape, generator=g, device=pools.device).to(ring.dtype)
+                shape = (slots.shape[0], *ring.shape[1:])
+                ring[slots] = torch.randn(shape, generator=g, device=pools.device).to(ring.dtype)
         blocks = torch.tensor(sorted(b for r in self.rids for b in self.manager.owned[r][1]), dtype=torch.long,
                               device=pools.device)
         for store in pools.entries.values():
-            if blocks.numel():
-                store[blocks] = torch.randn(store[blocks].shape, generator=g, device=pools.device).to(store.dtype)
+            for part in blocks.split(FILL_BLOCKS):        # a packed store packs through fp32 temporaries: in parts
+                shape = (part.shape[0], *store.shape[1:])
+                store[part] = torch.randn(shape, generator=g, device=pools.device).to(store.dtype)
 
     @property
     def state_bytes_read(self) -> int:
