@@ -14,6 +14,7 @@ from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE, PROJECTION_STORAGE
 
 from .kernel_bench import OPS as KOPS   # noqa: E402  deepinfer-bench kernels --op
+from .versus_bench import ENGINES as VERSUS_ENGINES   # noqa: E402
 
 DEVICE_HELP = "cpu | cuda | cuda:N (GPU N)"
 
@@ -322,6 +323,44 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
                            isl=isl, osl=osl, rounds=rounds, seed=seed)
     run_dir = run_dir_for(report_dir, run_id, out, "structured")
     rows = run_structured_bench(cfg, run_dir, echo=click.echo)
+    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
+    for line in table(rows):
+        click.echo("  " + line)
+
+
+@cli.command("versus", epilog="""Examples:
+
+\b
+  deepinfer-bench versus --report-dir /tmp/reports                   # tiny V4 on CPU (about a minute)
+  deepinfer-bench versus --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16 \\
+      --batch 1,64 --isl 1024 --osl 64""")
+@click.option("--model", default="random:deepseek_v4:tiny:4", show_default=True, callback=not_blank,
+              help="a deepseek_v4 checkpoint dir or random:deepseek_v4:PRESET:N")
+@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
+@click.option("--batch", "batches", default="1,64", show_default=True, callback=not_blank,
+              help="batch sizes, comma-separated")
+@click.option("--isl", type=int, default=128, show_default=True, help="prompt tokens")
+@click.option("--osl", type=int, default=32, show_default=True, help="new tokens per prompt (exactly)")
+@click.option("--engines", default=",".join(VERSUS_ENGINES), show_default=True, callback=not_blank,
+              help="which of transformers, deepinfer (default kernels), reference (torch backend)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: versus-<time>]")
+@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
+              help="run directory (overrides --report-dir / --run-id)")
+def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_dir, run_id, out) -> None:
+    """deepinfer against transformers' eager generate and against its own torch reference backend on the same V4
+    weights: one row per (engine, batch), greedy, the same prompts, exactly --osl new tokens each."""
+    from .rows import run_dir_for
+    from .step_bench import parse_int_list
+    from .versus_bench import VersusConfig, run_versus_bench, table
+    cfg = VersusConfig(model=model, device=device, dtype=dtype, batches=parse_int_list(batches, "--batch"),
+                       isl=isl, osl=osl, engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
+                       seed=seed)
+    cfg.check()
+    run_dir = run_dir_for(report_dir, run_id, out, "versus")
+    rows = run_versus_bench(cfg, run_dir, echo=click.echo)
     click.echo(f"rows in {run_dir / 'rows.jsonl'}")
     for line in table(rows):
         click.echo("  " + line)

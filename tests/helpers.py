@@ -34,21 +34,9 @@ def our_model(cfg=TINY_V4, seed: int = 0, dtype=torch.float32, qat: bool = False
 
 
 def transformers_twin(model, dtype=torch.float32):
-    """transformers' DeepseekV4ForCausalLM holding exactly our model's weights."""
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    d = model.cfg.to_hf_dict()
-    d.pop("model_type"), d.pop("architectures")
-    cfg = DeepseekV4Config(**d)
-    cfg._attn_implementation = "eager"
-    with torch.device(model.device):
-        twin = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
-    state = {k: v.to(dtype) if v.dtype.is_floating_point else v for k, v in hf_tensors(model)
-             if not k.startswith("mtp.")}
-    missing, unexpected = twin.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    # transformers keeps these in fp32 whatever the model dtype; so do we.
-    return twin
+    """transformers' DeepseekV4ForCausalLM holding exactly our model's weights (harness/versus_bench.py)."""
+    from deepinfer.harness.versus_bench import transformers_twin as twin
+    return twin(model, dtype)
 
 
 def config_error(raw: dict, *fragments: str) -> str:

@@ -1,0 +1,221 @@
+"""`deepinfer-bench versus`: deepinfer against transformers' eager generate and against its own torch reference
+backend, on the same V4 weights, in one run (issue 15's side-by-side target; docs/bench.md).
+
+The model is a DeepSeek-V4 (transformers==5.23.0 has DeepseekV4ForCausalLM; V4.1 is not released there): a
+checkpoint directory or random:deepseek_v4:PRESET:LAYERS. transformers' twin holds exactly our model's weights
+(checkpoint/writer.hf_tensors), so all three run the same numbers; QAT fake-quant is off in ours, as transformers
+leaves it out.
+
+Per batch size b: b random-token prompts of `isl` tokens (seeded, the same for every engine), greedy, exactly
+`osl` new tokens each (ignore_eos / min_new_tokens). Each engine first runs the same shape once untimed (kernels
+compiled, CUDA graphs captured, the allocator warm), then once timed: wall time with the device synchronized,
+so a row's seconds cover prefill and decode of the batch. One row per (engine, batch): seconds, output tokens,
+output tok/s, ms per decode step (seconds / osl), and the greedy tokens' agreement with transformers' (bf16
+near-ties in a random model split them). Order: transformers first (the twin then goes away, our model comes
+back to the device), then deepinfer with the default kernels, then with the reference backend."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.errors import DeepInferError
+from deepinfer.validate import check_device, parse_dtype
+
+from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
+                   run_dir_guard, utc_now)
+
+VERSUS_METHOD_VERSION = "1"
+ENGINES = ("transformers", "deepinfer", "reference")
+
+
+@dataclass(frozen=True)
+class VersusConfig:
+    model: str = "random:deepseek_v4:tiny:4"
+    device: str = "cpu"
+    dtype: str = "float32"
+    batches: tuple[int, ...] = (1, 64)
+    isl: int = 128
+    osl: int = 32
+    engines: tuple[str, ...] = ENGINES
+    seed: int = 0
+
+    def check(self) -> None:
+        bad = [e for e in self.engines if e not in ENGINES]
+        if bad or not self.engines:
+            raise DeepInferError(f"--engines {','.join(self.engines)!r}: choose from {', '.join(ENGINES)}")
+        for name, v in (("--isl", self.isl), ("--osl", self.osl)):
+            if v < 1:
+                raise DeepInferError(f"{name} must be at least 1, got {v}")
+        check_device(self.device)
+        parse_dtype(self.dtype)
+
+
+def transformers_twin(model, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+    """transformers' DeepseekV4ForCausalLM holding exactly our model's weights (eager attention), on `device`
+    (default: the model's). transformers keeps the same fp32 parameters as ours whatever the dtype."""
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except ImportError as e:
+        raise DeepInferError(f"the transformers side needs transformers==5.23.0 ({e}); pip install "
+                             f"'deepinfer[reference]'") from None
+    from deepinfer.checkpoint.writer import hf_tensors
+    if model.cfg.model_type != "deepseek_v4":
+        raise DeepInferError(f"transformers 5.23 runs deepseek_v4 only; this model is {model.cfg.model_type!r}")
+    dtype = dtype or model.dtype
+    d = model.cfg.to_hf_dict()
+    d.pop("model_type"), d.pop("architectures")
+    cfg = DeepseekV4Config(**d)
+    cfg._attn_implementation = "eager"
+    with torch.device(device or model.device):
+        twin = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
+    dev = next(twin.parameters()).device
+    state = {k: (v.to(dtype) if v.dtype.is_floating_point else v).to(dev) for k, v in hf_tensors(model)
+             if not k.startswith("mtp.")}
+    missing, unexpected = twin.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DeepInferError(f"internal: the transformers twin does not match our weights (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+    return twin
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: str, fn):
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def prompts_for(cfg: VersusConfig, batch: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch)
+    return torch.randint(5, vocab, (batch, cfg.isl), generator=g)
+
+
+def run_transformers(twin, ids: torch.Tensor, cfg: VersusConfig) -> tuple[list[list[int]], float]:
+    dev = next(twin.parameters()).device
+    ids = ids.to(dev)
+    mask = torch.ones_like(ids)
+
+    def go():
+        with torch.inference_mode():
+            return twin.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.osl, min_new_tokens=cfg.osl,
+                                 do_sample=False, pad_token_id=0)
+    go()                                                                      # untimed: same shape first
+    out, seconds = _timed(cfg.device, go)
+    return out[:, ids.shape[1]:].tolist(), seconds
+
+
+def run_deepinfer(llm, ids: torch.Tensor, cfg: VersusConfig) -> tuple[list[list[int]], float]:
+    from deepinfer import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True)
+    prompts = [{"prompt_token_ids": row} for row in ids.tolist()]
+    llm.generate(prompts, params, use_tqdm=False)                            # untimed: same shape first
+    outs, seconds = _timed(cfg.device, lambda: llm.generate(prompts, params, use_tqdm=False))
+    return [list(o.outputs[0].token_ids) for o in outs], seconds
+
+
+def agreement(tokens: list[list[int]], against: list[list[int]] | None) -> dict | None:
+    """Share of equal greedy tokens position by position, and of sequences whose first token agrees."""
+    if against is None:
+        return None
+    pairs = [(a, b) for x, y in zip(tokens, against) for a, b in zip(x, y)]
+    return {"tokens": sum(a == b for a, b in pairs) / len(pairs),
+            "first_token": sum(x[0] == y[0] for x, y in zip(tokens, against)) / len(tokens)}
+
+
+def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
+    """Every (engine, batch) into run_dir/rows.jsonl (a new run); returns the rows."""
+    from deepinfer import LLM
+    from deepinfer.validate import resolve_model
+    from .step_bench import check_model, kernel_info
+    echo = echo or (lambda s: None)
+    cfg.check()
+    check_model(cfg.model, "dense")
+    refuse_existing_rows(run_dir, resumable=False)
+    dtype = parse_dtype(cfg.dtype)
+    model = resolve_model(cfg.model, cfg.device, cfg.dtype, "dense", qat=False)
+    if isinstance(model, (str, Path)):
+        from deepinfer import load_model
+        model = load_model(model, device=cfg.device, dtype=dtype, qat_fake_quant=False)
+    if model.cfg.model_type != "deepseek_v4":
+        raise DeepInferError(f"deepinfer-bench versus compares with transformers 5.23, which runs deepseek_v4 only; "
+                             f"{cfg.model} is {model.cfg.model_type!r}")
+    vocab = model.cfg.vocab_size
+    max_len = cfg.isl + cfg.osl + 8
+    with run_dir_guard(run_dir):
+        store, env = RowStore(run_dir), environment()
+        atomic_write_text(run_dir / "versus.json", json.dumps(asdict(cfg), indent=1) + "\n")
+        identity = {"schema_version": SCHEMA_VERSION, "method_version": VERSUS_METHOD_VERSION, "bench": "versus",
+                    "run_id": run_dir.name, "model": cfg.model, "model_type": model.cfg.model_type,
+                    "layers": model.cfg.num_hidden_layers, "precision": cfg.dtype, "device": cfg.device,
+                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
+                    "git_dirty": env["git"]["dirty"], "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl,
+                    "qat_fake_quant": False, "seed": cfg.seed}
+        reference_tokens: dict[int, list[list[int]]] = {}
+
+        def record(engine: str, batch: int, tokens, seconds: float, extra: dict) -> None:
+            row = {**identity, "key": f"{engine}/b{batch}", "engine": engine, "batch": batch, "started": utc_now(),
+                   "seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
+                   "output_tok_s": sum(len(t) for t in tokens) / seconds, "ms_per_step": seconds * 1e3 / cfg.osl,
+                   "agreement_with_transformers": agreement(tokens, reference_tokens.get(batch)), **extra,
+                   "status": "ok"}
+            store.append(row)
+            echo(f"  {row['key']:<18} {seconds:8.3f} s  {row['output_tok_s']:9.1f} tok/s  "
+                 f"{row['ms_per_step']:8.2f} ms/step")
+
+        if "transformers" in cfg.engines:
+            on_cpu = not cfg.device.startswith("cuda")
+            if not on_cpu:
+                model.to("cpu")                  # the twin alone on the device (a flash-width model twice may not fit)
+                torch.cuda.empty_cache()
+            twin = transformers_twin(model, dtype, cfg.device)
+            for b in cfg.batches:
+                tokens, seconds = run_transformers(twin, prompts_for(cfg, b, vocab), cfg)
+                reference_tokens[b] = tokens
+                record("transformers", b, tokens, seconds, {"transformers_attn": "eager"})
+            del twin
+            gc.collect()
+            if not on_cpu:
+                torch.cuda.empty_cache()
+                model.to(cfg.device)
+        for engine, backend in (("deepinfer", None), ("reference", "reference")):
+            if engine not in cfg.engines:
+                continue
+            args = {"kernel_backend": backend} if backend else {}
+            llm = LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, qat_fake_quant=False,
+                      max_num_seqs=max(cfg.batches), max_model_len=max_len,
+                      max_num_batched_tokens=max(max(cfg.batches) * cfg.isl, 256), **args)
+            kernels, backends = kernel_info(llm)
+            for b in cfg.batches:
+                tokens, seconds = run_deepinfer(llm, prompts_for(cfg, b, vocab), cfg)
+                record(engine, b, tokens, seconds, {"kernel_backend": kernels, "kernel_backends": backends,
+                                                    "graph_replays": llm.stats.graph_replays})
+            del llm
+            gc.collect()
+    return read_rows(run_dir)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Per batch: each engine's time, tok/s, ms per step, and its speed against transformers and the reference."""
+    ok = {(r["engine"], r["batch"]): r for r in rows if r.get("status") == "ok"}
+    lines = [f"{'engine':<13} {'batch':>5} {'seconds':>9} {'tok/s':>9} {'ms/step':>8} {'vs hf':>7} {'vs ref':>7} "
+             f"{'agree':>6}"]
+    for (engine, b), r in sorted(ok.items(), key=lambda kv: (kv[0][1], ENGINES.index(kv[0][0]))):
+        hf, ref = ok.get(("transformers", b)), ok.get(("reference", b))
+        vs_hf = f"{hf['seconds'] / r['seconds']:.2f}x" if hf else "-"
+        vs_ref = f"{ref['seconds'] / r['seconds']:.2f}x" if ref else "-"
+        agree = r.get("agreement_with_transformers")
+        lines.append(f"{engine:<13} {b:>5} {r['seconds']:>9.3f} {r['output_tok_s']:>9.1f} {r['ms_per_step']:>8.2f} "
+                     f"{vs_hf:>7} {vs_ref:>7} {'-' if not agree else format(agree['tokens'], '.2f'):>6}")
+    return lines
