@@ -71,19 +71,21 @@ if triton is not None:
             b = tl.load(p8 + off[:, None] + d[None, :], mask=m, other=0)
             v = b.to(tl.float8e4nv, bitcast=True).to(OUT)
         else:
+            # e2m1 by bit construction (the expert kernel's decode): the nibble's sign to fp16 bit 15, its exponent
+            # and mantissa to bits 11..9, which reads as value * 2^-14 (0.5 an fp16 subnormal); the 2^14 goes into
+            # the scale
             b = tl.load(p8 + off[:, None] + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
             nib = (b >> ((d % 2) * 4)[None, :]) & 15
-            mag = nib & 7
-            e = mag >> 1
-            frac = (mag & 1).to(tl.float32)
-            v = tl.where(e == 0, 0.5 * frac, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * frac))
-            v = tl.where(nib >= 8, -v, v).to(OUT)
+            bits = ((nib & 8) << 12) | ((nib & 7) << 9)
+            v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(OUT)
         sb = tl.load(p8 + off[:, None] + SOFF + (d // BLK)[None, :], mask=m, other=0)
         if E4M3:
-            scale = sb.to(tl.float8e4nv, bitcast=True).to(OUT)
+            scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(OUT)      # 2^(b - 127)
-        v = v * scale
+            scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)               # 2^(b - 127)
+        if KIND == 2:
+            scale = scale * 16384.0                                                    # the decode's 2^14
+        v = v * scale.to(OUT)
         if KIND == 1:
             if Q < SOFF:                                                              # a bf16 tail
                 v += tl.load(p16 + (off // 2)[:, None] + (d - Q // 2)[None, :],
