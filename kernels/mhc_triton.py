@@ -39,6 +39,11 @@ except ImportError:          # CPU-only installs
 
 IN_TRITON_SETS = True     # passed `pytest -m gpu` on an H200 (docs/results.md)
 BLOCK_R, WARPS = 16, 4
+# `triton` rows from which the projection runs on cuBLAS (gemm_parts). The session-24 prefill traces: the chunk
+# path took 3.0 ms (V4.1) / 5.0 ms (V4) a call at 8192 rows (61-70% of fp32 FMA peak would be 0.1 ms); the GEMM
+# path is estimated at a tenth of that and is not yet timed on the GPU (docs/kernels.md). Decode batches keep the
+# chunk kernel; `triton_invariant` never takes the GEMM (cuBLAS's reduction order may change with N).
+GEMM_ROWS = 512
 CHUNK = 1024          # hc * d columns per chunk: the fixed unit of the projection's fp32 sum (V4 16, V4.1 20)
 # sm_90 (ptxas on CPU): 16-bit streams at 128 no spills; fp32 at 128 spills 300 bytes, at 64 4 bytes
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 64}
@@ -176,10 +181,26 @@ else:
     INTERPRETED = False
 
 
-def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, split: bool | None = None):
+def gemm_parts(x: torch.Tensor, fn: torch.Tensor, hc: int, block_c: int) -> torch.Tensor:
+    """The projection of many rows on cuBLAS (the reference's fp32 F.linear, without its normalization) and the
+    rows' sums of squares, laid out as one chunk of _hc_chunks_kernel's parts: [1, N, 4, block_c] fp32."""
+    xf = x.to(torch.float32)                                                  # [N, K]
+    m = xf @ fn.t()                                                           # [N, (2 + hc) * hc]
+    part = torch.zeros((1, x.shape[0], 4, block_c), dtype=torch.float32, device=x.device)
+    part[0, :, 0, :hc] = m[:, :hc]
+    part[0, :, 1, :hc] = m[:, hc:2 * hc]
+    part[0, :, 2, :hc * hc] = m[:, 2 * hc:]
+    part[0, :, 3, 0] = xf.square().sum(-1)
+    return part
+
+
+def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, split: bool | None = None,
+                    gemm: bool = False):
     """The kernels on `supported` inputs (callers check). split: one program per (row block, chunk) first, then
     the mixes (decode: the few row blocks alone would each walk all of K), or each row block walks its chunks
-    (None: by the row blocks against the SMs)."""
+    (None: by the row blocks against the SMs). gemm: the projection on cuBLAS first (gemm_parts: prefill-sized
+    batches, where the chunk programs' FMA-unit fp32 dots took 3-5 ms for 8192 rows), then the mixes kernel's
+    epilogue over that one part."""
     n, hc, d = streams.shape
     k = hc * d
     dev = streams.device
@@ -198,7 +219,9 @@ def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, 
     fn = fn.contiguous()
     split = chunks_first(blocks, chunks, dev) if split is None else split
     part = x
-    if split:
+    if gemm:
+        part, chunks = gemm_parts(x, fn, hc, block_c), 1
+    elif split:
         part = torch.empty((chunks, n, 4, block_c), dtype=torch.float32, device=dev)
         _hc_chunks_kernel[(blocks, chunks)](x, fn, part, n, k, x.stride(0), HC=hc, BLOCK_C=block_c, BLOCK_R=BLOCK_R,
                                             BLOCK_K=block_k, CHUNK_ITERS=chunk_iters, num_warps=WARPS)
@@ -214,7 +237,8 @@ def hc_mixes_triton(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     if not supported(streams, fn) or sinkhorn_iters < 1:
         from .mhc import _hc_mixes
         return _hc_mixes(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
-    return hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
+    return hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters,
+                           gemm=streams.shape[0] >= GEMM_ROWS)
 
 
 def hc_mixes_triton_invariant(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):

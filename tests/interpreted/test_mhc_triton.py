@@ -63,3 +63,33 @@ def test_chunks_split_or_not_same_bits(d, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(split, whole))
     want = km._hc_mixes(streams, fn, base, scale, 1e-6, 1e-6, 20)
     assert all(float((g - w).abs().max() / w.abs().max()) <= BOUND for g, w in zip(split, want))
+
+
+@pytest.mark.parametrize("hc,d", [(4, 96), (4, 1280)])
+def test_gemm_projection_path_matches_reference(hc, d):
+    """Prefill-sized batches (triton, >= GEMM_ROWS): the projection on torch's GEMM, the kernel's epilogue over
+    that one part; against the reference and against the chunk path."""
+    n = 40
+    g = torch.Generator().manual_seed(d)
+    streams = torch.randn(n, hc, d, generator=g)
+    fn = torch.randn((2 + hc) * hc, hc * d, generator=g) * 0.05
+    base, scale = torch.randn((2 + hc) * hc, generator=g), torch.rand(3, generator=g) + 0.5
+    got = kmt.hc_mixes_kernel(streams, fn, base, scale, 1e-6, 1e-6, 20, gemm=True)
+    want = km._hc_mixes(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    chunked = kmt.hc_mixes_kernel(streams, fn, base, scale, 1e-6, 1e-6, 20, split=True)
+    for a, w, c in zip(got, want, chunked):
+        assert float((a - w).abs().max() / w.abs().max()) <= BOUND
+        assert float((a - c).abs().max() / c.abs().max()) <= BOUND
+
+
+def test_triton_set_takes_the_gemm_path_from_gemm_rows(monkeypatch):
+    calls = []
+    real = kmt.gemm_parts
+    monkeypatch.setattr(kmt, "gemm_parts", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(kmt, "GEMM_ROWS", 8)
+    g = torch.Generator().manual_seed(0)
+    fn, base, scale = torch.randn(24, 64, generator=g) * 0.1, torch.randn(24, generator=g), torch.ones(3)
+    for n in (7, 8):
+        kmt.hc_mixes_triton(torch.randn(n, 4, 16, generator=g), fn, base, scale, 1e-6, 1e-6, 3)
+        kmt.hc_mixes_triton_invariant(torch.randn(n, 4, 16, generator=g), fn, base, scale, 1e-6, 1e-6, 3)
+    assert calls == [8]
