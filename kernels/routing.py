@@ -61,6 +61,10 @@ _SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}     # the Triton k
 
 ROUTE_BLOCK_ROWS = 16      # rows per route program (tl.dot needs >= 16)
 ROUTE_CHUNK = 512          # D columns per logits chunk: the fixed unit of route's fp32 sum (V4 8, V4.1 10 chunks)
+# `triton` rows from which the logits run on cuBLAS (fp32, as the reference) instead of the chunk programs' FMA-unit
+# fp32 dots: _route_kernel took 1.9 ms (V4.1) / 2.5 ms (V4) a call at 8192 rows in the session-24 prefill traces
+# (the GEMM path is not yet timed on the GPU). `triton_invariant` never takes it.
+ROUTE_GEMM_ROWS = 512
 PERMUTE_BLOCK_ROWS = 128   # rows per permute program (128 * next_pow2(k) sort keys)
 
 
@@ -305,7 +309,10 @@ if triton is not None:
         return all(t.dtype != torch.float64 for t in tensors) and (_INTERPRETED or all(t.is_cuda for t in tensors))
 
     def _route_triton(x, weight, bias, *, top_k, score_func, route_scale, temp, normalize, tid2eid=None,
-                      input_ids=None, fallback=_route_reference, split=None):
+                      input_ids=None, fallback=_route_reference, split=None, gemm_rows=None):
+        """gemm_rows: from this many rows the logits run on cuBLAS (the reference's fp32 linear) into one part
+        for the kernel's scores / top-k epilogue (None: never; the invariant set, since cuBLAS's reduction order
+        may change with N)."""
         if not _runs_kernels(x, weight):
             return fallback(x, weight, bias, top_k=top_k, score_func=score_func, route_scale=route_scale,
                             temp=temp, normalize=normalize, tid2eid=tid2eid, input_ids=input_ids)
@@ -325,7 +332,11 @@ if triton is not None:
         warps = 8 if e_pad >= 256 else 4
         split = chunks_first(blocks, chunks, x.device) if split is None else split
         part = x
-        if split and chunks > 1:
+        if gemm_rows is not None and n >= gemm_rows:
+            part = torch.zeros((1, n, e_pad), dtype=torch.float32, device=x.device)
+            part[0, :, :e] = x.to(torch.float32) @ weight.to(torch.float32).t()
+            chunks = 1
+        elif split and chunks > 1:
             part = torch.empty((chunks, n, e_pad), dtype=torch.float32, device=x.device)
             _route_logits_kernel[(blocks, chunks)](x, weight, part, n, D=d, E=e, CHUNK_ITERS=chunk_iters,
                                                    BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
@@ -341,7 +352,7 @@ if triton is not None:
 
     @implements("route", "triton")
     def _route_triton_default(x, weight, bias, **kw):
-        return _route_triton(x, weight, bias, fallback=_route_reference, **kw)
+        return _route_triton(x, weight, bias, fallback=_route_reference, gemm_rows=ROUTE_GEMM_ROWS, **kw)
 
     @implements("route", "triton_invariant")
     def _route_triton_invariant(x, weight, bias, **kw):

@@ -305,6 +305,20 @@ if INTERPRETER:
         assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
         _check_route(split, routing._route_reference(x, w, bias, **kw))
 
+    @pytest.mark.parametrize("hashed", [False, True])
+    @pytest.mark.parametrize("score_func", SCORE_FUNCS)
+    def test_interp_route_gemm_logits_from_gemm_rows(score_func, hashed, monkeypatch):
+        """`triton` from ROUTE_GEMM_ROWS rows: the logits on torch's fp32 GEMM into one part, the kernel's epilogue
+        (= the reference); below it and in `triton_invariant` the chunk path."""
+        monkeypatch.setattr(routing, "ROUTE_GEMM_ROWS", 20)
+        x, w, bias, tid2eid, tok = router_inputs(33, 40, 12, 3, seed=3)
+        kw = _route_kw(score_func, True, 3, hashed, tid2eid, tok)
+        b = None if hashed else bias
+        for n in (19, 20, 33):
+            k = {**kw, "input_ids": kw["input_ids"][:n]} if hashed else kw
+            _check_route(routing._route_triton_default(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
+            _check_route(routing._route_triton_invariant(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
+
     @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
     @pytest.mark.parametrize("score_func", SCORE_FUNCS)
     @pytest.mark.parametrize("n", [1, 33])
