@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.indexer import top_k_indices
+
 
 def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
     """[T, n] bool: entry w (pooling positions w*ratio .. w*ratio+ratio-1) is visible to the query at
@@ -13,12 +15,14 @@ def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> to
 
 
 def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, n] scores -> [T, n] bool keeping the k best finite entries per row.
-    NOTE: FP4 q and k make exact score ties common; a stable sort breaks them toward the lower index, so
-    chunked prefill, decode and the one-shot forward select the same set."""
-    keep = torch.zeros_like(scores, dtype=torch.bool)
-    if scores.shape[-1] == 0 or k <= 0:
-        return keep
-    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : min(k, scores.shape[-1])]
-    keep.scatter_(1, top, True)
-    return keep & (scores > float("-inf"))
+    """[T, n] scores -> [T, n] bool keeping the k best finite entries per row, through the `top_k_indices` op (the
+    reference's stable sort, or the Triton bisection select with the same choice).
+    NOTE: FP4 q and k make exact score ties common; ties go to the lower index, so chunked prefill, decode and the
+    one-shot forward select the same set."""
+    t, n = scores.shape
+    keep = torch.zeros((t, n + 1), dtype=torch.bool, device=scores.device)     # column n: where -1 (none) lands
+    if n == 0 or k <= 0:
+        return keep[:, :n]
+    top = top_k_indices(scores, k)                                              # [T, min(k, n)], -1: none
+    keep.scatter_(1, torch.where(top >= 0, top, n), True)
+    return keep[:, :n]
