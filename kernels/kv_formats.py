@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .registry import call, implements
 from .quant import (FP4_E2M1_MAX, _blocks, _e8m0_scale, _fp4_scaled, _to_e4m3, e2m1_decode, e2m1_encode,
                     e8m0_to_float, float_to_e8m0, pack_fp4, unpack_fp4)
 
@@ -169,10 +170,21 @@ class PackedStore:
         return self.fmt.unpack(self.data[index], self.dtype)
 
     def __setitem__(self, index, values: torch.Tensor) -> None:
-        self.data[index] = self.fmt.pack(values)
+        self.data[index] = kv_pack(self.fmt, values)
 
     def __repr__(self) -> str:
         return f"PackedStore({self.fmt.kind}, {tuple(self.shape)}, {self.fmt.record_bytes} B a row)"
+
+
+def kv_pack(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
+    """x [..., width] -> records uint8 [..., record_bytes] (the op: the reference's KVFormat.pack, or the Triton
+    packer, byte for byte the same)."""
+    return call("kv_pack")(fmt, x)
+
+
+@implements("kv_pack", "reference")
+def _kv_pack(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
+    return fmt.pack(x)
 
 
 def raw(store) -> torch.Tensor:

@@ -233,3 +233,22 @@ def test_rope_compiles_for_sm90(dtype):
                "HALF": "i32", "SIGN": "fp32"}
     kernel = compile_sm90(krt._rope_kernel, runtime, dict(BLOCK_M=8, BLOCK_D=512), num_warps=krt.WARPS)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("fmt", ["v4_latent", "v41_window", "v41_entry", "index_key"])
+def test_kv_pack_compiles_for_sm90(fmt):
+    """The KV record packer (kernels/kv_pack_triton.py) for the released records (584 / 528 / 288 / 68 B), bf16
+    values: no spills."""
+    from deepinfer.kernels import kv_formats as kf
+    from deepinfer.kernels import kv_pack_triton as kpt
+    f = {"v4_latent": kf.V4_LATENT, "v41_window": kf.V41_WINDOW, "v41_entry": kf.V41_ENTRY,
+         "index_key": kf.INDEX_KEY}[fmt]
+    nb = f.quantized // f.block
+    pad = f.record_bytes - f.scale_offset - nb
+    runtime = {"x_ptr": "*bf16", "o_ptr": "*u8", "o16_ptr": "*i16", "stride_x": "i32", "stride_o": "i32"}
+    consts = dict(KIND=1 if f.kind == "fp8" else 2, Q=f.quantized, W=f.width, SOFF=f.scale_offset,
+                  B=f.record_bytes, BLK=f.block, NB=nb, NB_PAD=kpt.pow2(nb, 1),
+                  E4M3=f.kind == "fp4" and f.scale == "e4m3", TAIL_PAD=kpt.pow2(f.tail, 1) if f.tail else 0,
+                  PAD_PAD=kpt.pow2(pad, 1) if pad else 0, SOFT=False)
+    kernel = compile_sm90(kpt._pack_kernel, runtime, consts, num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
