@@ -65,7 +65,7 @@ def transformers_twin(model, dtype: torch.dtype | None = None, device: str | tor
         raise DeepInferError(f"the transformers side needs transformers==5.23.0 ({e}); pip install "
                              f"'deepinfer[reference]'") from None
     from deepinfer.checkpoint.writer import hf_tensors
-    if model.cfg.model_type != "deepseek_v4":
+    if model.cfg.TRANSFORMERS_CLASS != "DeepseekV4ForCausalLM":
         raise DeepInferError(f"transformers 5.23 runs deepseek_v4 only; this model is {model.cfg.model_type!r}")
     dtype = dtype or model.dtype
     d = model.cfg.to_hf_dict()
@@ -148,7 +148,7 @@ def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
     if isinstance(model, (str, Path)):
         from deepinfer import load_model
         model = load_model(model, device=cfg.device, dtype=dtype, qat_fake_quant=False)
-    if model.cfg.model_type != "deepseek_v4":
+    if model.cfg.TRANSFORMERS_CLASS is None:
         raise DeepInferError(f"deepinfer-bench versus compares with transformers 5.23, which runs deepseek_v4 only; "
                              f"{cfg.model} is {model.cfg.model_type!r}")
     vocab = model.cfg.vocab_size

@@ -235,20 +235,23 @@ def test_rope_compiles_for_sm90(dtype):
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
 
 
+@pytest.mark.parametrize("values", [False, True])
 @pytest.mark.parametrize("fmt", ["v4_latent", "v41_window", "v41_entry", "index_key"])
-def test_kv_pack_compiles_for_sm90(fmt):
-    """The KV record packer (kernels/kv_pack_triton.py) for the released records (584 / 528 / 288 / 68 B), bf16
-    values: no spills."""
+def test_row_quantizer_compiles_for_sm90(fmt, values):
+    """The row quantizer (kernels/quant_triton.py) for the released records (584 / 528 / 288 / 68 B) and as the
+    QAT fake-quant (VALUES), bf16 rows: no spills."""
     from deepinfer.kernels import kv_formats as kf
-    from deepinfer.kernels import kv_pack_triton as kpt
+    from deepinfer.kernels import quant_triton as kq
     f = {"v4_latent": kf.V4_LATENT, "v41_window": kf.V41_WINDOW, "v41_entry": kf.V41_ENTRY,
          "index_key": kf.INDEX_KEY}[fmt]
     nb = f.quantized // f.block
     pad = f.record_bytes - f.scale_offset - nb
-    runtime = {"x_ptr": "*bf16", "o_ptr": "*u8", "o16_ptr": "*i16", "stride_x": "i32", "stride_o": "i32"}
+    runtime = {"x_ptr": "*bf16", "o_ptr": "*bf16" if values else "*u8", "o16_ptr": "*bf16" if values else "*i16",
+               "y_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32", "stride_y": "i32"}
     consts = dict(KIND=1 if f.kind == "fp8" else 2, Q=f.quantized, W=f.width, SOFF=f.scale_offset,
-                  B=f.record_bytes, BLK=f.block, NB=nb, NB_PAD=kpt.pow2(nb, 1),
-                  E4M3=f.kind == "fp4" and f.scale == "e4m3", TAIL_PAD=kpt.pow2(f.tail, 1) if f.tail else 0,
-                  PAD_PAD=kpt.pow2(pad, 1) if pad else 0, SOFT=False)
-    kernel = compile_sm90(kpt._pack_kernel, runtime, consts, num_warps=4)
+                  B=f.record_bytes, BLK=f.block, NB=nb, NB_PAD=kq.pow2(nb, 1),
+                  E4M3=f.kind == "fp4" and f.scale == "e4m3",
+                  TAIL_PAD=kq.pow2(f.tail, 1) if f.tail and not values else 0,
+                  PAD_PAD=kq.pow2(pad, 1) if pad and not values else 0, VALUES=values, SOFT=False)
+    kernel = compile_sm90(kq._quant_kernel, runtime, consts, num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..errors import ConfigError
 
@@ -69,6 +70,8 @@ class WeightQuant:
 
 @dataclass(frozen=True)
 class DeepseekV4Config:
+    # the released transformers class that runs this family (transformers==5.23.0): the harness's side-by-side
+    TRANSFORMERS_CLASS: ClassVar[str | None] = "DeepseekV4ForCausalLM"
     vocab_size: int = 129280
     hidden_size: int = 4096
     num_hidden_layers: int = 43

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..errors import ConfigError
 from .deepseek_v4 import _IGNORED_KEYS, _INFERENCE_ALIASES, _INFERENCE_YARN_KEYS, WeightQuant, YarnScaling
@@ -25,6 +26,7 @@ REUSE = "reuse"                     # reads the group's compressed KV and the la
 
 @dataclass(frozen=True)
 class DeepseekV41Config:
+    TRANSFORMERS_CLASS: ClassVar[str | None] = None    # only transformers main has deepseek_v41 (no release)
     vocab_size: int = 129280
     hidden_size: int = 5120
     num_hidden_layers: int = 40

@@ -15,7 +15,7 @@ import torch
 from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
 from deepinfer.kernels.indexer import sparse_index_scores, top_k_indices
 from deepinfer.kernels.kv_formats import KVFormat
-from deepinfer.kernels.quant import fake_quant_fp8
+from deepinfer.kernels.fake_quant import qat_fp8
 from deepinfer.kernels.rope import apply_rope
 
 from ..cache.forward_batch import ForwardBatch
@@ -97,7 +97,7 @@ class AttentionV41(LatentAttention):
     def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> K=V latents [N, d] as the window stores them (roped, FP8 QAT)."""
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        return fake_quant_fp8(kv, WINDOW_FP8_BLOCK) if self.qat_fake_quant else kv
+        return qat_fp8(kv, WINDOW_FP8_BLOCK) if self.qat_fake_quant else kv
 
     # ---- the runtime forward: every row of a step over the state pools ----
     def forward(self, x: torch.Tensor, batch: ForwardBatch, qrows: torch.Tensor | None = None,

@@ -21,7 +21,7 @@ from deepinfer.kernels.indexer import index_scores
 from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.matmul import linear_f32
 from deepinfer.kernels.precision import upcast
-from deepinfer.kernels.quant import fake_quant_fp4
+from deepinfer.kernels.fake_quant import qat_fp4
 from deepinfer.kernels.rope import apply_rope
 
 from ..cache.sequence_state import CompressorState
@@ -39,11 +39,11 @@ def entry_record(head_dim: int) -> KVFormat:
 
 
 def quantize_entry(x: torch.Tensor) -> torch.Tensor:
-    return fake_quant_fp4(x, ENTRY_FP4_BLOCK, scale_fmt="e4m3")
+    return qat_fp4(x, ENTRY_FP4_BLOCK, scale_fmt="e4m3")
 
 
 def quantize_index(x: torch.Tensor) -> torch.Tensor:
-    return fake_quant_fp4(x, INDEX_FP4_BLOCK, scale_fmt="ue8m0")
+    return qat_fp4(x, INDEX_FP4_BLOCK, scale_fmt="ue8m0")
 
 
 class Compressor(nn.Module):

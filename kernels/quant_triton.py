@@ -1,0 +1,211 @@
+"""Triton row quantizers, one launch each: `kv_pack` (values [M, width] -> the KV records of kernels/kv_formats.py,
+instead of the reference's ~20 torch ops per write: session 24 counted about 910 extra launches a V4.1 decode step
+with kv_cache_dtype="fp8") and the models' QAT fake-quant, `qat_fp8` / `qat_fp4` (kernels/fake_quant.py; 20-40
+torch ops each in the reference, several a layer).
+
+Program m quantizes row m, its quantized channels as a [blocks, block] tile: amax per block, the scale by
+kernels/quant.py's rule (fp8: pow2_ceil(max(amax, 1e-4) * f32(1/448)), ue8m0; fp4 ue8m0: pow2_ceil(max(amax,
+6 * 2^-126) * f32(1/6)); fp4 e4m3: e4m3(max(amax, 6 * 2^-9) / 6), correctly rounded division; packing also runs
+the reference's search of the next four e4m3 values for one that reproduces the block), the values rounded to
+nearest even (e4m3 by the GPU's cvt or e4m3_soft under the interpreter; e2m1 by the reference's thresholds). Then
+either the record (two nibbles a byte, low = even channel; V4's tail rounded to bf16 from the float's bits; pad
+bytes zero) or the dequantized values in the input's dtype (VALUES). Both equal the reference byte for byte /
+bit for bit (tests/interpreted/test_quant_triton.py).
+
+GPU status: not yet run on a GPU (IN_TRITON_SETS = False): `pytest -m gpu tests/test_kernels_quant_triton.py`
+flips it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_formats import KVFormat
+from .registry import implements, is_interpreted, on_kernel_device, pow2
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .e4m3_triton import to_e4m3
+except ImportError:          # CPU-only installs
+    triton = None
+
+IN_TRITON_SETS = False    # not yet run with `pytest -m gpu` (docs/kernels.md)
+
+if triton is not None:
+
+    @triton.jit
+    def _pow2_ceil(v):
+        bits = v.to(tl.int32, bitcast=True)
+        k = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        return (k << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e2m1_code(q):
+        """fp32 in [-6, 6] -> e2m1 codes (int32 0..15), nearest with the reference's tie rule, -0 for negative
+        values that round to zero."""
+        a = tl.abs(q)
+        mag = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + \
+            (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+        sign = (q.to(tl.int32, bitcast=True) >> 31) & 1
+        return mag | (sign << 3)
+
+    @triton.jit
+    def _e2m1_value(code):
+        mag = code & 7
+        e = mag >> 1
+        v = tl.where(e == 0, 0.5 * (mag & 1).to(tl.float32),
+                     (1 << tl.maximum(e - 1, 0)).to(tl.float32) * (1.0 + 0.5 * (mag & 1).to(tl.float32)))
+        return tl.where(code >= 8, -v, v)
+
+    @triton.jit
+    def _e4m3_scale_value(s, SOFT: tl.constexpr):
+        """A positive fp32 -> (its e4m3 byte, the byte's value in fp32)."""
+        byte = to_e4m3(s, SOFT).to(tl.uint8, bitcast=True).to(tl.int32)
+        return byte, byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _quant_kernel(x_ptr, o_ptr, o16_ptr, y_ptr, stride_x, stride_o, stride_y, KIND: tl.constexpr,
+                      Q: tl.constexpr, W: tl.constexpr, SOFF: tl.constexpr, B: tl.constexpr, BLK: tl.constexpr,
+                      NB: tl.constexpr, NB_PAD: tl.constexpr, E4M3: tl.constexpr, TAIL_PAD: tl.constexpr,
+                      PAD_PAD: tl.constexpr, VALUES: tl.constexpr, SOFT: tl.constexpr):
+        """Row m: VALUES -> y[m] the fake-quantized values (x's first Q channels); else o[m] the record."""
+        m = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, NB_PAD)
+        ch = blk[:, None] * BLK + tl.arange(0, BLK)[None, :]                    # [NB_PAD, BLK] channels
+        ok = ch < Q
+        x = tl.load(x_ptr + m * stride_x + ch, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)                                         # [NB_PAD]
+        row = o_ptr + m * stride_o
+        if KIND == 1:
+            s = _pow2_ceil(tl.maximum(amax, 1e-4) * 0.002232142857142857)      # f32(1/448)
+            inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
+            e = to_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0), SOFT)
+            if VALUES:
+                tl.store(y_ptr + m * stride_y + ch, (e.to(tl.float32) * s[:, None]).to(y_ptr.dtype.element_ty),
+                         mask=ok)
+            else:
+                tl.store(row + ch, e.to(tl.uint8, bitcast=True), mask=ok)
+            sbyte = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        else:
+            if E4M3:
+                sbyte, s = _e4m3_scale_value(tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0),
+                                              SOFT)                                  # floor 6 * 2^-9, saturate
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -6.0), 6.0)
+                code = _e2m1_code(q)
+                if not VALUES:              # packing: the reference's search, the next e4m3 values up
+                    found = tl.min((_e2m1_value(code) * s[:, None] == x).to(tl.int32), axis=1) > 0
+                    tb = sbyte
+                    for _ in range(4):
+                        tb = tl.minimum(tb + 1, 0x7E)
+                        ts = tb.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                        tq = tl.minimum(tl.maximum(tl.math.div_rn(x, ts[:, None]), -6.0), 6.0)
+                        tcode = _e2m1_code(tq)
+                        exact = (tl.min((_e2m1_value(tcode) * ts[:, None] == x).to(tl.int32), axis=1) > 0) & ~found
+                        code = tl.where(exact[:, None], tcode, code)
+                        sbyte = tl.where(exact, tb, sbyte)
+                        found = found | exact
+            else:
+                s = _pow2_ceil(tl.maximum(amax, 1.1754943508222875e-38 * 6.0) * 0.16666667163372040)  # f32(1/6)
+                q = tl.minimum(tl.maximum(x / s[:, None], -6.0), 6.0)            # / a power of two: exact
+                code = _e2m1_code(q)
+                sbyte = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+            if VALUES:
+                tl.store(y_ptr + m * stride_y + ch, (_e2m1_value(code) * s[:, None]).to(y_ptr.dtype.element_ty),
+                         mask=ok)
+            else:
+                pairs = tl.reshape(code, (NB_PAD * BLK // 2, 2))
+                lo, hi = tl.split(pairs)
+                j = tl.arange(0, NB_PAD * BLK // 2)
+                tl.store(row + j, (lo | (hi << 4)).to(tl.uint8), mask=j < Q // 2)
+        if not VALUES:
+            tl.store(row + SOFF + blk, sbyte.to(tl.uint8), mask=blk < NB)
+            if TAIL_PAD > 0:                                                     # V4: the bf16 RoPE slice
+                t = tl.arange(0, TAIL_PAD)
+                tv = tl.load(x_ptr + m * stride_x + Q + t, mask=Q + t < W, other=0.0).to(tl.float32)
+                bits = tv.to(tl.int32, bitcast=True)
+                bf = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16                  # round to nearest even
+                tl.store(o16_ptr + m * (stride_o // 2) + Q // 2 + t, bf.to(tl.int16), mask=Q + t < W)
+            if PAD_PAD > 0:
+                p = SOFF + NB + tl.arange(0, PAD_PAD)
+                tl.store(row + p, tl.zeros((PAD_PAD,), tl.uint8), mask=p < B)
+
+    INTERPRETED = is_interpreted(_quant_kernel)
+else:
+    INTERPRETED = False
+
+
+def supported(fmt: KVFormat, x: torch.Tensor) -> bool:
+    if triton is None or x.dim() != 2 or x.shape[-1] != fmt.width or x.dtype == torch.float64:
+        return False
+    if fmt.block & (fmt.block - 1) or fmt.record_bytes % 2:
+        return False
+    return on_kernel_device(INTERPRETED, x)
+
+
+def _launch(fmt: KVFormat, x: torch.Tensor, values: bool) -> torch.Tensor:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if values:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty((x.shape[0], fmt.record_bytes), dtype=torch.uint8, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    nb = fmt.quantized // fmt.block
+    pad = fmt.record_bytes - fmt.scale_offset - nb
+    rec = x if values else out                                   # (unused pointers in the other mode)
+    _quant_kernel[(x.shape[0],)](
+        x, rec, rec if values else out.view(torch.int16), out if values else x, x.stride(0), rec.stride(0),
+        out.stride(0) if values else x.stride(0), KIND=1 if fmt.kind == "fp8" else 2, Q=fmt.quantized, W=fmt.width,
+        SOFF=fmt.scale_offset, B=fmt.record_bytes, BLK=fmt.block, NB=nb, NB_PAD=pow2(nb, 1),
+        E4M3=fmt.kind == "fp4" and fmt.scale == "e4m3", TAIL_PAD=pow2(fmt.tail, 1) if fmt.tail and not values else 0,
+        PAD_PAD=pow2(pad, 1) if pad and not values else 0, VALUES=values, SOFT=INTERPRETED, num_warps=4)
+    return out
+
+
+def pack_kernel(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
+    """The packer on `supported` inputs: x [M, width] -> records uint8 [M, record_bytes]."""
+    return _launch(fmt, x, values=False)
+
+
+def fake_quant_kernel(x: torch.Tensor, kind: str, block: int, scale_fmt: str = "ue8m0") -> torch.Tensor:
+    """quant.fake_quant_fp8 (round_scale) / fake_quant_fp4 of x [M, n] on `fake_quant_supported` inputs."""
+    return _launch(KVFormat(kind, x.shape[-1], block, scale=scale_fmt), x, values=True)
+
+
+def fake_quant_supported(x: torch.Tensor, block: int) -> bool:
+    if triton is None or x.dim() != 2 or x.dtype == torch.float64 or block & (block - 1) or x.shape[-1] % block:
+        return False
+    return on_kernel_device(INTERPRETED, x)
+
+
+def kv_pack_triton(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if not supported(fmt, flat):
+        return fmt.pack(x)
+    return pack_kernel(fmt, flat).view(*lead, fmt.record_bytes)
+
+
+def qat_fp8_triton(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    if not fake_quant_supported(flat, block):
+        from .quant import fake_quant_fp8
+        return fake_quant_fp8(x, block)
+    return fake_quant_kernel(flat, "fp8", block).view(x.shape)
+
+
+def qat_fp4_triton(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    if not fake_quant_supported(flat, block):
+        from .quant import fake_quant_fp4
+        return fake_quant_fp4(x, block, scale_fmt)
+    return fake_quant_kernel(flat, "fp4", block, scale_fmt).view(x.shape)
+
+
+if triton is not None and IN_TRITON_SETS:
+    for _backend in ("triton", "triton_invariant"):       # row-local: invariant as they are
+        implements("kv_pack", _backend)(kv_pack_triton)
+        implements("qat_fp8", _backend)(qat_fp8_triton)
+        implements("qat_fp4", _backend)(qat_fp4_triton)

@@ -1,0 +1,47 @@
+"""kernels/quant_triton.py on a CUDA device (`-m gpu`): the packer's records equal the reference's KVFormat.pack
+byte for byte for the released records (V4 584 B, V4.1 528 / 288 B, index keys 68 B), and the QAT fake-quant
+equals quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, bf16 and fp32 rows at every scale range, one row and
+4096, and under CUDA-graph capture. Passing it flips kernels/quant_triton.IN_TRITON_SETS.
+CPU: tests/interpreted/test_quant_triton.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels.kv_formats import INDEX_KEY, V4_LATENT, V41_ENTRY, V41_WINDOW
+from tests.helpers import capture_graph
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("fmt", [V4_LATENT, V41_WINDOW, V41_ENTRY, INDEX_KEY], ids=["v4", "v41w", "v41e", "idx"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 4096])
+def test_records_equal_the_reference(fmt, dtype, n):
+    from deepinfer.kernels import quant_triton as kpt
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = (torch.randn(n, fmt.width, device="cuda", generator=g)
+         * torch.logspace(-8, 3, n, device="cuda").unsqueeze(1)).to(dtype)
+    assert kpt.supported(fmt, x)
+    got = kpt.pack_kernel(fmt, x)
+    want = fmt.pack(x)
+    assert torch.equal(got, want), int((got != want).sum())
+    graph, out = capture_graph(lambda a: kpt.pack_kernel(fmt, a), x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kind,block,scale_fmt,width", [("fp8", 64, "ue8m0", 448), ("fp8", 32, "ue8m0", 512),
+                                                        ("fp4", 16, "e4m3", 512), ("fp4", 32, "ue8m0", 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fake_quant_equals_the_reference(kind, block, scale_fmt, width, dtype):
+    from deepinfer.kernels import quant_triton as kpt
+    from deepinfer.kernels.quant import fake_quant_fp4, fake_quant_fp8
+    g = torch.Generator(device="cuda").manual_seed(width)
+    x = (torch.randn(4096, width, device="cuda", generator=g)
+         * torch.logspace(-8, 3, 4096, device="cuda").unsqueeze(1)).to(dtype)
+    want = fake_quant_fp8(x, block) if kind == "fp8" else fake_quant_fp4(x, block, scale_fmt)
+    got = kpt.qat_fp8_triton(x, block) if kind == "fp8" else kpt.qat_fp4_triton(x, block, scale_fmt)
+    assert torch.equal(got, want), int((got != want).sum())
