@@ -76,6 +76,23 @@ def pareto_figure(rows: list[dict], mode: str, title: str, by_run: bool = False)
     return fig
 
 
+def _write_figure(fig, stem: Path, div_id: str, png: bool) -> tuple[list[Path], bool]:
+    """stem.html (plotly.js from reports/plotly.min.js) and, when png, stem.png -> (written, png still on: False
+    once kaleido could not start a browser, with one warning)."""
+    html, image = stem.parent / f"{stem.name}.html", stem.parent / f"{stem.name}.png"   # a run id may hold dots
+    atomic_write_text(html, fig.to_html(include_plotlyjs="../../plotly.min.js", full_html=True, div_id=div_id,
+                                        config={"displaylogo": False}))
+    written = [html]
+    if png:
+        try:
+            fig.write_image(image, format="png", scale=2)
+            written.append(image)
+        except Exception as e:     # noqa: BLE001  kaleido raises RuntimeError / ValueError / OSError kinds
+            log.warning(f"PNG charts skipped: kaleido could not start a browser ({type(e).__name__}); {PNG_HELP}")
+            png = False
+    return written, png
+
+
 def write_charts(run_dir: Path, rows: list[dict], png: bool = True) -> list[Path]:
     written, png_ok = [], png
     run_id = run_dir.name
@@ -85,17 +102,8 @@ def write_charts(run_dir: Path, rows: list[dict], png: bool = True) -> list[Path
         if not any(r["mode"] == mode for r in rows):
             continue
         fig = pareto_figure(rows, mode, f"{run_id}: {mode} Pareto")
-        html = run_dir / f"{mode}_pareto.html"
-        atomic_write_text(html, fig.to_html(include_plotlyjs="../../plotly.min.js", full_html=True,
-                                            div_id=f"{mode}-pareto", config={"displaylogo": False}))
-        written.append(html)
-        if png_ok:
-            try:
-                fig.write_image(run_dir / f"{mode}_pareto.png", format="png", scale=2)
-                written.append(run_dir / f"{mode}_pareto.png")
-            except Exception as e:     # noqa: BLE001  kaleido raises RuntimeError / ValueError / OSError kinds
-                log.warning(f"PNG charts skipped: kaleido could not start a browser ({type(e).__name__}); {PNG_HELP}")
-                png_ok = False
+        files, png_ok = _write_figure(fig, run_dir / f"{mode}_pareto", f"{mode}-pareto", png_ok)
+        written += files
     root_js = run_dir.parent.parent / "plotly.min.js"       # one copy for every run: <root>/plotly.min.js
     if written and not root_js.exists():
         import plotly
@@ -180,18 +188,8 @@ def comparison_charts(run_dir: Path, rows: list[dict], other: Path, other_rows: 
         if not any(r["mode"] == mode for r in rows) or not any(r["mode"] == mode for r in other_rows):
             continue
         fig = pareto_figure(rows + other_rows, mode, f"{run_dir.name} against {other.name}: {mode} Pareto", by_run=True)
-        stem = run_dir / f"{mode}_vs_{other.name}"
-        html = stem.with_suffix(".html")
-        atomic_write_text(html, fig.to_html(include_plotlyjs="../../plotly.min.js", full_html=True,
-                                            div_id=f"{mode}-vs", config={"displaylogo": False}))
-        written.append(html)
-        if png:
-            try:
-                fig.write_image(stem.with_suffix(".png"), format="png", scale=2)
-                written.append(stem.with_suffix(".png"))
-            except Exception as e:     # noqa: BLE001  as write_charts
-                log.warning(f"PNG charts skipped: kaleido could not start a browser ({type(e).__name__}); {PNG_HELP}")
-                png = False
+        files, png = _write_figure(fig, run_dir / f"{mode}_vs_{other.name}", f"{mode}-vs", png)
+        written += files
     return written
 
 
