@@ -27,7 +27,13 @@ def _tokens(model, n: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
 @pytest.mark.parametrize("qat", [False, True])
-def test_mixed_flat_batches_equal_reference(family, qat):
+@pytest.mark.parametrize("select_block", [None, 64])
+def test_mixed_flat_batches_equal_reference(family, qat, select_block, monkeypatch):
+    """select_block 64: the indexer's selection walks the step's rows in small blocks (models/pooled.top_entries,
+    what a long prefill does), with the candidate blocks of V4.1 published block by block."""
+    if select_block is not None:
+        from deepinfer.models import pooled
+        monkeypatch.setattr(pooled, "SELECT_BLOCK_ELEMENTS", select_block)
     model = _model(family, qat)
     # (slot -> tokens fed per step): prefill chunks, decode rows and verify rows in the same steps
     plan = [{1: 70, 2: 33, 3: 1},
@@ -123,10 +129,15 @@ def test_cuda_graph_replay_equals_eager(family, q):
 
 
 @pytest.mark.parametrize("qat", [False, True])
-def test_v41_last_only_segments_run_truncated_and_exact(qat):
+@pytest.mark.parametrize("select_block", [None, 64])
+def test_v41_last_only_segments_run_truncated_and_exact(qat, select_block, monkeypatch):
     """V4.1 YOCO truncation in the runtime forward: segments marked last_only give the full forward's last
-    logits and leave every state as it would (later steps equal), beside segments that need every row."""
+    logits and leave every state as it would (later steps equal), beside segments that need every row
+    (select_block 64: the selection of the truncated layers' query rows in small row blocks)."""
     from deepinfer.cache.forward_batch import ForwardBatch
+    if select_block is not None:
+        from deepinfer.models import pooled
+        monkeypatch.setattr(pooled, "SELECT_BLOCK_ELEMENTS", select_block)
 
     model = _model("v41", qat)
     full = PooledSequences(model, 3, 300, block_tokens=16)

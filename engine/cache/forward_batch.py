@@ -194,9 +194,15 @@ class ForwardBatch:
         ctx_blocks block-table columns."""
         return self._cached(("entries", ratio, per_block), lambda: self._entry_index(ratio, per_block))
 
-    def _entry_index(self, ratio: int, per_block: int) -> torch.Tensor:
-        table = self.pools.block_table[self.row_slot, :self.ctx_blocks].long()           # [N, C]
+    def entry_index_of(self, ratio: int, per_block: int, rows: torch.Tensor) -> torch.Tensor:
+        """entry_index for the rows `rows` [R] only (not cached): [R, J]. What a caller that walks long prefills in
+        row blocks builds, so no [N, J] index exists at once."""
+        return self._entry_index(ratio, per_block, rows)
+
+    def _entry_index(self, ratio: int, per_block: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        slot, pos = (self.row_slot, self.positions) if rows is None else (self.row_slot[rows], self.positions[rows])
+        table = self.pools.block_table[slot, :self.ctx_blocks].long()                    # [R, C]
         flat = (table.unsqueeze(-1) * per_block + torch.arange(per_block, device=table.device)).flatten(1)
         j = torch.arange(flat.shape[1], device=table.device)
-        visible = j.unsqueeze(0) < ((self.positions + 1) // ratio).unsqueeze(1)
+        visible = j.unsqueeze(0) < ((pos + 1) // ratio).unsqueeze(1)
         return torch.where(visible, flat, -1)

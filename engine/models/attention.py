@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
-from deepinfer.kernels.indexer import sparse_index_scores, top_k_indices
+from deepinfer.kernels.indexer import sparse_index_scores
 from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.rope import apply_rope
@@ -20,7 +20,7 @@ from ..cache.spec import Entries, Ring
 from ..config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
 from . import qat
 from .compressor import Compressor, Indexer
-from .pooled import open_windows, selected_entries, window_source
+from .pooled import open_windows, top_entries, window_source
 from .selection import visible_entries
 from .layers import Linear, RMSNorm, fp32_param
 from .rope import RotaryEmbedding
@@ -125,15 +125,16 @@ class Attention(LatentAttention):
         if self.compressor is not None:
             store = pools.entries[f"{layer}.kv"]
             self._compress_pooled(self.compressor, *comp, batch, f"{layer}.kv", self._quantize_entry)
-            entry_index = batch.entry_index(self.ratio, store.shape[1])                # [N, J]
             if self.indexer is not None:
                 index_kv, index_gate, index_q, index_w = idx
                 self._compress_pooled(self.indexer.compressor, index_kv, index_gate, batch, f"{layer}.index",
                                       self._quantize_index)
                 keys = pools.entries[f"{layer}.index"].flatten(0, 1)
-                scores = sparse_index_scores(index_q, index_w, keys, entry_index)         # [N, J]
-                entry_index = selected_entries(entry_index, top_k_indices(scores, self.indexer.topk))
-            sources.append((store.flatten(0, 1), entry_index))
+                entries = top_entries(batch, self.ratio, store.shape[1], None, lambda index, span: (
+                    sparse_index_scores(index_q[span], index_w[span], keys, index)), self.indexer.topk)   # [N, k]
+            else:
+                entries = batch.entry_index(self.ratio, store.shape[1])                # HCA: every visible one
+            sources.append((store.flatten(0, 1), entries))
         out = sparse_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         batch.write_ring(ring, kv)                                 # after the attention read the ring in place
         return self.output(out, cos, sin)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
-from deepinfer.kernels.indexer import sparse_index_scores, top_k_indices
+from deepinfer.kernels.indexer import sparse_index_scores
 from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.fake_quant import qat_fp8
 from deepinfer.kernels.rope import apply_rope
@@ -24,7 +24,7 @@ from ..cache.spec import Entries, Ring
 from ..config.deepseek_v41 import DeepseekV41Config
 from .attention import LatentAttention, visibility_bias
 from .csa2 import Compressor, Indexer, candidate_blocks, entry_record, quantize_entry, top_k_mask
-from .pooled import open_windows, selected_entries, window_source
+from .pooled import open_windows, top_entries, window_source
 from .qat import index_record
 from .rope import RotaryEmbedding
 
@@ -153,19 +153,28 @@ class AttentionV41(LatentAttention):
     def _select_pooled(self, index_q: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                        qrows: torch.Tensor | None, query_rows: torch.Tensor | None) -> None:
         """Index source: score the group's visible keys, keep the top-k (inside the candidates where they
-        apply); the candidate source also publishes its candidate blocks."""
+        apply); the candidate source also publishes its candidate blocks. Long prefills go in row blocks
+        (pooled.top_entries)."""
         sh = batch.shared
-        index = batch.entry_index(self.ratio, sh["per_block"])                          # [N, J]
-        index = index if qrows is None else index[qrows]
-        scores = sparse_index_scores(*index_q, sh["keys"], index, self.indexer.index_dim ** -0.5)  # [Q, J]
         positions = batch.positions if qrows is None else batch.positions[qrows]
+        inside = _rows_of(sh.get("candidates"), query_rows) \
+            if self.uses_candidates and not self.is_candidate_source else None
+        published = []
+
+        def score(index: torch.Tensor, span: slice) -> torch.Tensor:
+            s = sparse_index_scores(index_q[0][span], index_q[1][span], sh["keys"], index,
+                                    self.indexer.index_dim ** -0.5)                           # [R, J]
+            if self.is_candidate_source:
+                published.append(candidate_blocks(s, positions[span], self.ratio, self.candidate_blocks,
+                                                  self.candidate_block_size))
+            elif inside is not None:
+                s = s.masked_fill(~inside[span], float("-inf"))
+            return s
+
+        selected = top_entries(batch, self.ratio, sh["per_block"], qrows, score, self.indexer.topk)
         if self.is_candidate_source:
-            _keep(sh, "candidates", candidate_blocks(scores, positions, self.ratio, self.candidate_blocks,
-                                                     self.candidate_block_size), query_rows, batch.root_rows)
-        elif self.uses_candidates and sh.get("candidates") is not None:
-            scores = scores.masked_fill(~_rows_of(sh["candidates"], query_rows), float("-inf"))
-        _keep(sh, "selected", selected_entries(index, top_k_indices(scores, self.indexer.topk)), query_rows,
-              batch.root_rows)
+            _keep(sh, "candidates", torch.cat(published), query_rows, batch.root_rows)
+        _keep(sh, "selected", selected, query_rows, batch.root_rows)
 
     # ---- the reference forward (the oracle): one SequenceState per sequence ----
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.attention import SplitStore
+from deepinfer.kernels.indexer import top_k_indices
 
 from ..cache.forward_batch import ForwardBatch
+
+SELECT_BLOCK_ELEMENTS = 1 << 26      # [rows, J] elements of a selection's index and scores at once (12 B each)
 
 
 def window_source(batch: ForwardBatch, ring: torch.Tensor, kv: torch.Tensor, window: int
@@ -43,3 +46,24 @@ def selected_entries(entry_index: torch.Tensor, top: torch.Tensor) -> torch.Tens
     """entry_index [N, J] store rows of each row's candidate entries, top [N, k] positions into J (-1: none)
     -> the selected store rows [N, k] (-1: none)."""
     return torch.where(top >= 0, entry_index.gather(1, top.clamp(min=0)), -1)
+
+
+def top_entries(batch: ForwardBatch, ratio: int, per_block: int, rows: torch.Tensor | None, score, k: int
+                ) -> torch.Tensor:
+    """Each query row's k best visible entries as store rows [Q, k] (-1: none), Q = rows [Q] of the step (None:
+    every row). score(index [R, J], span) -> the scores [R, J] of the queries span (a slice of the Q) over their
+    candidate entries (-1 in index: none). Q x J above SELECT_BLOCK_ELEMENTS goes in blocks of query rows, so a
+    long prefill never holds a [Q, J] index or score tensor (the block size depends on J only: rows stay
+    independent of their batch)."""
+    q = batch.num_rows if rows is None else rows.shape[0]
+    step = max(1, SELECT_BLOCK_ELEMENTS // max(batch.ctx_blocks * per_block, 1))
+    if q <= step:
+        index = batch.entry_index(ratio, per_block)
+        index = index if rows is None else index[rows]
+        return selected_entries(index, top_k_indices(score(index, slice(None)), k))
+    out = []
+    for a in range(0, q, step):
+        part = torch.arange(a, min(a + step, q), device=batch.positions.device) if rows is None else rows[a:a + step]
+        index = batch.entry_index_of(ratio, per_block, part)
+        out.append(selected_entries(index, top_k_indices(score(index, slice(a, a + step)), k)))
+    return torch.cat(out)
