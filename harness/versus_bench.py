@@ -58,7 +58,9 @@ class VersusConfig:
 
 def transformers_twin(model, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
     """transformers' DeepseekV4ForCausalLM holding exactly our model's weights (eager attention), on `device`
-    (default: the model's). transformers keeps the same fp32 parameters as ours whatever the dtype."""
+    (default: the model's), in `dtype` except the parameters transformers' own loader keeps in fp32 at bf16 / fp16
+    (`_keep_in_fp32_modules_strict`, matched in the parameter names as its loader matches them: the mHC mixes,
+    sinks, the gate's bias, the norms), which our model keeps in fp32 too."""
     try:
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     except ImportError as e:
@@ -74,9 +76,13 @@ def transformers_twin(model, dtype: torch.dtype | None = None, device: str | tor
     cfg._attn_implementation = "eager"
     with torch.device(device or model.device):
         twin = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
+    if dtype in (torch.bfloat16, torch.float16):
+        strict = tuple(getattr(twin, "_keep_in_fp32_modules_strict", None) or ())
+        for name, p in twin.named_parameters():
+            if any(k in name for k in strict):
+                p.data = p.data.float()
     dev = next(twin.parameters()).device
-    state = {k: (v.to(dtype) if v.dtype.is_floating_point else v).to(dev) for k, v in hf_tensors(model)
-             if not k.startswith("mtp.")}
+    state = {k: v.to(dev) for k, v in hf_tensors(model) if not k.startswith("mtp.")}   # copied in each one's dtype
     missing, unexpected = twin.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DeepInferError(f"internal: the transformers twin does not match our weights (missing {missing[:3]}, "
@@ -168,7 +174,8 @@ def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
             row = {**identity, "key": f"{engine}/b{batch}", "engine": engine, "batch": batch, "started": utc_now(),
                    "seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
                    "output_tok_s": sum(len(t) for t in tokens) / seconds, "ms_per_step": seconds * 1e3 / cfg.osl,
-                   "agreement_with_transformers": agreement(tokens, reference_tokens.get(batch)), **extra,
+                   "agreement_with_transformers": None if engine == "transformers" else
+                   agreement(tokens, reference_tokens.get(batch)), **extra,
                    "status": "ok"}
             store.append(row)
             echo(f"  {row['key']:<18} {seconds:8.3f} s  {row['output_tok_s']:9.1f} tok/s  "

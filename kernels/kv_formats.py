@@ -45,8 +45,20 @@ class KVFormat:
     def __post_init__(self):
         if self.kind not in ("fp8", "fp4") or self.scale not in ("ue8m0", "e4m3"):
             raise ValueError(f"KVFormat: kind {self.kind!r} / scale {self.scale!r} not known")
-        if self.quantized % self.block or (self.kind == "fp4" and (self.tail or self.width % 2)):
+        if self.kind == "fp4" and (self.tail or self.width % 2):
+            raise ValueError(f"KVFormat: fp4 records hold an even width and no tail (got width {self.width}, "
+                             f"tail {self.tail})")
+        if not 0 <= self.tail < self.width or self.quantized % self.block:
             raise ValueError(f"KVFormat: {self.quantized} quantized channels do not split into blocks of {self.block}")
+
+    @classmethod
+    def fitting(cls, *args, **kw) -> "KVFormat | None":
+        """The format, or None when the widths do not fit it (a model of other widths keeps compute-dtype rows;
+        kv_cache_dtype="fp8" is then refused in one line by the pools)."""
+        try:
+            return cls(*args, **kw)
+        except ValueError:
+            return None
 
     @property
     def quantized(self) -> int:

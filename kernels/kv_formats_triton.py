@@ -52,9 +52,11 @@ def record_args(part) -> RecordArgs:
 
 
 def readable(part, width: int) -> bool:
-    """Whether the kernels decode this part in place: a PackedStore of `width` values whose bf16 tail (if any)
-    lines up for the bf16 view."""
-    return isinstance(part, PackedStore) and part.fmt.width == width and part.fmt.record_bytes % 2 == 0
+    """Whether the kernels decode this part in place: a PackedStore of `width` values in bf16 or fp32 whose bf16
+    tail (if any) lines up for the bf16 view. fp16 stores go through the reference: the decode multiplies in the
+    key dtype, and an FP4 scale times the decode's 2^14 can pass fp16's 65504."""
+    return isinstance(part, PackedStore) and part.fmt.width == width and part.fmt.record_bytes % 2 == 0 and \
+        part.dtype in (torch.bfloat16, torch.float32)
 
 
 if triton is not None:
@@ -63,8 +65,9 @@ if triton is not None:
     def load_records(p8, p16, off, d, ok, D, KIND: tl.constexpr, Q: tl.constexpr, SOFF: tl.constexpr,
                      BLK: tl.constexpr, E4M3: tl.constexpr, OUT: tl.constexpr):
         """Rows at byte offsets off [R] (int64; ok [R] the rows to read), channels d [C] < D -> OUT [R, C]
-        (bf16 / fp16 / fp32: e4m3 or e2m1 values times a power-of-two or e4m3 scale have at most 7 significant
-        bits, so the products are exact in any of them); unread rows and channels are 0."""
+        (bf16 or fp32: e4m3 or e2m1 values times a power-of-two or e4m3 scale have at most 7 significant bits and
+        fp32's exponent range, so the products are exact in either; `readable` keeps fp16 out); unread rows and
+        channels are 0."""
         quant = d < Q
         m = ok[:, None] & quant[None, :]
         if KIND == 1:

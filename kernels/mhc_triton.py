@@ -41,8 +41,9 @@ IN_TRITON_SETS = True     # passed `pytest -m gpu` on an H200 (docs/results.md)
 BLOCK_R, WARPS = 16, 4
 # `triton` rows from which the projection runs on cuBLAS (gemm_parts). The session-24 prefill traces: the chunk
 # path took 3.0 ms (V4.1) / 5.0 ms (V4) a call at 8192 rows (61-70% of fp32 FMA peak would be 0.1 ms); the GEMM
-# path is estimated at a tenth of that and is not yet timed on the GPU (docs/kernels.md). Decode batches keep the
-# chunk kernel; `triton_invariant` never takes the GEMM (cuBLAS's reduction order may change with N).
+# path is estimated at a tenth of that and is not yet timed on the GPU (docs/kernels.md). Decode batches below it
+# keep the chunk kernel (a 512-row decode graph takes the GEMM: capturable, no host sync); `triton_invariant` never
+# takes the GEMM (cuBLAS's reduction order may change with N).
 GEMM_ROWS = 512
 CHUNK = 1024          # hc * d columns per chunk: the fixed unit of the projection's fp32 sum (V4 16, V4.1 20)
 # sm_90 (ptxas on CPU): 16-bit streams at 128 no spills; fp32 at 128 spills 300 bytes, at 64 4 bytes
@@ -190,7 +191,7 @@ def gemm_parts(x: torch.Tensor, fn: torch.Tensor, hc: int, block_c: int) -> torc
     part[0, :, 0, :hc] = m[:, :hc]
     part[0, :, 1, :hc] = m[:, hc:2 * hc]
     part[0, :, 2, :hc * hc] = m[:, 2 * hc:]
-    part[0, :, 3, 0] = xf.square().sum(-1)
+    part[0, :, 3, 0] = torch.linalg.vecdot(xf, xf)                              # no second [N, K] temporary
     return part
 
 

@@ -117,13 +117,14 @@ def test_sparse_attention_compiles_for_sm90(one_pass, window, entries):
     Triton 3.6 (one pass 1384 bytes, split 1408: the tiles the H200 timed fastest spill; 64 heads x 16 keys x 8
     warps spilled 100 / 180 on wgmma and ran 1.0-1.5x slower, docs/results.md). The FP8 KV records (V4's 584 B
     latents, V4.1's FP8 window + FP4 entries: kernels/kv_formats.py) decode in registers, in the key dtype; Triton
-    3.6 spills 4.9-5.0 KB for V4's (the bf16 RoPE tail is a second [keys, 512] load) and 2.7 KB for V4.1's: bounded
+    3.6 spills 4.9-5.0 KB for V4's (the bf16 RoPE tail is a second [keys, 512] load) and 2.4 KB for V4.1's: bounded
     at 5 KB."""
     from deepinfer.kernels import attention_triton as kat
     t = kat.DECODE
     ptr = lambda fmt: "*u8" if PACKED[fmt][0] else "*bf16"            # noqa: E731
-    runtime = {"q_ptr": "*bf16", "s1_ptr": ptr(window), "s1_16": "*bf16", "n1_ptr": "*bf16", "i1_ptr": "*i64",
-               "s2_ptr": ptr(entries), "s2_16": "*bf16" if entries == "v4_latent" else ptr(entries),
+    runtime = {"q_ptr": "*bf16", "s1_ptr": ptr(window), "s1_16": "*bf16" if window in ("plain", "v4_latent") else
+               ptr(window), "n1_ptr": "*bf16", "i1_ptr": "*i64",
+               "s2_ptr": ptr(entries), "s2_16": "*bf16" if entries in ("plain", "v4_latent") else ptr(entries),
                "n2_ptr": "*bf16", "i2_ptr": "*i64", "sink_ptr": "*fp32", "o_ptr": "*bf16" if one_pass else "*fp32",
                "ml_ptr": "*fp32", **{a: "i32" for a in ("H", "D", "K1", "K2", "R1", "R2", "nsplit", "iters",
                                                        "stride_qn", "stride_qh", "stride_s1", "stride_n1",

@@ -28,7 +28,7 @@ def packed(fmt, n, g):
 @pytest.mark.parametrize("family", ["v4", "v41"])
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
 @pytest.mark.parametrize("backend", ["triton", "triton_invariant"])
-def test_attention_over_packed_stores_is_bitwise_the_unpacked(family, rows, backend):
+def test_attention_over_packed_stores_matches_the_unpacked(family, rows, backend):
     g = torch.Generator(device=DEV).manual_seed(rows)
     wfmt, efmt = (V4_LATENT, V4_LATENT) if family == "v4" else (V41_WINDOW, V41_ENTRY)
     ring, ring_plain = packed(wfmt, 260 * 128, g)
@@ -52,7 +52,7 @@ def test_attention_over_packed_stores_is_bitwise_the_unpacked(family, rows, back
 
 
 @pytest.mark.parametrize("heads", [64, 32])
-def test_indexer_over_packed_keys_is_bitwise_the_unpacked(heads):
+def test_indexer_over_packed_keys_matches_the_unpacked(heads):
     g = torch.Generator(device=DEV).manual_seed(heads)
     keys, keys_plain = packed(INDEX_KEY, 20000, g)
     index = torch.randint(-1, 20000, (64, 4096), device=DEV, generator=g)

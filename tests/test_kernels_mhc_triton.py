@@ -43,7 +43,7 @@ def test_matches_reference(d, n):
         full = kmt.hc_mixes_triton_invariant(streams, fn, base, scale, 1e-6, 1e-6, 20)
         alone = kmt.hc_mixes_triton_invariant(streams[n - 1:], fn, base, scale, 1e-6, 1e-6, 20)
         assert all(torch.equal(a[n - 1:], b) for a, b in zip(full, alone))
-    graph, out = capture_graph(kmt.hc_mixes_kernel, streams, fn, base, scale, 1e-6, 1e-6, 20)
+    graph, out = capture_graph(kmt.hc_mixes_triton, streams, fn, base, scale, 1e-6, 1e-6, 20)   # got's path
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(out, got))

@@ -311,6 +311,16 @@ if INTERPRETER:
         """`triton` from ROUTE_GEMM_ROWS rows: the logits on torch's fp32 GEMM into one part, the kernel's epilogue
         (= the reference); below it and in `triton_invariant` the chunk path."""
         monkeypatch.setattr(routing, "ROUTE_GEMM_ROWS", 20)
+        launched = []
+        real = routing._route_kernel
+
+        class Spy:                                    # records whether each launch read one GEMM part
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    launched.append((args[0].shape[0], kw["CHUNKS"] == 1 and kw["FROM_PARTS"]))
+                    return real[grid](*args, **kw)
+                return run
+        monkeypatch.setattr(routing, "_route_kernel", Spy())
         x, w, bias, tid2eid, tok = router_inputs(33, 40, 12, 3, seed=3)
         kw = _route_kw(score_func, True, 3, hashed, tid2eid, tok)
         b = None if hashed else bias
@@ -318,6 +328,7 @@ if INTERPRETER:
             k = {**kw, "input_ids": kw["input_ids"][:n]} if hashed else kw
             _check_route(routing._route_triton_default(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
             _check_route(routing._route_triton_invariant(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
+        assert launched == [(19, False), (19, False), (20, True), (20, False), (33, True), (33, False)]
 
     @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
     @pytest.mark.parametrize("score_func", SCORE_FUNCS)
@@ -495,10 +506,11 @@ def test_cuda_triton_invariant_route_is_batch_invariant(family):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("n", [1, 200])
+@pytest.mark.parametrize("n", [1, 200, 1000])
 @pytest.mark.parametrize("family", sorted(SHAPES))
 def test_cuda_graph_capture(family, n):
-    """Route + permute with no host sync: captured, replayed on new inputs, equal to eager runs."""
+    """Route + permute with no host sync: captured, replayed on new inputs, equal to eager runs (n = 1000: the
+    logits on cuBLAS, ROUTE_GEMM_ROWS)."""
     e, d = SHAPES[family]
     x, w, bias, tid2eid, tok = router_inputs(n, d, e, 6, seed=9, dtype=torch.bfloat16, device="cuda")
     kw = _route_kw("sqrtsoftplus", True, 6, False, tid2eid, tok)

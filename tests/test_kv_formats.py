@@ -129,3 +129,22 @@ def test_engine_with_fp8_cache_equals_the_model_dtype_cache(model):
         got[kv] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
                    for o in out]
     assert got["auto"] == got["fp8"]
+
+
+def test_kernels_read_records_in_place_only_for_bf16_and_fp32():
+    from deepinfer.kernels.kv_formats_triton import readable
+    data = torch.zeros(4, INDEX_KEY.record_bytes, dtype=torch.uint8)
+    assert readable(PackedStore(data, INDEX_KEY, torch.bfloat16), 128)
+    assert readable(PackedStore(data, INDEX_KEY, torch.float32), 128)
+    assert not readable(PackedStore(data, INDEX_KEY, torch.float16), 128)      # the reference reads those
+    assert not readable(PackedStore(data, INDEX_KEY, torch.bfloat16), 64) and not readable(data, 128)
+
+
+def test_a_model_whose_widths_fit_no_record_keeps_model_dtype_rows():
+    import dataclasses
+    from deepinfer.config.presets import TINY_V4
+    from deepinfer.models import build_model
+    cfg = dataclasses.replace(TINY_V4, qk_rope_head_dim=16)          # 80 non-RoPE channels: no FP8 latent record
+    spec = build_model(cfg, "cpu", torch.float32, qat_fake_quant=False).state_spec()
+    assert all(k.packed is None for k in spec.rings if k.name.endswith(".window"))
+    assert PoolLayout.of(spec, torch.float32).bytes_per_token() > 0             # "auto" builds as before

@@ -48,12 +48,20 @@ class StateManager:
         self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
         self.snapshots: dict[str, tuple[int, dict]] = {}      # request id -> (num_tokens, ring copies)
         self.summary = (
-            f"state pools ({'fp8 records' if kv_cache_dtype == 'fp8' else 'model dtype'}): "
+            f"state pools ({self._storage_note(layout)}): "
             f"{layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
             f"tokens), {layout.bytes_per_slot() / 2**20:.2f} MiB fixed per sequence, "
             f"{full_seq / 2**20:.1f} MiB per max_model_len={max_model_len} sequence; {slots} seats, "
             f"{blocks} blocks ({blocks * layout.block_tokens} tokens), {self.pools.nbytes() / 2**30:.3f} GiB")
         log.info(self.summary)
+
+    @staticmethod
+    def _storage_note(layout: PoolLayout) -> str:
+        kinds = layout.spec.rings + layout.spec.entries
+        packed = [k for k in kinds if layout.packed(k) is not None]
+        if layout.kv_cache_dtype != "fp8":
+            return "model dtype"
+        return f"fp8 records: {len(packed)} of {len(kinds)} state kinds"     # the rest: not KV, or no record fits
 
     @property
     def num_slots(self) -> int:

@@ -52,8 +52,10 @@ class StateSpec:
         for k in self.rings + self.entries:
             if k.dtype not in DTYPES:
                 raise ValueError(f"state {k.name}: dtype {k.dtype!r} is not one of {DTYPES}")
-            if k.packed is not None and (k.dtype != "compute" or k.packed.width != k.width):
-                raise ValueError(f"state {k.name}: a packed record holds {k.width} compute-dtype values")
+            if k.packed is not None and k.dtype != "compute":
+                raise ValueError(f"state {k.name}: only compute-dtype kinds have a packed record (got {k.dtype!r})")
+            if k.packed is not None and k.packed.width != k.width:
+                raise ValueError(f"state {k.name}: its record holds {k.packed.width} values, the kind {k.width}")
 
     @classmethod
     def of(cls, kinds) -> "StateSpec":

@@ -31,9 +31,9 @@ from .rope import RotaryEmbedding
 WINDOW_FP8_BLOCK = 32
 
 
-def window_record(head_dim: int) -> KVFormat:
+def window_record(head_dim: int) -> KVFormat | None:
     """The release's cache record of a window latent: every channel e4m3 per 32, ue8m0 scales (528 B at 512)."""
-    return KVFormat("fp8", head_dim, WINDOW_FP8_BLOCK)
+    return KVFormat.fitting("fp8", head_dim, WINDOW_FP8_BLOCK)
 QUERY_BLOCK = 1024   # indexer queries scored at a time
 
 

@@ -33,9 +33,9 @@ ENTRY_FP4_BLOCK = 16    # compressed KV: e2m1, one e4m3 scale per 16 channels
 INDEX_FP4_BLOCK = 32    # indexer q and k: e2m1, one ue8m0 scale per 32 channels
 
 
-def entry_record(head_dim: int) -> KVFormat:
+def entry_record(head_dim: int) -> KVFormat | None:
     """The release's cache record of a compressed entry: FP4 e2m1 per 16 with e4m3 scales (288 B at 512)."""
-    return KVFormat("fp4", head_dim, ENTRY_FP4_BLOCK, scale="e4m3")
+    return KVFormat.fitting("fp4", head_dim, ENTRY_FP4_BLOCK, scale="e4m3")
 
 
 def quantize_entry(x: torch.Tensor) -> torch.Tensor:

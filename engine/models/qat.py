@@ -24,12 +24,12 @@ def quantize_index(x: torch.Tensor) -> torch.Tensor:
     return qat_fp4(hadamard_rotate(x), INDEX_FP4_BLOCK)
 
 
-def latent_record(head_dim: int, rope_dim: int) -> KVFormat:
+def latent_record(head_dim: int, rope_dim: int) -> KVFormat | None:
     """The release's FP8 cache record of a K=V latent (window and compressed entries): the non-RoPE channels e4m3
     per 64 with ue8m0 scales, the RoPE slice bf16 (584 B at 512 / 64)."""
-    return KVFormat("fp8", head_dim, KV_FP8_BLOCK, tail=rope_dim)
+    return KVFormat.fitting("fp8", head_dim, KV_FP8_BLOCK, tail=rope_dim)
 
 
-def index_record(index_dim: int) -> KVFormat:
+def index_record(index_dim: int) -> KVFormat | None:
     """The cache record of an indexer key: FP4 e2m1 per 32 with ue8m0 scales (68 B at 128)."""
-    return KVFormat("fp4", index_dim, INDEX_FP4_BLOCK)
+    return KVFormat.fitting("fp4", index_dim, INDEX_FP4_BLOCK)

@@ -51,4 +51,5 @@ def test_fake_quant_equals_the_reference_bit_for_bit(kind, block, scale_fmt, wid
         assert got.dtype == x.dtype and torch.equal(got, want)
     x3 = rows(12, width, 6).view(3, 4, width)                                   # leading dims kept
     got = kpt.qat_fp8_triton(x3, block) if kind == "fp8" else kpt.qat_fp4_triton(x3, block, scale_fmt)
-    assert got.shape == x3.shape
+    want = fake_quant_fp8(x3, block) if kind == "fp8" else fake_quant_fp4(x3, block, scale_fmt)
+    assert got.shape == x3.shape and torch.equal(got, want)
