@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from deepinfer.checkpoint.random_init import init_random_weights
-from deepinfer.checkpoint.writer import hf_tensors
 from deepinfer.config.deepseek_v4 import CSA, HASH_MOE, HCA, MOE, SLIDING
 from deepinfer.config.presets import TINY_V4
 from deepinfer.models import build_model

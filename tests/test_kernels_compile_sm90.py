@@ -106,10 +106,9 @@ PACKED = {"plain": (0, 0, 0, 1, False), "v4_latent": (1, 448, 576, 64, False), "
           "v41_entry": (2, 512, 256, 16, True)}      # (kind, quantized, scale offset, block, e4m3): kv_formats.py
 
 
-@pytest.mark.parametrize("one_pass,window,entries", [(True, "plain", "plain"), (False, "plain", "plain"),
-                                                     (True, "v4_latent", "v4_latent"), (False, "v4_latent", "v4_latent"),
-                                                     (True, "v41_window", "v41_entry"),
-                                                     (False, "v41_window", "v41_entry")])
+@pytest.mark.parametrize("one_pass,window,entries", [
+    (True, "plain", "plain"), (False, "plain", "plain"), (True, "v4_latent", "v4_latent"),
+    (False, "v4_latent", "v4_latent"), (True, "v41_window", "v41_entry"), (False, "v41_window", "v41_entry")])
 def test_sparse_attention_compiles_for_sm90(one_pass, window, entries):
     """The sparse sink attention kernel (kernels/attention_triton.py) at released widths: 64 heads x 512, window +
     selected entries, bf16, one pass and split-KV (+ the combine), runtime trip counts, with the DECODE tiles

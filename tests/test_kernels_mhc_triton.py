@@ -1,6 +1,7 @@
 """kernels/mhc_triton.py on a CUDA device (`-m gpu`): the fused hc_mixes kernel at released widths (hc 4 x 4096,
 4 x 5120; bf16 streams, fp32 weights) against the reference on random inputs, both orders of work (the chunk
-kernel first or not) and, from GEMM_ROWS rows (n = 2048 here), the `triton` set's cuBLAS projection, any row alone = the row in a batch (bitwise, triton_invariant), CUDA-graph capture.
+kernel first or not) and, from GEMM_ROWS rows (n = 2048 here), the `triton` set's cuBLAS projection, any row
+alone = the row in a batch (bitwise, triton_invariant), CUDA-graph capture.
 Bound: max |kernel - reference| / max |reference| <= GPU_BOUND for pre, post, comb (fp32 throughout; the
 reference's F.linear runs without TF32 here). Passing this keeps the kernel in the Triton sets
 (kernels/mhc_triton.IN_TRITON_SETS). CPU: tests/interpreted/test_mhc_triton.py."""

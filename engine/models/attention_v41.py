@@ -29,12 +29,12 @@ from .qat import index_record
 from .rope import RotaryEmbedding
 
 WINDOW_FP8_BLOCK = 32
+QUERY_BLOCK = 1024   # indexer queries scored at a time
 
 
 def window_record(head_dim: int) -> KVFormat | None:
     """The release's cache record of a window latent: every channel e4m3 per 32, ue8m0 scales (528 B at 512)."""
     return KVFormat.fitting("fp8", head_dim, WINDOW_FP8_BLOCK)
-QUERY_BLOCK = 1024   # indexer queries scored at a time
 
 
 @dataclass
