@@ -69,13 +69,24 @@ if triton is not None:
     def _quant_kernel(x_ptr, o_ptr, o16_ptr, y_ptr, stride_x, stride_o, stride_y, KIND: tl.constexpr,
                       Q: tl.constexpr, W: tl.constexpr, SOFF: tl.constexpr, B: tl.constexpr, BLK: tl.constexpr,
                       NB: tl.constexpr, NB_PAD: tl.constexpr, E4M3: tl.constexpr, TAIL_PAD: tl.constexpr,
-                      PAD_PAD: tl.constexpr, VALUES: tl.constexpr, SOFT: tl.constexpr):
-        """Row m: VALUES -> y[m] the fake-quantized values (x's first Q channels); else o[m] the record."""
+                      PAD_PAD: tl.constexpr, VALUES: tl.constexpr, SOFT: tl.constexpr,
+                      HADAMARD: tl.constexpr = 0, HSCALE: tl.constexpr = 1.0):
+        """Row m: VALUES -> y[m] the fake-quantized values (x's first Q channels); else o[m] the record.
+        HADAMARD = log2(Q) > 0: the row is first rotated as quant.hadamard_rotate does it (the same butterfly
+        pairs a + b, a - b in fp32, times HSCALE = Q^-0.5, rounded to x's dtype)."""
         m = tl.program_id(0).to(tl.int64)
         blk = tl.arange(0, NB_PAD)
         ch = blk[:, None] * BLK + tl.arange(0, BLK)[None, :]                    # [NB_PAD, BLK] channels
         ok = ch < Q
         x = tl.load(x_ptr + m * stride_x + ch, mask=ok, other=0.0).to(tl.float32)
+        if HADAMARD > 0:                                                         # Q == NB_PAD * BLK here
+            v = tl.reshape(x, (Q,))
+            for i in tl.static_range(HADAMARD):
+                p = tl.permute(tl.reshape(v, (Q // (2 << i), 2, 1 << i)), (0, 2, 1))   # [Q / 2h, h, 2]
+                a, b = tl.split(p)
+                v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (Q,))
+            v = (v * HSCALE).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = tl.reshape(v, (NB_PAD, BLK))
         amax = tl.max(tl.abs(x), axis=1)                                         # [NB_PAD]
         row = o_ptr + m * stride_o
         if KIND == 1:
@@ -144,7 +155,7 @@ def supported(fmt: KVFormat, x: torch.Tensor) -> bool:
     return on_kernel_device(INTERPRETED, x)
 
 
-def _launch(fmt: KVFormat, x: torch.Tensor, values: bool) -> torch.Tensor:
+def _launch(fmt: KVFormat, x: torch.Tensor, values: bool, hadamard: bool = False) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     if values:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -160,7 +171,8 @@ def _launch(fmt: KVFormat, x: torch.Tensor, values: bool) -> torch.Tensor:
         out.stride(0) if values else x.stride(0), KIND=1 if fmt.kind == "fp8" else 2, Q=fmt.quantized, W=fmt.width,
         SOFF=fmt.scale_offset, B=fmt.record_bytes, BLK=fmt.block, NB=nb, NB_PAD=pow2(nb, 1),
         E4M3=fmt.kind == "fp4" and fmt.scale == "e4m3", TAIL_PAD=pow2(fmt.tail, 1) if fmt.tail and not values else 0,
-        PAD_PAD=pow2(pad, 1) if pad and not values else 0, VALUES=values, SOFT=INTERPRETED, num_warps=4)
+        PAD_PAD=pow2(pad, 1) if pad and not values else 0, VALUES=values, SOFT=INTERPRETED,
+        HADAMARD=fmt.width.bit_length() - 1 if hadamard else 0, HSCALE=fmt.width ** -0.5, num_warps=4)
     return out
 
 
@@ -169,9 +181,11 @@ def pack_kernel(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     return _launch(fmt, x, values=False)
 
 
-def fake_quant_kernel(x: torch.Tensor, kind: str, block: int, scale_fmt: str = "ue8m0") -> torch.Tensor:
-    """quant.fake_quant_fp8 (round_scale) / fake_quant_fp4 of x [M, n] on `fake_quant_supported` inputs."""
-    return _launch(KVFormat(kind, x.shape[-1], block, scale=scale_fmt), x, values=True)
+def fake_quant_kernel(x: torch.Tensor, kind: str, block: int, scale_fmt: str = "ue8m0",
+                      hadamard: bool = False) -> torch.Tensor:
+    """quant.fake_quant_fp8 (round_scale) / fake_quant_fp4 of x [M, n] (hadamard: of hadamard_rotate(x), n a
+    power of two) on `fake_quant_supported` inputs."""
+    return _launch(KVFormat(kind, x.shape[-1], block, scale=scale_fmt), x, values=True, hadamard=hadamard)
 
 
 def fake_quant_supported(x: torch.Tensor, block: int) -> bool:
@@ -204,8 +218,18 @@ def qat_fp4_triton(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
     return fake_quant_kernel(flat, "fp4", block, scale_fmt).view(x.shape)
 
 
+def qat_index_triton(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    n = x.shape[-1]
+    if not fake_quant_supported(flat, block) or n & (n - 1) or n // block & (n // block - 1):
+        from .fake_quant import _qat_index
+        return _qat_index(x, block)
+    return fake_quant_kernel(flat, "fp4", block, hadamard=True).view(x.shape)
+
+
 if triton is not None and IN_TRITON_SETS:
     for _backend in ("triton", "triton_invariant"):       # row-local: invariant as they are
         implements("kv_pack", _backend)(kv_pack_triton)
         implements("qat_fp8", _backend)(qat_fp8_triton)
         implements("qat_fp4", _backend)(qat_fp4_triton)
+        implements("qat_index", _backend)(qat_index_triton)

@@ -252,6 +252,18 @@ def test_row_quantizer_compiles_for_sm90(fmt, values):
                   B=f.record_bytes, BLK=f.block, NB=nb, NB_PAD=kq.pow2(nb, 1),
                   E4M3=f.kind == "fp4" and f.scale == "e4m3",
                   TAIL_PAD=kq.pow2(f.tail, 1) if f.tail and not values else 0,
-                  PAD_PAD=kq.pow2(pad, 1) if pad and not values else 0, VALUES=values, SOFT=False)
+                  PAD_PAD=kq.pow2(pad, 1) if pad and not values else 0, VALUES=values, SOFT=False, HADAMARD=0,
+                  HSCALE=1.0)
+    kernel = compile_sm90(kq._quant_kernel, runtime, consts, num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+def test_index_qat_compiles_for_sm90():
+    """The row quantizer with the Hadamard butterfly first (V4's indexer q / k: 128 channels, FP4 per 32), bf16."""
+    from deepinfer.kernels import quant_triton as kq
+    runtime = {"x_ptr": "*bf16", "o_ptr": "*bf16", "o16_ptr": "*bf16", "y_ptr": "*bf16", "stride_x": "i32",
+               "stride_o": "i32", "stride_y": "i32"}
+    consts = dict(KIND=2, Q=128, W=128, SOFF=64, B=68, BLK=32, NB=4, NB_PAD=4, E4M3=False, TAIL_PAD=0, PAD_PAD=0,
+                  VALUES=True, SOFT=False, HADAMARD=7, HSCALE=128 ** -0.5)
     kernel = compile_sm90(kq._quant_kernel, runtime, consts, num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

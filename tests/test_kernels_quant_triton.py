@@ -45,3 +45,14 @@ def test_fake_quant_equals_the_reference(kind, block, scale_fmt, width, dtype):
     want = fake_quant_fp8(x, block) if kind == "fp8" else fake_quant_fp4(x, block, scale_fmt)
     got = kpt.qat_fp8_triton(x, block) if kind == "fp8" else kpt.qat_fp4_triton(x, block, scale_fmt)
     assert torch.equal(got, want), int((got != want).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_index_qat_equals_the_reference(dtype):
+    """V4's indexer QAT in one launch (the Hadamard butterfly, then FP4 per 32) = hadamard_rotate + fake_quant_fp4."""
+    from deepinfer.kernels import quant_triton as kpt
+    from deepinfer.kernels.fake_quant import _qat_index
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = (torch.randn(4096, 128, device="cuda", generator=g) * 3).to(dtype)
+    got, want = kpt.qat_index_triton(x, 32), _qat_index(x, 32)
+    assert torch.equal(got, want), int((got != want).sum())

@@ -7,8 +7,7 @@ with like. See docs/quantization.md for the reference behaviour each one reprodu
 import torch
 
 from deepinfer.kernels.kv_formats import KVFormat
-from deepinfer.kernels.fake_quant import qat_fp4, qat_fp8
-from deepinfer.kernels.quant import hadamard_rotate
+from deepinfer.kernels.fake_quant import qat_index, qat_fp8
 
 KV_FP8_BLOCK = 64      # the K=V latent's non-RoPE channels: FP8 e4m3, one ue8m0 scale per 64
 INDEX_FP4_BLOCK = 32   # indexer q and k: Hadamard rotation, then FP4 e2m1, one ue8m0 scale per 32
@@ -21,7 +20,7 @@ def quantize_kv_latent(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
 
 def quantize_index(x: torch.Tensor) -> torch.Tensor:
     """x: [..., dI] indexer query or key."""
-    return qat_fp4(hadamard_rotate(x), INDEX_FP4_BLOCK)
+    return qat_index(x, INDEX_FP4_BLOCK)
 
 
 def latent_record(head_dim: int, rope_dim: int) -> KVFormat | None:

@@ -54,3 +54,14 @@ def test_fake_quant_equals_the_reference_bit_for_bit(kind, block, scale_fmt, wid
     got = kpt.qat_fp8_triton(x3, block) if kind == "fp8" else kpt.qat_fp4_triton(x3, block, scale_fmt)
     want = fake_quant_fp8(x3, block) if kind == "fp8" else fake_quant_fp4(x3, block, scale_fmt)
     assert got.shape == x3.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("width", [64, 128])
+def test_index_qat_equals_hadamard_then_fp4_bit_for_bit(width):
+    """V4's indexer QAT (qat_index): the same butterfly as quant.hadamard_rotate, then FP4 per 32 (ue8m0)."""
+    from deepinfer.kernels.fake_quant import _qat_index
+    for n, seed in ((1, 7), (40, 8)):
+        x = rows(n, width, seed)
+        assert torch.equal(kpt.qat_index_triton(x, 32), _qat_index(x, 32))
+    x3 = rows(12, width, 9).view(2, 6, width)
+    assert torch.equal(kpt.qat_index_triton(x3, 32), _qat_index(x3, 32))
