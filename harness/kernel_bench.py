@@ -38,14 +38,14 @@ from .rows import (RowStore, atomic_write_text, done_keys, environment, read_row
 
 KERNEL_METHOD_VERSION = "1"
 MODEL_SHAPES = {   # experts: (E, D, I, top_k); linears: name -> (N, K) of its FP8 projections
-    "v4": {"experts": (256, 4096, 2048, 6),
+    "v4": {"experts": (256, 4096, 2048, 6), "hc": 4,
            "linears": {"q_a": (1024, 4096), "q_b": (32768, 1024), "kv": (512, 4096), "o_b": (4096, 8192),
                        "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}},
-    "v41": {"experts": (384, 5120, 2304, 6),
+    "v41": {"experts": (384, 5120, 2304, 6), "hc": 4,
             "linears": {"q_a": (1280, 5120), "q_b": (32768, 1280), "kv": (512, 5120), "o_b": (5120, 8192),
                         "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}},
 }
-OPS = ("experts", "fp8_linear", "attention")
+OPS = ("experts", "fp8_linear", "attention", "mhc", "route")
 FP8_BLOCK = {"v4": 128, "v41": 32}      # the release's FP8 weight blocks (activations per 1 x block)
 # layer kind -> (compress ratio of its entries, entries selected per row; None: none / every visible one)
 ATTENTION_KINDS = {"swa": (None, None), "csa": (4, 512), "hca": (128, None)}
@@ -409,9 +409,93 @@ def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo
                     torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------------------------------- mHC mixes and route
+
+def _row_op_rows(op: str, cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo, impls: dict, build,
+                 traffic) -> None:
+    """One row per (model, tokens, backend) of a row-wise op: build(model, tokens, gen) -> args; traffic(model,
+    tokens) -> (bytes, flops). The reference is timed beside each (error against it in every row)."""
+    device = cfg.device
+    for model in cfg.models:
+        for tokens in cfg.tokens:
+            keys = {f"{op}/{model}/t{tokens}/{b}" for b in cfg.backends}
+            if keys <= done:
+                continue
+            gen = torch.Generator(device=device).manual_seed(cfg.seed)
+            args = build(model, tokens, gen)
+            nbytes, flops = traffic(model, tokens)
+            ref_out = ref_ms = None
+            if cfg.check_reference:
+                ref_out = impls["reference"](*args)
+                ref_ms = 1e3 * _time(lambda: impls["reference"](*args), device, 1, max(1, min(cfg.iters, 5)))
+            times = {}
+            for backend in cfg.backends:
+                key = f"{op}/{model}/t{tokens}/{backend}"
+                fn = impls[backend]
+                out = fn(*args)
+                ms = 1e3 * _time(lambda: fn(*args), device, cfg.warmup, cfg.iters)
+                times[backend] = ms
+                row = {"key": key, "op": op, "model": model, "tokens": tokens, "backend": backend,
+                       **_rates(ms, nbytes, flops, ceilings, None), "timing": TIMING["last"],
+                       **_against(ms, backend, times, out[0], ref_ms, None if ref_out is None else ref_out[0])}
+                if key not in done:
+                    emit(row)
+                echo(f"  {key}: {ms:.4f} ms, {row['bandwidth_share']:.0%} of copy BW, err {row['err_vs_reference']}")
+
+
+def mhc_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
+    """hc_mixes at the released widths (hc x hidden, bf16 streams, fp32 fn [24, hc * D]): the `triton` set takes
+    the cuBLAS projection from mhc_triton.GEMM_ROWS rows, `triton_invariant` always the chunk kernel."""
+    from deepinfer.kernels import mhc as km
+    impls = {"reference": lambda *a: km._hc_mixes(*a)}
+    if any(b.startswith("triton") for b in cfg.backends):
+        from deepinfer.kernels import mhc_triton as kmt
+        impls.update(triton=kmt.hc_mixes_triton, triton_invariant=kmt.hc_mixes_triton_invariant)
+
+    def build(model, tokens, gen):
+        hc, d = MODEL_SHAPES[model]["hc"], MODEL_SHAPES[model]["experts"][1]
+        streams = torch.randn(tokens, hc, d, device=cfg.device, generator=gen).to(_dtype(cfg))
+        fn = torch.randn((2 + hc) * hc, hc * d, device=cfg.device, generator=gen) * (hc * d) ** -0.5
+        base = torch.randn((2 + hc) * hc, device=cfg.device, generator=gen) * 0.3
+        scale = torch.randn(3, device=cfg.device, generator=gen) * 0.3 + 1.0
+        return streams, fn, base, scale, 1e-6, 1e-6, 20
+
+    def traffic(model, tokens):
+        hc, d = MODEL_SHAPES[model]["hc"], MODEL_SHAPES[model]["experts"][1]
+        return tokens * hc * d * 2 + (2 + hc) * hc * hc * d * 4, 2 * tokens * hc * d * (2 + hc) * hc
+    _row_op_rows("mhc", cfg, ceilings, done, emit, echo, impls, build, traffic)
+
+
+def route_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
+    """route (scores sqrt(softplus), bias, top-6) at the released router widths: the `triton` set's logits on
+    cuBLAS from routing.ROUTE_GEMM_ROWS rows, `triton_invariant` always the chunk kernel."""
+    from deepinfer.kernels import routing
+    kw = dict(top_k=6, score_func="sqrtsoftplus", route_scale=1.5, temp=1.0, normalize=True)
+    impls = {"reference": lambda x, w, b: routing._route_reference(x, w, b, **kw)}
+    if any(b.startswith("triton") for b in cfg.backends):
+        impls.update(triton=lambda x, w, b: routing._route_triton_default(x, w, b, **kw),
+                     triton_invariant=lambda x, w, b: routing._route_triton_invariant(x, w, b, **kw))
+
+    def build(model, tokens, gen):
+        e, d = MODEL_SHAPES[model]["experts"][:2]
+        return (torch.randn(tokens, d, device=cfg.device, generator=gen).to(_dtype(cfg)),
+                torch.randn(e, d, device=cfg.device, generator=gen).to(_dtype(cfg)) * d ** -0.5,
+                torch.randn(e, device=cfg.device, generator=gen) * 0.1)
+
+    def traffic(model, tokens):
+        e, d = MODEL_SHAPES[model]["experts"][:2]
+        return (tokens + e) * d * 2, 2 * tokens * d * e
+    _row_op_rows("route", cfg, ceilings, done, emit, echo, impls, build, traffic)
+
+
+def _dtype(cfg: KernelConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+
+
 # ---------------------------------------------------------------------------------------------------- the run
 
-CASES = {"experts": expert_rows, "fp8_linear": fp8_linear_rows, "attention": attention_rows}
+CASES = {"experts": expert_rows, "fp8_linear": fp8_linear_rows, "attention": attention_rows, "mhc": mhc_rows,
+         "route": route_rows}
 
 
 def run_kernel_bench(cfg: KernelConfig, run_dir: Path, resume: bool = False, echo=None) -> list[dict]:

@@ -59,6 +59,20 @@ def test_attention_rows_on_cpu(tmp_path):
         assert r["flops"] == 4 * r["tokens"] * 64 * r["keys_per_row"] * 512
 
 
+def test_mhc_and_route_rows_on_cpu(tmp_path):
+    """hc_mixes and route at the released widths, the reference against itself; bytes and FLOPs as stored."""
+    out = tmp_path / "m"
+    _run(["--op", "mhc,route", "--tokens", "1,3", "--backend", "reference", "--iters", "1", "--warmup", "0",
+          "--out", str(out)])
+    rows = {r["key"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
+    assert set(rows) == {f"{op}/{m}/t{t}/reference" for op in ("mhc", "route") for m in ("v41", "v4")
+                         for t in (1, 3)}
+    for r in rows.values():
+        assert r["err_vs_reference"] == 0.0 and r["time_ms"] > 0
+    assert rows["mhc/v41/t3/reference"]["flops"] == 2 * 3 * 4 * 5120 * 24
+    assert rows["route/v4/t3/reference"]["bytes"] == (3 + 256) * 4096 * 2
+
+
 def test_traffic_counts_stored_bytes():
     import torch
     gen = torch.Generator().manual_seed(0)
