@@ -31,7 +31,7 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.moe import set_expert_act_quant
-from .cache.pools import KV_CACHE_DTYPES
+from .cache.pools import check_kv_cache_dtype
 
 log = logging.getLogger("deepinfer")
 INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width entry lists get costly (docs/runtime.md)
@@ -84,9 +84,7 @@ class LLM:
             raise DeepInferError(f"max_num_batched_tokens={args['max_num_batched_tokens']} is below max_num_seqs="
                                  f"{args['max_num_seqs']}: every running sequence needs a token of each step's budget")
         check_projection_storage(args["projection_storage"])
-        if args["kv_cache_dtype"] not in KV_CACHE_DTYPES:
-            raise DeepInferError(f"kv_cache_dtype={args['kv_cache_dtype']!r} is not known; use one of "
-                                 f"{list(KV_CACHE_DTYPES)} ('fp8': the release's FP8 / FP4 cache records)")
+        check_kv_cache_dtype(args["kv_cache_dtype"])
         built = isinstance(model, torch.nn.Module)
         model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant, args["projection_storage"])
         if isinstance(model, torch.nn.Module):      # an already built model (load_model / random:... / random_model)

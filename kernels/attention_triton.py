@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import SplitStore
-from .kv_formats import PackedStore
+from .kv_formats import PackedStore, raw
 from .kv_formats_triton import readable, record_args
 from .registry import implements, is_interpreted, on_kernel_device, pow2, sm_count
 
@@ -83,7 +83,7 @@ def supported(q: torch.Tensor, sources) -> bool:
     parts = [p for store, _ in sources for p in _parts(store)]
     plain = [p for p in parts if not isinstance(p, PackedStore)]
     packed_ok = all(readable(p, q.shape[2]) for p in parts if isinstance(p, PackedStore))
-    return packed_ok and on_kernel_device(INTERPRETED, q, *(getattr(p, "data", p) for p in parts),
+    return packed_ok and on_kernel_device(INTERPRETED, q, *(raw(p) for p in parts),
                                           *(i for _, i in sources)) and all(
         p.dtype == q.dtype and p.dim() == 2 and p.shape[-1] == q.shape[2] for p in plain)
 

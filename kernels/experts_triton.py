@@ -48,7 +48,7 @@ try:
 except ImportError:       # CPU machines without Triton: the reference backend serves these sets
     triton = None
 else:
-    from .e4m3_triton import quant_tile, to_e4m3
+    from .e4m3_triton import e2m1_over_2p14, quant_tile, to_e4m3
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,6 @@ def tile_table(offsets: torch.Tensor, bm: int, n_rows: int) -> tuple[torch.Tenso
     return expert.to(torch.int32), row0.clamp_(max=max(n_rows - 1, 0)).to(torch.int32), rows.to(torch.int32)
 
 if triton is not None:
-
-    @triton.jit
-    def _e2m1_over_2p14(codes):
-        """e2m1 codes (int32, 0..15) -> fp32 value * 2^-14, exactly (built as fp16 bits)."""
-        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     # e2m1 -> bf16 through byte lookup tables (PTX prmt), 4 packed bytes (8 values) per instance: magnitude codes
     # select the bf16 low / high bytes from 8-entry tables, the sign bytes come from prmt's sign-replicate mode,
@@ -177,7 +171,7 @@ if triton is not None:
             else:
                 mult = ((s + 14) << 23).to(tl.float32, bitcast=True)              # 2^(s - 127 + 14)
                 post = tl.full((BN,), 1.0, tl.float32)
-            v = _e2m1_over_2p14(codes)                                            # [BN, BK]
+            v = e2m1_over_2p14(codes)                                             # [BN, BK]
             v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * mult[:, :, None], (BN, BK))
             if A8:
                 return to_e4m3(v, EXACT), post

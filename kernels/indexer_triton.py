@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_formats import PackedStore
+from .kv_formats import PackedStore, raw
 from .kv_formats_triton import readable, record_args
 from .registry import implements, is_interpreted, on_kernel_device, pow2
 
@@ -54,7 +54,7 @@ def supported(q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, index
         return False
     if isinstance(store, PackedStore) and not readable(store, q.shape[2]):
         return False
-    return on_kernel_device(INTERPRETED, q, weights, getattr(store, "data", store), index)
+    return on_kernel_device(INTERPRETED, q, weights, raw(store), index)
 
 
 if triton is not None:

@@ -27,11 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from .registry import call, implements
-from .quant import (FP4_E2M1_MAX, _blocks, _e8m0_scale, _fp4_scaled, _to_e4m3, e2m1_decode, e2m1_encode,
-                    e8m0_to_float, float_to_e8m0, pack_fp4, unpack_fp4)
-
-FP8_E4M3_MAX = 448.0
-FP8_AMAX_FLOOR = 1e-4        # fake_quant_fp8's floor
+from .quant import (FP4_E2M1_MAX, _blocks, _fp4_scaled, _fp8_scaled, e2m1_decode, e2m1_encode, e8m0_to_float,
+                    float_to_e8m0, pack_fp4, unpack_fp4)
 
 
 @dataclass(frozen=True)
@@ -86,8 +83,8 @@ class KVFormat:
         out = torch.zeros(*lead, self.record_bytes, dtype=torch.uint8, device=x.device)
         xb = _blocks(x[..., :self.quantized], self.block)                              # [..., nb, block] fp32
         if self.kind == "fp8":
-            scale = _e8m0_scale(xb.abs().amax(-1, keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
-            out[..., :self.quantized] = _to_e4m3(xb / scale).flatten(-2).view(torch.uint8)
+            q, scale = _fp8_scaled(xb)                                                 # fake_quant_fp8's rule
+            out[..., :self.quantized] = q.flatten(-2).view(torch.uint8)
             if self.tail:
                 tail = x[..., self.quantized:].to(torch.bfloat16).contiguous().view(torch.uint8)
                 out[..., self.tail_offset:self.scale_offset] = tail

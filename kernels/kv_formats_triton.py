@@ -17,6 +17,8 @@ from .kv_formats import PackedStore
 try:
     import triton
     import triton.language as tl
+
+    from .e4m3_triton import e2m1_over_2p14
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -74,13 +76,9 @@ if triton is not None:
             b = tl.load(p8 + off[:, None] + d[None, :], mask=m, other=0)
             v = b.to(tl.float8e4nv, bitcast=True).to(OUT)
         else:
-            # e2m1 by bit construction (the expert kernel's decode): the nibble's sign to fp16 bit 15, its exponent
-            # and mantissa to bits 11..9, which reads as value * 2^-14 (0.5 an fp16 subnormal); the 2^14 goes into
-            # the scale
+            # e2m1 by bit construction (the expert kernel's decode): value * 2^-14, the 2^14 goes into the scale
             b = tl.load(p8 + off[:, None] + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
-            nib = (b >> ((d % 2) * 4)[None, :]) & 15
-            bits = ((nib & 8) << 12) | ((nib & 7) << 9)
-            v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(OUT)
+            v = e2m1_over_2p14((b >> ((d % 2) * 4)[None, :]) & 15).to(OUT)
         sb = tl.load(p8 + off[:, None] + SOFF + (d // BLK)[None, :], mask=m, other=0)
         if E4M3:
             scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)

@@ -219,6 +219,16 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.to(torch.float32).unflatten(-1, (n // block, block))
 
 
+def _fp8_scaled(xb: torch.Tensor, round_scale: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [..., nb, b] float32 -> (e4m3 values [..., nb, b], scale [..., nb, 1] fp32): act_quant's rule."""
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    if round_scale:
+        scale = _e8m0_scale(amax, FP8_E4M3_MAX, FP8_AMAX_FLOOR)
+    else:
+        scale = _mul_f32(amax.clamp_min(FP8_AMAX_FLOOR), 1.0 / FP8_E4M3_MAX)
+    return _to_e4m3(xb / scale), scale
+
+
 def _fp4_scaled(xb: torch.Tensor, scale_fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """Blocks [..., nb, b] -> (x / scale clamped to +-6 [..., nb, b], scale [..., nb, 1])."""
     amax = xb.abs().amax(dim=-1, keepdim=True)
@@ -266,13 +276,8 @@ def fake_quant_fp8(x: torch.Tensor, block: int, round_scale: bool = True) -> tor
     round_scale=False keeps scale = max(amax, 1e-4) * float32(1/448).
     y = e4m3(clamp(x / scale, -448, 448)) * scale, computed in float32.
     """
-    xb = _blocks(x, block)                                            # [..., nb, b]
-    amax = xb.abs().amax(dim=-1, keepdim=True)                        # [..., nb, 1]
-    if round_scale:
-        scale = _e8m0_scale(amax, FP8_E4M3_MAX, FP8_AMAX_FLOOR)
-    else:
-        scale = _mul_f32(amax.clamp_min(FP8_AMAX_FLOOR), 1.0 / FP8_E4M3_MAX)
-    y = _to_e4m3(xb / scale).to(torch.float32) * scale
+    q, scale = _fp8_scaled(_blocks(x, block), round_scale)
+    y = q.to(torch.float32) * scale
     return y.flatten(-2).to(x.dtype)
 
 

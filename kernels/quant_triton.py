@@ -27,19 +27,13 @@ try:
     import triton
     import triton.language as tl
 
-    from .e4m3_triton import to_e4m3
+    from .e4m3_triton import e2m1_over_2p14, pow2_ceil_exponent, quant_tile, to_e4m3
 except ImportError:          # CPU-only installs
     triton = None
 
 IN_TRITON_SETS = False    # not yet run with `pytest -m gpu` (docs/kernels.md)
 
 if triton is not None:
-
-    @triton.jit
-    def _pow2_ceil(v):
-        bits = v.to(tl.int32, bitcast=True)
-        k = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        return (k << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _e2m1_code(q):
@@ -53,11 +47,7 @@ if triton is not None:
 
     @triton.jit
     def _e2m1_value(code):
-        mag = code & 7
-        e = mag >> 1
-        v = tl.where(e == 0, 0.5 * (mag & 1).to(tl.float32),
-                     (1 << tl.maximum(e - 1, 0)).to(tl.float32) * (1.0 + 0.5 * (mag & 1).to(tl.float32)))
-        return tl.where(code >= 8, -v, v)
+        return e2m1_over_2p14(code) * 16384.0                                    # exact: the decode's 2^-14 back
 
     @triton.jit
     def _e4m3_scale_value(s, SOFT: tl.constexpr):
@@ -87,12 +77,9 @@ if triton is not None:
                 v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (Q,))
             v = (v * HSCALE).to(x_ptr.dtype.element_ty).to(tl.float32)
             x = tl.reshape(v, (NB_PAD, BLK))
-        amax = tl.max(tl.abs(x), axis=1)                                         # [NB_PAD]
         row = o_ptr + m * stride_o
         if KIND == 1:
-            s = _pow2_ceil(tl.maximum(amax, 1e-4) * 0.002232142857142857)      # f32(1/448)
-            inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
-            e = to_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0), SOFT)
+            e, s = quant_tile(x, SOFT)                                           # fake_quant_fp8's rule per block
             if VALUES:
                 tl.store(y_ptr + m * stride_y + ch, (e.to(tl.float32) * s[:, None]).to(y_ptr.dtype.element_ty),
                          mask=ok)
@@ -100,6 +87,7 @@ if triton is not None:
                 tl.store(row + ch, e.to(tl.uint8, bitcast=True), mask=ok)
             sbyte = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
         else:
+            amax = tl.max(tl.abs(x), axis=1)                                     # [NB_PAD]
             if E4M3:
                 sbyte, s = _e4m3_scale_value(tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0),
                                               SOFT)                                  # floor 6 * 2^-9, saturate
@@ -118,10 +106,10 @@ if triton is not None:
                         sbyte = tl.where(exact, tb, sbyte)
                         found = found | exact
             else:
-                s = _pow2_ceil(tl.maximum(amax, 1.1754943508222875e-38 * 6.0) * 0.16666667163372040)  # f32(1/6)
+                sbyte = pow2_ceil_exponent(tl.maximum(amax, 1.1754943508222875e-38 * 6.0) * 0.16666667163372040)
+                s = (sbyte << 23).to(tl.float32, bitcast=True)                   # ue8m0: f32(1/6) above
                 q = tl.minimum(tl.maximum(x / s[:, None], -6.0), 6.0)            # / a power of two: exact
                 code = _e2m1_code(q)
-                sbyte = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
             if VALUES:
                 tl.store(y_ptr + m * stride_y + ch, (_e2m1_value(code) * s[:, None]).to(y_ptr.dtype.element_ty),
                          mask=ok)
@@ -202,29 +190,31 @@ def kv_pack_triton(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     return pack_kernel(fmt, flat).view(*lead, fmt.record_bytes)
 
 
-def qat_fp8_triton(x: torch.Tensor, block: int) -> torch.Tensor:
+def _on_rows(x: torch.Tensor, block: int, kernel, fallback, extra_ok: bool = True) -> torch.Tensor:
+    """x [..., n] as rows [M, n] through kernel (a fake-quant launch), or fallback(x) where the kernel does not run."""
     flat = x.reshape(-1, x.shape[-1])
-    if not fake_quant_supported(flat, block):
-        from .quant import fake_quant_fp8
-        return fake_quant_fp8(x, block)
-    return fake_quant_kernel(flat, "fp8", block).view(x.shape)
+    if not (extra_ok and fake_quant_supported(flat, block)):
+        return fallback(x)
+    return kernel(flat).view(x.shape)
+
+
+def qat_fp8_triton(x: torch.Tensor, block: int) -> torch.Tensor:
+    from .quant import fake_quant_fp8
+    return _on_rows(x, block, lambda f: fake_quant_kernel(f, "fp8", block), lambda t: fake_quant_fp8(t, block))
 
 
 def qat_fp4_triton(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    if not fake_quant_supported(flat, block):
-        from .quant import fake_quant_fp4
-        return fake_quant_fp4(x, block, scale_fmt)
-    return fake_quant_kernel(flat, "fp4", block, scale_fmt).view(x.shape)
+    from .quant import fake_quant_fp4
+    return _on_rows(x, block, lambda f: fake_quant_kernel(f, "fp4", block, scale_fmt),
+                    lambda t: fake_quant_fp4(t, block, scale_fmt))
 
 
 def qat_index_triton(x: torch.Tensor, block: int) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
+    """The butterfly needs n and n / block powers of two."""
+    from .fake_quant import _qat_index
     n = x.shape[-1]
-    if not fake_quant_supported(flat, block) or n & (n - 1) or n // block & (n // block - 1):
-        from .fake_quant import _qat_index
-        return _qat_index(x, block)
-    return fake_quant_kernel(flat, "fp4", block, hadamard=True).view(x.shape)
+    return _on_rows(x, block, lambda f: fake_quant_kernel(f, "fp4", block, hadamard=True),
+                    lambda t: _qat_index(t, block), extra_ok=not (n & (n - 1) or n // block & (n // block - 1)))
 
 
 if triton is not None and IN_TRITON_SETS:

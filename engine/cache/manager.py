@@ -57,11 +57,11 @@ class StateManager:
 
     @staticmethod
     def _storage_note(layout: PoolLayout) -> str:
-        kinds = layout.spec.rings + layout.spec.entries
-        packed = [k for k in kinds if layout.packed(k) is not None]
         if layout.kv_cache_dtype != "fp8":
             return "model dtype"
-        return f"fp8 records: {len(packed)} of {len(kinds)} state kinds"     # the rest: not KV, or no record fits
+        kinds = layout.spec.rings + layout.spec.entries
+        packed = sum(layout.packed(k) is not None for k in kinds)
+        return f"fp8 records: {packed} of {len(kinds)} state kinds"          # the rest: not KV, or no record fits
 
     @property
     def num_slots(self) -> int:

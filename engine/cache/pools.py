@@ -28,6 +28,13 @@ from .spec import StateSpec, torch_dtype
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 
+
+def check_kv_cache_dtype(value) -> None:
+    """One line for a kv_cache_dtype that is not known (LLM checks it before the model loads, the pools again)."""
+    if value not in KV_CACHE_DTYPES:
+        raise DeepInferError(f"kv_cache_dtype={value!r} is not known; use one of {list(KV_CACHE_DTYPES)} ('fp8': the "
+                             f"release's FP8 / FP4 cache records)")
+
 MIN_BLOCK_TOKENS = 64
 SCRATCH = 0
 
@@ -45,8 +52,7 @@ class PoolLayout:
            kv_cache_dtype: str = "auto") -> "PoolLayout":
         """block_tokens: positions per block (default: MIN_BLOCK_TOKENS rounded up to a multiple of every entry
         ratio); a given value must be such a multiple."""
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise DeepInferError(f"kv_cache_dtype={kv_cache_dtype!r} is not known; use one of {list(KV_CACHE_DTYPES)}")
+        check_kv_cache_dtype(kv_cache_dtype)
         if kv_cache_dtype == "fp8" and not any(k.packed for k in spec.rings + spec.entries):
             raise DeepInferError("kv_cache_dtype='fp8': this model declares no FP8 cache layout; use 'auto'")
         lcm = spec.block_multiple()
