@@ -23,6 +23,7 @@ from .env import async_scheduling_default, check_environment, kernel_backend
 from .models import check_projection_storage, projection_storage_of
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
+from .runner.inputs import PROMPT_LOGPROB_ROWS
 from .sampling import SamplingParams
 from .scheduler import Request
 from .stats import EngineStats
@@ -372,8 +373,8 @@ class LLM:
 def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable, max_model_len: int,
                     kv_cache_dtype: str = "auto") -> None:
     """The largest step the budget allows, through the runtime forward on throw-away pools of one sequence: a
-    prefill of ids [n], untruncated, with every row's logits and their log-softmax (what a prompt-logprob piece
-    computes), reading all block columns under the invariant table (as its engine does). Decode activations at
+    prefill of ids [n], untruncated, with the logits and log-softmax of one block of prompt-logprob rows (what a
+    prompt-logprob piece computes at once, runner/inputs.PROMPT_LOGPROB_ROWS), reading all block columns under the invariant table (as its engine does). Decode activations at
     the largest batch are not profiled."""
     from .cache.forward_batch import ForwardBatch
     from .cache.pools import PoolLayout, StatePools
@@ -385,4 +386,4 @@ def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: K
     ctx = pools.max_blocks if kernels.invariant else blocks
     with use(kernels):
         hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], ctx))
-        torch.log_softmax(model.logits(hidden), dim=-1)
+        torch.log_softmax(model.logits(hidden[:PROMPT_LOGPROB_ROWS]), dim=-1)   # the runner's largest logits block

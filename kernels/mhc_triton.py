@@ -45,6 +45,9 @@ BLOCK_R, WARPS = 16, 4
 # keep the chunk kernel (a 512-row decode graph takes the GEMM: capturable, no host sync); `triton_invariant` never
 # takes the GEMM (cuBLAS's reduction order may change with N).
 GEMM_ROWS = 512
+# the projection's dots: "ieee" (fp32 FMA units, the reference's arithmetic) or "tf32x3" (three TF32 tensor-core
+# products per term: about 2^-21 relative per product, a different last bit)
+PRECISION = "ieee"
 CHUNK = 1024          # hc * d columns per chunk: the fixed unit of the projection's fp32 sum (V4 16, V4.1 20)
 # sm_90 (ptxas on CPU): 16-bit streams at 128 no spills; fp32 at 128 spills 300 bytes, at 64 4 bytes
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 64}
@@ -68,14 +71,11 @@ if triton is not None:
         return 1.0 / (1.0 + tl.exp(-x))
 
     @triton.jit
-    def _chunk_mixes(x_ptr, fn_ptr, rows64, r_ok, c, one_ok, sq_ok, k0, K, stride_x, HC: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                     CHUNK_ITERS: tl.constexpr):
-        """Columns [k0, k0 + CHUNK_ITERS * BLOCK_K) of the rows: their x.fn^T for pre, post, comb [BLOCK_R,
-        BLOCK_C] and their sum of squares [BLOCK_R], fp32, from zero."""
-        acc_pre = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-        acc_post = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-        acc_comb = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    def _chunk_dot(x_ptr, fn_ptr, rows64, r_ok, col0, c, c_ok, k0, K, stride_x, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr, PREC: tl.constexpr):
+        """Columns [k0, k0 + CHUNK_ITERS * BLOCK_K) of the rows times fn's rows col0 + c (c_ok of them):
+        ([BLOCK_R, BLOCK_C] fp32 from zero, the rows' sum of squares [BLOCK_R])."""
+        acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         sq = tl.zeros((BLOCK_R,), tl.float32)
         for it in range(CHUNK_ITERS):
             k = k0 + it * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -83,42 +83,51 @@ if triton is not None:
             x = tl.load(x_ptr + rows64[:, None] * stride_x + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)                           # [BLOCK_R, BLOCK_K]
             sq += tl.sum(x * x, axis=1)
-            w_pre = tl.load(fn_ptr + c[None, :].to(tl.int64) * K + k[:, None], mask=k_ok[:, None] & one_ok[None, :],
-                            other=0.0)                                      # [BLOCK_K, BLOCK_C]
-            w_post = tl.load(fn_ptr + (HC + c[None, :]).to(tl.int64) * K + k[:, None],
-                             mask=k_ok[:, None] & one_ok[None, :], other=0.0)
-            w_comb = tl.load(fn_ptr + (2 * HC + c[None, :]).to(tl.int64) * K + k[:, None],
-                             mask=k_ok[:, None] & sq_ok[None, :], other=0.0)
-            acc_pre = tl.dot(x, w_pre, acc_pre, input_precision="ieee")
-            acc_post = tl.dot(x, w_post, acc_post, input_precision="ieee")
-            acc_comb = tl.dot(x, w_comb, acc_comb, input_precision="ieee")
-        return acc_pre, acc_post, acc_comb, sq
+            w = tl.load(fn_ptr + (col0 + c[None, :]).to(tl.int64) * K + k[:, None],
+                        mask=k_ok[:, None] & c_ok[None, :], other=0.0)       # [BLOCK_K, BLOCK_C]
+            acc = tl.dot(x, w, acc, input_precision=PREC)
+        return acc, sq
+
+    @triton.jit
+    def _chunk_mixes(x_ptr, fn_ptr, rows64, r_ok, c, one_ok, sq_ok, k0, K, stride_x, HC: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+                     PREC: tl.constexpr):
+        """The chunk's x.fn^T for pre, post, comb [BLOCK_R, BLOCK_C] and its sum of squares [BLOCK_R], fp32:
+        three _chunk_dot groups (the same arithmetic as three programs of _hc_chunks_kernel)."""
+        pre, sq = _chunk_dot(x_ptr, fn_ptr, rows64, r_ok, 0, c, one_ok, k0, K, stride_x, BLOCK_R, BLOCK_C,
+                             BLOCK_K, CHUNK_ITERS, PREC)
+        post, _ = _chunk_dot(x_ptr, fn_ptr, rows64, r_ok, HC, c, one_ok, k0, K, stride_x, BLOCK_R, BLOCK_C,
+                             BLOCK_K, CHUNK_ITERS, PREC)
+        comb, _ = _chunk_dot(x_ptr, fn_ptr, rows64, r_ok, 2 * HC, c, sq_ok, k0, K, stride_x, BLOCK_R, BLOCK_C,
+                             BLOCK_K, CHUNK_ITERS, PREC)
+        return pre, post, comb, sq
 
     @triton.jit
     def _hc_chunks_kernel(x_ptr, fn_ptr, part_ptr, N, K, stride_x, HC: tl.constexpr, BLOCK_C: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr):
-        """Program (b, s): part [S, N, 4, BLOCK_C] fp32 at [s, rows of block b] = chunk s's (pre, post, comb,
-        sum of squares in column 0) from _chunk_mixes."""
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+                          PREC: tl.constexpr):
+        """Program (b, s, g): part [S, N, 4, BLOCK_C] fp32 at [s, rows of block b, g] = chunk s's group g (pre,
+        post, comb) product from _chunk_dot; group 0 also stores the sum of squares (slot 3, column 0)."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         s = tl.program_id(1)
+        g = tl.program_id(2)
         r_ok = rows < N
         rows64 = rows.to(tl.int64)
         c = tl.arange(0, BLOCK_C)
-        pre, post, comb, sq = _chunk_mixes(x_ptr, fn_ptr, rows64, r_ok, c, c < HC, c < HC * HC,
-                                           s * (CHUNK_ITERS * BLOCK_K), K, stride_x, HC, BLOCK_C, BLOCK_R, BLOCK_K,
-                                           CHUNK_ITERS)
-        at = part_ptr + ((s.to(tl.int64) * N + rows64[:, None]) * 4) * BLOCK_C + c[None, :]
-        tl.store(at, pre, mask=r_ok[:, None])
-        tl.store(at + BLOCK_C, post, mask=r_ok[:, None])
-        tl.store(at + 2 * BLOCK_C, comb, mask=r_ok[:, None])
-        tl.store(part_ptr + ((s.to(tl.int64) * N + rows64) * 4 + 3) * BLOCK_C, sq, mask=r_ok)
+        width = tl.where(g == 2, HC * HC, HC)
+        acc, sq = _chunk_dot(x_ptr, fn_ptr, rows64, r_ok, g * HC, c, c < width, s * (CHUNK_ITERS * BLOCK_K), K,
+                             stride_x, BLOCK_R, BLOCK_C, BLOCK_K, CHUNK_ITERS, PREC)
+        at = part_ptr + ((s.to(tl.int64) * N + rows64[:, None]) * 4 + g) * BLOCK_C + c[None, :]
+        tl.store(at, acc, mask=r_ok[:, None])
+        if g == 0:
+            tl.store(part_ptr + ((s.to(tl.int64) * N + rows64) * 4 + 3) * BLOCK_C, sq, mask=r_ok)
 
     @triton.jit
     def _hc_mixes_kernel(x_ptr, fn_ptr, part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, N, K, stride_x,
                          hc_eps, norm_eps,
                          HC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                          CHUNKS: tl.constexpr, CHUNK_ITERS: tl.constexpr, FROM_PARTS: tl.constexpr,
-                         ITERS: tl.constexpr):
+                         ITERS: tl.constexpr, PREC: tl.constexpr):
         """Rows [pid * BLOCK_R, +BLOCK_R): the mixes from the sum, in chunk order, of CHUNKS chunk products
         (_chunk_mixes): read from part (FROM_PARTS: _hc_chunks_kernel wrote them, a program per chunk) or
         computed here one after the other."""
@@ -141,8 +150,8 @@ if triton is not None:
                 p_sq = tl.load(part_ptr + ((ch * N + rows64) * 4 + 3) * BLOCK_C, mask=r_ok, other=0.0)
             else:
                 p_pre, p_post, p_comb, p_sq = _chunk_mixes(x_ptr, fn_ptr, rows64, r_ok, c, one_ok, sq_ok,
-                                                           ch * (CHUNK_ITERS * BLOCK_K), K, stride_x, HC, BLOCK_C,
-                                                           BLOCK_R, BLOCK_K, CHUNK_ITERS)
+                                                           ch * (CHUNK_ITERS * BLOCK_K), K, stride_x, HC,
+                                                           BLOCK_R, BLOCK_C, BLOCK_K, CHUNK_ITERS, PREC)
             acc_pre = acc_pre + p_pre
             acc_post = acc_post + p_post
             acc_comb = acc_comb + p_comb
@@ -224,13 +233,14 @@ def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, 
         part, chunks = gemm_parts(x, fn, hc, block_c), 1
     elif split:
         part = torch.empty((chunks, n, 4, block_c), dtype=torch.float32, device=dev)
-        _hc_chunks_kernel[(blocks, chunks)](x, fn, part, n, k, x.stride(0), HC=hc, BLOCK_C=block_c, BLOCK_R=BLOCK_R,
-                                            BLOCK_K=block_k, CHUNK_ITERS=chunk_iters, num_warps=WARPS)
+        _hc_chunks_kernel[(blocks, chunks, 3)](x, fn, part, n, k, x.stride(0), HC=hc, BLOCK_C=block_c,
+                                               BLOCK_R=BLOCK_R, BLOCK_K=block_k, CHUNK_ITERS=chunk_iters,
+                                               PREC=PRECISION, num_warps=WARPS)
     _hc_mixes_kernel[(blocks,)](
         x, fn, part, base.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous(), pre, post,
         comb, n, k, x.stride(0), float(hc_eps), float(norm_eps), HC=hc, BLOCK_C=block_c, BLOCK_R=BLOCK_R,
         BLOCK_K=block_k, CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x,
-        ITERS=max(int(sinkhorn_iters), 1), num_warps=WARPS)
+        ITERS=max(int(sinkhorn_iters), 1), PREC=PRECISION, num_warps=WARPS)
     return pre, post, comb
 
 

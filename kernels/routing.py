@@ -60,6 +60,10 @@ SCORE_FUNCS = {
 _SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}     # the Triton kernel's SCORE constexpr
 
 ROUTE_BLOCK_ROWS = 16      # rows per route program (tl.dot needs >= 16)
+# expert columns per _route_logits_kernel program at decode: one program per (row block, chunk, column block), so
+# a one-row route spreads over chunks x E / ROUTE_E_BLOCK programs (the same per-column arithmetic as one walk)
+ROUTE_E_BLOCK = 32
+ROUTE_PRECISION = "ieee"   # the logits' dots: "ieee" (fp32 FMA units, the reference's arithmetic) or "tf32x3"
 ROUTE_CHUNK = 512          # D columns per logits chunk: the fixed unit of route's fp32 sum (V4 8, V4.1 10 chunks)
 # `triton` rows from which the logits run on cuBLAS (fp32, as the reference) instead of the chunk programs' FMA-unit
 # fp32 dots: _route_kernel took 1.9 ms (V4.1) / 2.5 ms (V4) a call at 8192 rows in the session-24 prefill traces
@@ -132,9 +136,10 @@ if triton is not None:
 
     @triton.jit
     def _chunk_logits(x_ptr, w_ptr, rows64, row_ok, cols, col_ok, k0, D: tl.constexpr, CHUNK_ITERS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, E_PAD: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, E_PAD: tl.constexpr, PREC: tl.constexpr):
         """x W^T over the D columns [k0, k0 + CHUNK_ITERS * BLOCK_D) of rows `rows64`: [BLOCK_N, E_PAD] fp32,
-        fp32 operands, IEEE fp32 accumulation (no TF32), from zero."""
+        fp32 operands and accumulation (PREC: IEEE FMA dots, or TF32x3 on tensor cores), from zero. E_PAD is the
+        width of `cols` (all of E, or one column block of it)."""
         dk = tl.arange(0, BLOCK_D)
         acc = tl.zeros((BLOCK_N, E_PAD), dtype=tl.float32)
         for it in range(CHUNK_ITERS):
@@ -143,21 +148,22 @@ if triton is not None:
             xt = tl.load(x_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             wt = tl.load(w_ptr + cols[None, :].to(tl.int64) * D + d[:, None], mask=d_ok[:, None] & col_ok[None, :],
                          other=0.0)                                                       # W^T tile [BLOCK_D, E_PAD]
-            acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision=PREC)
         return acc
 
     @triton.jit
     def _route_logits_kernel(x_ptr, w_ptr, part_ptr, N, D: tl.constexpr, E: tl.constexpr,
                              CHUNK_ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             E_PAD: tl.constexpr):
-        """Program (b, s): part [S, N, E_PAD] fp32 at [s, rows of block b] = chunk s's x W^T (_chunk_logits)."""
+                             E_PAD: tl.constexpr, E_BLOCK: tl.constexpr, PREC: tl.constexpr):
+        """Program (b, s, j): part [S, N, E_PAD] fp32 at [s, rows of block b, experts of column block j] =
+        chunk s's x W^T there (_chunk_logits over E_BLOCK columns)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         s = tl.program_id(1)
         row_ok = rows < N
         rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, E_PAD)
+        cols = tl.program_id(2) * E_BLOCK + tl.arange(0, E_BLOCK)
         acc = _chunk_logits(x_ptr, w_ptr, rows64, row_ok, cols, cols < E, s * (CHUNK_ITERS * BLOCK_D), D,
-                            CHUNK_ITERS, BLOCK_N, BLOCK_D, E_PAD)
+                            CHUNK_ITERS, BLOCK_N, BLOCK_D, E_BLOCK, PREC)
         tl.store(part_ptr + (s.to(tl.int64) * N + rows64[:, None]) * E_PAD + cols[None, :], acc,
                  mask=row_ok[:, None])
 
@@ -167,7 +173,7 @@ if triton is not None:
                       K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
                       NORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       E_PAD: tl.constexpr, K_PAD: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_ITERS: tl.constexpr,
-                      FROM_PARTS: tl.constexpr):
+                      FROM_PARTS: tl.constexpr, PREC: tl.constexpr):
         """One program: rows [pid * BLOCK_N, +BLOCK_N) of x [N, D] -> out_w [N, K] fp32, out_ids [N, K] int64.
         The logits are the sum, in chunk order, of CHUNKS chunk products (_chunk_logits): read from part
         (FROM_PARTS: _route_logits_kernel wrote them, one program per chunk) or computed here one after the
@@ -185,7 +191,7 @@ if triton is not None:
                                 mask=row_ok[:, None], other=0.0)
             else:
                 chunk = _chunk_logits(x_ptr, w_ptr, rows64, row_ok, cols, col_ok, c * (CHUNK_ITERS * BLOCK_D), D,
-                                      CHUNK_ITERS, BLOCK_N, BLOCK_D, E_PAD)
+                                      CHUNK_ITERS, BLOCK_N, BLOCK_D, E_PAD, PREC)
             acc = acc + chunk
         z = acc / temp
 
@@ -338,16 +344,18 @@ if triton is not None:
             chunks = 1
         elif split and chunks > 1:
             part = torch.empty((chunks, n, e_pad), dtype=torch.float32, device=x.device)
-            _route_logits_kernel[(blocks, chunks)](x, weight, part, n, D=d, E=e, CHUNK_ITERS=chunk_iters,
-                                                   BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
-                                                   num_warps=warps)
+            e_block = min(ROUTE_E_BLOCK, e_pad)
+            _route_logits_kernel[(blocks, chunks, e_pad // e_block)](
+                x, weight, part, n, D=d, E=e, CHUNK_ITERS=chunk_iters, BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d,
+                E_PAD=e_pad, E_BLOCK=e_block, PREC=ROUTE_PRECISION, num_warps=4 if e_block <= 64 else warps)
         _route_kernel[(blocks,)](
             x, weight, part, x if bias is None or hashed else bias.contiguous(),
             tid2eid.contiguous() if hashed else x, input_ids.contiguous() if hashed else x, out_w, out_ids,
             n, float(temp), float(route_scale), D=d, E=e,
             K=top_k, SCORE=_SCORE_CODE[score_func], HAS_BIAS=bias is not None and not hashed, HASH=hashed,
             NORMALIZE=bool(normalize), BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
-            K_PAD=_pow2(top_k), CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x, num_warps=warps)
+            K_PAD=_pow2(top_k), CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x,
+            PREC=ROUTE_PRECISION, num_warps=warps)
         return out_w, out_ids
 
     @implements("route", "triton")

@@ -312,6 +312,22 @@ def test_prompt_logprobs_survive_one_token_pieces(llm):
         assert whole.outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_prompt_logprobs_in_row_blocks_equal_one_block(llm, monkeypatch):
+    """The runner computes a long piece's prompt-logprob logits PROMPT_LOGPROB_ROWS rows at a time (a 128k prompt's
+    fp32 logits would not fit at once): 3-row blocks give every entry of the one-block run, and the same tokens."""
+    from deepinfer.runner import runner as runner_mod
+    sp = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True)
+    whole = llm.generate(PROMPTS[2], sp, use_tqdm=False)[0]
+    monkeypatch.setattr(runner_mod, "PROMPT_LOGPROB_ROWS", 3)
+    blocked = llm.generate(PROMPTS[2], sp, use_tqdm=False)[0]
+    assert len(whole.prompt_token_ids) > 6 and len(blocked.prompt_logprobs) == len(whole.prompt_logprobs)
+    assert blocked.prompt_logprobs[0] is None
+    for a, b in zip(whole.prompt_logprobs[1:], blocked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[k].logprob - b[k].logprob) < 1e-9 and a[k].rank == b[k].rank
+                                            for k in a)
+    assert whole.outputs[0].token_ids == blocked.outputs[0].token_ids
+
+
 def test_cuda_device_without_a_gpu_is_one_error_line():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")

@@ -12,6 +12,11 @@ from ..sampling.sampler import logprobs
 from ..scheduler.scheduler import Scheduled
 
 
+# prompt-logprob rows whose logits exist at once (a 128k-token piece's fp32 logits over a 129k vocabulary would be
+# 63 GiB; one block of 4096 rows is 2 GiB, its log-softmax as much again)
+PROMPT_LOGPROB_ROWS = 4096
+
+
 def wants_prompt_logprobs(s: Scheduled) -> bool:
     """A fed position that predicts a prompt token whose logprob was asked for."""
     return s.req.params.prompt_logprobs is not None and s.start + 1 < len(s.req.prompt_ids)
@@ -88,20 +93,21 @@ class StepInputs:
         return torch.tensor(rows, dtype=torch.long).to(self.tokens.device, non_blocking=True)
 
 
-def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor) -> None:
+def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor, row0: int = 0) -> None:
     """Rows of prompt positions a..a+n-1 predict tokens a+1..a+n: log-softmax of each prompt token (+ top-k);
-    the first prompt token has none (as vLLM). One device->host copy per piece (not one per position)."""
+    the first prompt token has none (as vLLM). logits holds the piece's rows row0.. (the runner passes a piece in
+    blocks of PROMPT_LOGPROB_ROWS). One device->host copy per call (not one per position)."""
     req, a = s.req, s.start
     if req.prompt_logprobs is None:
         req.prompt_logprobs = [None]
-    first = max(len(req.prompt_logprobs) - a - 1, 0)   # rows already recorded before a preemption are skipped
-    last = min(s.n, len(req.prompt_ids) - a - 1)       # rows that predict a prompt token
+    first = max(len(req.prompt_logprobs) - a - 1, row0)  # rows recorded before (a preemption, an earlier block)
+    last = min(s.n, len(req.prompt_ids) - a - 1, row0 + logits.shape[0])   # rows that predict a prompt token
     if last <= first:
         return
     targets = req.prompt_ids[a + first + 1:a + last + 1]
     k = req.params.prompt_logprobs
     chosen, rank, top_ids, top_vals = (t.tolist() if t is not None else None for t in logprobs(
-        logits[first:last], torch.tensor(targets, device=logits.device), k))
+        logits[first - row0:last - row0], torch.tensor(targets, device=logits.device), k))
     for i, tok in enumerate(targets):
         req.prompt_logprobs.append(logprob_entry(tok, chosen[i], rank[i], top_ids[i] if k else (),
                                                  top_vals[i] if k else ()))

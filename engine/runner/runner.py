@@ -25,7 +25,7 @@ from ..sampling.sampler import build_sampling_tensors, logprobs, sample
 from ..scheduler.scheduler import Scheduled
 from ..structured import apply_grammar_masks
 from .graphs import StepGraphs
-from .inputs import StepInputs, logprob_entry, record_prompt_logprobs, wants_prompt_logprobs
+from .inputs import PROMPT_LOGPROB_ROWS, StepInputs, logprob_entry, record_prompt_logprobs, wants_prompt_logprobs
 
 
 @dataclass
@@ -106,10 +106,15 @@ class ModelRunner:
         fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only,
                                  draft_rings=self.keep_draft_rings)
         hidden = self.model.forward(inputs.tokens, fb)
-        logits = self.model.logits(hidden[inputs.logit_rows_tensor()])
-        for s, rows in inputs.prompt_logprob_rows():
-            record_prompt_logprobs(s, logits[rows])
-        return self._sample(inputs, logits[inputs.sample_rows_in_logits()], before_sample)
+        rows = hidden[inputs.logit_rows_tensor()]
+        pieces = inputs.prompt_logprob_rows()
+        for s, piece in pieces:         # [rows, vocab] fp32 logits a block at a time, never a whole long prompt's
+            for a in range(piece.start, piece.stop, PROMPT_LOGPROB_ROWS):
+                b = min(a + PROMPT_LOGPROB_ROWS, piece.stop)
+                record_prompt_logprobs(s, self.model.logits(rows[a:b]), a - piece.start)
+        if pieces:
+            rows = rows[inputs.sample_rows_in_logits()]
+        return self._sample(inputs, self.model.logits(rows), before_sample)
 
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """A verify row rejected drafts: put back the rings as they were before it; returns the positions the
