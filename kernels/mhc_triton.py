@@ -45,9 +45,10 @@ BLOCK_R, WARPS = 16, 4
 # keep the chunk kernel (a 512-row decode graph takes the GEMM: capturable, no host sync); `triton_invariant` never
 # takes the GEMM (cuBLAS's reduction order may change with N).
 GEMM_ROWS = 512
-# the projection's dots: "ieee" (fp32 FMA units, the reference's arithmetic) or "tf32x3" (three TF32 tensor-core
-# products per term: about 2^-21 relative per product, a different last bit)
-PRECISION = "ieee"
+# the projection's dots: "tf32x3" (three TF32 tensor-core products per term, about 2^-21 relative per product) or
+# "ieee" (fp32 FMA units). H200, session 25 (docs/results.md): one decode row 20 us against 32 us (V4 and V4.1),
+# 256 rows 70 / 134 us, 8192 rows 1.7 / 3.8 ms; error against the reference 1.7e-7 to 2.1e-6 of max either way
+PRECISION = "tf32x3"
 CHUNK = 1024          # hc * d columns per chunk: the fixed unit of the projection's fp32 sum (V4 16, V4.1 20)
 # sm_90 (ptxas on CPU): 16-bit streams at 128 no spills; fp32 at 128 spills 300 bytes, at 64 4 bytes
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 64}

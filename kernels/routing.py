@@ -62,8 +62,11 @@ _SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}     # the Triton k
 ROUTE_BLOCK_ROWS = 16      # rows per route program (tl.dot needs >= 16)
 # expert columns per _route_logits_kernel program at decode: one program per (row block, chunk, column block), so
 # a one-row route spreads over chunks x E / ROUTE_E_BLOCK programs (the same per-column arithmetic as one walk)
-ROUTE_E_BLOCK = 32
-ROUTE_PRECISION = "ieee"   # the logits' dots: "ieee" (fp32 FMA units, the reference's arithmetic) or "tf32x3"
+ROUTE_E_BLOCK = 64
+# the logits' dots: "tf32x3" (three TF32 tensor-core products per term) or "ieee" (fp32 FMA units). H200, session 25
+# (docs/results.md): one decode row 16 / 24 us (V4 / V4.1) against 31 / 37 us, 256 rows 29 / 57 us against 91 / 220,
+# the ids the reference's at every size measured, weights within 8.8e-7 of max
+ROUTE_PRECISION = "tf32x3"
 ROUTE_CHUNK = 512          # D columns per logits chunk: the fixed unit of route's fp32 sum (V4 8, V4.1 10 chunks)
 # `triton` rows from which the logits run on cuBLAS (fp32, as the reference) instead of the chunk programs' FMA-unit
 # fp32 dots: _route_kernel took 1.9 ms (V4.1) / 2.5 ms (V4) a call at 8192 rows in the session-24 prefill traces

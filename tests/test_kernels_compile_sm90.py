@@ -179,7 +179,7 @@ def test_hc_mixes_compiles_for_sm90(dtype, from_parts):
                "stride_x": "i32", "hc_eps": "fp32", "norm_eps": "fp32"}
     block_k = kmt.BLOCK_K[torch.bfloat16 if dtype == "*bf16" else torch.float32]
     chunk_iters = kmt.CHUNK // block_k
-    tiles = dict(HC=4, BLOCK_C=16, BLOCK_R=kmt.BLOCK_R, BLOCK_K=block_k, CHUNK_ITERS=chunk_iters)
+    tiles = dict(HC=4, BLOCK_C=16, BLOCK_R=kmt.BLOCK_R, BLOCK_K=block_k, CHUNK_ITERS=chunk_iters, PREC=kmt.PRECISION)
     kernel = compile_sm90(kmt._hc_mixes_kernel, runtime, dict(tiles, CHUNKS=20480 // kmt.CHUNK,
                                                               FROM_PARTS=from_parts, ITERS=20), num_warps=kmt.WARPS)
     bound = {("*bf16", False): 8, ("*fp32", False): 88, ("*bf16", True): 0, ("*fp32", True): 8}[dtype, from_parts]

@@ -93,6 +93,11 @@ class ForwardBatch:
     def is_static(self) -> bool:
         return self.host is None
 
+    def rotary(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope(positions) (cos, sin [N, rope_dim/2]) for this step's rows, computed once per rope module: the
+        layers sharing a RotaryEmbedding share its tables."""
+        return self._cached(("rope", id(rope)), lambda: rope(self.positions))
+
     def _cached(self, key, build):
         if key not in self._cache:
             self._cache[key] = build()
@@ -140,9 +145,9 @@ class ForwardBatch:
     def write_ring(self, ring: torch.Tensor, new: torch.Tensor) -> None:
         """Row values new [N, w] to ring [S, span, w] at p % span, for each segment's last `span` positions."""
         span = ring.shape[1]
-        slot = self._cached(("ring_slot", span), lambda: torch.where(
-            self.positions >= self.row_end - span, self.row_slot, SCRATCH))
-        ring[slot, self.positions % span] = new.to(ring.dtype)
+        slot, at = self._cached(("ring_slot", span), lambda: (torch.where(
+            self.positions >= self.row_end - span, self.row_slot, SCRATCH), self.positions % span))
+        ring[slot, at] = new.to(ring.dtype)
 
     def last_rows(self, span: int) -> torch.Tensor:
         """Rows at each segment's last `span` positions (the ones whose ring writes stay) -> [M] int64. Static:

@@ -119,7 +119,7 @@ class Attention(LatentAttention):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """x [N, D] normed input rows of a step -> [N, D]. Reads and writes the layer's pools in place."""
         pools = batch.pools
-        q, kv, comp, idx, (cos, sin) = self.project(x, batch.positions)
+        q, kv, comp, idx, (cos, sin) = self.project(x, batch.rotary(self.rope))
         ring = pools.rings[f"{layer}.window"]
         sources = [window_source(batch, ring, kv, self.window)]
         if self.compressor is not None:
@@ -157,7 +157,7 @@ class Attention(LatentAttention):
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
                           layer: int) -> torch.Tensor:
         """x: [N, D] normed block input of all sequences' new tokens; positions: [N]. Returns [N, D]."""
-        q, kv, comp, idx, (cos, sin) = self.project(x, positions)
+        q, kv, comp, idx, (cos, sin) = self.project(x, self.rope(positions))
         out = torch.empty_like(q)
         for s in seqs:
             rows = slice(s.start, s.end)
@@ -165,12 +165,12 @@ class Attention(LatentAttention):
                                          [t[rows] for t in comp], [t[rows] for t in idx])
         return self.output(out, cos, sin)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """The per-token part, batched over every row: x [N, D], positions [N] -> (q [N, H, d] roped,
+    def project(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """The per-token part, batched over every row: x [N, D], rotary = the rows' (cos, sin) -> (q [N, H, d] roped,
         kv [N, d] roped (+ QAT), comp = compressor (kv, gate) [N, c*d] each or (), idx = (index kv, index gate,
         index q [N, h, dI] (+ QAT), index weights [N, h]) or (), (cos, sin) [N, rd/2])."""
         n = x.shape[0]
-        cos, sin = self.rope(positions)
+        cos, sin = rotary
         qr = self.q_norm(self.wq_a(x))                                            # [N, q_lora]
         q = self.wq_b(qr).view(n, self.n_heads, self.head_dim)
         q = apply_rope(rms_norm(q, None, self.eps), cos, sin)                     # [N, H, d]

@@ -106,7 +106,7 @@ class AttentionV41(LatentAttention):
         layer's pools in place. The source group's products pass from layer to layer in batch.shared; a
         selection is kept by the query rows' indices in the whole step (`query_rows`, None: every row), since
         YOCO-truncated layers see fewer rows than the layer that selected."""
-        cos, sin = self.rope(batch.positions)
+        cos, sin = batch.rotary(self.rope)
         ring, kv = batch.pools.rings[f"{self.layer}.window"], self.window_kv(x, cos, sin)
         window = window_source(batch, ring, kv, self.window)
         x_in = x                                                  # the KV source compresses every input row

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.experts import FP4_BLOCK, ExpertWeights, grouped_experts, swiglu
-from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.routing import SCORE_FUNCS, route
 
 from ..config.deepseek_v4 import HASH_MOE, DeepseekV4Config
@@ -134,8 +133,8 @@ class MoE(nn.Module):
         """x [N, D] (input_ids [N] for hash layers) -> [N, D] in x's dtype."""
         weights, ids = self.gate(x, input_ids)                              # route
         d = self.dispatch.dispatch(x.to(self.experts.dtype), weights, ids)  # dispatch
-        routed = self.dispatch.combine(self.experts.compute(d), d)          # experts, combine (>= fp32)
-        return (routed + upcast(self.shared_experts(x))).to(x.dtype)
+        routed = self.experts.compute(d)                                    # experts
+        return self.dispatch.combine(routed, d, self.shared_experts(x), x.dtype)   # combine (>= fp32) + shared
 
 
 def set_expert_act_quant(model: nn.Module, on: bool) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.kernels.precision import upcast
+from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.routing import permute
 
 
@@ -69,14 +69,13 @@ class LocalDispatch:
         return Dispatched(x=x.index_select(0, order // k), weights=weights,
                           expert_ids=expert_ids, offsets=offsets, order=order, inverse=inverse, n_rows=n, top_k=k)
 
-    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        """y [M, D] (one output per sorted row) -> [N, D] >= fp32: each row's k outputs summed one by one in
-        ascending expert id, starting from the lowest (a fixed order whatever the batch)."""
-        per_row = upcast(y).index_select(0, d.inverse).view(d.n_rows, d.top_k, y.shape[-1])
-        out = per_row[:, 0].clone()
-        for j in range(1, d.top_k):
-            out += per_row[:, j]
-        return out
+    def combine(self, y: torch.Tensor, d: Dispatched, shared: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y [M, D] (one output per sorted row) -> [N, D]: each row's k outputs summed one by one in ascending
+        expert id, starting from the lowest (a fixed order whatever the batch), in >= fp32, then + shared [N, D]
+        (the shared experts' output), cast to out_dtype (None: the >= fp32 sum, no shared). kernels/moe_combine.py."""
+        dtype = out_dtype or torch.promote_types(y.dtype, torch.float32)
+        return moe_combine(y, d.inverse, d.top_k, shared, dtype)
 
 
 # ------------------------------------------------------------------------------------------- routing records
