@@ -12,14 +12,17 @@ fn [(2 + hc) * hc, hc * D], base [(2 + hc) * hc], scale [3] fp32:
 Program r: rows [r*BLOCK_R, +BLOCK_R), K = hc*D summed over fixed CHUNK-column chunks, each streamed BLOCK_K at a
 time into three fp32 accumulators (pre, post, comb columns of fn, padded to BLOCK_C) and the sum of squares, the
 chunks added in order; the epilogue runs in registers. At decode (few row blocks) a first kernel computes the
-chunks, one program per (row block, chunk), and the mixes kernel adds them: one program walking all of K (1.5 MB
-of fn at V4) took 870 us a call on an H200 (docs/results.md). fp32 dots at ieee precision (the reference's
-F.linear in fp32). The two orders of work agree bitwise in the interpreter but not on the H200 (last bits, within
-the reference bound), so `triton` picks by N and `triton_invariant` always takes the chunk kernel: its rows
-are then independent of the batch (partial sums in memory: 5 KB a row at V4.1, 84 MB for 16k rows).
+chunks, one program per (row block, chunk, group of pre / post / comb columns), and the mixes kernel adds them:
+one program walking all of K (1.5 MB of fn at V4) took 870 us a call on an H200, one per (row block, chunk) 56 us,
+one per group too 32 us, with TF32x3 dots 20 us (docs/results.md). The dots are TF32x3 (PRECISION; three
+tensor-core products per term, about 2^-21 relative each; "ieee" runs them on FMA units). The two orders of work
+agree bitwise in the interpreter but not on the H200 (last bits, within the reference bound), so `triton` picks
+by N and `triton_invariant` always takes the chunk kernel: its rows are then independent of the batch (partial
+sums in memory: 5 KB a row at V4.1, 84 MB for 16k rows).
 
 Numerics: the reference normalizes before the projection, the kernel after (one rounding apart), and sums K in
-another order: interpreter <= 1e-6 of max for pre / post / comb (tests/interpreted/test_mhc_triton.py).
+another order: interpreter <= 1e-6 of max for pre / post / comb (tests/interpreted/test_mhc_triton.py); H200, bf16
+streams at the released widths, 1-8192 rows: 1.6e-7 to 2.1e-6 of max for comb (TF32x3 and ieee alike).
 
 GPU status: `pytest -m gpu tests/test_kernels_mhc_triton.py` passed on an H200 (8 tests), so the kernel is in
 the Triton sets (IN_TRITON_SETS).

@@ -13,17 +13,20 @@ permute(ids [N, k], weights [N, k], n_experts, logical_to_physical) -> the M = N
 Backends:
   reference         plain torch (the math the model used before these ops)
   invariant         route on fixed row tiles (kernels/tiles.py); permute is exact, so its reference stands in
-  triton            route: one fused kernel per block of ROUTE_BLOCK_ROWS rows (fp32 IEEE logits, score fn, bias,
-                    k rounds of argmax, gather, normalize). The logits are a sum over fixed ROUTE_CHUNK-column
-                    chunks; at decode (few row blocks) one program per (row block, chunk) computes them first
-                    and the fused kernel adds the chunks in order (one program walking the whole [E, D] router
-                    weight took 630-940 us a layer on an H200, docs/results.md); else each program walks its
-                    chunks itself. The same arithmetic either way. permute: a counting sort in two kernels (per-block
+  triton            route: one fused kernel per block of ROUTE_BLOCK_ROWS rows (fp32 logits on TF32x3 dots, score
+                    fn, bias, k rounds of argmax, gather, normalize). The logits are a sum over fixed
+                    ROUTE_CHUNK-column chunks; at decode (few row blocks) one program per (row block, chunk,
+                    ROUTE_E_BLOCK experts) computes them first and the fused kernel adds the chunks in order (one
+                    program walking the whole [E, D] router weight took 630-940 us a layer on an H200, one per
+                    (row block, chunk) 80-107 us, with column blocks and TF32x3 16-24 us: docs/results.md); else
+                    each program walks its chunks itself. The same arithmetic, but not the same bits with TF32x3
+                    dots on the H200 (the tiles differ), so only `triton` picks by N. permute: a counting sort in two kernels (per-block
                     expert histograms; a sort of per-block unique keys + each block's base offsets) and a few
                     device-side cumsums in between: static shapes, no host sync, CUDA-graph capturable.
-  triton_invariant  the same route kernel: its tile configuration depends on E and D only, never on N, and
-                    each row is computed by the same instruction sequence wherever it sits, so a row's bits do not
-                    depend on its batch (tests/test_kernels_routing.py checks it on CUDA).
+  triton_invariant  the same route kernels, always through the chunk programs: their tile configuration depends
+                    on E and D only, never on N, and each row is computed by the same instruction sequence wherever
+                    it sits, so a row's bits do not depend on its batch (tests/test_kernels_routing.py checks it on
+                    CUDA).
 The Triton functions run the kernels on CUDA tensors (or any tensors under Triton's CPU interpreter,
 TRITON_INTERPRET=1 set before triton is imported); elsewhere, and for float64, they call the implementation
 their backend set falls back to (so CPU engines work with every backend set).
@@ -367,8 +370,9 @@ if triton is not None:
 
     @implements("route", "triton_invariant")
     def _route_triton_invariant(x, weight, bias, **kw):
-        # the kernel is batch-invariant; off the kernels, stay invariant through the tiled reference
-        return _route_triton(x, weight, bias, fallback=_route_tiles, **kw)
+        # always the chunk programs: with TF32x3 dots the walking programs' logits differ from theirs in last bits
+        # (H200), so choosing by N would tie a row's bits to its batch; off the kernels, the tiled reference
+        return _route_triton(x, weight, bias, fallback=_route_tiles, split=True, **kw)
 
     @implements("permute", "triton")
     def _permute_triton(ids, weights, n_experts, logical_to_physical=None):

@@ -64,7 +64,7 @@ def test_edge_rows(storage):
 
 @pytest.mark.parametrize("tokens", [1, 64, 2048])
 def test_fp4_byte_table_decode(tokens):
-    """The off-by-default prmt byte-table FP4 decode (Tiles.lut_fp4) equals the reference like the default path."""
+    """The prmt byte-table FP4 decode (Tiles.lut_fp4: DECODE has it on) equals the reference in every tile config."""
     gen = torch.Generator(device="cuda").manual_seed(6)
     ew = random_expert_weights("fp4", 32, 5120, 2304, False, "cuda", gen)
     x, ids, offs, r, _ = routed_batch(tokens, 32, 5120, 6, "cuda", gen)
