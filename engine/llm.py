@@ -374,8 +374,8 @@ def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: K
                     kv_cache_dtype: str = "auto") -> None:
     """The largest step the budget allows, through the runtime forward on throw-away pools of one sequence: a
     prefill of ids [n], untruncated, with the logits and log-softmax of one block of prompt-logprob rows (what a
-    prompt-logprob piece computes at once, runner/inputs.PROMPT_LOGPROB_ROWS), reading all block columns under the invariant table (as its engine does). Decode activations at
-    the largest batch are not profiled."""
+    prompt-logprob piece computes at once, runner/inputs.PROMPT_LOGPROB_ROWS), reading all block columns under the
+    invariant table (as its engine does). Decode activations at the largest batch are not profiled."""
     from .cache.forward_batch import ForwardBatch
     from .cache.pools import PoolLayout, StatePools
     layout = PoolLayout.for_model(model, block_size, kv_cache_dtype)
