@@ -366,6 +366,33 @@ def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_di
         click.echo("  " + line)
 
 
+@cli.command("ops", epilog="""Examples:
+
+\b
+  deepinfer-bench ops                                  # the tiny V4.1, reference kernels, CPU (seconds)
+  deepinfer-bench ops --model random:deepseek_v4:tiny:4 --top 60""")
+@click.option("--model", default="tiny", show_default=True, callback=not_blank,
+              help="dir, hub id, tiny or random:ARCH:PRESET:N (CPU: keep it small)")
+@click.option("--kernel-backend", type=click.Choice(list(BACKEND_SETS)), default="reference", show_default=True)
+@click.option("--batch", type=int, default=4, show_default=True, help="sequences decoding together")
+@click.option("--top", type=int, default=40, show_default=True, help="source lines listed")
+def ops_cmd(model, kernel_backend, batch, top) -> None:
+    """Count a decode step's torch ops on the CPU by the engine source line that issues them (harness/op_census.py):
+    what the model and the cache still launch outside the kernel ops, the list to fuse from."""
+    from deepinfer import LLM
+    from deepinfer.errors import DeepInferError
+
+    from deepinfer.validate import resolve_model
+
+    from .op_census import run_census, table
+    if batch < 1 or top < 1:
+        raise DeepInferError(f"--batch {batch} / --top {top}: both must be at least 1")
+    llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu", kernel_backend=kernel_backend,
+              enforce_eager=True, async_scheduling=False)
+    for line in table(run_census(llm, batch=batch), top):
+        click.echo(line)
+
+
 def _check_options(f):
     for opt in reversed([
         click.option("--model", default="tiny", show_default=True, callback=not_blank,

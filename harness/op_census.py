@@ -1,0 +1,122 @@
+"""Where a decode step's torch launches come from: `deepinfer-bench ops`.
+
+The GPU trace (`deepinfer-bench step`, `gpu_trace`) counts a step's kernels and names the costly ones, but a
+torch elementwise kernel's name does not say which line of the engine launched it. This census runs decode steps
+on the CPU under a TorchDispatchMode and files every aten op that launches work (views and metadata ops left out)
+under the engine source line that issued it, or under the `kernels/` op it ran inside (those are the op table's
+business: on CUDA the Triton sets replace most of them with one launch). The lines outside `kernels/` are what the
+model and the cache still launch as torch ops on any backend: the list to fuse from. Counts are per decode step
+(prefill steps are not counted) and depend on the model's layer kinds, not on its widths, so the tiny models
+stand in for the released ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten ops that make no kernel (views, aliases, metadata, host reads); `to` / `contiguous` / `flatten` dispatch
+# their real work as _to_copy / clone / copy_, counted as those
+NO_LAUNCH = frozenset({
+    "aten.detach.default", "aten.detach_.default", "aten.alias.default", "aten.view.default",
+    "aten._unsafe_view.default", "aten.t.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+    "aten.squeeze.dims", "aten.squeeze.default", "aten.expand.default", "aten.slice.Tensor", "aten.select.int",
+    "aten.permute.default", "aten.transpose.int", "aten.as_strided.default", "aten.reshape.default",
+    "aten.split.Tensor", "aten.unbind.int", "aten.split_with_sizes.default", "aten.lift_fresh.default",
+    "aten.unflatten.int", "aten.chunk.default", "aten.diagonal.default", "aten.view_as_real.default",
+    "aten.view_as_complex.default", "aten.unfold.default", "aten._reshape_alias.default", "aten.is_nonzero.default",
+    "aten._local_scalar_dense.default", "aten.to.dtype", "aten.to.device", "aten.to.dtype_layout",
+    "aten.flatten.using_ints", "aten.contiguous.default", "aten.view.dtype", "aten.sym_size.int",
+    "aten.sym_stride.int", "aten.sym_numel.default", "aten.dim.default", "aten.size.default", "aten.stride.default",
+    "aten.numel.default", "aten.is_contiguous.default", "aten.item.default", "aten.empty_like.default",
+    "aten.empty.memory_format", "aten.empty_strided.default"})
+
+
+@dataclass
+class Census:
+    """Ops per decode step: `lines` {(engine source 'file:line function', aten op): count}, `kernel_ops`
+    {kernels/ entry: aten ops inside it}, over `steps` decode steps."""
+    steps: int = 0
+    lines: collections.Counter = field(default_factory=collections.Counter)
+    kernel_ops: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def per_step(self) -> float:
+        return sum(self.lines.values()) / max(self.steps, 1)
+
+    def top(self, n: int) -> list[tuple[str, str, float]]:
+        return [(where, op, c / max(self.steps, 1)) for (where, op), c in self.lines.most_common(n)]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, census: Census, engine: Path, kernels: Path):
+        super().__init__()
+        self.census, self.engine, self.kernels, self.on = census, engine, kernels, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if self.on and name not in NO_LAUNCH:
+            self._file(name)
+        return func(*args, **(kwargs or {}))
+
+    def _file(self, op: str) -> None:
+        inside = None
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            path = Path(frame.filename)
+            if self.kernels in path.parents:
+                inside = f"kernels/{path.relative_to(self.kernels)}:{frame.name}"   # the outermost kernels/ frame
+                continue
+            if self.engine not in path.parents:
+                continue
+            if inside is not None:
+                self.census.kernel_ops[inside] += 1
+            else:
+                self.census.lines[(f"{path.relative_to(self.engine.parent)}:{frame.lineno} {frame.name}",
+                                   op.removeprefix("aten."))] += 1
+            return
+
+
+def run_census(llm, batch: int = 4, prompt_len: int = 32, new_tokens: int = 6) -> Census:
+    """Generate `new_tokens` for `batch` prompts twice on `llm` (an eager LLM); the second run's decode steps
+    (every scheduled piece one token) are counted."""
+    import deepinfer
+    import deepinfer.kernels
+    from deepinfer import SamplingParams
+    census = Census()
+    recorder = _Recorder(census, Path(deepinfer.__file__).resolve().parent,
+                         Path(deepinfer.kernels.__file__).resolve().parent)
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def counted(sched, prev, before_sample=None):
+        recorder.on = bool(sched) and all(s.n == 1 for s in sched)
+        census.steps += recorder.on
+        try:
+            return execute(sched, prev, before_sample)
+        finally:
+            recorder.on = False
+
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 5 + i + prompt_len))} for i in range(batch)]
+    llm.generate(prompts, sp, use_tqdm=False)                      # warm: first-call paths out of the count
+    runner.execute = counted
+    try:
+        with recorder:
+            llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        runner.execute = execute
+    return census
+
+
+def table(census: Census, top: int) -> list[str]:
+    out = [f"{census.per_step:.0f} torch ops per decode step outside kernels/ ({census.steps} steps counted)",
+           f"{'per step':>9}  {'op':24s} source"]
+    out += [f"{c:9.1f}  {op:24s} {where}" for where, op, c in census.top(top)]
+    out.append(f"{'per step':>9}  inside kernels/ ops (their reference implementations)")
+    out += [f"{c / max(census.steps, 1):9.1f}  {k}" for k, c in census.kernel_ops.most_common(top)]
+    return out

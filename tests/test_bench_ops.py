@@ -1,0 +1,32 @@
+"""deepinfer-bench ops (harness/op_census.py) on the tiny V4.1: decode steps are counted, every torch op lands under
+an engine source line or the kernels/ op it ran inside, views are not counted, bad options are one line."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from deepinfer import LLM
+from deepinfer.errors import DeepInferError
+from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.harness.cli import cli
+from deepinfer.harness.op_census import NO_LAUNCH, run_census, table
+
+
+def test_census_files_every_op_by_source():
+    llm = LLM(embedded_tiny_dir("deepseek_v41"), enforce_eager=True, async_scheduling=False)
+    census = run_census(llm, batch=2, prompt_len=12, new_tokens=4)
+    assert census.steps == 3                              # 4 new tokens: the prefill's, then 3 decode steps
+    assert census.per_step > 50
+    sources = {where for (where, _op) in census.lines}
+    assert all(w.startswith("engine/") for w in sources)
+    assert any("write_ring" in w for w in sources)        # the ring writes are torch index_put_s on every backend
+    assert not any(f"aten.{op}" in NO_LAUNCH for (_w, op) in census.lines)
+    assert census.kernel_ops["kernels/mhc.py:hc_mixes"] > 0   # the reference mHC's ops, filed under its op
+    lines = table(census, 5)
+    assert lines[0].endswith("(3 steps counted)") and len(lines) == 2 + 5 + 1 + 5
+
+
+def test_bad_options_are_one_line():
+    result = CliRunner().invoke(cli, ["ops", "--top", "0"])       # main() prints a DeepInferError as one line
+    assert result.exit_code != 0 and isinstance(result.exception, DeepInferError)
+    assert "--top 0" in str(result.exception) and "\n" not in str(result.exception)
