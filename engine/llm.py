@@ -386,4 +386,5 @@ def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: K
     ctx = pools.max_blocks if kernels.invariant else blocks
     with use(kernels):
         hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], ctx))
-        torch.log_softmax(model.logits(hidden[:PROMPT_LOGPROB_ROWS]), dim=-1)   # the runner's largest logits block
+        block = torch.arange(min(n, PROMPT_LOGPROB_ROWS), device=hidden.device)
+        torch.log_softmax(model.logits(hidden[block]), dim=-1)     # the runner's largest block (a gather, as there)

@@ -13,6 +13,7 @@ stand in for the released ones.
 from __future__ import annotations
 
 import collections
+import functools
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +68,7 @@ class _Recorder(TorchDispatchMode):
     def _file(self, op: str) -> None:
         inside = None
         for frame in reversed(traceback.extract_stack()[:-2]):
-            path = Path(frame.filename)
+            path = _resolved(frame.filename)
             if self.kernels in path.parents:
                 inside = f"kernels/{path.relative_to(self.kernels)}:{frame.name}"   # the outermost kernels/ frame
                 continue
@@ -79,6 +80,11 @@ class _Recorder(TorchDispatchMode):
                 self.census.lines[(f"{path.relative_to(self.engine.parent)}:{frame.lineno} {frame.name}",
                                    op.removeprefix("aten."))] += 1
             return
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved(filename: str) -> Path:
+    return Path(filename).resolve()      # the roots are resolved: a symlinked checkout still matches
 
 
 def run_census(llm, batch: int = 4, prompt_len: int = 32, new_tokens: int = 6) -> Census:
@@ -110,6 +116,10 @@ def run_census(llm, batch: int = 4, prompt_len: int = 32, new_tokens: int = 6) -
             llm.generate(prompts, sp, use_tqdm=False)
     finally:
         runner.execute = execute
+    if census.steps == 0:
+        from deepinfer.errors import DeepInferError
+        raise DeepInferError(f"deepinfer-bench ops: no decode step ran ({new_tokens} new tokens for {batch} "
+                             f"prompts); give at least 2 new tokens")
     return census
 
 

@@ -42,11 +42,10 @@ except ImportError:          # CPU-only installs
 
 IN_TRITON_SETS = True     # passed `pytest -m gpu` on an H200 (docs/results.md)
 BLOCK_R, WARPS = 16, 4
-# `triton` rows from which the projection runs on cuBLAS (gemm_parts). The session-24 prefill traces: the chunk
-# path took 3.0 ms (V4.1) / 5.0 ms (V4) a call at 8192 rows (61-70% of fp32 FMA peak would be 0.1 ms); the GEMM
-# path is estimated at a tenth of that and is not yet timed on the GPU (docs/kernels.md). Decode batches below it
-# keep the chunk kernel (a 512-row decode graph takes the GEMM: capturable, no host sync); `triton_invariant` never
-# takes the GEMM (cuBLAS's reduction order may change with N).
+# `triton` rows from which the projection runs on cuBLAS (gemm_parts): measured faster than the chunk kernel from
+# 256 rows on the H200 (session 25, docs/results.md). Decode batches below it keep the chunk kernel (a 512-row
+# decode graph takes the GEMM: capturable, no host sync); `triton_invariant` never takes the GEMM (cuBLAS's
+# reduction order may change with N).
 GEMM_ROWS = 512
 # the projection's dots: "tf32x3" (three TF32 tensor-core products per term, about 2^-21 relative per product) or
 # "ieee" (fp32 FMA units). H200, session 25 (docs/results.md): one decode row 20 us against 32 us (V4 and V4.1),
@@ -210,11 +209,11 @@ def gemm_parts(x: torch.Tensor, fn: torch.Tensor, hc: int, block_c: int) -> torc
 
 def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, split: bool | None = None,
                     gemm: bool = False):
-    """The kernels on `supported` inputs (callers check). split: one program per (row block, chunk) first, then
-    the mixes (decode: the few row blocks alone would each walk all of K), or each row block walks its chunks
+    """The kernels on `supported` inputs (callers check). split: one program per (row block, chunk, group) first,
+    then the mixes (decode: the few row blocks alone would each walk all of K), or each row block walks its chunks
     (None: by the row blocks against the SMs). gemm: the projection on cuBLAS first (gemm_parts: prefill-sized
-    batches, where the chunk programs' FMA-unit fp32 dots took 3-5 ms for 8192 rows), then the mixes kernel's
-    epilogue over that one part."""
+    batches; 8192 rows 1.06 / 1.31 ms at V4 / V4.1 against the TF32x3 chunks' 1.68 / 2.10 ms on the H200), then
+    the mixes kernel's epilogue over that one part."""
     n, hc, d = streams.shape
     k = hc * d
     dev = streams.device

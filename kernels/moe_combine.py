@@ -5,7 +5,7 @@ moe_combine(y [M, D] fp32, inverse [M] int64, top_k, shared [N, D] | None, out_d
     per_row = y[inverse].view(N, k, D)                      (M = N * k; inverse: the dispatch's sorted position of
                                                              each flat (row, slot), slots in ascending expert id)
     out     = ((per_row[:, 0] + per_row[:, 1]) + ...) + per_row[:, k-1]      fp32 (>= y's dtype), this order
-    out     = (out + shared).to(out_dtype)                  (shared upcast to out's precision first)
+    out     = (out + shared).to(out_dtype)                  (shared upcast to the sum's >= fp32 first)
 A row's sum has one fixed order whatever the batch, so the reference is batch-invariant and one Triton kernel
 serves `triton` and `triton_invariant`: program (r, c) adds row r's k outputs over BLOCK_D columns in that
 order, in fp32 registers, the same IEEE additions as the reference (bit for bit: tests/interpreted/
@@ -73,17 +73,18 @@ else:
     INTERPRETED = False
 
 
-def supported(y, inverse, shared) -> bool:
+def supported(y, inverse, shared, top_k: int = 1) -> bool:
     """fp32 expert outputs (the grouped kernels' output), 2-D, and the kernels' device."""
     if triton is None or y.dim() != 2 or y.dtype != torch.float32:
         return False
-    if shared is not None and (shared.shape[-1] != y.shape[-1] or shared.dtype == torch.float64):
+    if shared is not None and (shared.shape[-1] != y.shape[-1] or shared.dtype == torch.float64
+                               or shared.numel() * top_k != inverse.numel() * y.shape[-1]):   # [N, D], N = M / k
         return False
     return on_kernel_device(INTERPRETED, y, inverse, *(() if shared is None else (shared,)))
 
 
 def _triton(y, inverse, top_k, shared, out_dtype):
-    if not supported(y, inverse, shared) or out_dtype == torch.float64:
+    if not supported(y, inverse, shared, top_k) or out_dtype == torch.float64:
         return _reference(y, inverse, top_k, shared, out_dtype)
     d = y.shape[-1]
     n = inverse.shape[0] // top_k

@@ -71,9 +71,9 @@ ROUTE_E_BLOCK = 64
 # the ids the reference's at every size measured, weights within 8.8e-7 of max
 ROUTE_PRECISION = "tf32x3"
 ROUTE_CHUNK = 512          # D columns per logits chunk: the fixed unit of route's fp32 sum (V4 8, V4.1 10 chunks)
-# `triton` rows from which the logits run on cuBLAS (fp32, as the reference) instead of the chunk programs' FMA-unit
-# fp32 dots: _route_kernel took 1.9 ms (V4.1) / 2.5 ms (V4) a call at 8192 rows in the session-24 prefill traces
-# (the GEMM path is not yet timed on the GPU). `triton_invariant` never takes it.
+# `triton` rows from which the logits run on cuBLAS (fp32, as the reference) instead of the chunk programs: at 8192
+# rows 0.48 / 0.85 ms (V4 / V4.1) against 0.51 / 1.26 ms with TF32x3 chunks (H200, session 25; the FMA-unit ieee
+# chunks of session 24 took 2.5 / 6.4 ms). `triton_invariant` never takes it.
 ROUTE_GEMM_ROWS = 512
 PERMUTE_BLOCK_ROWS = 128   # rows per permute program (128 * next_pow2(k) sort keys)
 
@@ -183,7 +183,8 @@ if triton is not None:
         """One program: rows [pid * BLOCK_N, +BLOCK_N) of x [N, D] -> out_w [N, K] fp32, out_ids [N, K] int64.
         The logits are the sum, in chunk order, of CHUNKS chunk products (_chunk_logits): read from part
         (FROM_PARTS: _route_logits_kernel wrote them, one program per chunk) or computed here one after the
-        other. Both orders of work do the same arithmetic, so the choice (the host's, by N) changes no bit."""
+        other. Both orders of work do the same arithmetic per column; on the H200 with TF32x3 dots their last bits
+        differ (the tiles differ), so only the `triton` set chooses by N (the invariant set always splits)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         rows64 = rows.to(tl.int64)
@@ -353,7 +354,7 @@ if triton is not None:
             e_block = min(ROUTE_E_BLOCK, e_pad)
             _route_logits_kernel[(blocks, chunks, e_pad // e_block)](
                 x, weight, part, n, D=d, E=e, CHUNK_ITERS=chunk_iters, BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d,
-                E_PAD=e_pad, E_BLOCK=e_block, PREC=ROUTE_PRECISION, num_warps=4 if e_block <= 64 else warps)
+                E_PAD=e_pad, E_BLOCK=e_block, PREC=ROUTE_PRECISION, num_warps=4)
         _route_kernel[(blocks,)](
             x, weight, part, x if bias is None or hashed else bias.contiguous(),
             tid2eid.contiguous() if hashed else x, input_ids.contiguous() if hashed else x, out_w, out_ids,

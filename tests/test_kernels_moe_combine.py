@@ -23,7 +23,7 @@ def test_bit_for_bit_on_cuda(d, n, with_shared):
     inverse = torch.randperm(n * k, device="cuda", generator=g)
     shared = torch.randn(n, d, device="cuda", generator=g).bfloat16() if with_shared else None
     out_dtype = torch.bfloat16 if with_shared else torch.float32
-    assert kc.supported(y, inverse, shared)
+    assert kc.supported(y, inverse, shared, k)
     got = kc._triton(y, inverse, k, shared, out_dtype)
     assert torch.equal(got, kc._reference(y, inverse, k, shared, out_dtype))
     graph, out = capture_graph(lambda a: kc._triton(a, inverse, k, shared, out_dtype), y)

@@ -305,6 +305,18 @@ if INTERPRETER:
         assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
         _check_route(split, routing._route_reference(x, w, bias, **kw))
 
+    def test_interp_route_expert_column_blocks(monkeypatch):
+        """The chunk programs over several expert column blocks (E 40 in blocks of 16: the last one ragged) give
+        the bits of one walking program over all columns, both = the reference."""
+        monkeypatch.setattr(routing, "ROUTE_CHUNK", 64)
+        monkeypatch.setattr(routing, "ROUTE_E_BLOCK", 16)
+        x, w, bias, tid2eid, tok = router_inputs(9, 200, 40, 4, seed=11)
+        kw = _route_kw("sigmoid", True, 4, False, tid2eid, tok)
+        split = routing._route_triton(x, w, bias, split=True, **kw)
+        whole = routing._route_triton(x, w, bias, split=False, **kw)
+        assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+        _check_route(split, routing._route_reference(x, w, bias, **kw))
+
     @pytest.mark.parametrize("hashed", [False, True])
     @pytest.mark.parametrize("score_func", SCORE_FUNCS)
     def test_interp_route_gemm_logits_from_gemm_rows(score_func, hashed, monkeypatch):

@@ -93,6 +93,12 @@ class StepInputs:
         return torch.tensor(rows, dtype=torch.long).to(self.tokens.device, non_blocking=True)
 
 
+def prompt_logprobs_recorded(s: Scheduled) -> int:
+    """Rows of the piece s whose prompt logprobs the request already holds (fed again after a preemption)."""
+    have = len(s.req.prompt_logprobs) if s.req.prompt_logprobs is not None else 1
+    return min(max(have - s.start - 1, 0), s.n)
+
+
 def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor, row0: int = 0) -> None:
     """Rows of prompt positions a..a+n-1 predict tokens a+1..a+n: log-softmax of each prompt token (+ top-k);
     the first prompt token has none (as vLLM). logits holds the piece's rows row0.. (the runner passes a piece in

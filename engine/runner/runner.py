@@ -25,7 +25,8 @@ from ..sampling.sampler import build_sampling_tensors, logprobs, sample
 from ..scheduler.scheduler import Scheduled
 from ..structured import apply_grammar_masks
 from .graphs import StepGraphs
-from .inputs import PROMPT_LOGPROB_ROWS, StepInputs, logprob_entry, record_prompt_logprobs, wants_prompt_logprobs
+from .inputs import (PROMPT_LOGPROB_ROWS, StepInputs, logprob_entry, prompt_logprobs_recorded, record_prompt_logprobs,
+                     wants_prompt_logprobs)
 
 
 @dataclass
@@ -106,15 +107,16 @@ class ModelRunner:
         fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only,
                                  draft_rings=self.keep_draft_rings)
         hidden = self.model.forward(inputs.tokens, fb)
-        rows = hidden[inputs.logit_rows_tensor()]
+        rows = inputs.logit_rows_tensor()                      # rows of hidden that need logits
         pieces = inputs.prompt_logprob_rows()
-        for s, piece in pieces:         # [rows, vocab] fp32 logits a block at a time, never a whole long prompt's
-            for a in range(piece.start, piece.stop, PROMPT_LOGPROB_ROWS):
+        for s, piece in pieces:         # hidden rows and fp32 logits a block at a time, never a whole long prompt's
+            done = prompt_logprobs_recorded(s)                     # rows recorded before a preemption
+            for a in range(piece.start + done - done % PROMPT_LOGPROB_ROWS, piece.stop, PROMPT_LOGPROB_ROWS):
                 b = min(a + PROMPT_LOGPROB_ROWS, piece.stop)
-                record_prompt_logprobs(s, self.model.logits(rows[a:b]), a - piece.start)
+                record_prompt_logprobs(s, self.model.logits(hidden[rows[a:b]]), a - piece.start)
         if pieces:
             rows = rows[inputs.sample_rows_in_logits()]
-        return self._sample(inputs, self.model.logits(rows), before_sample)
+        return self._sample(inputs, self.model.logits(hidden[rows]), before_sample)
 
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """A verify row rejected drafts: put back the rings as they were before it; returns the positions the

@@ -24,7 +24,7 @@ def _case(n, k, d, seed):
 def test_bit_for_bit(n, k, d, with_shared, out_dtype):
     y, inverse, shared = _case(n, k, d, n * 100 + k * 10 + d)
     shared = shared if with_shared else None
-    assert kc.supported(y, inverse, shared)
+    assert kc.supported(y, inverse, shared, k)
     got, want = kc._triton(y, inverse, k, shared, out_dtype), kc._reference(y, inverse, k, shared, out_dtype)
     assert got.dtype == want.dtype == out_dtype and got.shape == (n, d)
     assert torch.equal(got, want)
@@ -35,3 +35,12 @@ def test_float64_and_unsupported_fall_back():
     y64 = y.double()
     assert torch.equal(kc._triton(y64, inverse, 3, None, torch.float64), kc._reference(y64, inverse, 3, None,
                                                                                          torch.float64))
+
+
+def test_unsupported_inputs_take_the_reference():
+    y, inverse, shared = _case(4, 2, 48, 1)
+    assert not kc.supported(y.bfloat16(), inverse, shared, 2)           # expert outputs not fp32
+    assert not kc.supported(y, inverse, shared.double(), 2)            # a float64 shared expert
+    assert not kc.supported(y, inverse, shared[:3], 2)                 # shared rows != M / k
+    got = kc._triton(y.bfloat16(), inverse, 2, shared, torch.bfloat16)
+    assert torch.equal(got, kc._reference(y.bfloat16(), inverse, 2, shared, torch.bfloat16))
