@@ -18,7 +18,9 @@ one per group too 32 us, with TF32x3 dots 20 us (docs/results.md). The dots are 
 tensor-core products per term, about 2^-21 relative each; "ieee" runs them on FMA units). The two orders of work
 agree bitwise in the interpreter but not on the H200 (last bits, within the reference bound), so `triton` picks
 by N and `triton_invariant` always takes the chunk kernel: its rows are then independent of the batch (partial
-sums in memory: 5 KB a row at V4.1, 84 MB for 16k rows).
+sums in memory: 5 KB a row at V4.1, 84 MB for 16k rows). ptxas (sm_90, Triton 3.6) with TF32x3: the chunk kernel
+spills 12 bytes (bf16 streams), the walking mixes kernel 644, a path no batch takes on an H200
+(tests/test_kernels_compile_sm90.py).
 
 Numerics: the reference normalizes before the projection, the kernel after (one rounding apart), and sums K in
 another order: interpreter <= 1e-6 of max for pre / post / comb (tests/interpreted/test_mhc_triton.py); H200, bf16

@@ -171,8 +171,10 @@ def test_index_scores_compile_for_sm90(heads, packed):
 def test_hc_mixes_compiles_for_sm90(dtype, from_parts):
     """The fused mHC mixing kernels (kernels/mhc_triton.py) at released width (hc 4 x 5120 = 20480 per row), 20
     Sinkhorn iterations, walking the chunks or adding the chunk kernel's parts (+ that kernel): shared memory
-    within an SM, spills no worse than measured with Triton 3.6 (bf16 streams: 8 bytes walking the chunks, none
-    from the parts; fp32: 88 and 8; the chunk kernel: none and 8)."""
+    within an SM, spills no worse than measured with Triton 3.6 and TF32x3 dots (session 25; a TF32x3 dot holds
+    each operand as a high and a low part): walking the chunks 644 bytes (bf16 streams) / 176 (fp32), a path no
+    batch takes on an H200 (chunks first below 1057 rows, cuBLAS from 512); from the parts none / 8; the chunk
+    kernel, the decode path, 12 / 8 (ieee dots: 8 / 88, 0 / 8, 0 / 8)."""
     from deepinfer.kernels import mhc_triton as kmt
     runtime = {"x_ptr": dtype, "fn_ptr": "*fp32", "part_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
                "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "N": "i32", "K": "i32",
@@ -182,12 +184,12 @@ def test_hc_mixes_compiles_for_sm90(dtype, from_parts):
     tiles = dict(HC=4, BLOCK_C=16, BLOCK_R=kmt.BLOCK_R, BLOCK_K=block_k, CHUNK_ITERS=chunk_iters, PREC=kmt.PRECISION)
     kernel = compile_sm90(kmt._hc_mixes_kernel, runtime, dict(tiles, CHUNKS=20480 // kmt.CHUNK,
                                                               FROM_PARTS=from_parts, ITERS=20), num_warps=kmt.WARPS)
-    bound = {("*bf16", False): 8, ("*fp32", False): 88, ("*bf16", True): 0, ("*fp32", True): 8}[dtype, from_parts]
+    bound = {("*bf16", False): 644, ("*fp32", False): 176, ("*bf16", True): 0, ("*fp32", True): 8}[dtype, from_parts]
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= bound
     if from_parts:
         chunks = {a: runtime[a] for a in ("x_ptr", "fn_ptr", "part_ptr", "N", "K", "stride_x")}
         kernel = compile_sm90(kmt._hc_chunks_kernel, chunks, tiles, num_warps=kmt.WARPS)
-        assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= (0 if dtype == "*bf16" else 8)
+        assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= (12 if dtype == "*bf16" else 8)
 
 
 def test_top_k_compiles_for_sm90():
