@@ -381,7 +381,6 @@ def ops_cmd(model, kernel_backend, batch, top) -> None:
     what the model and the cache still launch outside the kernel ops, the list to fuse from."""
     from deepinfer import LLM
     from deepinfer.errors import DeepInferError
-
     from deepinfer.validate import resolve_model
 
     from .op_census import run_census, table

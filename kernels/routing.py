@@ -20,9 +20,10 @@ Backends:
                     program walking the whole [E, D] router weight took 630-940 us a layer on an H200, one per
                     (row block, chunk) 80-107 us, with column blocks and TF32x3 16-24 us: docs/results.md); else
                     each program walks its chunks itself. The same arithmetic, but not the same bits with TF32x3
-                    dots on the H200 (the tiles differ), so only `triton` picks by N. permute: a counting sort in two kernels (per-block
-                    expert histograms; a sort of per-block unique keys + each block's base offsets) and a few
-                    device-side cumsums in between: static shapes, no host sync, CUDA-graph capturable.
+                    dots on the H200 (the tiles differ), so only `triton` picks by N. permute: a counting sort in
+                    two kernels (per-block expert histograms; a sort of per-block unique keys + each block's base
+                    offsets) and a few device-side cumsums in between: static shapes, no host sync, CUDA-graph
+                    capturable.
   triton_invariant  the same route kernels, always through the chunk programs: their tile configuration depends
                     on E and D only, never on N, and each row is computed by the same instruction sequence wherever
                     it sits, so a row's bits do not depend on its batch (tests/test_kernels_routing.py checks it on

@@ -106,7 +106,7 @@ def record_prompt_logprobs(s: Scheduled, logits: torch.Tensor, row0: int = 0) ->
     req, a = s.req, s.start
     if req.prompt_logprobs is None:
         req.prompt_logprobs = [None]
-    first = max(len(req.prompt_logprobs) - a - 1, row0)  # rows recorded before (a preemption, an earlier block)
+    first = max(prompt_logprobs_recorded(s), row0)       # rows recorded before (a preemption, an earlier block)
     last = min(s.n, len(req.prompt_ids) - a - 1, row0 + logits.shape[0])   # rows that predict a prompt token
     if last <= first:
         return
