@@ -23,7 +23,8 @@ from ..cache.sequence_state import CompressorState, LayerState, SequenceState
 from ..cache.spec import Entries, Ring
 from ..config.deepseek_v41 import DeepseekV41Config
 from .attention import LatentAttention, visibility_bias
-from .csa2 import Compressor, Indexer, candidate_blocks, entry_record, quantize_entry, top_k_mask
+from .csa2 import (Compressor, Indexer, block_entries, candidate_block_mask, candidate_blocks, entry_record,
+                   quantize_entry, top_k_mask)
 from .pooled import open_windows, top_entries, window_source
 from .qat import index_record
 from .rope import RotaryEmbedding
@@ -165,10 +166,10 @@ class AttentionV41(LatentAttention):
             s = sparse_index_scores(index_q[0][span], index_q[1][span], sh["keys"], index,
                                     self.indexer.index_dim ** -0.5)                           # [R, J]
             if self.is_candidate_source:
-                published.append(candidate_blocks(s, positions[span], self.ratio, self.candidate_blocks,
-                                                  self.candidate_block_size))
+                published.append(candidate_block_mask(s, positions[span], self.ratio, self.candidate_blocks,
+                                                      self.candidate_block_size))                # [R, nb]
             elif inside is not None:
-                s = s.masked_fill(~inside[span], float("-inf"))
+                s = s.masked_fill(~block_entries(inside[span], self.candidate_block_size, s.shape[1]), float("-inf"))
             return s
 
         selected = top_entries(batch, self.ratio, sh["per_block"], qrows, score, self.indexer.topk)
@@ -273,16 +274,38 @@ class AttentionV41(LatentAttention):
         return top_k_mask(scores, self.indexer.topk), candidates
 
 
+@dataclass
+class _Kept:
+    """A per-row product of some rows of the step: value [R, ...] for the step rows `at` maps to (at[i] = the row of
+    value for step row i; None: value has every row)."""
+    value: torch.Tensor
+    at: torch.Tensor | None
+
+
 def _keep(shared: dict, key: str, value: torch.Tensor, query_rows: torch.Tensor | None, root_rows: int) -> None:
-    """Keep a per-row product by the rows' indices in the whole step (scattered when only some rows have it)."""
+    """Keep a per-row product with the step rows it belongs to (query_rows [R] of the whole step; None: every row).
+    No [root_rows, ...] copy: a YOCO-truncated prefill of 128k rows keeps only the rows it selected for."""
+    at = None
+    if query_rows is not None:
+        at = torch.full((root_rows,), -1, dtype=torch.long, device=value.device)
+        at[query_rows] = torch.arange(query_rows.shape[0], device=value.device)
+    shared[key] = _Kept(value, at)
+
+
+def _rows_of(kept: _Kept | None, query_rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The kept rows of the step rows query_rows (None: every row). A later layer's rows are a subset of the
+    selecting layer's (YOCO truncates suffixes), so every asked row is kept."""
+    if kept is None:
+        return None
     if query_rows is None:
-        shared[key] = value
-    else:
-        shared[key] = value.new_zeros((root_rows,) + value.shape[1:]).index_copy_(0, query_rows, value)
+        return kept.value if kept.at is None else _every_row(kept)
+    return kept.value[query_rows] if kept.at is None else kept.value[kept.at[query_rows]]
 
 
-def _rows_of(value: torch.Tensor | None, query_rows: torch.Tensor | None) -> torch.Tensor | None:
-    return value if value is None or query_rows is None else value[query_rows]
+def _every_row(kept: _Kept) -> torch.Tensor:
+    """Every step row of a product kept for some (zeros where not kept: the layout the selecting layer had)."""
+    rows = (kept.at >= 0).nonzero().squeeze(1)
+    return kept.value.new_zeros((kept.at.shape[0],) + kept.value.shape[1:]).index_copy_(0, rows, kept.value[kept.at[rows]])
 
 
 

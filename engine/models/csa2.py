@@ -121,11 +121,22 @@ def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, 
     """Level one of the two-level top-k. scores [T, n] (-inf = not visible) -> [T, n] bool mask of
     the entries in each query's `n_blocks` best blocks of `block` entries (block score = its max).
     The block holding the query's newest visible entry is always kept."""
+    return block_entries(candidate_block_mask(scores, positions, ratio, n_blocks, block), block, scores.shape[1])
+
+
+def block_entries(keep: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """[T, nb] bool per block of `block` entries -> [T, n] bool per entry."""
+    return keep.repeat_interleave(block, dim=1)[:, :n]
+
+
+def candidate_block_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,
+                         block: int) -> torch.Tensor:
+    """candidate_blocks per block: [T, ceil(n / block)] bool (`block` times smaller than the entry mask, which is
+    what a long prefill keeps between layers)."""
     t, n = scores.shape
     padded = torch.nn.functional.pad(scores, (0, -n % block), value=float("-inf"))
     block_scores = padded.view(t, -1, block).amax(dim=-1)                       # [T, nb]
     newest = ((positions + 1) // ratio - 1) // block                           # [T]; -1 when none visible
     ids = torch.arange(block_scores.shape[1], device=scores.device)
     block_scores = block_scores.masked_fill(ids.unsqueeze(0) == newest.unsqueeze(1), float("inf"))
-    keep = top_k_mask(block_scores, n_blocks)
-    return keep.repeat_interleave(block, dim=1)[:, :n]
+    return top_k_mask(block_scores, n_blocks)

@@ -57,9 +57,8 @@ def top_entries(batch: ForwardBatch, ratio: int, per_block: int, rows: torch.Ten
     independent of their batch)."""
     q = batch.num_rows if rows is None else rows.shape[0]
     step = max(1, SELECT_BLOCK_ELEMENTS // max(batch.ctx_blocks * per_block, 1))
-    if q <= step:
-        index = batch.entry_index(ratio, per_block)
-        index = index if rows is None else index[rows]
+    if q <= step:        # a subset of rows (YOCO's truncated prefill) builds its own [Q, J], not the step's [N, J]
+        index = batch.entry_index(ratio, per_block) if rows is None else batch.entry_index_of(ratio, per_block, rows)
         return selected_entries(index, top_k_indices(score(index, slice(None)), k))
     out = []
     for a in range(0, q, step):
