@@ -69,7 +69,7 @@ class Tiles:
 # 1-256 tokens (V4.1 shapes; the same outputs); the interpreter runs the arithmetic one
 DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4, native_fp4_a8=True, lut_fp4=True)   # docs/kernels.md
 PREFILL = Tiles(bm=64, bn=128, bk=128, warps=8, stages=3)
-INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4, min_bn=64)   # one configuration: BN never narrows
+INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4, min_bn=64, lut_fp4=True)   # one configuration: BN never narrows
 PROGRAMS_PER_SM = 2           # the grid is made at least this many programs per SM where BN allows
 DECODE_ROWS_PER_EXPERT = 4    # DECODE while rows <= 4 * experts
 

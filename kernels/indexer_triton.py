@@ -97,12 +97,16 @@ if triton is not None:
         return tl.where(score == float("-inf"), 0, key)
 
     @triton.jit
-    def _count_at_least(s_ptr, row, K, t, BLOCK: tl.constexpr, TILES: tl.constexpr):
-        c = 0
-        for i in range(TILES):
-            j = i * BLOCK + tl.arange(0, BLOCK)
-            key = _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
-            c += tl.sum((key >= t).to(tl.int32), axis=0)
+    def _count_at_least(s_ptr, row, K, t, resident, BLOCK: tl.constexpr, TILES: tl.constexpr):
+        """How many of the row's keys are >= t: from `resident` (the row's keys, one tile) or tile by tile."""
+        if TILES == 1:
+            c = tl.sum((resident >= t).to(tl.int32), axis=0)
+        else:
+            c = 0
+            for i in range(TILES):
+                j = i * BLOCK + tl.arange(0, BLOCK)
+                key = _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
+                c += tl.sum((key >= t).to(tl.int32), axis=0)
         return c
 
     @triton.jit
@@ -111,20 +115,25 @@ if triton is not None:
         """Program n: row n's k best finite scores (best first, ties to the lower position), exactly the stable
         sort's selection. A bisection over the 32-bit ordered key finds the threshold t (the k-th best key); one
         pass in index order takes every key > t and the first k - count(> t) keys == t; a sort of the k taken
-        (key, -position) pairs orders them. -1 fills a row with fewer than k finite scores."""
+        (key, -position) pairs orders them. -1 fills a row with fewer than k finite scores. A row of one tile
+        stays in registers for the 34 counts; a row with at most k finite keys takes them all (no bisection:
+        a decode row's few hundred entries under the indexer's top-k)."""
         n = tl.program_id(0).to(tl.int64)
         row = n * stride_s
-        finite = _count_at_least(s_ptr, row, K, 1, BLOCK, TILES)
+        j0 = tl.arange(0, BLOCK)
+        resident = _ordered_key(tl.load(s_ptr + row + j0, mask=j0 < K, other=float("-inf")))
+        finite = _count_at_least(s_ptr, row, K, 1, resident, BLOCK, TILES)
         want = tl.minimum(finite, k)
         lo = (want > 0).to(tl.int64)            # want = 0: t = 1 > every key of an empty row's -inf
         hi = tl.full((), 0xFFFFFFFF, tl.int64)
-        for _ in range(32):
-            mid = (lo + hi + 1) // 2
-            ok = _count_at_least(s_ptr, row, K, mid, BLOCK, TILES) >= want
-            lo = tl.where(ok & (want > 0), mid, lo)
-            hi = tl.where(ok | (want == 0), hi, mid - 1)
+        if finite > k:
+            for _ in range(32):
+                mid = (lo + hi + 1) // 2
+                ok = _count_at_least(s_ptr, row, K, mid, resident, BLOCK, TILES) >= want
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid - 1)
         t = tl.where(want > 0, lo, 0xFFFFFFFF + 1)
-        ties = want - _count_at_least(s_ptr, row, K, t + 1, BLOCK, TILES)     # keys == t to take
+        ties = want - _count_at_least(s_ptr, row, K, t + 1, resident, BLOCK, TILES)     # keys == t to take
         taken = 0
         seen_eq = 0
         for i in range(TILES):
@@ -169,7 +178,7 @@ def index_scores_kernel(q, weights, store, index, scale) -> torch.Tensor:
     return out
 
 
-TOPK_BLOCK = 1024
+TOPK_BLOCK = 4096          # keys a tile at most; a row of one tile stays in registers
 
 
 def top_k_supported(scores: torch.Tensor, k: int) -> bool:
@@ -188,8 +197,9 @@ def top_k_kernel(scores: torch.Tensor, k: int) -> torch.Tensor:
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     k_pad = pow2(k)
     tmp = torch.empty((n, k_pad), dtype=torch.long, device=scores.device)
+    block = max(128, min(pow2(width), TOPK_BLOCK))
     _top_k_kernel[(n,)](scores, out, tmp, width, k, scores.stride(0), out.stride(0), tmp.stride(0),
-                        BLOCK=TOPK_BLOCK, TILES=triton.cdiv(width, TOPK_BLOCK), K_PAD=k_pad, num_warps=4)
+                        BLOCK=block, TILES=triton.cdiv(width, block), K_PAD=k_pad, num_warps=4 if block <= 1024 else 8)
     return out
 
 

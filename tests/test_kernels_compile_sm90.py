@@ -192,14 +192,15 @@ def test_hc_mixes_compiles_for_sm90(dtype, from_parts):
         assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= (12 if dtype == "*bf16" else 8)
 
 
-def test_top_k_compiles_for_sm90():
+@pytest.mark.parametrize("block,tiles,warps,k_pad", [(4096, 8, 8, 512), (4096, 1, 8, 2048), (256, 1, 4, 512)])
+def test_top_k_compiles_for_sm90(block, tiles, warps, k_pad):
     """The indexer's top-k (kernels/indexer_triton.py: bisection over the ordered key, an index-order pass, a
-    512-wide sort) for 512 of 32768 candidates: compiles, fits an SM, no spills."""
+    K_PAD-wide sort) as top_k_kernel launches it: 32768 candidates in 4096-key tiles, 4096 resident in registers,
+    a 256-key decode row: compiles, fits an SM, no spills."""
     from deepinfer.kernels import indexer_triton as kit
     runtime = {"s_ptr": "*fp32", "o_ptr": "*i64", "tmp_ptr": "*i64",
                **{a: "i32" for a in ("K", "k", "stride_s", "stride_o", "stride_t")}}
-    kernel = compile_sm90(kit._top_k_kernel, runtime, dict(BLOCK=kit.TOPK_BLOCK, TILES=32768 // kit.TOPK_BLOCK,
-                                                           K_PAD=512), num_warps=4)
+    kernel = compile_sm90(kit._top_k_kernel, runtime, dict(BLOCK=block, TILES=tiles, K_PAD=k_pad), num_warps=warps)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
 
 

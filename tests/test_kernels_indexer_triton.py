@@ -42,9 +42,12 @@ def test_matches_reference(h, n, k):
 
 
 @pytest.mark.parametrize("n,width,k", [(1, 32768, 512), (64, 4096, 512), (256, 1000, 512), (3, 131072, 512),
-                                       (8, 16384, 2048)])
+                                       (8, 16384, 2048), (1, 300, 512), (16, 700, 512), (4, 2048, 512),
+                                       (1, 4096, 1024)])
 def test_top_k_equals_the_stable_sort(n, width, k):
-    """Integer outputs of the same scores: exactly the reference's selection and order, with FP4-like ties."""
+    """Integer outputs of the same scores: exactly the reference's selection and order, with FP4-like ties. Rows
+    with at most k finite scores (300, 700 x 70%) take them all without the bisection; up to 4096 keys stay in
+    registers."""
     from deepinfer.kernels import indexer as ki
     from deepinfer.kernels import indexer_triton as kit
     g = torch.Generator(device="cuda").manual_seed(width + n)
