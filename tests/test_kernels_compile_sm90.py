@@ -270,3 +270,14 @@ def test_index_qat_compiles_for_sm90():
                   VALUES=True, SOFT=False, HADAMARD=7, HSCALE=128 ** -0.5)
     kernel = compile_sm90(kq._quant_kernel, runtime, consts, num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("noise", [False, True])
+def test_sampling_draw_compiles_for_sm90(noise):
+    """The sampler's draw (kernels/sampling.py: int64 SplitMix64 in registers, float64 log) over fp32 logits:
+    compiles, fits an SM, no spills."""
+    from deepinfer.kernels import sampling as ks
+    runtime = {"x_ptr": "*fp32", "noise_ptr": "*i8", "seed_ptr": "*i64", "pos_ptr": "*i64", "val_ptr": "*fp64",
+               "idx_ptr": "*i64", "V": "i32", "stride_x": "i32", "salt": "i64"}
+    kernel = compile_sm90(ks._draw_kernel, runtime, dict(NOISE=noise, CHUNK=ks.CHUNK, BLOCK=ks.BLOCK), num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

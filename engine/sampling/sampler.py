@@ -4,7 +4,8 @@ Seeded noise is counter-based: the Gumbel variable of vocabulary id v for the to
 of a request with seed s is a pure function of (s, p, v, salt), a SplitMix64 hash turned into a uniform in
 (0, 1). So a seeded request draws the same tokens whatever batch row it occupies, whoever shares the batch,
 and after preemption and recompute (design notes, techniques §4). Distinct salts keep target sampling,
-draft sampling and acceptance uniforms independent. Greedy rows take the argmax, ties to the lowest id.
+draft sampling and acceptance uniforms independent. Greedy rows take the argmax, ties to the lowest id. The hash
+and the draw are the op kernels/sampling.py (`gumbel_argmax`: one Triton pass over the logits on the GPU).
 
 Order (as vLLM): penalties on the raw logits -> temperature -> min-p, top-k, top-p filters -> sample.
 """
@@ -16,50 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.precision import upcast
+from deepinfer.kernels.sampling import counter_uniform, gumbel_argmax, gumbel_noise  # noqa: F401 (re-exported)
 
 SALT_TARGET, SALT_DRAFT, SALT_ACCEPT = 0, 1, 2
 MIN_TEMPERATURE = 0.01
-
-_MASK64 = (1 << 64) - 1
-
-
-def _i64(c: int) -> int:
-    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
-_POS_MUL, _ID_MUL, _SALT_MUL = _i64(0xD6E8FEB86659FD93), _i64(0xA0761D6478BD642F), _i64(0xE7037ED1A0B428DB)
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bits."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer on int64 tensors (two's-complement wraparound multiplies)."""
-    x = x + _GOLDEN
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
-
-
-def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, salt: int = SALT_TARGET,
-                    token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """seeds [B], positions [B] (int64) -> float64 uniforms in (0, 1), [B, vocab] (or [B, K] for the given
-    token_ids [B, K]): a pure function of (seed, position, token id, salt)."""
-    dev = seeds.device
-    ids = torch.arange(vocab, device=dev).unsqueeze(0) if token_ids is None else token_ids.to(dev)
-    salted = _i64((salt * _SALT_MUL) & _MASK64)
-    row = _splitmix64(seeds.long() * _GOLDEN + positions.long().to(dev) * _POS_MUL + salted)
-    bits = _splitmix64(row.unsqueeze(1) ^ (ids.long() * _ID_MUL))
-    return (_shr(bits, 12).double() + 0.5) * 2.0 ** -52          # 52 bits: strictly inside (0, 1)
-
-
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, salt: int = SALT_TARGET) -> torch.Tensor:
-    """[B, vocab] float64 Gumbel(0, 1) noise, counter-based."""
-    return -torch.log(-torch.log(counter_uniform(seeds, positions, vocab, salt)))
 
 
 @dataclass
@@ -177,12 +138,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors, salt: int = SALT_TARGET) ->
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, float("-inf"))
     if t.uses("greedy", lambda: greedy.all()):
-        return logits.argmax(dim=-1)                  # the first (lowest) id among equal maxima
+        return gumbel_argmax(logits, None, t.seeds, t.positions, salt)    # argmax: the lowest id among equal maxima
     temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(1)
-    scaled = apply_filters(logits / temp, t)
-    noisy = scaled.double() + gumbel_noise(t.seeds, t.positions, logits.shape[-1], salt)
-    drawn = noisy.argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    # greedy rows: logits / 1 and filters that never drop a row's maxima, so argmax(scaled) = argmax(logits)
+    return gumbel_argmax(apply_filters(logits / temp, t), ~greedy, t.seeds, t.positions, salt)
 
 
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0):
