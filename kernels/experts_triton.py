@@ -68,8 +68,12 @@ class Tiles:
 # lut_fp4: the byte-table FP4 decode, measured on the H200 (session 25) 19-30% faster than the nibble arithmetic at
 # 1-256 tokens (V4.1 shapes; the same outputs); the interpreter runs the arithmetic one
 DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4, native_fp4_a8=True, lut_fp4=True)   # docs/kernels.md
-PREFILL = Tiles(bm=64, bn=128, bk=128, warps=8, stages=3)
-INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4, min_bn=64, lut_fp4=True)   # one configuration: BN never narrows
+PREFILL = Tiles(bm=64, bn=128, bk=128, warps=8, stages=3, lut_fp4=True)
+# Batch-invariant: one configuration per weight format whatever the rows (BN never narrows). FP4: DECODE's BM 16
+# tiles, so decode-sized batches run as fast as the default (session 26: BM 64 took 1.4-2.0x at 1-256 tokens) and
+# an 8k prefill's experts take 1.6x PREFILL's; bf16 / FP8 weights keep BM 64 (within 1.06x of DECODE at decode).
+INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4, min_bn=64, lut_fp4=True)
+INVARIANT_FP4 = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4, min_bn=64, lut_fp4=True)
 PROGRAMS_PER_SM = 2           # the grid is made at least this many programs per SM where BN allows
 DECODE_ROWS_PER_EXPERT = 4    # DECODE while rows <= 4 * experts
 
@@ -335,7 +339,13 @@ def _triton_invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeig
     x = x.to(weights.dtype)
     if x.shape[0] == 0 or not supported(x, weights):
         return _invariant(x, expert_ids, offsets, route_weights, weights)
-    return run(x, offsets, route_weights, weights, INVARIANT)
+    return run(x, offsets, route_weights, weights, invariant_tiles(weights))
 
 
-__all__ = ["DECODE", "INVARIANT", "PREFILL", "Tiles", "choose_tiles", "run", "supported", "tile_table"]
+def invariant_tiles(ew: ExpertWeights) -> Tiles:
+    """triton_invariant's one configuration for these weights (by format only, never by rows)."""
+    return INVARIANT_FP4 if ew.fmt == "fp4" else INVARIANT
+
+
+__all__ = ["DECODE", "INVARIANT", "INVARIANT_FP4", "PREFILL", "Tiles", "choose_tiles", "invariant_tiles", "run",
+           "supported", "tile_table"]

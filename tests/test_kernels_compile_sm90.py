@@ -5,6 +5,8 @@ run. Catches a kernel that would fail to build on the H200 before a device is us
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -47,7 +49,7 @@ def compile_expert_gemm(wfmt: int, a8: bool, gated: bool, tiles: kt.Tiles, nativ
 @pytest.mark.parametrize("wfmt,a8,native,lut", [(1, False, False, False), (1, False, False, True), (1, True, False, False),
                                                 (1, True, True, False), (2, True, False, False), (2, False, False, False),
                                                 (0, False, False, False)])
-@pytest.mark.parametrize("config", ["DECODE", "PREFILL", "INVARIANT"])
+@pytest.mark.parametrize("config", ["DECODE", "PREFILL", "INVARIANT", "INVARIANT_FP4"])
 def test_expert_kernel_compiles_for_sm90(wfmt, a8, native, lut, config):
     tiles = getattr(kt, config)
     kernel = compile_expert_gemm(wfmt, a8, True, tiles, native, lut=lut)
@@ -194,7 +196,7 @@ def test_hc_mixes_compiles_for_sm90(dtype, from_parts):
 
 @pytest.mark.parametrize("block,tiles,warps,k_pad", [(4096, 8, 8, 512), (4096, 1, 8, 2048), (256, 1, 4, 512)])
 def test_top_k_compiles_for_sm90(block, tiles, warps, k_pad):
-    """The indexer's top-k (kernels/indexer_triton.py: bisection over the ordered key, an index-order pass, a
+    """The indexer's top-k (kernels/indexer_triton.py: radix select over the ordered key, an index-order pass, a
     K_PAD-wide sort) as top_k_kernel launches it: 32768 candidates in 4096-key tiles, 4096 resident in registers,
     a 256-key decode row: compiles, fits an SM, no spills."""
     from deepinfer.kernels import indexer_triton as kit
@@ -202,6 +204,8 @@ def test_top_k_compiles_for_sm90(block, tiles, warps, k_pad):
                **{a: "i32" for a in ("K", "k", "stride_s", "stride_o", "stride_t")}}
     kernel = compile_sm90(kit._top_k_kernel, runtime, dict(BLOCK=block, TILES=tiles, K_PAD=k_pad), num_warps=warps)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+    hists = [line for line in kernel.asm["ttgir"].splitlines() if "tt.histogram" in line]
+    assert hists and all(re.search(r"tt\.histogram %[\w.]+ :", h) for h in hists)     # the radix passes, unmasked
 
 
 @pytest.mark.parametrize("dtype,block_n", [("*bf16", 8192), ("*bf16", 512), ("*fp32", 8192)])
@@ -277,7 +281,8 @@ def test_sampling_draw_compiles_for_sm90(noise):
     """The sampler's draw (kernels/sampling.py: int64 SplitMix64 in registers, float64 log) over fp32 logits:
     compiles, fits an SM, no spills."""
     from deepinfer.kernels import sampling as ks
-    runtime = {"x_ptr": "*fp32", "noise_ptr": "*i8", "seed_ptr": "*i64", "pos_ptr": "*i64", "val_ptr": "*fp64",
+    runtime = {"x_ptr": "*fp32", "noise_ptr": "*i8", "seed_ptr": "*i64", "pos_ptr": "*i64",
+               "val_ptr": "*fp64" if noise else "*fp32",
                "idx_ptr": "*i64", "V": "i32", "stride_x": "i32", "salt": "i64"}
     kernel = compile_sm90(ks._draw_kernel, runtime, dict(NOISE=noise, CHUNK=ks.CHUNK, BLOCK=ks.BLOCK), num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

@@ -58,7 +58,7 @@ def test_edge_rows(storage):
         r = torch.rand(m, device="cuda", generator=gen)
         with use("reference"):
             want = grouped_experts(x, ids, offs, r, ew)
-        for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT):
+        for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT, kt.INVARIANT_FP4):
             assert rel(kt.run(x, offs, r, ew, tiles), want) <= BOUND["a8"]
 
 
@@ -70,7 +70,7 @@ def test_fp4_byte_table_decode(tokens):
     x, ids, offs, r, _ = routed_batch(tokens, 32, 5120, 6, "cuda", gen)
     with use("reference"):
         want = grouped_experts(x, ids, offs, r, ew)
-    for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT):
+    for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT, kt.INVARIANT_FP4):
         assert rel(kt.run(x, offs, r, ew, dataclasses.replace(tiles, lut_fp4=True)), want) <= BOUND["a16"]
 
 
@@ -92,10 +92,12 @@ def test_graph_capture():
         assert torch.equal(out, grouped_experts(x2, ids2, offs2, r2, ew))
 
 
-def test_invariant_rows_do_not_depend_on_the_batch():
-    """A row's output bits from triton_invariant are the same alone and inside a batch of 500 rows."""
+@pytest.mark.parametrize("storage,act_fp8", [("fp4", True), ("fp4", False), ("bf16", False)])
+def test_invariant_rows_do_not_depend_on_the_batch(storage, act_fp8):
+    """A row's output bits from triton_invariant are the same alone and inside a batch of 500 rows (FP4: the BM 16
+    configuration, A8 and A16; bf16: BM 64)."""
     gen = torch.Generator(device="cuda").manual_seed(5)
-    ew = random_expert_weights("fp4", 32, 4096, 2048, True, "cuda", gen)
+    ew = random_expert_weights(storage, 32, 4096, 2048, act_fp8, "cuda", gen)
     x, ids, offs, r, _ = routed_batch(500, 32, 4096, 6, "cuda", gen)
     with use("triton_invariant"):
         full = grouped_experts(x, ids, offs, r, ew)

@@ -46,7 +46,7 @@ def test_matches_reference(h, n, k):
                                        (1, 4096, 1024)])
 def test_top_k_equals_the_stable_sort(n, width, k):
     """Integer outputs of the same scores: exactly the reference's selection and order, with FP4-like ties. Rows
-    with at most k finite scores (300, 700 x 70%) take them all without the bisection; up to 4096 keys stay in
+    with at most k finite scores (300, 700 x 70%) take them all without the radix select; up to 4096 keys stay in
     registers."""
     from deepinfer.kernels import indexer as ki
     from deepinfer.kernels import indexer_triton as kit

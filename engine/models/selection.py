@@ -16,7 +16,7 @@ def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> to
 
 def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[T, n] scores -> [T, n] bool keeping the k best finite entries per row, through the `top_k_indices` op (the
-    reference's stable sort, or the Triton bisection select with the same choice).
+    reference's stable sort, or the Triton radix select with the same choice).
     NOTE: FP4 q and k make exact score ties common; ties go to the lower index, so chunked prefill, decode and the
     one-shot forward select the same set."""
     t, n = scores.shape

@@ -19,7 +19,7 @@ from tests.test_kernels_experts import expected, random_weights, rel_err, routed
 
 # max |triton - reference| / max |reference|, same recipe: fp32 summation order only (A8: plus e4m3 ties of h)
 BOUND = {False: 2e-5, True: 2e-5}
-CONFIGS = {"decode": kt.DECODE, "prefill": kt.PREFILL, "invariant": kt.INVARIANT}
+CONFIGS = {"decode": kt.DECODE, "prefill": kt.PREFILL, "invariant": kt.INVARIANT, "invariant_fp4": kt.INVARIANT_FP4}
 
 
 def fp8_weights(n_experts, dim, inter, dtype, gen, limit=10.0) -> ExpertWeights:
@@ -89,7 +89,7 @@ def test_backend_sets_route_to_the_kernels(monkeypatch):
     seen = []
     real_run = kt.run
     monkeypatch.setattr(kt, "run", lambda *a: seen.append(a[-1]) or real_run(*a))
-    for backend, tiles in (("triton", kt.DECODE), ("triton_invariant", kt.INVARIANT)):
+    for backend, tiles in (("triton", kt.DECODE), ("triton_invariant", kt.INVARIANT_FP4)):
         with use(backend):
             assert rel_err(grouped_experts(x, ids, offsets, r, ew), want) <= BOUND[True]
             assert seen[-1] == tiles                  # the kernels ran, with the set's configuration

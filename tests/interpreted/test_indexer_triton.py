@@ -75,7 +75,7 @@ def _tied_scores(n, k, seed):
 def test_top_k_equals_the_stable_sort(n, width, k):
     """Exactly the reference's selection and order (integer outputs), ties to the lower position. Widths up to
     4096 keep the row in registers, 9000 walks tiles; (300, 250): most rows have fewer finite scores than k (the
-    path without the bisection), as have k >= width."""
+    path without the radix select), as have k >= width."""
     scores = _tied_scores(n, width, seed=width + k)
     scores[1] = torch.randn(width, generator=torch.Generator().manual_seed(1))       # a row without ties
     assert kit.top_k_supported(scores, k)
