@@ -21,7 +21,8 @@ def _load_ops() -> None:
     """Import every op module so each has registered its backends."""
     from . import (attention, attention_triton, compress, experts, experts_triton, fp8_linear,  # noqa: F401
                    fake_quant, indexer, indexer_triton, kv_formats, matmul, mhc, mhc_rows_triton, mhc_triton,
-                   moe_combine, norm, norm_triton, quant_triton, rope, rope_triton, routing, rowwise, sampling)
+                   matmul_triton, moe_combine, norm, norm_triton, quant_triton, rope, rope_triton, routing, rowwise,
+                   sampling)
 
 
 class KernelTable:
