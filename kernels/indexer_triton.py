@@ -15,8 +15,8 @@ k-th best key t by a radix select (4 passes from the top byte, each a 256-bin hi
 bits chosen so far), takes every key > t and the first k - count(> t) keys == t in index order (a running cumsum),
 and sorts the k taken (key, -position) pairs: exactly the stable sort's selection and order (integer outputs; equal
 to the reference in the interpreter on FP4-like tied scores). A row of up to TOPK_BLOCK keys is loaded once and kept
-in registers; a row with at most k finite keys takes them all without the select. Session 26 on the H200: the
-session-25 bisection (34 counting passes) took 217 us for 2048 of 32768 keys of one row, torch's stable sort 56 us.
+in registers; a row with at most k finite keys takes them all without the select. On the H200 (session 26) the
+bisection it replaced (34 counting passes) took 217 us for 2048 of 32768 keys of one row, torch's stable sort 56 us.
 
 Numerics: the head sum runs in a different order than the reference's, so scores differ in the last bits; near
 ties can then select differently (GPU tests compare scores, not selections). Interpreter, fp32: <= 1e-6 of the

@@ -305,7 +305,8 @@ def _rows_of(kept: _Kept | None, query_rows: torch.Tensor | None) -> torch.Tenso
 def _every_row(kept: _Kept) -> torch.Tensor:
     """Every step row of a product kept for some (zeros where not kept: the layout the selecting layer had)."""
     rows = (kept.at >= 0).nonzero().squeeze(1)
-    return kept.value.new_zeros((kept.at.shape[0],) + kept.value.shape[1:]).index_copy_(0, rows, kept.value[kept.at[rows]])
+    out = kept.value.new_zeros((kept.at.shape[0],) + kept.value.shape[1:])
+    return out.index_copy_(0, rows, kept.value[kept.at[rows]])
 
 
 
