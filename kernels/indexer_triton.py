@@ -227,8 +227,22 @@ def top_k_kernel(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+SORT_ROWS = 16      # fewer rows than this, each wider than SORT_WIDTH keys: torch's stable sort instead
+
+
+SORT_WIDTH = 2 * TOPK_BLOCK
+
+
+def sort_is_faster(scores: torch.Tensor) -> bool:
+    """Few long rows: one program a row walks a wide row tile by tile, a latency chain the GPU cannot spread; the
+    stable sort spreads it. H200, session 26: one row of 32768 took 217 us in the bisection kernel (about 168 us a
+    call in the radix select, the 32k decode step's trace) against the sort's 56 us; 8192 keys 52 against 56; 64 rows
+    of 16384 97 against 141. Both give the same integers, so the choice never changes a result."""
+    return scores.shape[0] < SORT_ROWS and scores.shape[1] > SORT_WIDTH
+
+
 def top_k_indices_triton(scores, k):
-    if not top_k_supported(scores, k):
+    if not top_k_supported(scores, k) or sort_is_faster(scores):
         from .indexer import _top_k_indices
         return _top_k_indices(scores, k)
     return top_k_kernel(scores, k)          # integer outputs of a row's own scores: invariant as it is

@@ -53,7 +53,8 @@ def test_top_k_equals_the_stable_sort(n, width, k):
     g = torch.Generator(device="cuda").manual_seed(width + n)
     scores = torch.randint(-8, 9, (n, width), device="cuda", generator=g).float() * 0.25
     scores[torch.rand(n, width, device="cuda", generator=g) < 0.3] = float("-inf")
-    assert torch.equal(kit.top_k_indices_triton(scores, k), ki._top_k_indices(scores, k))
+    assert torch.equal(kit.top_k_kernel(scores, k), ki._top_k_indices(scores, k))          # the kernel itself
+    assert torch.equal(kit.top_k_indices_triton(scores, k), ki._top_k_indices(scores, k))  # the op's choice
     graph, out = capture_graph(kit.top_k_kernel, scores, k)
     graph.replay()
     torch.cuda.synchronize()

@@ -79,5 +79,15 @@ def test_top_k_equals_the_stable_sort(n, width, k):
     scores = _tied_scores(n, width, seed=width + k)
     scores[1] = torch.randn(width, generator=torch.Generator().manual_seed(1))       # a row without ties
     assert kit.top_k_supported(scores, k)
-    got = kit.top_k_indices_triton(scores, k)
-    assert torch.equal(got, ki._top_k_indices(scores, k))
+    want = ki._top_k_indices(scores, k)
+    assert torch.equal(kit.top_k_kernel(scores, k), want)              # the kernel, whatever the op would pick
+    assert torch.equal(kit.top_k_indices_triton(scores, k), want)      # the op (few wide rows: the stable sort)
+
+
+def test_few_wide_rows_take_the_sort():
+    """The op sends fewer than SORT_ROWS rows wider than SORT_WIDTH to the stable sort (one program a row is a
+    latency chain there), everything else to the kernel; the choice depends on the shape only."""
+    wide = torch.zeros(kit.SORT_ROWS - 1, kit.SORT_WIDTH + 1)
+    assert kit.sort_is_faster(wide)
+    assert not kit.sort_is_faster(torch.zeros(kit.SORT_ROWS, kit.SORT_WIDTH + 1))
+    assert not kit.sort_is_faster(torch.zeros(1, kit.SORT_WIDTH))
