@@ -14,8 +14,8 @@ Top-k (`top_k_indices`, plan step 6): program n maps its scores to an ordered 32
 k-th best key t by a radix select (4 passes from the top byte, each a 256-bin histogram of the keys that share the
 bits chosen so far), takes every key > t and the first k - count(> t) keys == t in index order (a running cumsum),
 and sorts the k taken (key, -position) pairs: exactly the stable sort's selection and order (integer outputs; equal
-to the reference in the interpreter on FP4-like tied scores). A row of up to TOPK_BLOCK keys is loaded once and kept
-in registers; a row with at most k finite keys takes them all without the select. On the H200 (session 26) the
+to the reference in the interpreter on FP4-like tied scores and signed zeros). A row of up to TOPK_BLOCK keys is kept
+in registers for the select's passes; a row with at most k finite keys takes them all without the select. On the H200 (session 26) the
 bisection it replaced (34 counting passes) took 217 us for 2048 of 32768 keys of one row, torch's stable sort 56 us.
 
 Numerics: the head sum runs in a different order than the reference's, so scores differ in the last bits; near
@@ -92,7 +92,9 @@ if triton is not None:
 
     @triton.jit
     def _ordered_key(score):
-        """fp32 -> int64 key in [0, 2^32) ordered as the scores; -inf (no candidate) -> 0, below every finite."""
+        """fp32 -> int64 key in [0, 2^32) ordered as the scores; -inf (no candidate) -> 0, below every finite; -0.0
+        keys as +0.0 (the sort ties them: a query whose heads all ReLU to 0 under negative weights scores -0.0)."""
+        score = tl.where(score == 0.0, 0.0, score)
         bits = score.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         key = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
         return tl.where(score == float("-inf"), 0, key)

@@ -26,7 +26,7 @@ IN_TRITON_SETS = False
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if et.triton is None or not (x.is_cuda or et.interpreting()) or x.dtype != w.dtype:
+    if et.triton is None or not (x.is_cuda or et.interpreting()) or x.dtype != w.dtype or x.device != w.device:
         return False
     return x.dtype in (torch.bfloat16, torch.float16) or (et.interpreting() and x.dtype == torch.float32)
 

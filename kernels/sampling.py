@@ -162,7 +162,8 @@ def draw_kernel(x, noise_rows, seeds, positions, salt):
     noise = noise_rows is not None
     val = torch.empty((b, chunks), dtype=torch.float64 if noise else x.dtype, device=x.device)
     idx = torch.empty((b, chunks), dtype=torch.long, device=x.device)
-    args = (noise_rows.to(torch.int8), seeds.long(), positions.long()) if noise else (x, x, x)
+    args = tuple(t.contiguous() for t in (noise_rows.to(torch.int8), seeds.long(), positions.long())) if noise \
+        else (x, x, x)                                           # the kernel reads [B] inputs at r: contiguous
     _draw_kernel[(b, chunks)](x, *args, val, idx, v, x.stride(0), salted(salt), NOISE=noise, CHUNK=CHUNK,
                               BLOCK=BLOCK, num_warps=4)
     return idx.gather(1, val.argmax(dim=1, keepdim=True)).squeeze(1)

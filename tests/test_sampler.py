@@ -80,6 +80,19 @@ def test_greedy_ties_go_to_the_lowest_id_and_greedy_rows_ignore_noise():
     assert sample(logits, mixed)[0].item() == 1
 
 
+def test_filters_never_move_a_greedy_rows_argmax():
+    """A greedy row beside sampled rows draws from the filtered logits (the draw is one op for the whole batch): its
+    tied maxima survive the tightest top-k / top-p / min-p, so it still takes the lowest of them."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    logits[0, [9, 5, 30]] = 7.0
+    t = tensors(3, temperature=0.9, top_k=1, top_p=0.1, min_p=1.0)
+    t.temperature[0] = 0.0
+    t.host_flags = {"greedy": False, "min_p": True, "top_k": True, "top_p": True}
+    assert sample(logits, t)[0].item() == 5
+    assert sample(logits, t)[1:].tolist() == logits[1:].argmax(dim=-1).tolist()     # top-k 1: the mode
+
+
 def test_penalties_match_a_plain_loop():
     torch.manual_seed(1)
     logits = torch.randn(2, 10)

@@ -174,8 +174,8 @@ class AttentionV41(LatentAttention):
 
         selected = top_entries(batch, self.ratio, sh["per_block"], qrows, score, self.indexer.topk)
         if self.is_candidate_source:
-            _keep(sh, "candidates", torch.cat(published), query_rows, batch.root_rows)
-        _keep(sh, "selected", selected, query_rows, batch.root_rows)
+            _keep(sh, "candidates", torch.cat(published), query_rows, batch.root_rows, False)
+        _keep(sh, "selected", selected, query_rows, batch.root_rows, -1)      # -1: none
 
     # ---- the reference forward (the oracle): one SequenceState per sequence ----
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:
@@ -277,37 +277,33 @@ class AttentionV41(LatentAttention):
 @dataclass
 class _Kept:
     """A per-row product of some rows of the step: value [R, ...] for the step rows `at` maps to (at[i] = the row of
-    value for step row i; None: value has every row)."""
+    value for step row i, -1: not kept; None: value has every row); `fill` stands for a row not kept."""
     value: torch.Tensor
     at: torch.Tensor | None
+    fill: bool | int
 
 
-def _keep(shared: dict, key: str, value: torch.Tensor, query_rows: torch.Tensor | None, root_rows: int) -> None:
+def _keep(shared: dict, key: str, value: torch.Tensor, query_rows: torch.Tensor | None, root_rows: int,
+          fill: bool | int) -> None:
     """Keep a per-row product with the step rows it belongs to (query_rows [R] of the whole step; None: every row).
     No [root_rows, ...] copy: a YOCO-truncated prefill of 128k rows keeps only the rows it selected for."""
     at = None
     if query_rows is not None:
         at = torch.full((root_rows,), -1, dtype=torch.long, device=value.device)
         at[query_rows] = torch.arange(query_rows.shape[0], device=value.device)
-    shared[key] = _Kept(value, at)
+    shared[key] = _Kept(value, at, fill)
 
 
 def _rows_of(kept: _Kept | None, query_rows: torch.Tensor | None) -> torch.Tensor | None:
     """The kept rows of the step rows query_rows (None: every row). A later layer's rows are a subset of the
-    selecting layer's (YOCO truncates suffixes), so every asked row is kept."""
+    selecting layer's (YOCO truncates suffixes); a row that was not kept reads `fill` (no host sync either way)."""
     if kept is None:
         return None
-    if query_rows is None:
-        return kept.value if kept.at is None else _every_row(kept)
-    return kept.value[query_rows] if kept.at is None else kept.value[kept.at[query_rows]]
-
-
-def _every_row(kept: _Kept) -> torch.Tensor:
-    """Every step row of a product kept for some (zeros where not kept: the layout the selecting layer had)."""
-    rows = (kept.at >= 0).nonzero().squeeze(1)
-    out = kept.value.new_zeros((kept.at.shape[0],) + kept.value.shape[1:])
-    return out.index_copy_(0, rows, kept.value[kept.at[rows]])
-
+    if kept.at is None:
+        return kept.value if query_rows is None else kept.value[query_rows]
+    at = kept.at if query_rows is None else kept.at[query_rows]
+    got = kept.value[at.clamp(min=0)]
+    return got.masked_fill((at < 0).view(-1, *[1] * (got.dim() - 1)), kept.fill)
 
 
 def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,13 @@ def test_top_k_equals_the_stable_sort(n, width, k):
     assert torch.equal(kit.top_k_indices_triton(scores, k), want)      # the op (few wide rows: the stable sort)
 
 
+def test_signed_zeros_tie_as_the_sort():
+    """-0.0 and +0.0 are one value to the stable sort (index order among them); the kernel's ordered key too."""
+    scores = torch.tensor([[1.0, -0.0, 0.0, -0.0, 0.0, -1.0], [-0.0, -0.0, 0.0, float("-inf"), 0.0, -0.0]])
+    for k in (1, 3, 5):
+        assert torch.equal(kit.top_k_kernel(scores, k), ki._top_k_indices(scores, k)), k
+
+
 def test_few_wide_rows_take_the_sort():
     """The op sends fewer than SORT_ROWS rows wider than SORT_WIDTH to the stable sort (one program a row is a
     latency chain there), everything else to the kernel; the choice depends on the shape only."""

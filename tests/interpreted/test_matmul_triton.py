@@ -46,6 +46,18 @@ def test_grouped_equals_einsum_and_is_batch_invariant(r, groups, o, i):
     assert torch.equal(kmt.grouped_linear_invariant(x[r - 1:], w)[0], got[r - 1])
 
 
+def test_strided_inputs():
+    """A row-strided x (a slice of a wider tensor) and a grouped x taken as a transposed view."""
+    g = torch.Generator().manual_seed(2)
+    wide, w = torch.randn(9, 200, generator=g), torch.randn(48, 128, generator=g)
+    x = wide[:, 8:136]
+    assert not x.is_contiguous()
+    assert _rel(kmt.linear_invariant(x, w), F.linear(x, w)) < 1e-5
+    xg = torch.randn(3, 6, 64, generator=g).transpose(0, 1)                  # [6, 3, 64], not contiguous
+    wg = torch.randn(3, 32, 64, generator=g)
+    assert _rel(kmt.grouped_linear_invariant(xg, wg), torch.einsum("ngi,gri->ngr", xg, wg)) < 1e-5
+
+
 def test_float64_takes_the_tiles():
     x, w = torch.randn(4, 32, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64)
     assert not kmt.supported(x, w)

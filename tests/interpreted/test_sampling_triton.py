@@ -58,6 +58,15 @@ def test_noise_is_the_counter_hash():
     assert not torch.equal(ks.draw_kernel(x, rows, seeds, pos, 0), got)
 
 
+def test_strided_row_inputs():
+    """Seeds, positions and noise flags taken as strided views draw as their contiguous copies."""
+    x = _logits(4, 3000, 5)
+    table = torch.arange(12).view(4, 3) * 977 + 3
+    seeds, pos, rows = table[:, 1], table[:, 2], torch.tensor([[True, False]] * 4)[:, 0]
+    assert not seeds.is_contiguous()
+    assert torch.equal(ks.draw_kernel(x, rows, seeds, pos, 0), ks._reference(x, rows, seeds, pos, 0))
+
+
 def test_unsupported_takes_the_reference():
     x = _logits(2, 50, 0).to(torch.bfloat16)
     assert not ks.supported(x)
