@@ -10,8 +10,9 @@ tile, and nothing in the launch depends on the row count but the grid. So:
     grouped_linear(x [R, G, I], w [G, O, I]) = one expert per group (rows grouped by g), out [R, G, O]
 Both read the weights once per BM = 64 rows (dense weights keep INVARIANT's BM 64 tiles).
 
-GPU status: not yet run on a GPU, so out of the sets (IN_TRITON_SETS False) until
-`pytest -m gpu tests/test_kernels_matmul_triton.py` passes.
+GPU status: its first H200 run (session 26) passed 16 tests and then ran out of its time limit, so it stays out of
+the sets (IN_TRITON_SETS False) until `pytest -m gpu tests/test_kernels_matmul_triton.py tests/test_batch_invariant.py`
+passes whole.
 """
 
 from __future__ import annotations
