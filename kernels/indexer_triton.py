@@ -14,9 +14,10 @@ Top-k (`top_k_indices`, plan step 6): program n maps its scores to an ordered 32
 k-th best key t by a radix select (4 passes from the top byte, each a 256-bin histogram of the keys that share the
 bits chosen so far), takes every key > t and the first k - count(> t) keys == t in index order (a running cumsum),
 and sorts the k taken (key, -position) pairs: exactly the stable sort's selection and order (integer outputs; equal
-to the reference in the interpreter on FP4-like tied scores and signed zeros). A row of up to TOPK_BLOCK keys is kept
-in registers for the select's passes; a row with at most k finite keys takes them all without the select. On the H200 (session 26) the
-bisection it replaced (34 counting passes) took 217 us for 2048 of 32768 keys of one row, torch's stable sort 56 us.
+to the reference in the interpreter on FP4-like tied scores and signed zeros). A row of up to TOPK_BLOCK keys is
+kept in registers for the select's passes; a row with at most k finite keys takes them all without the select. On
+the H200 (session 26) the bisection it replaced (34 counting passes) took 217 us for 2048 of 32768 keys of one row,
+torch's stable sort 56 us.
 
 Numerics: the head sum runs in a different order than the reference's, so scores differ in the last bits; near
 ties can then select differently (GPU tests compare scores, not selections). Interpreter, fp32: <= 1e-6 of the
@@ -100,6 +101,11 @@ if triton is not None:
         return tl.where(score == float("-inf"), 0, key)
 
     @triton.jit
+    def _row_keys(s_ptr, row, K, j):
+        """The ordered keys of the row's scores at positions j (-inf, key 0, past K)."""
+        return _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
+
+    @triton.jit
     def _count_at_least(s_ptr, row, K, t, resident, BLOCK: tl.constexpr, TILES: tl.constexpr):
         """How many of the row's keys are >= t: from `resident` (the row's keys, one tile) or tile by tile."""
         if TILES == 1:
@@ -108,7 +114,7 @@ if triton is not None:
             c = 0
             for i in range(TILES):
                 j = i * BLOCK + tl.arange(0, BLOCK)
-                key = _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
+                key = _row_keys(s_ptr, row, K, j)
                 c += tl.sum((key >= t).to(tl.int32), axis=0)
         return c
 
@@ -123,7 +129,7 @@ if triton is not None:
             hist = tl.zeros((512,), dtype=tl.int32)
             for i in range(TILES):
                 j = i * BLOCK + tl.arange(0, BLOCK)
-                key = _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
+                key = _row_keys(s_ptr, row, K, j)
                 hist += tl.histogram(_digit(key, prefix, shift), 512)
         return hist
 
@@ -143,7 +149,7 @@ if triton is not None:
         n = tl.program_id(0).to(tl.int64)
         row = n * stride_s
         j0 = tl.arange(0, BLOCK)
-        resident = _ordered_key(tl.load(s_ptr + row + j0, mask=j0 < K, other=float("-inf")))
+        resident = _row_keys(s_ptr, row, K, j0)
         finite = _count_at_least(s_ptr, row, K, 1, resident, BLOCK, TILES)
         want = tl.minimum(finite, k)
         prefix = tl.full((), 1, tl.int64)       # at most k finite: t = 1, below every finite key (-inf is 0)
@@ -164,7 +170,7 @@ if triton is not None:
         seen_eq = 0
         for i in range(TILES):
             j = i * BLOCK + tl.arange(0, BLOCK)
-            key = _ordered_key(tl.load(s_ptr + row + j, mask=j < K, other=float("-inf")))
+            key = _row_keys(s_ptr, row, K, j)
             eq = (key == t) & (j < K)
             eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), axis=0) - eq.to(tl.int32)
             take = ((key > t) | (eq & (eq_rank < ties))) & (j < K)
@@ -229,9 +235,7 @@ def top_k_kernel(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-SORT_ROWS = 16      # fewer rows than this, each wider than SORT_WIDTH keys: torch's stable sort instead
-
-
+SORT_ROWS = 16                 # fewer rows than this, each wider than SORT_WIDTH keys: torch's stable sort instead
 SORT_WIDTH = 2 * TOPK_BLOCK
 
 

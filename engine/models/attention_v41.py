@@ -173,9 +173,10 @@ class AttentionV41(LatentAttention):
             return s
 
         selected = top_entries(batch, self.ratio, sh["per_block"], qrows, score, self.indexer.topk)
+        at = _row_map(query_rows, batch.root_rows, selected.device)
         if self.is_candidate_source:
-            _keep(sh, "candidates", torch.cat(published), query_rows, batch.root_rows, False)
-        _keep(sh, "selected", selected, query_rows, batch.root_rows, -1)      # -1: none
+            sh["candidates"] = _Kept(torch.cat(published), at, False)
+        sh["selected"] = _Kept(selected, at, -1)                                   # -1: no entry
 
     # ---- the reference forward (the oracle): one SequenceState per sequence ----
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:
@@ -283,15 +284,14 @@ class _Kept:
     fill: bool | int
 
 
-def _keep(shared: dict, key: str, value: torch.Tensor, query_rows: torch.Tensor | None, root_rows: int,
-          fill: bool | int) -> None:
-    """Keep a per-row product with the step rows it belongs to (query_rows [R] of the whole step; None: every row).
-    No [root_rows, ...] copy: a YOCO-truncated prefill of 128k rows keeps only the rows it selected for."""
-    at = None
-    if query_rows is not None:
-        at = torch.full((root_rows,), -1, dtype=torch.long, device=value.device)
-        at[query_rows] = torch.arange(query_rows.shape[0], device=value.device)
-    shared[key] = _Kept(value, at, fill)
+def _row_map(query_rows: torch.Tensor | None, root_rows: int, device) -> torch.Tensor | None:
+    """_Kept.at for products of the step rows query_rows [R] (None: every row): no [root_rows, ...] copy of the
+    products, so a YOCO-truncated prefill of 128k rows keeps only the rows it selected for."""
+    if query_rows is None:
+        return None
+    at = torch.full((root_rows,), -1, dtype=torch.long, device=device)
+    at[query_rows] = torch.arange(query_rows.shape[0], device=device)
+    return at
 
 
 def _rows_of(kept: _Kept | None, query_rows: torch.Tensor | None) -> torch.Tensor | None:
