@@ -65,16 +65,19 @@ def invariant_chunk(budget: int) -> int:
 class EngineCore:
     def __init__(self, runner, manager, kernels: KernelTable, config: EngineConfig,
                  decode: Callable[[list[int]], str], eos_token_id: int | None,
-                 drafter: Callable[[Request], list[int]] | None = None):
+                 drafter: Callable[[Request], list[int]] | None = None, verify_policy=None):
         """runner: `execute(batch, prev, before_sample) -> StepOutput` (before_sample: None or a call to make
         between launching the forward and sampling); manager: a scheduler.SeatManager; decode: output ids ->
-        text (stop strings); drafter: proposes a request's next draft tokens after it commits (none yet)."""
+        text (stop strings); drafter: proposes a request's next draft tokens after it commits (a host hook, for
+        tests); verify_policy: spec/policy.VerifyPolicy when the runner drafts on the device (DSpark): each step
+        commits what its verification accepted and takes the drafts it proposed."""
         self.runner, self.manager, self.kernels, self.config = runner, manager, kernels, config
         self.processor = OutputProcessor(decode, eos_token_id, config.max_model_len)
         align = invariant_chunk(config.max_num_batched_tokens) if kernels.invariant else None
         self.scheduler = Scheduler(min(config.max_num_seqs, manager.num_slots), config.max_num_batched_tokens,
                                    manager, config.max_model_len, align)
         self.drafter = drafter
+        self.verify_policy = verify_policy
         self.on_rollback: Callable[[Request, int], None] = self._rollback
         self.step_observers: list[Callable[[list[Scheduled]], None]] = []   # called with each batch before launch
         self._prev = None                         # the launched step not yet read (StepOutput)
@@ -127,7 +130,7 @@ class EngineCore:
         if why is None and req.params.so_args is not None:
             if req.grammar is None:
                 why = "so_args needs the request's grammar matcher (LLM.generate compiles it: engine/structured.py)"
-            elif self.drafter is not None:
+            elif self.drafter is not None or self.verify_policy is not None:
                 why = "so_args with speculative decoding is not supported yet (drafts would need the grammar)"
         if why is not None:
             raise DeepInferError(f"request {req.request_id}: {why}")
@@ -162,6 +165,8 @@ class EngineCore:
         with use(self.kernels):
             if self._prev is not None and (not self.async_scheduling or self._needs_host_outputs()):
                 finished += self._update()
+            if self.verify_policy is not None:
+                self.verify_policy.choose(self.scheduler.running)
             batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
             launched = self._launch(batch, finished) if batch else None
             if self._prev is not None:
@@ -177,7 +182,8 @@ class EngineCore:
     def _needs_host_outputs(self) -> bool:
         """Drafts (and the positions after a verify row) need the committed tokens, and a drafter proposes from
         them: such requests are not planned while a row of them is in flight."""
-        return self.drafter is not None or any(r.spec_token_ids for r in self.scheduler.running)
+        return self.drafter is not None or self.verify_policy is not None or \
+            any(r.spec_token_ids for r in self.scheduler.running)
 
     @staticmethod
     def _samples_from_host(batch: list[Scheduled]) -> bool:
@@ -213,15 +219,16 @@ class EngineCore:
         out, drafts = self._prev, self._prev_drafts
         self._prev, self._prev_drafts = None, {}
         results = out.resolve()
+        spec = out.speculation()
         now, c, finished = time.perf_counter(), self._counters, []
-        for s, toks, lps in results:
+        for i, (s, toks, lps) in enumerate(results):
             r = s.req
             r.num_inflight -= 1
             c.generated_tokens += len(toks)
             if r.status is Status.FINISHED:           # planned once more before its end was seen: dropped
                 continue
             fed_drafts = drafts.get(id(s), [])
-            keep = committed_tokens(toks, fed_drafts)
+            keep = toks[:spec[i][0] + 1] if spec is not None else committed_tokens(toks, fed_drafts)
             if fed_drafts:
                 r.spec_token_ids = []                 # consumed by this row
             kept = self.processor.commit(r, keep, lps[:len(keep)], now)
@@ -239,7 +246,10 @@ class EngineCore:
                 r.num_computed -= len(fed_drafts) + 1 - len(keep)
                 c.rollbacks += 1
                 self.on_rollback(r, r.num_computed)
-            if self.drafter is not None and r.num_inflight == 0:
+            if spec is not None and r.num_inflight == 0:
+                r.spec_confidence_before = r.spec_confidence
+                r.spec_token_ids, r.spec_confidence = list(spec[i][1]), list(spec[i][2])
+            elif self.drafter is not None and r.num_inflight == 0:
                 r.spec_token_ids = list(self.drafter(r))
         return finished
 

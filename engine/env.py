@@ -38,6 +38,9 @@ VARIABLES = {
     "DEEPINFER_ASYNC_SCHEDULING": Var("flag", True, doc="plan step N+1 while the device runs step N"),
     "DEEPINFER_YOCO_PREFILL": Var("flag", True, doc="V4.1 YOCO-truncated prefill of last-logit pieces"),
     "DEEPINFER_YOCO_PREFILL_MIN_TOKENS": Var("int", 2, minimum=1, doc="shorter pieces run untruncated"),
+    "DEEPINFER_USE_NEXTN_DECODE": Var("int", None, minimum=0, doc="speculative decoding with up to N drafts a step "
+                                      "(0 = off) when LLM(speculative=) is not given"),
+    "DEEPINFER_ENABLE_MTP_VARLEN": Var("flag", False, doc="1 = confidence-scheduled (variable-length) verification"),
     "DEEPINFER_CONFIGURE_LOGGING": Var("flag", True, doc="INFO handler for the deepinfer logger on stderr"),
     "DEEPINFER_HF_MODEL_DIR": Var("path", None, doc="local checkpoint directory used instead of a hub download"),
     "DEEPINFER_V41_REFERENCE": Var("path", None, doc="tests: transformers main's deepseek_v41 package directory"),

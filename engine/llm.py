@@ -26,6 +26,9 @@ from .runner import ModelRunner
 from .runner.inputs import PROMPT_LOGPROB_ROWS
 from .sampling import SamplingParams
 from .scheduler import Request
+from .spec.config import spec_config
+from .spec.policy import VerifyPolicy
+from .spec.schedule import StepRate
 from .stats import EngineStats
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
                        refuse_unsupported, resolve_model, sampling_params_list)
@@ -42,7 +45,7 @@ _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
                 "projection_storage": "dense", "kv_cache_dtype": "auto",
                 "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
-                "expert_act_quant": False}
+                "expert_act_quant": False, "speculative": None}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -115,8 +118,10 @@ class LLM:
         if kernels.invariant and self.max_model_len > INVARIANT_CONTEXT_HINT:
             log.warning("batch-invariant mode reads every block column: with max_model_len=%d each row's entry "
                         "lists cover the whole length; set max_model_len to what the run needs", self.max_model_len)
+        self.speculative = spec_config(args["speculative"], getattr(self.model, "draft_block_size", None))
+        slack = self.speculative.num_speculative_tokens if self.speculative else 0
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
-                               args["block_size"], args["kv_cache_dtype"])
+                               args["block_size"], args["kv_cache_dtype"], ring_slack=slack)
         self.engine = self._build_engine(kernels, manager)
         self._next_id = 0
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
@@ -125,10 +130,30 @@ class LLM:
         """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant)."""
         runner = ModelRunner(self.model, manager, cuda_graphs=not self._args["enforce_eager"],
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
-                             fixed_context=kernels.invariant)
+                             fixed_context=kernels.invariant, speculative=self.speculative)
         decode = (lambda ids: "") if self.tokenizer is None else \
             (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
-        return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id)
+        return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id,
+                          verify_policy=self._verify_policy(runner, kernels))
+
+    def _verify_policy(self, runner: ModelRunner, kernels: KernelTable):
+        """Speculative decoding's verify-length rule, with the step-rate table it needs (given, else profiled on this
+        engine's runner now)."""
+        spec = self.speculative
+        if spec is None:
+            return None
+        rate = None
+        if spec.varlen:
+            table = dict(spec.step_seconds) if spec.step_seconds else None
+            if table is None:
+                cap = min(self._config.max_num_batched_tokens,
+                          self._config.max_num_seqs * (spec.num_speculative_tokens + 1))
+                with use(kernels):
+                    table = runner.profile_step_seconds(cap)
+                log.info("speculative step rate (tokens: ms per step): %s",
+                         ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in table.items()))
+            rate = StepRate.from_dict(table)
+        return VerifyPolicy(spec, rate)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

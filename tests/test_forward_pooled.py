@@ -185,3 +185,28 @@ def test_v41_draft_rings_written_in_place_equal_reference():
             for i, layer in enumerate(ref[s].mtp):
                 got = seqs.pools.rings[f"mtp.{i}.window"][s, positions % window]
                 assert (got - layer.window).abs().max().item() <= TOL, (s, i)
+
+
+def test_v41_pooled_draft_equals_reference_draft():
+    """model.draft over the pools (the runtime's drafter) gives extend_and_draft's drafts, draft logits and
+    confidences: after each step, both draft from the same position with the same anchor token."""
+    model = _model("v41", qat=True)
+    seqs = PooledSequences(model, 2, 200, block_tokens=16)
+    ids = {s: _tokens(model, 120, seed=20 + s) for s in (1, 2)}
+    ref = {s: model.new_state() for s in (1, 2)}
+    dev = model.device
+    for feeds in [{1: 40, 2: 5}, {1: 1, 2: 23}, {1: 3, 2: 1}, {1: 1, 2: 1}, {1: 130 - 40 - 5, 2: 2}][:4]:
+        chunks = {s: ids[s][seqs.done[s]:seqs.done[s] + n] for s, n in feeds.items()}
+        seqs.step(chunks, last_only=True, draft_rings=True)
+        want = {s: model.extend_and_draft([chunk], [ref[s]]) for s, chunk in chunks.items()}
+        slots = list(chunks)
+        anchor = torch.cat([want[s][0] for s in slots])
+        with torch.inference_mode():
+            got = model.draft(seqs.pools, torch.tensor(slots, device=dev),
+                              torch.tensor([seqs.done[s] - 1 for s in slots], device=dev), anchor,
+                              lambda i, logits: logits.argmax(dim=-1))
+        for r, s in enumerate(slots):
+            d = want[s][2]
+            assert torch.equal(got.tokens[r], d.tokens[0]), s
+            assert (got.logits[r] - d.logits[0]).abs().max().item() <= TOL
+            assert (got.confidence[r] - d.confidence[0]).abs().max().item() <= TOL

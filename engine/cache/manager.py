@@ -22,9 +22,10 @@ DEFAULT_CPU_BYTES = 4 << 30
 
 class StateManager:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None,
-                 block_size: int | None = None, kv_cache_dtype: str = "auto"):
-        """model: anything with state_spec(), dtype and device (the cache knows the model by its spec only)."""
-        layout = PoolLayout.for_model(model, block_size, kv_cache_dtype)
+                 block_size: int | None = None, kv_cache_dtype: str = "auto", ring_slack: int = 0):
+        """model: anything with state_spec(), dtype and device (the cache knows the model by its spec only).
+        ring_slack: extra positions per ring (PoolLayout; speculative decoding's longest draft)."""
+        layout = PoolLayout.for_model(model, block_size, kv_cache_dtype, ring_slack)
         device = model.device
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
@@ -106,8 +107,19 @@ class StateManager:
         """Keep `rid`'s slot-fixed state as it is after num_tokens positions (replaces an older snapshot)."""
         self.snapshots[rid] = (num_tokens, self.pools.snapshot(self.slot(rid)))
 
-    def restore(self, rid: str) -> int:
-        """Put back `rid`'s last snapshot; returns the number of positions it holds."""
+    def snapshot_unless_slack(self, rid: str, num_tokens: int, drafts: int) -> None:
+        """Before a verify row of `drafts` drafts: rings with that much slack need no copy (a rejected position's
+        row is rewritten before anything reads it), so any older snapshot is dropped; else snapshot."""
+        if drafts <= self.layout.ring_slack:
+            self.snapshots.pop(rid, None)
+        else:
+            self.snapshot(rid, num_tokens)
+
+    def restore(self, rid: str, num_tokens: int | None = None) -> int:
+        """Put back `rid`'s last snapshot; returns the number of positions it holds. Without one (the rings had
+        slack for the verify row) nothing needs restoring: the state holds num_tokens valid positions."""
+        if rid not in self.snapshots and num_tokens is not None:
+            return num_tokens
         if rid not in self.snapshots:
             raise DeepInferError(f"internal: request {rid} has no state snapshot to restore")
         num_tokens, snap = self.snapshots[rid]

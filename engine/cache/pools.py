@@ -1,7 +1,8 @@
 """Preallocated state pools: every state kind of every sequence lives in one fixed tensor per kind.
 
 From the model's StateSpec (cache/spec.py):
-  rings[name]    [S, span, width]   per sequence slot; position p at row p % span
+  rings[name]    [S, span', width]  per sequence slot; position p at row p % span' (span' = the declared span
+                                    + the layout's ring_slack; `spans[name]` is the declared one)
   entries[name]  [NB, bt/ratio, w]  per block of `block_tokens` (bt) positions; entry j of a sequence (positions
                                     j*ratio .. j*ratio + ratio-1) lives at block_table[slot, j*ratio // bt],
                                     row j % (bt/ratio); every entry stream shares the one block table
@@ -46,12 +47,15 @@ class PoolLayout:
     block_tokens: int
     dtype: torch.dtype            # the model's compute dtype
     kv_cache_dtype: str = "auto"  # "fp8": kinds with a packed record store it
+    ring_slack: int = 0           # extra positions every ring holds (speculative decoding's longest verify row)
 
     @classmethod
     def of(cls, spec: StateSpec, dtype: torch.dtype, block_tokens: int | None = None,
-           kv_cache_dtype: str = "auto") -> "PoolLayout":
+           kv_cache_dtype: str = "auto", ring_slack: int = 0) -> "PoolLayout":
         """block_tokens: positions per block (default: MIN_BLOCK_TOKENS rounded up to a multiple of every entry
-        ratio); a given value must be such a multiple."""
+        ratio); a given value must be such a multiple. ring_slack: every ring holds span + ring_slack positions, so
+        a verify row of up to ring_slack drafts never overwrites a position an accepted prefix still reads (its
+        rejected positions' rows are rewritten later): rollback is then free (no snapshot)."""
         check_kv_cache_dtype(kv_cache_dtype)
         if kv_cache_dtype == "fp8" and not any(k.packed for k in spec.rings + spec.entries):
             raise DeepInferError("kv_cache_dtype='fp8': this model declares no FP8 cache layout; use 'auto'")
@@ -61,11 +65,18 @@ class PoolLayout:
         elif block_tokens < 1 or block_tokens % lcm:
             raise DeepInferError(f"block_size={block_tokens} must be a positive multiple of {lcm} (every compress "
                                  f"ratio of this model divides a block)")
-        return cls(spec, block_tokens, dtype, kv_cache_dtype)
+        if ring_slack < 0:
+            raise DeepInferError(f"internal: ring_slack={ring_slack} must be >= 0")
+        return cls(spec, block_tokens, dtype, kv_cache_dtype, ring_slack)
 
     @classmethod
-    def for_model(cls, model, block_tokens: int | None = None, kv_cache_dtype: str = "auto") -> "PoolLayout":
-        return cls.of(model.state_spec(), model.dtype, block_tokens, kv_cache_dtype)
+    def for_model(cls, model, block_tokens: int | None = None, kv_cache_dtype: str = "auto",
+                  ring_slack: int = 0) -> "PoolLayout":
+        return cls.of(model.state_spec(), model.dtype, block_tokens, kv_cache_dtype, ring_slack)
+
+    def ring_rows(self, ring) -> int:
+        """Positions a ring pool holds: the declared span plus the slack."""
+        return ring.span + self.ring_slack
 
     def packed(self, kind):
         """The record a kind is stored as (None: its dtype)."""
@@ -80,7 +91,7 @@ class PoolLayout:
 
     def bytes_per_slot(self) -> int:
         """Fixed bytes of one sequence: every ring."""
-        return sum(r.span * self.row_bytes(r) for r in self.spec.rings)
+        return sum(self.ring_rows(r) * self.row_bytes(r) for r in self.spec.rings)
 
     def bytes_per_block(self) -> int:
         return sum(self.block_tokens // e.ratio * self.row_bytes(e) for e in self.spec.entries)
@@ -104,7 +115,8 @@ class StatePools:
         self.block_tokens = layout.block_tokens
         self.max_blocks = max(layout.blocks_for(max_model_len), 1)
         S = num_slots + 1
-        self.rings = {r.name: self._allocate(r, (S, r.span)) for r in layout.spec.rings}
+        self.rings = {r.name: self._allocate(r, (S, layout.ring_rows(r))) for r in layout.spec.rings}
+        self.spans = {r.name: r.span for r in layout.spec.rings}          # declared spans (the rings may hold more)
         self.entries = {e.name: self._allocate(e, (num_blocks + 1, layout.block_tokens // e.ratio))
                         for e in layout.spec.entries}
         self.block_table = torch.zeros(S, self.max_blocks, dtype=torch.int32, device=self.device)

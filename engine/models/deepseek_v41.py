@@ -160,6 +160,20 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         for i, stage in enumerate(self.mtp):
             batch.write_ring_rows(batch.pools.rings[f"mtp.{i}.window"], wanted, stage.attn.window_kv(main_x, cos, sin))
 
+    # ---- DSpark drafting over the pools ----
+    @property
+    def draft_block_size(self) -> int | None:
+        """Drafts one draft block proposes (None: no DSpark stages)."""
+        return self.cfg.dspark_block_size if hasattr(self, "mtp") else None
+
+    def draft(self, pools, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, sample) -> DraftOutput:
+        """One draft block per row: sequence slot slots[r] [R] has its target state (and draft rings) up to position
+        positions[r] = p; tokens [R] is the target's token for p+1. sample(i, logits [R, V]) draws draft i (for
+        position p+2+i). The rings are the ones the runtime forward keeps (ForwardBatch.draft_rings)."""
+        rings = [pools.rings[f"mtp.{i}.window"] for i in range(len(self.mtp))]
+        return self.dspark.draft_pooled(self.embed, self.head, rings, self.cfg.sliding_window, slots, positions,
+                                        tokens, sample)
+
     def _truncated_counts(self, batch: ForwardBatch, layer: int) -> list[int] | None:
         """Query rows each segment keeps at `layer` under YOCO truncation (None: every row, nothing to cut):
         a last_only segment keeps the positions within (L-1-layer)(W-1) of its last one."""
@@ -180,7 +194,8 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         ring = batch.pools.rings["engram"]                                     # [S, n-1, 1]
         ids = hasher.compressed(input_ids).unsqueeze(1)                        # [N, 1]
         store = batch.store(ring, ids).squeeze(1)
-        at = batch.positions_index(None, ring.shape[1] + 1, ring.shape[1])     # [N, n] oldest first
+        back = batch.pools.spans["engram"]                                     # n - 1 (the ring may hold more)
+        at = batch.positions_index(None, back + 1, ring.shape[1])              # [N, n] oldest first
         window = torch.where(at >= 0, store[at.clamp(min=0)], BLOCKED).flip(1)
         batch.write_ring(ring, ids)
         return hasher.hash_window(window)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from deepinfer.kernels.attention import sink_attention
+from deepinfer.kernels.attention import SplitStore, sink_attention, sparse_sink_attention
 from deepinfer.kernels.matmul import linear, linear_f32
 from deepinfer.kernels.precision import upcast
 
@@ -167,6 +167,37 @@ class DSpark:
         for i, stage in enumerate(self.stages):
             rings = [s.mtp[i] for s in states]
             h, pre = stage(h, pre, lambda x: self._attend(stage.attn, x, qpos, rings, bsz, blk))
+        return self._head(head, h, pre, tokens, bsz, blk, lambda i, lg: sample(lg))
+
+    def draft_pooled(self, embed: nn.Embedding, head: Linear, rings: list[torch.Tensor], window: int,
+                     slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
+                     sample: Callable[[int, torch.Tensor], torch.Tensor]) -> DraftOutput:
+        """draft() over the state pools: one block per row r of sequence slot slots[r] [R], whose rings
+        (rings[i]: stage i's pool [S, span', d], position t at row t % span') hold the target's positions up to
+        positions[r] (= p); tokens [R] the target's sample for p+1. sample(i, logits [R, V] fp32) -> the drafts
+        [R] for positions p+2+i. Static shapes throughout (a CUDA graph can hold it)."""
+        cfg = self.cfg
+        bsz, blk = tokens.shape[0], cfg.dspark_block_size
+        ids = torch.full((bsz, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=tokens.device)
+        ids[:, 0] = tokens
+        h = embed(ids.view(-1)).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()   # [R*blk, hc, D]
+        pre = torch.zeros(h.shape[:2], dtype=upcast(h).dtype, device=h.device)
+        pre[:, 0] = 1
+        qpos = (positions.unsqueeze(1) + 1 + torch.arange(blk, device=positions.device)).reshape(-1)
+        span = rings[0].shape[1]
+        tp = positions.unsqueeze(1) - (window - 1) + torch.arange(window, device=positions.device)   # [R, W]
+        ring_idx = torch.where(tp >= 0, slots.unsqueeze(1) * span + tp % span, -1)
+        block_idx = torch.arange(bsz * blk, device=positions.device).view(bsz, blk)                  # [R, blk]
+        for i, stage in enumerate(self.stages):
+            flat = rings[i].flatten(0, 1)
+            index = torch.cat([ring_idx, flat.shape[0] + block_idx], dim=1).repeat_interleave(blk, dim=0)
+            h, pre = stage(h, pre, lambda x, attn=stage.attn, flat=flat, index=index:
+                           self._attend_pooled(attn, x, qpos, flat, index))
+        return self._head(head, h, pre, tokens, bsz, blk, sample)
+
+    def _head(self, head: Linear, h: torch.Tensor, pre: torch.Tensor, tokens: torch.Tensor, bsz: int, blk: int,
+              sample: Callable[[int, torch.Tensor], torch.Tensor]) -> DraftOutput:
+        """The last stage's streams -> logits with the Markov bias, drafts left to right, confidences."""
         last = self.stages[-1]
         x = hc_collapse(h, pre)                                                        # [B*blk, D]
         logits = head.fp32(last.norm(x)).float().view(bsz, blk, -1)
@@ -176,9 +207,20 @@ class DSpark:
             bias, m_embed = last.markov_head(prev)
             logits[:, i] += bias.to(logits.dtype)
             conf.append(last.confidence_head(x[:, i], m_embed).float())
-            prev = sample(logits[:, i])
+            prev = sample(i, logits[:, i])
             drafts.append(prev)
         return DraftOutput(torch.stack(drafts, 1), logits, torch.stack(conf, 1))
+
+    @staticmethod
+    def _attend_pooled(attn, x: torch.Tensor, qpos: torch.Tensor, flat: torch.Tensor, index: torch.Tensor
+                       ) -> torch.Tensor:
+        """x [R*blk, D]: each block row attends to its sequence's ring window (read in place) and its whole block."""
+        cos, sin = attn.rope(qpos)
+        q, _ = attn.queries(x, cos, sin)                                              # [R*blk, H, d]
+        kv = attn.window_kv(x, cos, sin)                                              # [R*blk, d]
+        out = sparse_sink_attention(q, [(SplitStore(flat, kv.to(flat.dtype)), index)], attn.attn_sink,
+                                    attn.head_dim ** -0.5)
+        return attn.output(out, cos, sin)
 
     @staticmethod
     def _attend(attn, x: torch.Tensor, qpos: torch.Tensor, rings, bsz: int, blk: int) -> torch.Tensor:

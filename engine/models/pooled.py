@@ -31,11 +31,11 @@ def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.
     finite score, so it weighs 0 and an all-missing window pools to finite garbage, never NaN. Then writes kv and
     score into the rings."""
     pend_kv, pend_score = batch.pools.rings[f"{name}.pending_kv"], batch.pools.rings[f"{name}.pending_score"]
-    span = pend_kv.shape[1]
+    span = batch.pools.spans[f"{name}.pending_kv"]                                  # the ring may hold more
     kv_store, score_store = batch.store(pend_kv, kv), batch.store(pend_score, score)
     batch.write_ring(pend_kv, kv)
     batch.write_ring(pend_score, score)
-    slots = batch.positions_index(rows, span, span)                                  # [C, span]
+    slots = batch.positions_index(rows, span, pend_kv.shape[1])                      # [C, span]
     present = (slots >= 0).unsqueeze(-1)
     win_kv = torch.where(present, kv_store[slots.clamp(min=0)], 0)
     win_score = torch.where(present, score_store[slots.clamp(min=0)], torch.finfo(score.dtype).min)

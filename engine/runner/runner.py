@@ -21,10 +21,14 @@ import torch
 
 from ..cache.forward_batch import ForwardBatch
 from ..env import yoco_prefill, yoco_prefill_min_tokens
-from ..sampling.sampler import build_sampling_tensors, logprobs, sample
+from deepinfer.kernels.sampling import gumbel_argmax
+
+from ..sampling.sampler import SALT_TARGET, build_sampling_tensors, logprobs, processed_logits
+from ..spec.config import SpecConfig
 from ..scheduler.scheduler import Scheduled
 from ..structured import apply_grammar_masks
 from .graphs import StepGraphs
+from .speculate import Rows, Speculator
 from .inputs import (PROMPT_LOGPROB_ROWS, StepInputs, logprob_entry, prompt_logprobs_recorded, record_prompt_logprobs,
                      wants_prompt_logprobs)
 
@@ -38,8 +42,12 @@ class StepOutput:
     offsets: list[int] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)   # request id -> its last sampled token in `tokens`
     lp: tuple | None = None              # (token rows [R], chosen [R], rank [R], top ids [R, k], top values [R, k])
-    _host: list | None = None            # pinned copies of [tokens, *lp] (CUDA), filled behind the step's work
+    spec: tuple | None = None            # speculation: (accepted [R], next drafts [R, gamma], confidences [R, gamma])
+    _host: list | None = None            # pinned copies of [tokens, *lp, *spec] (CUDA), filled behind the step's work
     _ready: object = None                # torch.cuda.Event recorded after those copies
+
+    def _device(self) -> list:
+        return [self.tokens, *(self.lp or ()), *(self.spec or ())]
 
     def start_copy(self) -> None:
         """Begin the device->host copy of the tokens and logprobs (CUDA): resolve() then waits for this step's
@@ -47,23 +55,35 @@ class StepOutput:
         if self.tokens is None or self.tokens.device.type != "cuda":
             return
         self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-            t, non_blocking=True) for t in [self.tokens, *(self.lp or ())]]
+            t, non_blocking=True) for t in self._device()]
         self._ready = torch.cuda.Event()
         self._ready.record(torch.cuda.current_stream(self.tokens.device))   # the copies' stream, not cuda:0's
 
-    def resolve(self) -> list[tuple[Scheduled, list[int], list[dict | None]]]:
-        """Per sampled row: its sampled tokens (one per logit position, in position order) and their logprob
-        entries (None where not asked)."""
-        if self.tokens is None:
-            return []
-        host = [self.tokens, *(self.lp or ())]
+    def _host_lists(self) -> list:
+        host = self._device()
         if self._ready is not None:
             self._ready.synchronize()
             host = self._host
+        return host
+
+    def speculation(self) -> list[tuple[int, list[int], list[float]]] | None:
+        """Per sampled row (after resolve): (drafts accepted, the next drafts, their confidences); None without
+        a speculator."""
+        if self.spec is None:
+            return None
+        accepted, drafts, conf = (t.tolist() for t in self._host_lists()[-3:])
+        return list(zip(accepted, drafts, conf))
+
+    def resolve(self) -> list[tuple[Scheduled, list[int], list[dict | None]]]:
+        """Per sampled row: its sampled tokens (one per logit position, in position order; a verified row: the
+        tokens it commits first, see speculation()) and their logprob entries (None where not asked)."""
+        if self.tokens is None:
+            return []
+        host = self._host_lists()
         toks = host[0].tolist()
         entries: dict[int, dict] = {}
         if self.lp is not None:
-            rows, chosen, rank, ids, vals = (t.tolist() if t is not None else None for t in host[1:])
+            rows, chosen, rank, ids, vals = (t.tolist() if t is not None else None for t in host[1:6])
             owner = {o + j: r for r, (s, o) in enumerate(zip(self.sampled, self.offsets)) for j in range(s.num_logits)}
             for j, t in enumerate(rows):
                 k = self.sampled[owner[t]].req.params.logprobs
@@ -74,7 +94,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model, manager, cuda_graphs: bool, max_graph_batch: int, fixed_context: bool = False,
-                 truncate_prefill: bool | None = None, truncate_min_tokens: int | None = None):
+                 truncate_prefill: bool | None = None, truncate_min_tokens: int | None = None,
+                 speculative: SpecConfig | None = None):
         """truncate_prefill (default DEEPINFER_YOCO_PREFILL): mark pieces that need at most their last row's logits
         `last_only`, which a model that can (V4.1's exact YOCO truncation) runs on a shrinking suffix; pieces
         shorter than truncate_min_tokens (default DEEPINFER_YOCO_PREFILL_MIN_TOKENS) are not marked."""
@@ -86,7 +107,8 @@ class ModelRunner:
             if cuda_graphs and model.device.type == "cuda" else None
         self.graph_replays = 0
         # A drafter that reads the model's draft rings (DSpark) turns this on: every step then keeps them current.
-        self.keep_draft_rings = False
+        self.keep_draft_rings = speculative is not None
+        self.speculator = Speculator(model, self.pools, speculative, fixed_context) if speculative else None
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], prev: StepOutput | None,
@@ -94,8 +116,8 @@ class ModelRunner:
         """Launch the step's forward, call before_sample (host work that overlaps it), then sample."""
         inputs = StepInputs.build(batch, self.manager, prev, self.model.device)
         for s in batch:
-            if s.num_logits > 1:             # a verify row: keep the rings as they are before it (rollback)
-                self.manager.snapshot(s.req.request_id, s.start)
+            if s.num_logits > 1:             # a verify row: keep the rings as they are before it (rollback), unless
+                self.manager.snapshot_unless_slack(s.req.request_id, s.start, s.num_logits - 1)  # they hold enough
         ctx = self._context_blocks(inputs.max_position + 1)
         if self.graphs is not None and inputs.uniform_q is not None:
             logits = self.graphs.run(inputs, ctx, self.keep_draft_rings)
@@ -118,10 +140,40 @@ class ModelRunner:
             rows = rows[inputs.sample_rows_in_logits()]
         return self._sample(inputs, self.model.logits(hidden[rows]), before_sample)
 
+    @torch.inference_mode()
+    def profile_step_seconds(self, max_tokens: int, iters: int = 3) -> dict[int, float]:
+        """Seconds per target step at batch token counts 1, 2, 4, .. max_tokens (the step-rate table speculative
+        decoding's verify schedule needs): B decode rows on scratch slot 0, run as real steps run (a CUDA-graph
+        replay when B is on the ladder, else eagerly), median of `iters` after one warm-up."""
+        import statistics
+        import time
+        counts = sorted({1 << k for k in range(max(max_tokens, 1).bit_length()) if 1 << k <= max_tokens}
+                        | {max(max_tokens, 1)})
+        dev, out = self.model.device, {}
+        for b in counts:
+            zeros = torch.zeros(b, dtype=torch.long, device=dev)
+            fake = StepInputs([], [0] * b, [0] * b, [1] * b, zeros, [], 0, 1)
+            times = []
+            for i in range(iters + 1):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                logits = self.graphs.run(fake, 1, self.keep_draft_rings) if self.graphs is not None else None
+                if logits is None:
+                    fb = ForwardBatch.uniform(self.pools, zeros, zeros, 1, 1, self.keep_draft_rings)
+                    logits = self.model.logits(self.model.forward(zeros, fb))
+                logits.argmax(dim=-1)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if i:
+                    times.append(time.perf_counter() - t0)
+            out[b] = statistics.median(times)
+        return out
+
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """A verify row rejected drafts: put back the rings as they were before it; returns the positions the
         state now holds (<= num_tokens: the accepted ones after it are fed again, entries are rewritten)."""
-        return self.manager.restore(request_id)
+        return self.manager.restore(request_id, num_tokens)
 
     def _context_blocks(self, num_tokens: int) -> int:
         """Block-table columns the step reads: the longest row's blocks rounded up to a power of two (few graph
@@ -156,13 +208,19 @@ class ModelRunner:
         t = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], positions, logits.shape[-1],
                                    logits.device, [r.prompt_ids for r in reqs], outputs,
                                    self.model.cfg.eos_token_id, n_out)
-        tokens = sample(logits, t)
+        x, noise_rows = processed_logits(logits, t)
+        tokens = gumbel_argmax(x, noise_rows, t.seeds, t.positions, SALT_TARGET)
         offsets, o = [], 0
         for s in sampled:
             offsets.append(o)
             o += s.num_logits
+        spec = None
+        if self.speculator is not None:
+            rows = Rows.of(sampled, offsets, [self.manager.slot(s.req.request_id) for s in sampled], logits.device)
+            tokens, accepted = self.speculator.verify(rows, x, noise_rows, tokens)
+            spec = (accepted, *self.speculator.draft(rows, tokens, accepted))
         out = StepOutput(sampled, tokens, offsets, {s.req.request_id: off + s.num_logits - 1
-                                                    for s, off in zip(sampled, offsets)})
+                                                    for s, off in zip(sampled, offsets)}, spec=spec)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if want:
             k = max(reqs[i].params.logprobs for i in want)

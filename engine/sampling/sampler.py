@@ -19,7 +19,7 @@ import torch
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.sampling import counter_uniform, gumbel_argmax, gumbel_noise  # noqa: F401 (re-exported)
 
-SALT_TARGET, SALT_DRAFT, SALT_ACCEPT = 0, 1, 2
+SALT_TARGET, SALT_DRAFT, SALT_ACCEPT, SALT_RESAMPLE, SALT_PINNED = 0, 1, 2, 3, 4
 MIN_TEMPERATURE = 0.01
 
 
@@ -133,15 +133,23 @@ def apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def sample(logits: torch.Tensor, t: SamplingTensors, salt: int = SALT_TARGET) -> torch.Tensor:
     """logits [B, V] (>= fp32 model output) -> token ids [B]. Temperatures below MIN_TEMPERATURE are raised to
     it (as vLLM), so logits / T stays finite; 0 means greedy."""
+    x, noise_rows = processed_logits(logits, t)
+    return gumbel_argmax(x, noise_rows, t.seeds, t.positions, salt)   # argmax: the lowest id among equal maxima
+
+
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the draw takes: penalties, banned ids, temperature and filters applied -> (x [B, V], the rows that add
+    noise [B] bool, None when every row is greedy). softmax(x) of a random row is its target distribution
+    (speculative verification reads it); greedy rows keep their unscaled logits (argmax unchanged)."""
     logits = apply_penalties(upcast(logits), t)
     greedy = t.temperature <= 0
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, float("-inf"))
     if t.uses("greedy", lambda: greedy.all()):
-        return gumbel_argmax(logits, None, t.seeds, t.positions, salt)    # argmax: the lowest id among equal maxima
+        return logits, None
     temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(1)
     # greedy rows: logits / 1 and filters that never drop a row's maxima, so argmax(scaled) = argmax(logits)
-    return gumbel_argmax(apply_filters(logits / temp, t), ~greedy, t.seeds, t.positions, salt)
+    return apply_filters(logits / temp, t), ~greedy
 
 
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0):

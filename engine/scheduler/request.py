@@ -32,6 +32,8 @@ class Request:
     num_computed: int = 0            # positions planned into steps (advanced when a step is planned)
     num_inflight: int = 0            # sampled rows of planned steps not yet seen by the host (each commits >= 1)
     spec_token_ids: list[int] = field(default_factory=list)   # drafts for positions num_tokens.. (none by default)
+    spec_confidence: list[float] = field(default_factory=list)  # the drafter's confidence in each draft (DSpark)
+    spec_confidence_before: list[float] = field(default_factory=list)   # those of the block before (budget rule)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

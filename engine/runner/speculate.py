@@ -1,0 +1,123 @@
+"""The runner's speculative part, all on the device after the target forward: verify every verify row, then draft
+the next block for every sampled row from the position its accepted prefix ends at.
+
+Verification rules (engine/spec/): greedy rows take the target argmax (exact); random rows use
+  lossless  accept d with min(1, p_t(d) / p_d(d)), resample the residual at the first rejection, bonus from p_t
+            (spec/rejection.py); needs the draft distributions, kept per slot from the block that drew them
+  coupled   batch-invariant mode: drafts draw with the target's own noise at their position, and a draft is
+            accepted iff it equals the target's sample there, so the committed tokens are exactly those of
+            non-speculative decoding whatever the verify lengths (which depend on the batch)
+  pinned    benchmarks: acceptance from a pinned model (spec/pinned.py); the kernels still run every real shape
+The plain samples s_j (what one-at-a-time decoding draws at each slot) come from the sampler; the draft block of
+row r anchors at its last accepted input position p = p0 - 1 + a with the committed token there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.kernels.sampling import gumbel_argmax
+
+from ..sampling.sampler import MIN_TEMPERATURE, SALT_DRAFT, SALT_TARGET
+from ..spec.config import SpecConfig
+from ..spec.pinned import pinned_accepts, pinned_confidence
+from ..spec.rejection import verify as lossless_verify
+
+
+@dataclass
+class Rows:
+    """One step's sampled rows for verification and drafting (host lists -> device tensors once)."""
+    offsets: torch.Tensor     # [R] each row's first logit row in the step's M rows
+    drafts: torch.Tensor      # [R, L] the drafts each row fed (-1 padding), L = widest row
+    lengths: torch.Tensor     # [R] drafts fed
+    first: torch.Tensor       # [R] position of each row's first draft (p0; its first logit row samples p0)
+    slots: torch.Tensor       # [R]
+    seeds: torch.Tensor       # [R]
+    temperature: torch.Tensor  # [R] float32 (0: greedy)
+    random: bool              # any row samples (temperature > 0), known on the host
+    width: int                # L
+
+    @classmethod
+    def of(cls, sampled, offsets: list[int], slots: list[int], device) -> "Rows":
+        fed = [s.req.spec_token_ids[:s.num_logits - 1] for s in sampled]
+        width = max((len(d) for d in fed), default=0)
+        pad = [d + [-1] * (width - len(d)) for d in fed]
+        t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt).to(device, non_blocking=True)   # noqa: E731
+        temps = [s.req.params.temperature for s in sampled]
+        return cls(t(offsets), t(pad).view(len(sampled), width), t([len(d) for d in fed]),
+                   t([s.start + s.n - s.num_logits + 1 for s in sampled]), t(slots),
+                   t([s.req.seed for s in sampled]), t(temps, torch.float32), any(x > 0 for x in temps), width)
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logit row of every (row, slot) [R, L+1] (clamped to the row's own), live slots [R, L+1])."""
+        j = torch.arange(self.width + 1, device=self.offsets.device).unsqueeze(0)
+        live = j <= self.lengths.unsqueeze(1)
+        return self.offsets.unsqueeze(1) + torch.minimum(j, self.lengths.unsqueeze(1)), live
+
+
+class Speculator:
+    def __init__(self, model, pools, config: SpecConfig, invariant: bool):
+        self.model, self.pools, self.config = model, pools, config
+        self.gamma = config.num_speculative_tokens
+        self.rule = "pinned" if config.acceptance is not None else "coupled" if invariant else "lossless"
+        self.draft_logits: torch.Tensor | None = None    # [S+1, gamma, V] fp32: each slot's last draft distributions
+
+    # ---- verification ----
+    def verify(self, rows: Rows, x: torch.Tensor, noise_rows, plain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, V] processed target logits, plain [M] the plain samples -> (committed-token view [M]: row r's first
+        accepted[r] + 1 entries are what it commits, accepted [R])."""
+        at, live = rows.grid()                                                   # [R, L+1]
+        if rows.width == 0:
+            return plain, torch.zeros_like(rows.lengths)
+        if self.rule == "lossless" and rows.random:
+            if self.draft_logits is None:
+                raise RuntimeError("internal: a sampled verify row without the draft distributions it drew from")
+            greedy = rows.temperature <= 0
+            accepted, toks = lossless_verify(x[at], rows.drafts, self.draft_logits[rows.slots, :rows.width],
+                                             rows.lengths, greedy, rows.seeds, rows.first)
+            out = plain.clone()
+            out[at[live]] = toks[live]
+            return out, accepted
+        if self.rule == "pinned":
+            accepted = pinned_accepts(self.config.acceptance, self.config.confidence_spread, rows.seeds, rows.first,
+                                      rows.lengths, rows.width)
+        else:                                  # greedy rows, and the coupled rule: accept while draft == sample
+            same = (plain[at[:, :-1]] == rows.drafts) & live[:, 1:]
+            accepted = same.long().cumprod(dim=1).sum(dim=1)
+        j = torch.arange(rows.width + 1, device=x.device).unsqueeze(0)
+        take = (j < accepted.unsqueeze(1)) & live                              # slots committed as drafts
+        drafts = torch.cat([rows.drafts, rows.drafts[:, :1]], dim=1)
+        out = plain.clone()
+        out[at[take]] = drafts[take]
+        return out, accepted
+
+    # ---- drafting ----
+    def draft(self, rows: Rows, committed: torch.Tensor, accepted: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next draft block of every row -> (drafts [R, gamma], confidences [R, gamma] in [0, 1])."""
+        anchor_pos = rows.first - 1 + accepted                                    # p: last accepted input position
+        anchor = committed[rows.offsets + accepted]                               # the token committed for p + 1
+        noise = rows.temperature > 0 if rows.random else None
+        temp = torch.where(rows.temperature > 0, rows.temperature.clamp(min=MIN_TEMPERATURE),
+                           torch.ones_like(rows.temperature)).unsqueeze(1)
+        keep = self.rule == "lossless" and rows.random
+        if keep and self.draft_logits is None:
+            self.draft_logits = torch.zeros(self.pools.num_slots + 1, self.gamma, self.model.cfg.vocab_size,
+                                            dtype=torch.float32, device=committed.device)
+        salt = SALT_TARGET if self.rule == "coupled" else SALT_DRAFT
+
+        def sample(i: int, logits: torch.Tensor) -> torch.Tensor:
+            scaled = logits / temp
+            if keep and i < self.gamma:
+                self.draft_logits[rows.slots, i] = scaled
+            return gumbel_argmax(scaled, noise, rows.seeds, anchor_pos + 2 + i, salt)
+
+        out = self.model.draft(self.pools, rows.slots, anchor_pos, anchor, sample)
+        drafts = out.tokens[:, :self.gamma]
+        if self.rule == "pinned":
+            conf = pinned_confidence(self.config.acceptance, self.config.confidence_spread, rows.seeds,
+                                     anchor_pos + 2, self.gamma)
+        else:
+            conf = out.acceptance_confidence()[:, :self.gamma]
+        return drafts, conf

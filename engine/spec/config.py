@@ -1,0 +1,102 @@
+"""What speculative decoding an engine runs: `LLM(speculative=...)`, else the upstream switches
+DEEPINFER_USE_NEXTN_DECODE (draft cap; on when >= 1) and DEEPINFER_ENABLE_MTP_VARLEN (confidence-scheduled
+verification). docs/speculative.md has the whole story.
+
+    speculative = True | "dspark" | {"method": "dspark", "num_speculative_tokens": 5, "schedule": "confidence",
+                                      "acceptance": [0.79, 0.63, 0.49, 0.32, 0.28], "step_seconds": {1: 2.5e-3, ...}}
+
+schedule: "fixed" (every draft verified: the comparison mode), "confidence" (Algorithm 1: per-request verify
+lengths from the prefix survival of the confidences and the profiled step rate, early stop) or "budget" (the
+production variant: the step's token budget from confidences two steps back, the top drafts by live survival).
+acceptance: a pinned acceptance model for benchmarks on random weights (spec/pinned.py): per-position survival
+rates that decide acceptance while the real kernels run the real shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..env import read
+from ..errors import DeepInferError
+
+METHODS = ("dspark",)
+SCHEDULES = ("fixed", "confidence", "budget")
+_KEYS = ("method", "num_speculative_tokens", "schedule", "acceptance", "confidence_spread", "step_seconds")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "dspark"
+    num_speculative_tokens: int = 5           # drafts proposed a step (<= the drafter's block size)
+    schedule: str = "fixed"
+    acceptance: tuple[float, ...] | None = None   # pinned per-position survival (benchmarks); None: real acceptance
+    confidence_spread: float = 2.0            # pinned model: Beta concentration of the per-draft acceptance odds
+    step_seconds: tuple[tuple[int, float], ...] | None = None   # the step-rate table; None: profiled at start
+
+    @property
+    def varlen(self) -> bool:
+        return self.schedule != "fixed"
+
+
+def _check_fraction_list(name: str, value) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise DeepInferError(f"speculative {name}={value!r} must be a list of numbers")
+    out = tuple(value)
+    if not out or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in out):
+        raise DeepInferError(f"speculative {name}={value!r} must be a non-empty list of numbers in [0, 1]")
+    if any(b > a for a, b in zip(out, out[1:])):
+        raise DeepInferError(f"speculative {name}={list(out)} must be non-increasing (the survival of draft j+1 "
+                             f"cannot exceed that of draft j)")
+    return tuple(float(v) for v in out)
+
+
+def spec_config(value, block_size: int | None) -> SpecConfig | None:
+    """LLM's `speculative` (None: the environment decides) -> a SpecConfig, or None when off. block_size: the
+    model's draft block (None: the model cannot draft; asking for speculation is then one error line)."""
+    env_cap = read("DEEPINFER_USE_NEXTN_DECODE")
+    if value is None:
+        if not env_cap:
+            return None
+        value = {}
+    if value is False:
+        return None
+    if value is True or value in METHODS:
+        value = {} if value is True else {"method": value}
+    if not isinstance(value, dict):
+        raise DeepInferError(f"speculative={value!r}: use True, 'dspark', None/False (off) or a dict with keys "
+                             f"{list(_KEYS)}")
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise DeepInferError(f"speculative got unknown keys {unknown}; known: {list(_KEYS)}")
+    method = value.get("method", "dspark")
+    if method not in METHODS:
+        raise DeepInferError(f"speculative method={method!r} is not supported; use one of {list(METHODS)} (V4's MTP "
+                             f"drafting is not built yet: docs/speculative.md)")
+    if block_size is None:
+        raise DeepInferError("speculative decoding needs a model with DSpark draft stages (a V4.1 checkpoint with "
+                             "num_nextn_predict_layers >= 1); this one has none: drop speculative / "
+                             "DEEPINFER_USE_NEXTN_DECODE")
+    n = value.get("num_speculative_tokens", env_cap or block_size)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= block_size:
+        raise DeepInferError(f"num_speculative_tokens={n!r} must be an integer in 1..{block_size} (the model's "
+                             f"draft block)")
+    schedule = value.get("schedule", "confidence" if read("DEEPINFER_ENABLE_MTP_VARLEN") else "fixed")
+    if schedule not in SCHEDULES:
+        raise DeepInferError(f"speculative schedule={schedule!r}: use one of {list(SCHEDULES)}")
+    acceptance = value.get("acceptance")
+    if acceptance is not None:
+        acceptance = _check_fraction_list("acceptance", acceptance)
+        if len(acceptance) < n:
+            raise DeepInferError(f"speculative acceptance has {len(acceptance)} positions; give one survival rate "
+                                 f"per draft ({n})")
+    spread = value.get("confidence_spread", 2.0)
+    if isinstance(spread, bool) or not isinstance(spread, (int, float)) or spread <= 0:
+        raise DeepInferError(f"speculative confidence_spread={spread!r} must be a number > 0")
+    table = value.get("step_seconds")
+    if table is not None:
+        if not isinstance(table, dict) or not table or any(
+                isinstance(k, bool) or not isinstance(k, int) or k < 1 or isinstance(v, bool)
+                or not isinstance(v, (int, float)) or v <= 0 for k, v in table.items()):
+            raise DeepInferError(f"speculative step_seconds={table!r} must map batch token counts (int >= 1) to "
+                                 f"seconds per step (> 0)")
+        table = tuple(sorted((int(k), float(v)) for k, v in table.items()))
+    return SpecConfig(method, n, schedule, acceptance, float(spread), table)

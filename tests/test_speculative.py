@@ -1,0 +1,209 @@
+"""DSpark speculative decoding end to end on the real runner (tiny V4.1, CPU): greedy output equals plain decoding
+token for token under every verify schedule, with chunked prefill and preemption in between and with forced
+partial acceptances and full rejections; the state every kind holds after rollbacks is the one plain decoding
+leaves; seeded sampling is bitwise batch-invariant (and equal to plain decoding) in batch-invariant mode; the
+pinned acceptance model reproduces its accepted length; bad settings are one line each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.errors import DeepInferError
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "12 + 30 =", "x",
+           "hello world again and again", "a b c d e f g", "DeepSeek", "what is the answer to 6 times 7?"]
+N = 20
+TABLE = {1: 1.0, 8: 1.02, 32: 1.2, 128: 2.0}          # seconds per step: cheap extra tokens, then costly
+V41 = "deepseek_v41"
+
+
+def engine(**kw) -> LLM:
+    return LLM(embedded_tiny_dir(V41), dtype="float64", **kw)
+
+
+def force_drafts(llm: LLM, truth: dict[tuple, list[int]], wrong) -> dict:
+    """Make the model's drafter propose the plain run's tokens (truth: prompt ids -> outputs), with draft k of a
+    block at position p made wrong when wrong(p, k): partial acceptances and full rejections on demand. The real
+    draft block still runs (its kernels, its ring reads); only the proposed ids are replaced."""
+    real, core, seen = llm.model.draft, llm.engine, {"blocks": 0}
+    vocab = llm.model.cfg.vocab_size
+
+    def draft(pools, slots, positions, tokens, sample):
+        out = real(pools, slots, positions, tokens, sample)
+        by_slot = {core.manager.slot(r.request_id): r for r in core.scheduler.running}
+        toks = out.tokens.clone()
+        for i, (slot, p) in enumerate(zip(slots.tolist(), positions.tolist())):
+            r = by_slot[slot]
+            stream = r.prompt_ids + truth[tuple(r.prompt_ids)]
+            for k in range(toks.shape[1]):
+                at = p + 2 + k                          # draft k of the block anchored at p is for position p+2+k
+                t = stream[at] if at < len(stream) else 0
+                toks[i, k] = (t + 1) % vocab if wrong(at, k) else t
+            seen["blocks"] += 1
+        out.tokens = toks
+        return out
+
+    llm.model.draft = draft
+    return seen
+
+
+def plain_outputs(prompts, sp, **kw) -> list:
+    return [o.outputs[0] for o in engine(**kw).generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence", "budget"])
+def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(schedule):
+    """8 prompts, a 16-token step budget (chunked prefill next to verify rows), pools small enough to preempt;
+    drafts right except where (position + k) % 4 == 3 or at position % 7 == 0 for the first draft (a full
+    rejection): every output equals plain greedy decoding, and drafts were accepted and rejected."""
+    from deepinfer.cache.pools import PoolLayout
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    want = plain_outputs(PROMPTS, sp)
+    truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids
+             for o in engine().generate(PROMPTS, sp, use_tqdm=False)}
+    probe = engine(speculative={"schedule": schedule, "step_seconds": TABLE})
+    lay = PoolLayout.for_model(probe.model, 16, ring_slack=5)
+    small = dict(max_num_batched_tokens=16, max_num_seqs=6, block_size=16, max_model_len=64,
+                 state_memory_bytes=6 * lay.bytes_per_slot() + 7 * lay.bytes_per_block())
+    plain = engine(**small)
+    plain.generate(PROMPTS, sp, use_tqdm=False)
+    llm = engine(speculative={"schedule": schedule, "step_seconds": TABLE}, **small)
+    seen = force_drafts(llm, truth, lambda at, k: (at + k) % 4 == 3 or (k == 0 and at % 7 == 0))
+    got = llm.generate(PROMPTS, sp, use_tqdm=False)
+    st = llm.stats
+    assert [o.outputs[0].token_ids for o in got] == [w.token_ids for w in want]
+    assert st.preemptions > 0 and seen["blocks"] > 0
+    assert st.draft_tokens > st.accepted_draft_tokens > 0 and st.rollbacks > 0
+    assert st.committed_tokens == N * len(PROMPTS) and st.free_seats == st.num_seats
+    assert st.steps < plain.stats.steps              # multi-token commits: fewer steps than plain decoding
+
+
+def live_state(llm: LLM, slot: int, n: int) -> dict[str, torch.Tensor]:
+    """What the model can read of slot `slot` holding positions 0..n-1: each ring's last `span` positions (by
+    position, whatever slack the ring has), each entry stream's n // ratio entries."""
+    pools = llm.engine.manager.pools
+    out = {}
+    for name, ring in pools.rings.items():
+        span = pools.spans[name]
+        pos = torch.arange(max(0, n - span), n)
+        out[name] = ring[slot, pos % ring.shape[1]]
+    for kind in pools.layout.spec.entries:
+        store = pools.entries[kind.name]
+        j = torch.arange(n // kind.ratio)
+        blocks = pools.block_table[slot, (j * kind.ratio) // pools.block_tokens].long()
+        out[kind.name] = store[blocks, j % store.shape[1]]
+    return out
+
+
+def test_every_state_kind_after_rollbacks_is_what_plain_decoding_leaves():
+    """One sequence through many verify rows with rejections: the window rings, compressor rings, engram look-back,
+    entry streams (KV and indexer keys) and DSpark rings hold, at every position the model can still read, what
+    plain decoding (writing the DSpark rings too) leaves, to float64 rounding of other row shapes."""
+    sp = SamplingParams(temperature=0, max_tokens=3 * N, ignore_eos=True)
+    prompt = PROMPTS[1]
+    plain = engine()
+    plain.engine.runner.keep_draft_rings = True           # so the DSpark rings are comparable
+    want = plain.generate(prompt, sp, use_tqdm=False)[0]
+    spec = engine(speculative={"schedule": "confidence", "step_seconds": TABLE})
+    force_drafts(spec, {tuple(want.prompt_token_ids): want.outputs[0].token_ids},
+                 lambda at, k: (at * 7 + k) % 5 == 2)
+    got = spec.generate(prompt, sp, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert spec.stats.rollbacks > 3 and spec.stats.accepted_draft_tokens > 10
+    n = len(want.prompt_token_ids) + 3 * N - 1             # positions both fed (the last token is never fed)
+    a, b = live_state(plain, 1, n), live_state(spec, 1, n)
+    assert set(a) == set(b) and any(k.startswith("mtp.") for k in a) and any("index" in k for k in a)
+    for name in a:
+        assert a[name].shape == b[name].shape, name
+        assert (a[name].double() - b[name].double()).abs().max().item() <= 1e-12, name
+
+
+def test_seeded_speculation_is_bitwise_batch_invariant_in_invariant_mode():
+    """kernel_backend="invariant", a seed, DSpark on with confidence-scheduled verification (whose verify lengths
+    depend on the batch): tokens and logprobs are bitwise those of plain decoding, alone and in batches of other
+    compositions (drafts forced right on most positions, so verify rows accept and reject)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kw = dict(max_model_len=96, max_num_batched_tokens=32, max_num_seqs=16, kernel_backend="invariant")
+        sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12, logprobs=2, ignore_eos=True)
+        other = SamplingParams(temperature=1.0, seed=3, max_tokens=9, ignore_eos=True)
+        target = PROMPTS[2]
+        plain = LLM(embedded_tiny_dir(V41), **kw)
+        alone_plain = plain.generate(target, sp, use_tqdm=False)[0]
+        mates = [plain.generate(p, other, use_tqdm=False)[0] for p in PROMPTS[3:8]]
+        truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in [alone_plain, *mates]}
+        spec = LLM(embedded_tiny_dir(V41), speculative={"schedule": "confidence", "step_seconds": TABLE}, **kw)
+        force_drafts(spec, truth, lambda at, k: (at + 2 * k) % 5 == 1)
+        assert spec.engine.runner.speculator.rule == "coupled"
+        alone = spec.generate(target, sp, use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == alone_plain.outputs[0].token_ids
+        assert alone.logprobs == alone_plain.outputs[0].logprobs
+        for k in (1, 3, 5):
+            batch = PROMPTS[3:3 + k][:1] + [target] + PROMPTS[3:3 + k][1:]
+            outs = spec.generate(batch, [other] + [sp] + [other] * (len(batch) - 2), use_tqdm=False)
+            assert outs[1].outputs[0].token_ids == alone.token_ids
+            assert outs[1].outputs[0].logprobs == alone.logprobs        # float equality: bitwise
+        assert spec.stats.accepted_draft_tokens > 0 and spec.stats.rollbacks > 0
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_pinned_acceptance_gives_its_accepted_length():
+    """speculative acceptance = survival rates: with fixed 5-token verification the mean accepted length (bonus
+    included) over many verify rows is 1 + sum of the rates (3.51 for V4.1-Flash's golden curve)."""
+    survival = [0.788, 0.632, 0.485, 0.321, 0.284]
+    llm = engine(speculative={"schedule": "fixed", "acceptance": survival})
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    llm.generate(PROMPTS, sp, use_tqdm=False)
+    st = llm.stats
+    rows = st.draft_tokens / 5
+    mean = 1 + st.accepted_draft_tokens / rows
+    assert rows > 250
+    assert abs(mean - (1 + sum(survival))) < 0.15, mean
+
+
+def test_confidence_schedule_verifies_fewer_tokens_at_similar_acceptance():
+    """With the pinned model (spread confidences), confidence scheduling on a table where extra tokens cost verifies
+    fewer drafts per accepted one than fixed 5-token verification."""
+    survival = [0.788, 0.632, 0.485, 0.321, 0.284]
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    stats = {}
+    for schedule in ("fixed", "confidence"):
+        llm = engine(speculative={"schedule": schedule, "acceptance": survival,
+                                  "step_seconds": {1: 1.0, 8: 1.3, 64: 3.0}})
+        llm.generate(PROMPTS, sp, use_tqdm=False)
+        stats[schedule] = llm.stats
+    fixed, conf = stats["fixed"], stats["confidence"]
+    assert conf.draft_tokens < 0.8 * fixed.draft_tokens
+    assert conf.accepted_draft_tokens / conf.draft_tokens > fixed.accepted_draft_tokens / fixed.draft_tokens
+
+
+@pytest.mark.parametrize("value,match", [
+    ({"method": "eagle"}, "method='eagle' is not supported"),
+    ({"num_speculative_tokens": 9}, "must be an integer in 1..5"),
+    ({"schedule": "smart"}, "schedule='smart'"),
+    ({"acceptance": [0.5, 0.7, 0.1, 0.1, 0.1]}, "non-increasing"),
+    ({"acceptance": [0.5]}, "one survival rate per draft"),
+    ({"step_seconds": {0: 1.0}}, "step_seconds"),
+    ({"speed": 1}, "unknown keys"),
+    ("yes", "speculative='yes'"),
+])
+def test_bad_speculative_settings_are_one_line(value, match):
+    with pytest.raises(DeepInferError, match=match):
+        engine(speculative=value)
+
+
+def test_speculation_needs_draft_stages_and_env_switches(monkeypatch):
+    with pytest.raises(DeepInferError, match="needs a model with DSpark draft stages"):
+        LLM(embedded_tiny_dir("deepseek_v4"), speculative=True)
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    llm = engine(speculative=None)
+    assert llm.speculative.num_speculative_tokens == 3 and llm.speculative.schedule == "confidence"
+    assert llm.engine.verify_policy.rate is not None           # profiled at start: a table of step seconds
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    assert engine().speculative is None
