@@ -29,7 +29,7 @@ class SpecConfig:
     num_speculative_tokens: int = 5           # drafts proposed a step (<= the drafter's block size)
     schedule: str = "fixed"
     acceptance: tuple[float, ...] | None = None   # pinned per-position survival (benchmarks); None: real acceptance
-    confidence_spread: float = 2.0            # pinned model: Beta concentration of the per-draft acceptance odds
+    confidence_spread: float = 1.0            # pinned model: how far per-draft odds spread around the rate, [0, 1]
     step_seconds: tuple[tuple[int, float], ...] | None = None   # the step-rate table; None: profiled at start
 
     @property
@@ -88,9 +88,10 @@ def spec_config(value, block_size: int | None) -> SpecConfig | None:
         if len(acceptance) < n:
             raise DeepInferError(f"speculative acceptance has {len(acceptance)} positions; give one survival rate "
                                  f"per draft ({n})")
-    spread = value.get("confidence_spread", 2.0)
-    if isinstance(spread, bool) or not isinstance(spread, (int, float)) or spread <= 0:
-        raise DeepInferError(f"speculative confidence_spread={spread!r} must be a number > 0")
+    spread = value.get("confidence_spread", 1.0)
+    if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread <= 1:
+        raise DeepInferError(f"speculative confidence_spread={spread!r} must be a number in [0, 1] (0: every draft "
+                             f"alike, 1: confidences spread over (0, 1))")
     table = value.get("step_seconds")
     if table is not None:
         if not isinstance(table, dict) or not table or any(
