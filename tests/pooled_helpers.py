@@ -13,10 +13,11 @@ class PooledSequences:
     """`num_slots` sequences in pools of their own; slot s owns blocks (s-1)*per + 1 .. s*per."""
 
     def __init__(self, model, num_slots: int, max_len: int, block_tokens: int | None = None,
-                 fixed_context: bool = False):
-        """fixed_context: every step reads all block-table columns (batch-invariant mode's fixed shapes)."""
+                 fixed_context: bool = False, ring_slack: int = 0):
+        """fixed_context: every step reads all block-table columns (batch-invariant mode's fixed shapes).
+        ring_slack: every ring holds that many more positions (speculation's layout)."""
         self.model, self.fixed_context = model, fixed_context
-        self.layout = PoolLayout.for_model(model, block_tokens)
+        self.layout = PoolLayout.for_model(model, block_tokens, ring_slack=ring_slack)
         per = max(self.layout.blocks_for(max_len), 1)
         self.pools = StatePools(self.layout, num_slots, num_slots * per, max_len, model.device)
         for s in range(1, num_slots + 1):
@@ -30,10 +31,11 @@ class PooledSequences:
 
     @torch.inference_mode()
     def step(self, feeds: dict[int, torch.Tensor], uniform: bool = False, last_only: bool = False,
-             draft_rings: bool = False) -> dict[int, torch.Tensor]:
+             draft_rings: bool = False, varlen_pad: int | None = None) -> dict[int, torch.Tensor]:
         """Feed each slot its tokens [n] in one flat batch -> {slot: logits [n, V]}. uniform: build the batch as a
         CUDA graph would (static shapes, every slot the same n). last_only: mark every segment so (only its last
-        row's logits are meaningful)."""
+        row's logits are meaningful). varlen_pad: build it as a variable-length graph would (ForwardBatch.varlen,
+        lengths on the device), with that many padding rows on scratch slot 0 after the real ones."""
         slots = list(feeds)
         starts = [self.done[s] for s in slots]
         lens = [feeds[s].numel() for s in slots]
@@ -43,10 +45,13 @@ class PooledSequences:
             assert len(set(lens)) == 1
             fb = ForwardBatch.uniform(self.pools, torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
                                       lens[0], ctx)
+        elif varlen_pad is not None:
+            seg = torch.tensor([slots + [0], starts + [0], lens + [varlen_pad]], device=dev)
+            fb = ForwardBatch.varlen(self.pools, seg[0], seg[1], seg[2], sum(lens) + varlen_pad, ctx)
         else:
             fb = ForwardBatch.ragged(self.pools, slots, starts, lens, ctx, [last_only] * len(slots),
                                      draft_rings=draft_rings)
-        ids = torch.cat([feeds[s] for s in slots]).to(dev)
+        ids = torch.cat([feeds[s] for s in slots] + [torch.zeros(varlen_pad or 0, dtype=torch.long)]).to(dev)
         logits = self.model.logits(self.model.forward(ids, fb))
         out, o = {}, 0
         for s, n in zip(slots, lens):

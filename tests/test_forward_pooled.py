@@ -95,33 +95,56 @@ def test_static_layout_equals_ragged(family, q):
         assert torch.equal(ring[1:], b.pools.rings[name][1:]), name
 
 
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_varlen_static_layout_equals_ragged(family):
+    """The variable-length graph layout (segment lengths a device tensor, padding rows on scratch slot 0) gives
+    what the ragged one gives, on CPU, through verify rows of 1..6 rows (rings with 5 positions of slack)."""
+    model = _model(family, qat=True)
+    a, b = (PooledSequences(model, 3, 200, block_tokens=16 if family == "v41" else None, ring_slack=5)
+            for _ in range(2))
+    prompts = {s: _tokens(model, 10 + 9 * s, seed=s) for s in (1, 2, 3)}
+    a.step(prompts)
+    b.step(prompts)
+    worst = 0.0
+    for i in range(12):
+        feeds = {s: _tokens(model, 1 + (i * s + s) % 6, seed=100 * i + s) for s in (1, 2, 3)}
+        got, want = b.step(feeds, varlen_pad=i % 4), a.step(feeds)
+        worst = max(worst, max((got[s] - want[s]).abs().max().item() for s in feeds))
+    assert worst <= TOL
+    for name, ring in a.pools.rings.items():    # not bitwise: padding rows make the GEMMs another M
+        assert torch.allclose(ring[1:], b.pools.rings[name][1:], atol=TOL, rtol=0), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["v4", "v41"])
-@pytest.mark.parametrize("q", [1, 3])
+@pytest.mark.parametrize("q", [1, 3, None])
 def test_cuda_graph_replay_equals_eager(family, q):
-    """Uniform steps replayed from a captured CUDA graph (runner/graphs.py, padded segments on scratch) give
-    the eager ragged forward's logits and leave the same state, float64 on the GPU."""
+    """Uniform steps (q rows a segment) and variable-length ones (q None: 1..6 rows a segment) replayed from a
+    captured CUDA graph (runner/graphs.py, padded segments / rows on scratch) give the eager ragged forward's
+    logits and leave the same state, float64 on the GPU."""
     from deepinfer.runner.graphs import StepGraphs
     from deepinfer.runner.inputs import StepInputs
 
     model = _model(family, qat=True, device="cuda")
-    a = PooledSequences(model, 3, 256, block_tokens=16 if family == "v41" else None)
-    b = PooledSequences(model, 3, 256, block_tokens=16 if family == "v41" else None)
+    a, b = (PooledSequences(model, 3, 256, block_tokens=16 if family == "v41" else None, ring_slack=5)
+            for _ in range(2))
     prompts = {s: _tokens(model, 10 + 9 * s, seed=s) for s in (1, 2, 3)}
     a.step(prompts)
     b.step(prompts)
-    graphs = StepGraphs(model, b.pools, max_batch=4)
+    graphs = StepGraphs(model, b.pools, max_batch=4, max_rows=24)
     worst = 0.0
     for i in range(10):
-        feeds = {s: _tokens(model, q, seed=100 * i + s) for s in (1, 2, 3)}
+        lens = [q or 1 + (i * s + s) % 6 for s in (1, 2, 3)]
+        feeds = {s: _tokens(model, n, seed=100 * i + s) for s, n in zip((1, 2, 3), lens)}
         want = a.step(feeds)
         slots, starts = list(feeds), [b.done[s] for s in feeds]
         tokens = torch.cat(list(feeds.values())).cuda()
-        inputs = StepInputs([], slots, starts, [q] * 3, tokens, list(range(3 * q)), max(starts) + q - 1, q)
-        got = graphs.run(inputs, b.ctx_blocks(max(starts) + q - 1)).view(3, q, -1)
+        last = max(a + n - 1 for a, n in zip(starts, lens))
+        inputs = StepInputs([], slots, starts, lens, tokens, list(range(sum(lens))), last, q, True)
+        got = graphs.run(inputs, b.ctx_blocks(last)).split(lens)
         for j, s in enumerate(slots):
-            b.done[s] += q
+            b.done[s] += lens[j]
             worst = max(worst, (got[j] - want[s]).abs().max().item())
     assert worst <= TOL and len(graphs.graphs) >= 1
     for name, ring in a.pools.rings.items():   # not bitwise: the padded graph batch runs GEMMs of another M

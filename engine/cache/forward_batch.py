@@ -15,9 +15,11 @@ must go nowhere land on scratch slot / block 0.
 A ragged batch may mark segments `last_only`: only their last row's output is needed, so a model that can
 (V4.1's YOCO truncation) runs its later layers on a shrinking suffix of those segments (`keep_last`).
 
-Two ways to build one: `ragged` (host lists of any segment sizes; compact per-step lists, e.g. only the rows
-that close a compressor window) and `uniform` (G segments of q rows from device tensors, static shapes: what a
-CUDA graph captures; per-row masks instead of compact lists). Index tensors are built once per step, on first
+Three ways to build one: `ragged` (host lists of any segment sizes; compact per-step lists, e.g. only the rows
+that close a compressor window), `uniform` (G segments of q rows from device tensors, static shapes: what a
+CUDA graph captures; per-row masks instead of compact lists) and `varlen` (G segments whose lengths are a device
+tensor, N rows in all: a variable-length verify step under a CUDA graph). The static kinds write every row's
+ring entry: their segments are at most a ring long (speculation gives every ring draft-length slack). Index tensors are built once per step, on first
 use, and shared by every layer.
 """
 
@@ -88,6 +90,20 @@ class ForwardBatch:
         first = torch.arange(g, device=seg_slots.device) * q
         return cls(pools, seg_slots, seg_starts, row_seg, seg_starts[row_seg] + rows % q, first, seg_starts + q,
                    ctx_blocks, None, draft_rings=draft_rings)
+
+    @classmethod
+    def varlen(cls, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor, seg_lens: torch.Tensor,
+               num_rows: int, ctx_blocks: int, draft_rings: bool = False) -> "ForwardBatch":
+        """G segments of seg_lens[g] rows each (device tensors summing to num_rows; a length may be 0): static
+        shapes whatever the lengths, what a CUDA graph of a variable-length verify step captures. Every row's
+        segment is found on the device (searchsorted over the segment ends), so nothing waits on the host."""
+        dev = seg_slots.device
+        ends = torch.cumsum(seg_lens, 0)                                           # [G] o_g + n_g
+        first = ends - seg_lens                                                    # [G] o_g
+        rows = torch.arange(num_rows, device=dev)
+        row_seg = torch.searchsorted(ends, rows, right=True).clamp(max=seg_slots.shape[0] - 1)
+        return cls(pools, seg_slots, seg_starts, row_seg, seg_starts[row_seg] + rows - first[row_seg], first,
+                   seg_starts + seg_lens, ctx_blocks, None, draft_rings=draft_rings)
 
     @property
     def is_static(self) -> bool:

@@ -1,10 +1,13 @@
-"""CUDA graphs of uniform steps: G segments of q rows, every row sampled (decode: q = 1; verify: q = drafts + 1).
+"""CUDA graphs of steps whose rows are all sampled: uniform steps (G segments of q rows; decode: q = 1, a fixed
+verify length: q = drafts + 1) and variable-length verify steps (G segments of any lengths, N rows in all).
 
-One graph per (padded segment count, q, context blocks, kernel table, whether draft rings are kept). Segment counts are padded up a ladder
-(1, 2, 4, ... up to max_graph_batch); padding segments use scratch slot 0, so they compute garbage that no
-sequence reads. Context blocks are rounded up to a power of two by the runner. Graphs are captured on first use
-(warm-up and capture with every segment on scratch, so real state is never touched) and share one memory pool;
-larger steps run eagerly."""
+One graph per (padded segment count, q or padded row count, context blocks, kernel table, whether draft rings
+are kept). Segment counts are padded up a ladder (1, 2, 4, ... up to max_graph_batch); padding segments use
+scratch slot 0, so they compute garbage that no sequence reads. A variable-length step's row count is padded up
+a ladder of its own (1, 2, 3, 4, 6, 8, 12, ...: at most 1.5x), the padding rows forming one more segment on
+scratch slot 0; its segment lengths are a device tensor the graph reads (ForwardBatch.varlen). Context blocks
+are rounded up to a power of two by the runner. Graphs are captured on first use (warm-up and capture with every
+segment on scratch, so real state is never touched) and share one memory pool; larger steps run eagerly."""
 
 from __future__ import annotations
 
@@ -23,18 +26,36 @@ def ladder(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class _Graph:
-    """One captured step and its static inputs: seg_slots, seg_starts [G], tokens [G*q]; logits [G*q, V]."""
+def row_ladder(rows: int) -> int:
+    """The padded row count of a variable-length step: the smallest of 1, 2, 3, 4, 6, 8, 12, ... >= rows."""
+    b = 1
+    while True:
+        for size in (b, b + b // 2):
+            if size >= rows:
+                return size
+        b *= 2
 
-    def __init__(self, model, pools, g: int, q: int, ctx_blocks: int, mempool, draft_rings: bool):
+
+class _Graph:
+    """One captured step and its static inputs: seg_slots, seg_starts, seg_lens [G (+1 padding segment when
+    variable-length)], tokens [rows]; logits [rows, V]."""
+
+    def __init__(self, model, pools, g: int, q: int | None, rows: int, ctx_blocks: int, mempool, draft_rings: bool):
         dev = model.device
-        self.q = q
-        self.seg_slots = torch.zeros(g, dtype=torch.long, device=dev)
-        self.seg_starts = torch.zeros(g, dtype=torch.long, device=dev)
-        self.tokens = torch.zeros(g * q, dtype=torch.long, device=dev)
+        self.q, self.g, self.rows = q, g, rows
+        segs = g if q is not None else g + 1
+        self.seg_slots = torch.zeros(segs, dtype=torch.long, device=dev)
+        self.seg_starts = torch.zeros(segs, dtype=torch.long, device=dev)
+        self.seg_lens = torch.zeros(segs, dtype=torch.long, device=dev)
+        self.seg_lens[-1] = rows                         # warm-up and capture: every row on the padding segment
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
 
         def step():
-            fb = ForwardBatch.uniform(pools, self.seg_slots, self.seg_starts, q, ctx_blocks, draft_rings)
+            if q is not None:
+                fb = ForwardBatch.uniform(pools, self.seg_slots, self.seg_starts, q, ctx_blocks, draft_rings)
+            else:
+                fb = ForwardBatch.varlen(pools, self.seg_slots, self.seg_starts, self.seg_lens, rows, ctx_blocks,
+                                         draft_rings)
             return model.logits(model.forward(self.tokens, fb))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -46,34 +67,43 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=mempool):
             self.logits = step()
 
-    def replay(self, slots: list[int], starts: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        g = len(slots)
-        host = torch.tensor([slots, starts], dtype=torch.long)
-        self.seg_slots.zero_()
-        self.seg_starts.zero_()
+    def replay(self, slots: list[int], starts: list[int], lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        g, n = len(slots), tokens.shape[0]
+        host = torch.zeros(3, self.seg_slots.shape[0], dtype=torch.long)
+        host[0, :g], host[1, :g], host[2, :g] = torch.tensor(slots), torch.tensor(starts), torch.tensor(lens)
+        if self.q is None:
+            host[2, -1] = self.rows - n                  # the padding rows: one segment on scratch slot 0
+        self.seg_slots.copy_(host[0], non_blocking=True)
+        self.seg_starts.copy_(host[1], non_blocking=True)
+        self.seg_lens.copy_(host[2], non_blocking=True)
         self.tokens.zero_()
-        self.seg_slots[:g].copy_(host[0], non_blocking=True)
-        self.seg_starts[:g].copy_(host[1], non_blocking=True)
-        self.tokens[:g * self.q].copy_(tokens)
+        self.tokens[:n].copy_(tokens)
         self.graph.replay()
-        return self.logits[:g * self.q]
+        return self.logits[:n]
 
 
 class StepGraphs:
-    def __init__(self, model, pools, max_batch: int):
+    def __init__(self, model, pools, max_batch: int, max_rows: int | None = None):
+        """max_rows: the most rows a variable-length graph takes (default max_batch: decode rows only)."""
         self.model, self.pools = model, pools
         self.sizes = ladder(max_batch)
-        self.graphs: dict[tuple[int, int, int, str], _Graph] = {}
+        self.max_rows = max_rows or max_batch
+        self.graphs: dict[tuple, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
     def run(self, inputs, ctx_blocks: int, draft_rings: bool = False) -> torch.Tensor | None:
-        """Logits [G*q, V] of a uniform step (replayed, capturing first if needed); None above the ladder."""
-        g, q = len(inputs.slots), inputs.uniform_q
+        """Logits [N, V] of a step whose rows are all sampled (replayed, capturing first if needed): a uniform one,
+        or a variable-length one; None when it is above the ladders."""
+        g, q, n = len(inputs.slots), inputs.uniform_q, inputs.tokens.shape[0]
         size = next((s for s in self.sizes if s >= g), None)
         if size is None:
             return None
-        key = (size, q, ctx_blocks, active().name, draft_rings)   # a graph holds the kernels it was captured with
+        rows = size * q if q is not None else row_ladder(n)
+        if q is None and rows > self.max_rows:
+            return None
+        key = (size, q, rows, ctx_blocks, active().name, draft_rings)   # a graph holds the kernels it was captured with
         with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
             if key not in self.graphs:
-                self.graphs[key] = _Graph(self.model, self.pools, size, q, ctx_blocks, self.mempool, draft_rings)
-            return self.graphs[key].replay(inputs.slots, inputs.starts, inputs.tokens)
+                self.graphs[key] = _Graph(self.model, self.pools, size, q, rows, ctx_blocks, self.mempool,
+                                          draft_rings)
+            return self.graphs[key].replay(inputs.slots, inputs.starts, inputs.lens, inputs.tokens)

@@ -40,6 +40,7 @@ class StepInputs:
     logit_rows: list[int]            # rows of the flat batch whose logits the step computes
     max_position: int
     uniform_q: int | None            # every segment is q rows, all sampled (a graph shape); else None
+    all_sampled: bool = False        # every row is sampled, no prompt logprobs (a variable-length graph shape)
 
     @classmethod
     def build(cls, batch: list[Scheduled], manager, prev, device: torch.device) -> "StepInputs":
@@ -64,9 +65,10 @@ class StepInputs:
             rows, src = (torch.tensor(v, dtype=torch.long).to(device, non_blocking=True) for v in zip(*patch))
             tokens[rows] = prev.tokens[src]
         q = lens[0] if batch else None
-        uniform = all(n == q and s.num_logits == q and not wants_prompt_logprobs(s) for s, n in zip(batch, lens))
+        sampled = bool(batch) and all(s.num_logits == n and not wants_prompt_logprobs(s) for s, n in zip(batch, lens))
+        uniform = sampled and all(n == q for n in lens)
         return cls(batch, slots, starts, lens, tokens, logit_rows,
-                   max(a + n - 1 for a, n in zip(starts, lens)), q if uniform else None)
+                   max(a + n - 1 for a, n in zip(starts, lens)), q if uniform else None, sampled)
 
     @property
     def sampled(self) -> list[Scheduled]:

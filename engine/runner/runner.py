@@ -1,9 +1,9 @@
 """Runs one planned step: every row (prefill pieces, decode rows, verify rows) through the model's one forward
 over the state pools, then samples on the device.
 
-Inputs are built once per step (runner/inputs.py). A step whose segments are all q rows that are all sampled
-(decode, q = 1; verify, q = draft length + 1) replays a CUDA graph of that shape on GPU (runner/graphs.py);
-everything else runs eagerly with compact per-step lists. A row whose input token is still in flight
+Inputs are built once per step (runner/inputs.py). A step whose rows are all sampled (decode rows, verify rows
+of one length or of many) replays a CUDA graph of that shape on GPU (runner/graphs.py); everything else runs
+eagerly with compact per-step lists. A row whose input token is still in flight
 (asynchronous scheduling) reads it on the device from the previous step's sampled tokens, so planning step
 N+1 never waits for step N. Sampling reads host state last: `execute(..., before_sample)` calls before_sample
 once the forward is launched and before the sampler's inputs are built, so the engine can read the previous
@@ -103,7 +103,9 @@ class ModelRunner:
         self.fixed_context = fixed_context          # batch-invariant mode: every row reads all block columns
         self.truncate = yoco_prefill() if truncate_prefill is None else truncate_prefill
         self.truncate_min_tokens = yoco_prefill_min_tokens() if truncate_min_tokens is None else truncate_min_tokens
-        self.graphs = StepGraphs(model, self.pools, max_graph_batch) \
+        # speculation: variable-length verify steps of up to max_graph_batch rows of drafts + 1 tokens are graphs too
+        max_rows = max_graph_batch * (speculative.num_speculative_tokens + 1) if speculative else None
+        self.graphs = StepGraphs(model, self.pools, max_graph_batch, max_rows) \
             if cuda_graphs and model.device.type == "cuda" else None
         self.graph_replays = 0
         # A drafter that reads the model's draft rings (DSpark) turns this on: every step then keeps them current.
@@ -119,7 +121,7 @@ class ModelRunner:
             if s.num_logits > 1:             # a verify row: keep the rings as they are before it (rollback), unless
                 self.manager.snapshot_unless_slack(s.req.request_id, s.start, s.num_logits - 1)  # they hold enough
         ctx = self._context_blocks(inputs.max_position + 1)
-        if self.graphs is not None and inputs.uniform_q is not None:
+        if self.graphs is not None and inputs.all_sampled:
             logits = self.graphs.run(inputs, ctx, self.keep_draft_rings)
             if logits is not None:
                 self.graph_replays += 1
