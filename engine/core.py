@@ -234,7 +234,13 @@ class EngineCore:
             kept = self.processor.commit(r, keep, lps[:len(keep)], now)
             c.committed_tokens += kept
             if fed_drafts:                            # a finish inside the commit drops the drafts after it
-                c.accepted_draft_tokens += min(len(keep) - 1, kept)
+                took = min(len(keep) - 1, kept)
+                c.accepted_draft_tokens += took
+                _count_positions(c.drafts_at, len(fed_drafts))
+                _count_positions(c.accepted_at, took)
+            if s.n == s.num_logits:
+                c.decode_rows += 1
+                c.decode_row_tokens += kept
             if r.finish_reason is not None:
                 self.scheduler.finish(r)
                 c.requests_finished += 1
@@ -280,3 +286,10 @@ class EngineCore:
         self._counters = Counters()
         self._base = {"preemptions": self.scheduler.num_preemptions,
                       "graph_replays": runner_fields(self.runner)["graph_replays"]}
+
+
+def _count_positions(counts: list, n: int) -> None:
+    """counts[k] += 1 for k < n (growing the list as needed)."""
+    counts.extend([0] * (n - len(counts)))
+    for k in range(n):
+        counts[k] += 1

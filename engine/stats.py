@@ -23,6 +23,10 @@ class Counters:
     draft_tokens: int = 0           # drafts fed in verify rows
     accepted_draft_tokens: int = 0  # drafts equal to the target's sample at their position
     rollbacks: int = 0              # verify rows that rejected a draft (num_computed rolled back)
+    decode_rows: int = 0            # sampled rows that fed only decode / verify positions (no prompt piece)
+    decode_row_tokens: int = 0      # tokens those rows committed (their mean: the accepted length, bonus included)
+    drafts_at: list = field(default_factory=list)     # [k]: verify rows that fed a draft at draft position k
+    accepted_at: list = field(default_factory=list)   # [k]: of those, rows whose draft k was accepted
     max_step_rows: int = 0          # most rows one step fed
     max_step_tokens: int = 0        # most positions one step fed (<= max_num_batched_tokens)
 

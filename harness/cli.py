@@ -328,6 +328,54 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
         click.echo("  " + line)
 
 
+@cli.command("dspark", epilog="""Examples:
+
+\b
+  deepinfer-bench dspark --report-dir /tmp/reports                   # tiny V4.1 on CPU (about two minutes)
+  deepinfer-bench dspark --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
+      --expert-storage fp4 --modes off,fixed,confidence,budget --concurrency 1,16,60,96 --isl 1024 --osl 128""")
+@click.option("--model", default="random:deepseek_v41:tiny:2", show_default=True, callback=not_blank,
+              help="a V4.1 checkpoint dir / hub id or random:deepseek_v41:PRESET:N")
+@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
+@click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
+@click.option("--modes", default="off,fixed,confidence", show_default=True, callback=not_blank,
+              help="off (no speculation), fixed, confidence, budget; comma-separated")
+@click.option("--concurrency", default="1,4,16", show_default=True, callback=not_blank,
+              help="concurrencies, comma-separated")
+@click.option("--acceptance", default="v41-flash", show_default=True, callback=not_blank,
+              help="pinned acceptance: a curve name (harness/dspark_bench.py CURVES), comma-separated survival "
+                   "rates, or 'measured' (the drafter's own, for a real checkpoint)")
+@click.option("--num-speculative-tokens", type=int, default=5, show_default=True, help="drafts per step (<= 5)")
+@click.option("--isl", type=int, default=64, show_default=True, help="prompt tokens")
+@click.option("--osl", type=int, default=64, show_default=True, help="new tokens per request (exactly)")
+@click.option("--rounds", type=int, default=2, show_default=True,
+              help="timed requests per point = concurrency x rounds")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: dspark-<time>]")
+@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
+              help="run directory (overrides --report-dir / --run-id)")
+def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, acceptance, num_speculative_tokens, isl,
+               osl, rounds, seed, report_dir, run_id, out) -> None:
+    """DSpark speculative decoding against none, and confidence-scheduled verification against fixed-length:
+    throughput, tok/s/user, accepted length and verified tokens per (mode, concurrency), acceptance pinned to a
+    published curve by default (random weights accept almost nothing)."""
+    from .dspark_bench import DSparkConfig, run_dspark_bench, table
+    from .rows import run_dir_for
+    from .step_bench import parse_int_list
+    cfg = DSparkConfig(model=model, device=device, dtype=dtype, expert_storage=expert_storage,
+                       modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+                       concurrency=parse_int_list(concurrency, "--concurrency"), acceptance=acceptance,
+                       num_speculative_tokens=num_speculative_tokens, isl=isl, osl=osl, rounds=rounds, seed=seed)
+    cfg.check()
+    run_dir = run_dir_for(report_dir, run_id, out, "dspark")
+    rows = run_dspark_bench(cfg, run_dir, echo=click.echo)
+    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
+    for line in table(rows):
+        click.echo("  " + line)
+
+
 @cli.command("versus", epilog="""Examples:
 
 \b

@@ -1,0 +1,232 @@
+"""`deepinfer-bench dspark`: what DSpark speculative decoding buys, and what confidence-scheduled verification
+buys over fixed-length verification. One row per (mode, concurrency) point (docs/speculative.md).
+
+Modes: `off` (no speculation: the per-user baseline), `fixed` (every one of the N drafts verified: the comparison
+mode), `confidence` (Algorithm 1 over the profiled step rate), `budget` (the production variant). One model is
+built; each mode gets an engine of its own over it (its state pools, graphs and step-rate profile).
+
+Random weights accept almost nothing, so by default acceptance is *pinned* (engine/spec/pinned.py): a published
+golden curve's per-position survival decides which drafts pass, while the real kernels draft, verify and roll
+back the real shapes. `--acceptance measured` uses the drafter's own acceptance (a real checkpoint).
+
+Per point: concurrency x rounds random-token prompts of `isl` tokens, exactly `osl` new tokens each (greedy,
+ignore_eos), all ready at the start; the same number of other prompts first, untimed (every graph shape captured).
+The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
+counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
+row, acceptance by draft position, verify rows, steps, graph replays, and the step-rate table the schedule used."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from deepinfer import SamplingParams
+from deepinfer.errors import DeepInferError
+from deepinfer.validate import check_device, parse_dtype
+
+from .metrics import compute_metrics
+from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
+                   run_dir_guard, utc_now)
+from .workload import random_workload, run_requests
+
+DSPARK_METHOD_VERSION = "1"
+MODES = ("off", "fixed", "confidence", "budget")
+# Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).
+# V4-Pro: InferenceX golden_al_distribution dsv4_dspark_probabilistic (B300, SPEED-Bench coding, T=1): s_k is
+# AL(k) - AL(k-1) of its per-k curve. V4.1-Flash: only its 5-token AL is published (3.51, thinking on), so its
+# curve is V4-Pro's thinking-on shape scaled to that AL.
+CURVES = {
+    "v41-flash": (0.788, 0.632, 0.485, 0.321, 0.284),
+    "v4-pro-thinking": (0.86, 0.69, 0.53, 0.35, 0.31),
+    "v4-pro-nothink": (0.93, 0.83, 0.71, 0.63, 0.42),
+}
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    model: str = "random:deepseek_v41:tiny:2"
+    device: str = "cpu"
+    dtype: str = "float32"
+    expert_storage: str = "dense"
+    modes: tuple[str, ...] = ("off", "fixed", "confidence")
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    acceptance: str = "v41-flash"          # a CURVES name, "measured", or comma-separated survival rates
+    num_speculative_tokens: int = 5
+    isl: int = 64
+    osl: int = 64
+    rounds: int = 2
+    seed: int = 0
+
+    def survival(self) -> tuple[float, ...] | None:
+        """The pinned survival curve (None: measured acceptance)."""
+        if self.acceptance == "measured":
+            return None
+        if self.acceptance in CURVES:
+            return CURVES[self.acceptance]
+        try:
+            return tuple(float(v) for v in self.acceptance.split(","))
+        except ValueError:
+            raise DeepInferError(f"--acceptance {self.acceptance!r}: give one of {', '.join(CURVES)}, 'measured' "
+                                 f"or comma-separated survival rates (e.g. 0.8,0.6,0.45,0.3,0.25)") from None
+
+    def check(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise DeepInferError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
+        for name, v in (("--isl", self.isl), ("--osl", self.osl), ("--rounds", self.rounds),
+                        ("--num-speculative-tokens", self.num_speculative_tokens)):
+            if v < 1:
+                raise DeepInferError(f"{name} must be at least 1, got {v}")
+        if self.osl < 2:
+            raise DeepInferError("--osl must be at least 2 (TPOT needs two tokens)")
+        if self.model.startswith("random:") and not self.model.startswith("random:deepseek_v41:"):
+            raise DeepInferError(f"--model {self.model}: DSpark drafts with V4.1's draft stages; use a "
+                                 f"random:deepseek_v41:PRESET:N model or a V4.1 checkpoint")
+        self.survival()
+
+    def speculative(self, mode: str):
+        """The engine's `speculative` argument for a mode (False: off)."""
+        if mode == "off":
+            return False
+        spec = {"schedule": mode, "num_speculative_tokens": self.num_speculative_tokens}
+        survival = self.survival()
+        if survival is not None:
+            spec["acceptance"] = list(survival)
+        return spec
+
+
+def key(mode: str, concurrency: int) -> str:
+    return f"{mode}/c{concurrency}"
+
+
+def spec_mode(mode: str, n: int) -> str:
+    """The rows' spec_mode (as the sweep's): none, or dspark-<schedule>-<drafts>."""
+    return "none" if mode == "off" else f"dspark-{mode}-{n}"
+
+
+def speculation_fields(stats, policy) -> dict:
+    """The speculation counters of a point (EngineStats since reset) as row fields."""
+    rows = stats.decode_rows
+    by_pos = [a / d if d else None for a, d in zip(stats.accepted_at, stats.drafts_at)]
+    return {"decode_rows": rows, "verify_rows": stats.drafts_at[0] if stats.drafts_at else 0,
+            "draft_tokens": stats.draft_tokens, "accepted_draft_tokens": stats.accepted_draft_tokens,
+            "mean_accepted_length": stats.decode_row_tokens / rows if rows else None,
+            "drafts_verified_per_row": stats.draft_tokens / rows if rows else None,
+            "verified_tokens_per_row": (stats.draft_tokens + rows) / rows if rows else None,
+            "draft_acceptance": stats.accepted_draft_tokens / stats.draft_tokens if stats.draft_tokens else None,
+            "acceptance_by_position": by_pos, "drafts_by_position": list(stats.drafts_at),
+            "rollbacks": stats.rollbacks,
+            "step_rate": None if policy is None or policy.rate is None else policy.rate.to_dict()}
+
+
+def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
+    vocab = llm.model.cfg.vocab_size
+    n = concurrency * cfg.rounds
+    work = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index)
+    warm = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919)
+    params = SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True)
+    run_requests(llm, warm.prompts, [params] * n, concurrency)
+    llm.engine.reset_stats()
+    _, timings, duration = run_requests(llm, work.prompts, [params] * n, concurrency)
+    row = compute_metrics(timings, duration=duration).to_row()
+    st = llm.stats
+    row.update(speculation_fields(st, llm.engine.verify_policy))
+    row["engine"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
+                     "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
+                     "max_step_tokens": st.max_step_tokens}
+    return row
+
+
+def _engine(model, cfg: DSparkConfig, mode: str):
+    from deepinfer import LLM
+    return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, expert_storage=cfg.expert_storage,
+               max_model_len=cfg.isl + cfg.osl + cfg.num_speculative_tokens + 8, max_num_seqs=max(cfg.concurrency),
+               speculative=cfg.speculative(mode))
+
+
+def _free(llm) -> None:
+    import torch
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None) -> list[dict]:
+    """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused); returns the rows."""
+    from deepinfer.validate import resolve_model
+
+    from .step_bench import check_model, kernel_info
+    echo = echo or (lambda s: None)
+    cfg.check()
+    check_device(cfg.device)
+    parse_dtype(cfg.dtype)
+    check_model(cfg.model, cfg.expert_storage)
+    refuse_existing_rows(run_dir, resumable=False)
+    t0 = time.perf_counter()
+    model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage)
+    if getattr(model, "draft_block_size", None) is None:
+        raise DeepInferError(f"--model {cfg.model} has no DSpark draft stages (V4.1 with num_nextn_predict_layers "
+                             f">= 1 drafts; V4's MTP drafting is not built): docs/speculative.md")
+    echo(f"model built in {time.perf_counter() - t0:.1f} s; {len(cfg.modes) * len(cfg.concurrency)} points")
+    with run_dir_guard(run_dir):
+        store, env = RowStore(run_dir), environment()
+        atomic_write_text(run_dir / "dspark.json", json.dumps(asdict(cfg), indent=1) + "\n")
+        survival = cfg.survival()
+        identity = {"schema_version": SCHEMA_VERSION, "method_version": DSPARK_METHOD_VERSION, "bench": "dspark",
+                    "run_id": run_dir.name, "model": cfg.model, "model_type": model.cfg.model_type,
+                    "precision": cfg.dtype, "device": cfg.device, "expert_storage": cfg.expert_storage,
+                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
+                    "git_dirty": env["git"]["dirty"], "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl,
+                    "rounds": cfg.rounds, "seed": cfg.seed, "acceptance": cfg.acceptance,
+                    "pinned_survival": None if survival is None else list(survival),
+                    "num_speculative_tokens": cfg.num_speculative_tokens, "is_projected": False}
+        index = 0
+        for mode in cfg.modes:
+            t1 = time.perf_counter()
+            llm = _engine(model, cfg, mode)
+            backend, backends = kernel_info(llm)
+            echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
+            for c in cfg.concurrency:
+                row = {**identity, "key": key(mode, c), "mode": mode, "spec_mode": spec_mode(mode,
+                       cfg.num_speculative_tokens), "concurrency": c, "kernel_backend": backend,
+                       "kernel_backends": backends, "started": utc_now()}
+                try:
+                    row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
+                except DeepInferError as e:            # a failed point is a row, never lost
+                    row.update(status="failed", error=str(e), finished=utc_now())
+                store.append(row)
+                index += 1
+                if row["status"] == "ok":
+                    al = row["mean_accepted_length"]
+                    echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  "
+                         f"{row['median_intvty']:8.1f} tok/s/user  AL {al:.3f}")
+                else:
+                    echo(f"  {row['key']:<14} failed: {row['error']}")
+            _free(llm)
+    return read_rows(run_dir)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Per concurrency and mode: throughput, tok/s/user, accepted length, verified tokens per row, and the
+    ratios the upstream claims are about: tok/s/user against `off`, and for confidence / budget the verified
+    tokens, accepted length and throughput against `fixed`."""
+    ok = {(r["mode"], r["concurrency"]): r for r in rows if r.get("status") == "ok"}
+    lines = [f"{'conc':>5} {'mode':<10} {'tok/s':>9} {'tok/s/u':>8} {'AL':>6} {'verif/row':>9} "
+             f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11}"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)                 # noqa: E731
+    ratio = lambda a, b: a / b if a is not None and b else None           # noqa: E731
+    for (mode, c), r in sorted(ok.items(), key=lambda kv: (kv[0][1], MODES.index(kv[0][0]))):
+        off, fix = ok.get(("off", c)), ok.get(("fixed", c))
+        vs_fix = mode in ("confidence", "budget") and fix is not None
+        lines.append(
+            f"{c:>5} {mode:<10} {r['output_throughput']:>9.1f} {r['median_intvty']:>8.1f} "
+            f"{fmt(r['mean_accepted_length'], '.3f'):>6} {fmt(r['verified_tokens_per_row'], '.3f'):>9} "
+            f"{fmt(ratio(r['median_intvty'], off['median_intvty']) if off and mode != 'off' else None, '.3f'):>8} "
+            f"{fmt(ratio(r['verified_tokens_per_row'], fix['verified_tokens_per_row']) if vs_fix else None, '.3f'):>12} "
+            f"{fmt(ratio(r['mean_accepted_length'], fix['mean_accepted_length']) if vs_fix else None, '.3f'):>9} "
+            f"{fmt(ratio(r['output_throughput'], fix['output_throughput']) if vs_fix else None, '.3f'):>11}")
+    return lines
