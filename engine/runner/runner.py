@@ -110,7 +110,8 @@ class ModelRunner:
         self.graph_replays = 0
         # A drafter that reads the model's draft rings (DSpark) turns this on: every step then keeps them current.
         self.keep_draft_rings = speculative is not None
-        self.speculator = Speculator(model, self.pools, speculative, fixed_context) if speculative else None
+        self.speculator = Speculator(model, self.pools, speculative, fixed_context,
+                                     self.graphs.sizes if self.graphs is not None else None) if speculative else None
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], prev: StepOutput | None,

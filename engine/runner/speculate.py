@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.sampling import gumbel_argmax
+from deepinfer.kernels.table import active
 
 from ..sampling.sampler import MIN_TEMPERATURE, SALT_DRAFT, SALT_TARGET
 from ..spec.config import SpecConfig
@@ -57,11 +58,13 @@ class Rows:
 
 
 class Speculator:
-    def __init__(self, model, pools, config: SpecConfig, invariant: bool):
+    def __init__(self, model, pools, config: SpecConfig, invariant: bool, graph_sizes: list[int] | None = None):
+        """graph_sizes: the padded row counts whose draft blocks are CUDA graphs (None: always eager)."""
         self.model, self.pools, self.config = model, pools, config
         self.gamma = config.num_speculative_tokens
         self.rule = "pinned" if config.acceptance is not None else "coupled" if invariant else "lossless"
         self.draft_logits: torch.Tensor | None = None    # [S+1, gamma, V] fp32: each slot's last draft distributions
+        self.graphs = DraftGraphs(self, graph_sizes) if graph_sizes else None
 
     # ---- verification ----
     def verify(self, rows: Rows, x: torch.Tensor, noise_rows, plain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,29 +98,81 @@ class Speculator:
     # ---- drafting ----
     def draft(self, rows: Rows, committed: torch.Tensor, accepted: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next draft block of every row -> (drafts [R, gamma], confidences [R, gamma] in [0, 1])."""
+        """The next draft block of every row -> (drafts [R, gamma], confidences [R, gamma] in [0, 1]). Replayed
+        from a CUDA graph of the padded row count when the runner has graphs (DraftGraphs), else eager."""
         anchor_pos = rows.first - 1 + accepted                                    # p: last accepted input position
         anchor = committed[rows.offsets + accepted]                               # the token committed for p + 1
-        noise = rows.temperature > 0 if rows.random else None
-        temp = torch.where(rows.temperature > 0, rows.temperature.clamp(min=MIN_TEMPERATURE),
-                           torch.ones_like(rows.temperature)).unsqueeze(1)
         keep = self.rule == "lossless" and rows.random
         if keep and self.draft_logits is None:
             self.draft_logits = torch.zeros(self.pools.num_slots + 1, self.gamma, self.model.cfg.vocab_size,
                                             dtype=torch.float32, device=committed.device)
+        args = (rows.slots, anchor_pos, anchor, rows.seeds, rows.temperature)
+        if self.graphs is not None:
+            out = self.graphs.run(args, rows.random, keep)
+            if out is not None:
+                return out
+        return self.block(*args, rows.random, keep)
+
+    def block(self, slots, anchor_pos, anchor, seeds, temperature, random: bool, keep: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft block per row from device tensors [R] (static shapes): slots, p, the token for p + 1, seeds,
+        temperatures; random: some row samples; keep: record the draft distributions (lossless rule)."""
+        noise = temperature > 0 if random else None
+        temp = torch.where(temperature > 0, temperature.clamp(min=MIN_TEMPERATURE),
+                           torch.ones_like(temperature)).unsqueeze(1)
         salt = SALT_TARGET if self.rule == "coupled" else SALT_DRAFT
 
         def sample(i: int, logits: torch.Tensor) -> torch.Tensor:
             scaled = logits / temp
             if keep and i < self.gamma:
-                self.draft_logits[rows.slots, i] = scaled
-            return gumbel_argmax(scaled, noise, rows.seeds, anchor_pos + 2 + i, salt)
+                self.draft_logits[slots, i] = scaled
+            return gumbel_argmax(scaled, noise, seeds, anchor_pos + 2 + i, salt)
 
-        out = self.model.draft(self.pools, rows.slots, anchor_pos, anchor, sample)
+        out = self.model.draft(self.pools, slots, anchor_pos, anchor, sample)
         drafts = out.tokens[:, :self.gamma]
         if self.rule == "pinned":
-            conf = pinned_confidence(self.config.acceptance, self.config.confidence_spread, rows.seeds,
-                                     anchor_pos + 2, self.gamma)
+            conf = pinned_confidence(self.config.acceptance, self.config.confidence_spread, seeds, anchor_pos + 2,
+                                     self.gamma)
         else:
             conf = out.acceptance_confidence()[:, :self.gamma]
         return drafts, conf
+
+
+class DraftGraphs:
+    """CUDA graphs of the draft block, one per (padded row count on the runner's ladder, any row samples, draft
+    distributions kept, kernel table). Padding rows draft for scratch slot 0 at position 0 (garbage no sequence
+    reads); captured on first use with every row on scratch."""
+
+    def __init__(self, speculator: Speculator, sizes: list[int]):
+        self.spec, self.sizes = speculator, sizes
+        self.graphs: dict[tuple, tuple] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+
+    def run(self, args: tuple, random: bool, keep: bool):
+        r = args[0].shape[0]
+        size = next((s for s in self.sizes if s >= r), None)
+        if size is None:
+            return None
+        key = (size, random, keep, active().name)
+        with torch.cuda.device(args[0].device):
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(size, args, random, keep)
+            graph, inputs, (drafts, conf) = self.graphs[key]
+            for buf, value in zip(inputs, args):
+                buf.zero_()
+                buf[:r].copy_(value)
+            graph.replay()
+            return drafts[:r], conf[:r]
+
+    def _capture(self, size: int, like: tuple, random: bool, keep: bool):
+        inputs = [torch.zeros((size,), dtype=a.dtype, device=a.device) for a in like]   # all rows on scratch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.spec.block(*inputs, random, keep)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = self.spec.block(*inputs, random, keep)
+        return graph, inputs, out
