@@ -106,12 +106,16 @@ class Speculator:
         if keep and self.draft_logits is None:
             self.draft_logits = torch.zeros(self.pools.num_slots + 1, self.gamma, self.model.cfg.vocab_size,
                                             dtype=torch.float32, device=committed.device)
-        args = (rows.slots, anchor_pos, anchor, rows.seeds, rows.temperature)
+        return self.draft_block(rows.slots, anchor_pos, anchor, rows.seeds, rows.temperature, rows.random, keep)
+
+    def draft_block(self, slots, anchor_pos, anchor, seeds, temperature, random: bool = False, keep: bool = False):
+        """block(), replayed from a CUDA graph of the padded row count when there are graphs, else eager."""
+        args = (slots, anchor_pos, anchor, seeds, temperature)
         if self.graphs is not None:
-            out = self.graphs.run(args, rows.random, keep)
+            out = self.graphs.run(args, random, keep)
             if out is not None:
                 return out
-        return self.block(*args, rows.random, keep)
+        return self.block(*args, random, keep)
 
     def block(self, slots, anchor_pos, anchor, seeds, temperature, random: bool, keep: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,8 @@ seeded run is reproducible and a draft's fate does not depend on its batch."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from deepinfer.kernels.sampling import counter_uniform
@@ -32,11 +34,18 @@ def conditional_rates(survival: tuple[float, ...]) -> list[float]:
 def pinned_confidence(survival: tuple[float, ...], spread: float, seeds: torch.Tensor, first: torch.Tensor,
                       gamma: int) -> torch.Tensor:
     """seeds [R], first [R] (the position of each row's first draft) -> acceptance odds pi [R, gamma] float32."""
-    a = torch.tensor(conditional_rates(survival)[:gamma], dtype=torch.float64, device=seeds.device)
+    a = _rates(survival, gamma, seeds.device)
     u = counter_uniform(seeds, first, gamma, SALT_PINNED)                              # [R, gamma] float64
     c = torch.where(a > 0, (1 - a) / a.clamp(min=1e-12), 0.0)
     pi = spread * torch.where(a > 0, u ** c, 0.0) + (1 - spread) * a
     return pi.float()
+
+
+@lru_cache(maxsize=64)
+def _rates(survival: tuple[float, ...], gamma: int, device: torch.device) -> torch.Tensor:
+    """a_1..a_gamma [gamma] float64 on `device`, made once (a CUDA graph of the draft block reads this tensor: no
+    host copy while capturing)."""
+    return torch.tensor(conditional_rates(survival)[:gamma], dtype=torch.float64, device=device)
 
 
 def pinned_accepts(survival: tuple[float, ...], spread: float, seeds: torch.Tensor, first: torch.Tensor,
