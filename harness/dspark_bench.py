@@ -10,7 +10,9 @@ golden curve's per-position survival decides which drafts pass, while the real k
 back the real shapes. `--acceptance measured` uses the drafter's own acceptance (a real checkpoint).
 
 Per point: concurrency x rounds random-token prompts of `isl` tokens, exactly `osl` new tokens each (greedy,
-ignore_eos), all ready at the start; the same number of other prompts first, untimed (every graph shape captured).
+ignore_eos), all ready at the start; as many other prompts first, untimed, in up to WARMUP_PASSES passes until a
+pass captures no new CUDA graph (variable verify lengths meet new shapes; the row says how many were still
+captured in the timed run: engine.graphs_captured_timed).
 The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
 counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
 row, acceptance by draft position, verify rows, steps, graph replays, and the step-rate table the schedule used."""
@@ -33,6 +35,7 @@ from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, rea
 from .workload import random_workload, run_requests
 
 DSPARK_METHOD_VERSION = "1"
+WARMUP_PASSES = 3
 MODES = ("off", "fixed", "confidence", "budget")
 # Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).
 # V4-Pro: InferenceX golden_al_distribution dsv4_dspark_probabilistic (B300, SPEED-Bench coding, T=1): s_k is
@@ -126,15 +129,21 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
     vocab = llm.model.cfg.vocab_size
     n = concurrency * cfg.rounds
     work = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index)
-    warm = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919)
     params = SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True)
-    run_requests(llm, warm.prompts, [params] * n, concurrency)
+    for k in range(WARMUP_PASSES):       # variable verify lengths meet new graph shapes: warm until none is new
+        before = len(llm.stats.graphs_captured)
+        warm = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919 * (k + 1))
+        run_requests(llm, warm.prompts, [params] * n, concurrency)
+        if len(llm.stats.graphs_captured) == before:
+            break
+    captured = len(llm.stats.graphs_captured)
     llm.engine.reset_stats()
     _, timings, duration = run_requests(llm, work.prompts, [params] * n, concurrency)
     row = compute_metrics(timings, duration=duration).to_row()
     st = llm.stats
     row.update(speculation_fields(st, llm.engine.verify_policy))
     row["engine"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
+                     "graphs_captured_timed": len(st.graphs_captured) - captured, "warmup_passes": k + 1,
                      "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
                      "max_step_tokens": st.max_step_tokens}
     return row
