@@ -53,7 +53,8 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
     or a stop token id); num_outputs: output lengths when they include tokens still in flight (default: the
     lengths of output_ids)."""
     b = len(params)
-    as_t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=device)  # noqa: E731
+    # host tensor, then an asynchronous copy: torch.tensor(..., device=cuda) would wait for the step's forward
+    as_t = lambda vals, dt: torch.tensor(vals, dtype=dt).to(device, non_blocking=True)  # noqa: E731
     t = SamplingTensors(
         temperature=as_t([p.temperature for p in params], torch.float32),
         top_k=as_t([p.top_k for p in params], torch.long), top_p=as_t([p.top_p for p in params], torch.float32),
