@@ -19,7 +19,6 @@ row, acceptance by draft position, verify rows, steps, graph replays, and the st
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -88,7 +87,9 @@ class DSparkConfig:
         if self.model.startswith("random:") and not self.model.startswith("random:deepseek_v41:"):
             raise DeepInferError(f"--model {self.model}: DSpark drafts with V4.1's draft stages; use a "
                                  f"random:deepseek_v41:PRESET:N model or a V4.1 checkpoint")
-        self.survival()
+        from deepinfer.spec.config import spec_config
+        for mode in self.modes:               # the engine's own checks (drafts, curve), before anything is built
+            spec_config(self.speculative(mode), 5)
 
     def speculative(self, mode: str):
         """The engine's `speculative` argument for a mode (False: off)."""
@@ -103,11 +104,6 @@ class DSparkConfig:
 
 def key(mode: str, concurrency: int) -> str:
     return f"{mode}/c{concurrency}"
-
-
-def spec_mode(mode: str, n: int) -> str:
-    """The rows' spec_mode (as the sweep's): none, or dspark-<schedule>-<drafts>."""
-    return "none" if mode == "off" else f"dspark-{mode}-{n}"
 
 
 def speculation_fields(stats, policy) -> dict:
@@ -156,19 +152,12 @@ def _engine(model, cfg: DSparkConfig, mode: str):
                speculative=cfg.speculative(mode))
 
 
-def _free(llm) -> None:
-    import torch
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None) -> list[dict]:
     """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused); returns the rows."""
     from deepinfer.validate import resolve_model
 
     from .step_bench import check_model, kernel_info
+    from .sweep import free_device_memory, spec_mode_of
     echo = echo or (lambda s: None)
     cfg.check()
     check_device(cfg.device)
@@ -200,8 +189,8 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None) -> list[dict]:
             backend, backends = kernel_info(llm)
             echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
             for c in cfg.concurrency:
-                row = {**identity, "key": key(mode, c), "mode": mode, "spec_mode": spec_mode(mode,
-                       cfg.num_speculative_tokens), "concurrency": c, "kernel_backend": backend,
+                row = {**identity, "key": key(mode, c), "mode": mode, "spec_mode": spec_mode_of(llm),
+                       "concurrency": c, "kernel_backend": backend,
                        "kernel_backends": backends, "started": utc_now()}
                 try:
                     row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
@@ -215,7 +204,8 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None) -> list[dict]:
                          f"{row['median_intvty']:8.1f} tok/s/user  AL {al:.3f}")
                 else:
                     echo(f"  {row['key']:<14} failed: {row['error']}")
-            _free(llm)
+            del llm                            # its pools and graphs go back before the next engine sizes its own
+            free_device_memory()
     return read_rows(run_dir)
 
 

@@ -82,14 +82,25 @@ def check_topology(cfg: SweepConfig) -> None:
                                 f"--nproc-per-node {want} $(which deepinfer-bench) sweep ...")
 
 
-def build_llm(cfg: SweepConfig, device: str | None = None):
-    """The sweep's engine, on `device` (default: the sweep's; a rank of a multi-GPU launch passes its own GPU)."""
+def build_llm(cfg: SweepConfig, device: str | None = None, spec: str = "", model=None):
+    """The sweep's engine, on `device` (default: the sweep's; a rank of a multi-GPU launch passes its own GPU),
+    for the points of one `speculative` setting (spec: its label; "" the engine_args' own); model: one already
+    built (the settings of a sweep share it)."""
     from deepinfer import LLM
     from deepinfer.validate import resolve_model
     args, device = dict(cfg.engine_args), device or cfg.device
-    model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"),
-                          projection_storage=args.get("projection_storage", "dense"))
+    if model is None:
+        model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"),
+                              projection_storage=args.get("projection_storage", "dense"))
+    if cfg.speculative:
+        args["speculative"] = cfg.speculative_value(spec)
     return LLM(model=model, device=device, dtype=cfg.dtype, seed=cfg.seed, **args)
+
+
+def spec_mode_of(llm) -> str:
+    """A row's spec_mode: none, or dspark-<schedule>-<drafts> (the engine's speculative decoding)."""
+    spec = getattr(llm, "speculative", None)
+    return "none" if spec is None else f"dspark-{spec.schedule}-{spec.num_speculative_tokens}"
 
 
 def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks = Ranks()) -> tuple[dict, dict]:
@@ -181,12 +192,32 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
     todo = [(i, p) for i, p in enumerate(cfg.points()) if p.key in todo_keys]
     if not todo:
         return run_dir
-    llm = build_llm(cfg, ranks.device(cfg.device))          # a bad model fails here: no run directory yet
+    groups: dict[str, list] = {}                             # one engine per speculative setting, in order
+    for i, p in todo:
+        groups.setdefault(p.spec, []).append((i, p))
+    llm = build_llm(cfg, ranks.device(cfg.device), next(iter(groups)))   # a bad model fails here: no run dir yet
     with run_dir_guard(run_dir) if ranks.main else contextlib.nullcontext():
         store, env = _on_main(ranks, lambda: _open_run(cfg, run_dir, resume))
-        _run_points(llm, cfg, ranks, todo, store if ranks.main else None, _identity(llm, cfg, ranks, run_id, env),
-                    continue_on_error, progress and ranks.main)
+        for n, (spec, points) in enumerate(groups.items()):
+            if n:
+                model = llm.model
+                del llm
+                free_device_memory()
+                llm = build_llm(cfg, ranks.device(cfg.device), spec, model)
+            _run_points(llm, cfg, ranks, points, store if ranks.main else None,
+                        _identity(llm, cfg, ranks, run_id, env), continue_on_error, progress and ranks.main)
     return run_dir
+
+
+def free_device_memory() -> None:
+    """Between two engines over one model: the first one's state pools and graphs go back before the next sizes
+    its pools from free GPU memory."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _identity(llm, cfg: SweepConfig, ranks: Ranks, run_id: str, env: dict) -> dict:
@@ -196,7 +227,7 @@ def _identity(llm, cfg: SweepConfig, ranks: Ranks, run_id: str, env: dict) -> di
             "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
             "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
             "engine": "deepinfer", "kernel_backend": llm.stats.kernel_backend,
-            "kernel_backends": llm.stats.kernel_backends, "spec_mode": "none", "is_projected": False,
+            "kernel_backends": llm.stats.kernel_backends, "spec_mode": spec_mode_of(llm), "is_projected": False,
             "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"],
             "seed": cfg.seed, "topology": cfg.to_dict()["topology"], "engine_args": dict(cfg.engine_args),
             "range_ratio": cfg.range_ratio, "launch_ranks": ranks.world}

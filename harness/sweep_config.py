@@ -29,13 +29,14 @@ MIN_PROMPTS_PER_CONCURRENCY = 5
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 TOP_KEYS = ("name", "model", "device", "dtype", "engine_args", "mode", "scenarios", "range_ratio", "topology",
-            "concurrency", "num_prompts_per_concurrency", "warmup", "seed")
+            "concurrency", "num_prompts_per_concurrency", "warmup", "seed", "speculative")
 REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
 # engine argument -> kind: "int" (>= 1), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE),
 # "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES)
 ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max_model_len": "int",
                     "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
-                    "projection_storage": "projection", "block_size": "int", "kv_cache_dtype": "kv_cache_dtype"}
+                    "projection_storage": "projection", "block_size": "int", "kv_cache_dtype": "kv_cache_dtype",
+                    "speculative": "speculative"}
 SCENARIO_KEYS = ("isl", "osl")
 TOPOLOGY_KEYS = ("prefill_ranks", "decode_ranks", "ep", "dp")
 LADDER_KEYS = ("start", "stop")
@@ -76,10 +77,12 @@ class SweepPoint:
     num_prompts: int    # num_prompts_per_concurrency x concurrency (timed requests)
     warmup: int         # warm-up requests before the timed ones, excluded from metrics
     ranks: int          # GPUs of this point's role
+    spec: str = ""      # the speculative setting's label when the sweep has a `speculative` axis (key prefix)
 
     @property
     def key(self) -> str:
-        return f"{self.mode}/isl{self.isl}-osl{self.osl}/c{self.concurrency}"
+        head = f"{self.spec}/" if self.spec else ""
+        return f"{head}{self.mode}/isl{self.isl}-osl{self.osl}/c{self.concurrency}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,8 @@ class SweepConfig:
     num_prompts_per_concurrency: int = MIN_PROMPTS_PER_CONCURRENCY
     warmup: int = 0
     seed: int = 0
+    # the `speculative` axis: (label, LLM's speculative value) per setting, in file order; empty: no axis
+    speculative: tuple = ()
     source: str = "<dict>"
 
     @property
@@ -107,8 +112,13 @@ class SweepConfig:
         """Every point in run order: for each mode (prefill first), each scenario (file order), each
         concurrency (ascending). Keys are unique."""
         return [SweepPoint(mode, s.isl, s.osl, c, self.num_prompts_per_concurrency * c, self.warmup,
-                           self.topology.ranks(mode))
+                           self.topology.ranks(mode), label)
+                for label in ([lab for lab, _ in self.speculative] or [""])
                 for mode in self.modes for s in self.scenarios[mode] for c in self.concurrency[mode]]
+
+    def speculative_value(self, label: str):
+        """LLM's `speculative` for a point's label ("" : the engine_args' own, if any)."""
+        return dict(self.speculative).get(label, self.engine_args.get("speculative"))
 
     def to_dict(self) -> dict:
         """The normalized definition (defaults filled in, ladders expanded), loadable by parse_sweep."""
@@ -121,7 +131,9 @@ class SweepConfig:
                 "scenarios": per_mode(self.scenarios, lambda s: {"isl": s.isl, "osl": s.osl}),
                 "range_ratio": self.range_ratio, "topology": dataclasses.asdict(self.topology),
                 "concurrency": per_mode(self.concurrency, int), "num_prompts_per_concurrency": self.num_prompts_per_concurrency,
-                "warmup": self.warmup, "seed": self.seed}
+                "warmup": self.warmup, "seed": self.seed,
+                **({"speculative": [v if v is not False else "off" for _, v in self.speculative]}
+                   if self.speculative else {})}
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -200,11 +212,17 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
     warmup = v.integer(data.get("warmup", 0), "warmup", 0)
     seed = v.integer(data.get("seed", 0), "seed", 0)
     _check_engine_fits(v, model, engine_args, concurrency, topology)
+    speculative = v.speculative(data["speculative"], "speculative", model) if "speculative" in data else ()
+    if speculative and "speculative" in engine_args:
+        raise v.error("speculative", "give speculative decoding either in engine_args (every point) or as the "
+                                     "`speculative` list (one run of the points per setting), not both")
+    if "speculative" in engine_args:
+        v.speculative([engine_args["speculative"]], "engine_args.speculative", model)
     return SweepConfig(name=name, model=model, device=device, scenarios=MappingProxyType(scenarios),
                        concurrency=MappingProxyType(concurrency), dtype=dtype,
                        engine_args=MappingProxyType(engine_args), mode=mode, range_ratio=float(range_ratio),
                        topology=topology, num_prompts_per_concurrency=per_c, warmup=warmup, seed=seed,
-                       source=source)
+                       speculative=speculative, source=source)
 
 
 def _check_engine_fits(v, model: str, engine_args: dict, concurrency: dict, topology) -> None:
@@ -321,6 +339,30 @@ class Validator:
         except DeepInferError as e:
             raise self.error(path, str(e)) from None
         return model
+
+    def speculative(self, x: Any, path: str, model: str) -> tuple:
+        """A list of speculative settings (off / false, true, "dspark" or a mapping as LLM(speculative=...)) ->
+        ((label, value), ...): label none or dspark-<schedule>-<drafts>, unique."""
+        from deepinfer.spec.config import spec_config
+        from deepinfer.validate import random_spec_arch
+        if not isinstance(x, list) or not x:
+            raise self.error(path, f"must be a non-empty list of settings (off, dspark or a mapping such as "
+                                   f"{{schedule: confidence}}), got {_type_name(x)}")
+        out = []
+        for i, item in enumerate(x):
+            value = False if item in ("off", False, None) else item
+            if value is not False and random_spec_arch(model) == "deepseek_v4":
+                raise self.error(f"{path}[{i}]", "speculative decoding drafts with V4.1's DSpark stages; this "
+                                                 "sweep's model is a V4 (its MTP drafting is not built)")
+            try:
+                spec = spec_config(value, 5)
+            except DeepInferError as e:
+                raise self.error(f"{path}[{i}]", str(e)) from None
+            label = "none" if spec is None else f"dspark-{spec.schedule}-{spec.num_speculative_tokens}"
+            if label in dict(out):
+                raise self.error(f"{path}[{i}]", f"repeats the setting {label}")
+            out.append((label, value))
+        return tuple(out)
 
     def engine_args(self, x: Any, path: str) -> dict:
         d = self.mapping(x, path, "arguments passed to LLM(...)")

@@ -277,3 +277,38 @@ def test_constants_match_the_engine():
     from deepinfer.llm import _ENGINE_ARGS
     assert {(a, p) for a in validate.ARCHS for p in validate.PRESETS} == set(PRESETS)
     assert set(sc.ENGINE_ARG_KINDS) <= set(_ENGINE_ARGS)
+
+
+# ------------------------------------------------------------------------------------- speculative axis
+
+def test_speculative_axis_multiplies_points_and_labels_them():
+    cfg = parse_sweep(sweep(model="random:deepseek_v41:tiny:2", mode="decode",
+                            speculative=["off", {"schedule": "fixed"}, {"schedule": "confidence",
+                                                                        "num_speculative_tokens": 3}]))
+    keys = [p.key for p in cfg.points()]
+    assert keys[:2] == ["none/decode/isl128-osl32/c1", "none/decode/isl128-osl32/c2"]
+    assert keys[2:4] == ["dspark-fixed-5/decode/isl128-osl32/c1", "dspark-fixed-5/decode/isl128-osl32/c2"]
+    assert keys[4].startswith("dspark-confidence-3/") and len(keys) == 6
+    assert cfg.speculative_value("none") is False
+    assert cfg.speculative_value("dspark-confidence-3") == {"schedule": "confidence", "num_speculative_tokens": 3}
+    again = parse_sweep(cfg.to_dict())             # the stored definition loads back to the same points
+    assert [p.key for p in again.points()] == keys
+    plain = parse_sweep(sweep())                   # no axis: keys as before, no speculative key stored
+    assert plain.points()[0].key == "prefill/isl128-osl32/c1" and "speculative" not in plain.to_dict()
+
+
+@pytest.mark.parametrize("data,path,hint", [
+    (sweep(speculative=[]), "speculative", "non-empty list"),
+    (sweep(model="random:deepseek_v41:tiny:2", speculative=["off", "off"]), "speculative[1]", "repeats"),
+    (sweep(model="random:deepseek_v41:tiny:2", speculative=[{"schedule": "smart"}]), "speculative[0]",
+     "schedule='smart'"),
+    (sweep(model="random:deepseek_v4:tiny:2", speculative=[{"schedule": "fixed"}]), "speculative[0]",
+     "MTP drafting is not built"),
+    (sweep(model="random:deepseek_v41:tiny:2", speculative=["off"], engine_args={"speculative": True}),
+     "speculative", "not both"),
+    (sweep(model="random:deepseek_v41:tiny:2", engine_args={"speculative": {"speed": 2}}),
+     "engine_args.speculative[0]", "unknown keys"),
+])
+def test_bad_speculative_settings(data, path, hint):
+    msg = error_of(data)
+    assert f": {path}: " in msg and hint in msg, msg

@@ -1,0 +1,75 @@
+"""`deepinfer-bench dspark` on tiny V4.1, CPU: one row per (mode, concurrency) with the speculation counters,
+pinned acceptance near its curve, the table's ratios against off and fixed, bad options one line, a run directory
+with rows refused; and a sweep's `speculative` axis writing rows that say their spec_mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deepinfer.errors import DeepInferError
+from deepinfer.harness.dspark_bench import CURVES, DSparkConfig, run_dspark_bench, table
+from deepinfer.harness.rows import read_rows
+
+
+def test_rows_carry_speculation_counters(tmp_path):
+    cfg = DSparkConfig(modes=("off", "fixed", "budget"), concurrency=(1, 3), isl=16, osl=40, rounds=2)
+    rows = run_dspark_bench(cfg, tmp_path / "run")
+    assert [r["key"] for r in rows] == ["off/c1", "off/c3", "fixed/c1", "fixed/c3", "budget/c1", "budget/c3"]
+    by = {r["key"]: r for r in rows}
+    for r in rows:
+        assert r["status"] == "ok" and r["completed"] == 2 * r["concurrency"]
+        assert r["total_output_tokens"] == 40 * r["completed"]
+    off, fixed = by["off/c1"], by["fixed/c1"]
+    assert off["spec_mode"] == "none" and off["mean_accepted_length"] == 1.0 and off["draft_tokens"] == 0
+    assert fixed["spec_mode"] == "dspark-fixed-5" and fixed["pinned_survival"] == list(CURVES["v41-flash"])
+    # pinned golden curve: mean accepted length about 1 + sum(survival) = 3.51 (rows cut short at the end lower it)
+    assert 2.8 < fixed["mean_accepted_length"] < 4.0, fixed["mean_accepted_length"]
+    assert len(fixed["acceptance_by_position"]) == 5 and fixed["acceptance_by_position"][0] > 0.5
+    assert fixed["verify_rows"] == fixed["drafts_by_position"][0] > 0
+    assert fixed["step_rate"] is None and by["budget/c1"]["step_rate"]      # profiled for a varlen schedule
+    lines = table(rows)
+    assert len(lines) == 7
+    assert lines[2].split()[1] == "fixed" and lines[2].split()[6] == \
+        f"{fixed['median_intvty'] / off['median_intvty']:.3f}"
+    assert json.loads((tmp_path / "run" / "dspark.json").read_text())["osl"] == 40
+    with pytest.raises(DeepInferError, match="already has rows"):
+        run_dspark_bench(cfg, tmp_path / "run")
+    assert len(read_rows(tmp_path / "run")) == 6
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--modes", "fast"], "--modes 'fast': choose from off, fixed, confidence, budget"),
+    (["--acceptance", "high"], "--acceptance 'high': give one of"),
+    (["--acceptance", "0.5,0.7"], "must be non-increasing"),
+    (["--model", "random:deepseek_v4:tiny:2"], "DSpark drafts with V4.1's draft stages"),
+    (["--osl", "1"], "--osl must be at least 2"),
+    (["--num-speculative-tokens", "9"], "must be an integer in 1..5"),
+])
+def test_bad_options_are_one_line(tmp_path, args, why):
+    cmd = [sys.executable, "-c", "import sys; from deepinfer.harness.cli import main; sys.argv[0] = "
+           "'deepinfer-bench'; main()", "dspark", "--out", str(tmp_path / "r"), "--concurrency", "1", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    err = [line for line in res.stderr.splitlines() if line.strip() and not line.startswith("INFO")]
+    assert len(err) == 1 and why in err[0], res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_sweep_speculative_axis_rows_say_their_mode(tmp_path):
+    from deepinfer.harness.sweep import run_sweep
+    from deepinfer.harness.sweep_config import parse_sweep
+    cfg = parse_sweep({"name": "spec", "model": "random:deepseek_v41:tiny:2", "device": "cpu", "mode": "decode",
+                       "engine_args": {"max_num_seqs": 2, "max_model_len": 128},
+                       "scenarios": [{"isl": 16, "osl": 12}], "concurrency": [1],
+                       "speculative": ["off", {"schedule": "fixed", "acceptance": [0.8, 0.6, 0.4, 0.3, 0.2]}]})
+    run_dir = run_sweep(cfg, tmp_path, run_id="s", progress=False)
+    rows = read_rows(run_dir)
+    assert [(r["key"], r["spec_mode"], r["status"]) for r in rows] == [
+        ("none/decode/isl16-osl12/c1", "none", "ok"), ("dspark-fixed-5/decode/isl16-osl12/c1", "dspark-fixed-5", "ok")]
+    plain, spec = (r["engine_stats"] for r in rows)
+    assert plain["committed_tokens"] == spec["committed_tokens"] == rows[0]["completed"] * 12
+    assert spec["steps"] < plain["steps"]                  # drafts accepted: fewer steps for the same tokens
