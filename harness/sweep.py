@@ -189,7 +189,8 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
     run_id = share(ranks, run_id_for(run_id, cfg.name))     # every rank checks its own; rank 0's time names it
     run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
     todo_keys = _on_main(ranks, lambda: _check_run(cfg, run_dir, resume))
-    todo = [(i, p) for i, p in enumerate(cfg.points()) if p.key in todo_keys]
+    per_setting = len(cfg.points()) // max(len(cfg.speculative), 1)     # a point's workload seed: its index among
+    todo = [(i % per_setting, p) for i, p in enumerate(cfg.points()) if p.key in todo_keys]   # its setting's points
     if not todo:
         return run_dir
     groups: dict[str, list] = {}                             # one engine per speculative setting, in order

@@ -71,5 +71,5 @@ def test_sweep_speculative_axis_rows_say_their_mode(tmp_path):
     assert [(r["key"], r["spec_mode"], r["status"]) for r in rows] == [
         ("none/decode/isl16-osl12/c1", "none", "ok"), ("dspark-fixed-5/decode/isl16-osl12/c1", "dspark-fixed-5", "ok")]
     plain, spec = (r["engine_stats"] for r in rows)
-    assert plain["committed_tokens"] == spec["committed_tokens"] == rows[0]["completed"] * 12
+    assert plain["committed_tokens"] == spec["committed_tokens"]     # the same workload under both settings
     assert spec["steps"] < plain["steps"]                  # drafts accepted: fewer steps for the same tokens
