@@ -169,12 +169,16 @@ class EngineCore:
                 self.verify_policy.choose(self.scheduler.running)
             batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
             launched = self._launch(batch, finished) if batch else None
+            if launched is not None and self.verify_policy is not None:
+                self.verify_policy.launched(sum(s.n for s in batch))
             if self._prev is not None:
                 finished += self._update()
             elif launched is None and self.scheduler.has_unfinished():
                 raise DeepInferError("internal: the scheduler planned nothing with nothing in flight")
             if launched is not None:
                 self._prev, self._prev_drafts = launched
+            if not self.scheduler.has_unfinished() and self.verify_policy is not None:
+                self.verify_policy.idle()             # the time until the next request is not a step's
             if not self.scheduler.has_unfinished():   # what is still in flight belongs to finished requests: its
                 self._prev, self._prev_drafts = None, {}   # tokens would be dropped; the device finishes it alone
         return finished

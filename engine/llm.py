@@ -153,7 +153,7 @@ class LLM:
                 log.info("speculative step rate (tokens: ms per step): %s",
                          ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in table.items()))
             rate = StepRate.from_dict(table)
-        return VerifyPolicy(spec, rate)
+        return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

@@ -118,7 +118,8 @@ def speculation_fields(stats, policy) -> dict:
             "draft_acceptance": stats.accepted_draft_tokens / stats.draft_tokens if stats.draft_tokens else None,
             "acceptance_by_position": by_pos, "drafts_by_position": list(stats.drafts_at),
             "rollbacks": stats.rollbacks,
-            "step_rate": None if policy is None or policy.rate is None else policy.rate.to_dict()}
+            "step_rate": None if policy is None or policy.table is None else policy.table.to_dict(),
+            "step_overhead": None if policy is None or not policy.calibrate else policy.overhead}
 
 
 def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:

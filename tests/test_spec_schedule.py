@@ -293,3 +293,28 @@ def test_budget_properties_on_random_instances(seed):
         # the greedy's lengths are the top drafts by the same ranking: schedule_budget with its count agrees
         greedy = schedule_greedy(conf, rate)
         assert schedule_budget(conf, sum(greedy)) == greedy
+
+
+def test_profiled_rate_is_calibrated_by_the_measured_step_overhead(monkeypatch):
+    """A profiled table gains the per-step time the profile did not see (EMA of launch-to-launch seconds minus
+    the table's), never below zero; a given table is left as it is; an idle gap is not a step."""
+    from deepinfer.spec import policy as policy_mod
+    from deepinfer.spec.config import SpecConfig
+    clock = iter([0.0, 0.010, 0.020, 5.0, 5.010, 6.0])
+    monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
+    table = StepRate.from_dict({1: 0.002, 64: 0.004})
+    p = policy_mod.VerifyPolicy(SpecConfig(schedule="confidence"), table, calibrate=True)
+    p.launched(1)                       # t = 0
+    p.launched(1)                       # 10 ms later: 8 ms beyond the table's 2 ms
+    assert p.overhead == pytest.approx(0.2 * 0.008)
+    p.launched(64)                      # 10 ms after a 1-token step again
+    assert p.overhead == pytest.approx(0.8 * 0.2 * 0.008 + 0.2 * 0.008)
+    assert p.rate.seconds(64) == pytest.approx(0.004 + p.overhead) and p.table.seconds(64) == 0.004
+    p.idle()
+    before = p.overhead
+    p.launched(1)                       # t = 5.0: after an idle gap, nothing measured
+    p.launched(1)                       # t = 5.01
+    assert p.overhead == pytest.approx(0.8 * before + 0.2 * 0.008)
+    given = policy_mod.VerifyPolicy(SpecConfig(schedule="confidence"), table, calibrate=False)
+    given.launched(1)
+    assert given.overhead == 0.0 and given.rate is table

@@ -6,20 +6,46 @@
     budget      the production variant: the step's draft budget K from the confidences of the block before
                 (known two steps back, so an asynchronous scheduler could fix the batch size early), then the
                 top K drafts by live survival
-The step rate SPS(B) comes from `step_seconds` in the config or is profiled when the engine starts
-(ModelRunner.profile_step_seconds)."""
+The step rate SPS(B) comes from `step_seconds` in the config, taken as given, or is profiled when the engine
+starts (ModelRunner.profile_step_seconds: the target step and the draft block on the device). A profiled table is
+then calibrated online: what a whole engine step really takes beyond the table (host planning, sampling inputs,
+commits: a cost per step that does not grow with the verified tokens) is followed as an exponential moving
+average of (seconds between two launches - table seconds of the first one's tokens), and added to every point.
+Without it the schedule sees extra tokens as dearer than they are and trims too much."""
 
 from __future__ import annotations
+
+import time
 
 from .config import SpecConfig
 from .schedule import StepRate, budget_from, schedule_budget, schedule_fixed, schedule_greedy
 
 
+OVERHEAD_EMA = 0.8                     # weight of the previous estimate of the per-step overhead
+
+
 class VerifyPolicy:
-    def __init__(self, config: SpecConfig, rate: StepRate | None):
-        self.config, self.rate = config, rate
+    def __init__(self, config: SpecConfig, rate: StepRate | None, calibrate: bool = False):
+        """calibrate: follow the per-step overhead beyond the table (for a profiled table)."""
+        self.config, self.table, self.rate = config, rate, rate
+        self.calibrate = calibrate and rate is not None
+        self.overhead = 0.0            # seconds per step added to the table
         self.steps = 0                 # planned steps that verified drafts
         self.verified = 0              # drafts those steps verified
+        self._last: tuple[float, int] | None = None     # (when the previous step was launched, its tokens)
+
+    def launched(self, tokens: int) -> None:
+        """A step of `tokens` fed positions was just launched (the engine core calls this each step)."""
+        now = time.perf_counter()
+        if self.calibrate and self._last is not None and self._last[1] <= self.table.tokens[-1]:
+            excess = max(0.0, now - self._last[0] - self.table.seconds(self._last[1]))
+            self.overhead = OVERHEAD_EMA * self.overhead + (1 - OVERHEAD_EMA) * excess
+            self.rate = self.table.with_offset(self.overhead)
+        self._last = (now, tokens)
+
+    def idle(self) -> None:
+        """Nothing is left to run: the wait for the next request is no step's overhead."""
+        self._last = None
 
     def choose(self, requests) -> None:
         """Trim each request's drafts (Request.spec_token_ids) to its verify length for the next step."""

@@ -60,6 +60,10 @@ class StepRate:
                         | {int(max_tokens)})
         return cls(points, [fixed_s + per_token_s * b for b in points])
 
+    def with_offset(self, seconds: float) -> StepRate:
+        """The same table with `seconds` more at every point (a per-step cost the profile did not see)."""
+        return StepRate(self.tokens, [t + seconds for t in self.times])
+
     def to_dict(self) -> dict[int, float]:
         """The profiled points as {batch tokens: seconds per step}."""
         return dict(zip(self.tokens, self.times))
