@@ -353,11 +353,12 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
               help="timed requests per point = concurrency x rounds")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@click.option("--no-png", is_flag=True, help="chart as HTML only (no browser for kaleido)")
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: dspark-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
               help="run directory (overrides --report-dir / --run-id)")
 def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, acceptance, num_speculative_tokens, isl,
-               osl, rounds, seed, report_dir, run_id, out) -> None:
+               osl, rounds, seed, report_dir, no_png, run_id, out) -> None:
     """DSpark speculative decoding against none, and confidence-scheduled verification against fixed-length:
     throughput, tok/s/user, accepted length and verified tokens per (mode, concurrency), acceptance pinned to a
     published curve by default (random weights accept almost nothing)."""
@@ -370,7 +371,7 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
                        num_speculative_tokens=num_speculative_tokens, isl=isl, osl=osl, rounds=rounds, seed=seed)
     cfg.check()
     run_dir = run_dir_for(report_dir, run_id, out, "dspark")
-    rows = run_dspark_bench(cfg, run_dir, echo=click.echo)
+    rows = run_dspark_bench(cfg, run_dir, echo=click.echo, png=not no_png)
     click.echo(f"rows in {run_dir / 'rows.jsonl'}")
     for line in table(rows):
         click.echo("  " + line)

@@ -1,5 +1,6 @@
 """`deepinfer-bench dspark`: what DSpark speculative decoding buys, and what confidence-scheduled verification
-buys over fixed-length verification. One row per (mode, concurrency) point (docs/speculative.md).
+buys over fixed-length verification. One row per (mode, concurrency) point (docs/speculative.md); rows are decode rows of the sweep's form (`schedule` the
+mode, `spec_mode` none / dspark-<schedule>-<drafts>), so the report draws a frontier per spec_mode.
 
 Modes: `off` (no speculation: the per-user baseline), `fixed` (every one of the N drafts verified: the comparison
 mode), `confidence` (Algorithm 1 over the profiled step rate), `budget` (the production variant). One model is
@@ -12,7 +13,7 @@ back the real shapes. `--acceptance measured` uses the drafter's own acceptance 
 Per point: concurrency x rounds random-token prompts of `isl` tokens, exactly `osl` new tokens each (greedy,
 ignore_eos), all ready at the start; as many other prompts first, untimed, in up to WARMUP_PASSES passes until a
 pass captures no new CUDA graph (variable verify lengths meet new shapes; the row says how many were still
-captured in the timed run: engine.graphs_captured_timed).
+captured in the timed run: engine_stats.graphs_captured_timed).
 The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
 counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
 row, acceptance by draft position, verify rows, steps, graph replays, and the step-rate table the schedule used."""
@@ -136,10 +137,10 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
     captured = len(llm.stats.graphs_captured)
     llm.engine.reset_stats()
     _, timings, duration = run_requests(llm, work.prompts, [params] * n, concurrency)
-    row = compute_metrics(timings, duration=duration).to_row()
+    row = compute_metrics(timings, duration=duration, num_gpus=1).to_row()
     st = llm.stats
     row.update(speculation_fields(st, llm.engine.verify_policy))
-    row["engine"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
+    row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
                      "graphs_captured_timed": len(st.graphs_captured) - captured, "warmup_passes": k + 1,
                      "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
                      "max_step_tokens": st.max_step_tokens}
@@ -153,8 +154,9 @@ def _engine(model, cfg: DSparkConfig, mode: str):
                speculative=cfg.speculative(mode))
 
 
-def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None) -> list[dict]:
-    """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused); returns the rows."""
+def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = True) -> list[dict]:
+    """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused), then the run's report
+    (summary.csv and the decode Pareto chart, as `deepinfer-bench report` regenerates them); returns the rows."""
     from deepinfer.validate import resolve_model
 
     from .step_bench import check_model, kernel_info
@@ -190,7 +192,8 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None) -> list[dict]:
             backend, backends = kernel_info(llm)
             echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
             for c in cfg.concurrency:
-                row = {**identity, "key": key(mode, c), "mode": mode, "spec_mode": spec_mode_of(llm),
+                row = {**identity, "key": key(mode, c), "schedule": mode, "spec_mode": spec_mode_of(llm),
+                       "mode": "decode", "engine": "deepinfer", "gpus": 1, "num_prompts": c * cfg.rounds,
                        "concurrency": c, "kernel_backend": backend,
                        "kernel_backends": backends, "started": utc_now()}
                 try:
@@ -207,6 +210,8 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None) -> list[dict]:
                     echo(f"  {row['key']:<14} failed: {row['error']}")
             del llm                            # its pools and graphs go back before the next engine sizes its own
             free_device_memory()
+    from .report import report_run
+    report_run(run_dir, png=png)               # summary.csv, decode_pareto: a frontier per spec_mode
     return read_rows(run_dir)
 
 
@@ -214,7 +219,7 @@ def table(rows: list[dict]) -> list[str]:
     """Per concurrency and mode: throughput, tok/s/user, accepted length, verified tokens per row, and the
     ratios the upstream claims are about: tok/s/user against `off`, and for confidence / budget the verified
     tokens, accepted length and throughput against `fixed`."""
-    ok = {(r["mode"], r["concurrency"]): r for r in rows if r.get("status") == "ok"}
+    ok = {(r["schedule"], r["concurrency"]): r for r in rows if r.get("status") == "ok"}
     lines = [f"{'conc':>5} {'mode':<10} {'tok/s':>9} {'tok/s/u':>8} {'AL':>6} {'verif/row':>9} "
              f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11}"]
     fmt = lambda v, f: "-" if v is None else format(v, f)                 # noqa: E731

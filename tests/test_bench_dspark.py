@@ -17,7 +17,8 @@ from deepinfer.harness.rows import read_rows
 
 def test_rows_carry_speculation_counters(tmp_path):
     cfg = DSparkConfig(modes=("off", "fixed", "budget"), concurrency=(1, 3), isl=16, osl=40, rounds=2)
-    rows = run_dspark_bench(cfg, tmp_path / "run")
+    rows = run_dspark_bench(cfg, tmp_path / "run", png=False)
+    assert (tmp_path / "run" / "decode_pareto.html").exists() and (tmp_path / "run" / "summary.csv").exists()
     assert [r["key"] for r in rows] == ["off/c1", "off/c3", "fixed/c1", "fixed/c3", "budget/c1", "budget/c3"]
     by = {r["key"]: r for r in rows}
     for r in rows:
@@ -37,7 +38,7 @@ def test_rows_carry_speculation_counters(tmp_path):
         f"{fixed['median_intvty'] / off['median_intvty']:.3f}"
     assert json.loads((tmp_path / "run" / "dspark.json").read_text())["osl"] == 40
     with pytest.raises(DeepInferError, match="already has rows"):
-        run_dspark_bench(cfg, tmp_path / "run")
+        run_dspark_bench(cfg, tmp_path / "run", png=False)
     assert len(read_rows(tmp_path / "run")) == 6
 
 
