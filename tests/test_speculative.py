@@ -229,3 +229,68 @@ def test_cuda_graph_speculation_equals_eager(schedule):
     assert stats[True].accepted_draft_tokens == graphed.accepted_draft_tokens
     if schedule == "confidence":        # a variable-length graph: (size, q=None, rows, ...) keys
         assert any(k[1] is None for k in graphed.graphs_captured), graphed.graphs_captured
+
+
+def test_lossless_sampling_follows_the_target_distribution_end_to_end():
+    """Seeded top-2 sampling at temperature 0.05 with DSpark drafting through the lossless rule. The drafter's
+    first draft distribution is replaced (through the real block's sample hook, so the kept draft distributions
+    are the ones drawn from) by one that puts 0.8 on the target's *less* likely id: accepting it without the ratio
+    test would skew the output. The joint distribution of the first two output tokens (the second one verified)
+    over 600 seeds fits the target's, computed exactly from the plain engine's logprobs (chi-square, p > 1e-3, cells
+    expected below 5 pooled); drafts are both accepted and rejected."""
+    import math
+    prompt = [7, 11, 13, 17, 19]
+    k, n, temperature = 2, 600, 0.05
+
+    def top(llm, ids):                    # the target's top-k ids and their probabilities at the temperature
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1, logprobs=k),
+                           use_tqdm=False)[0].outputs[0]
+        entry = out.logprobs[0]
+        ids_ = sorted(entry, key=lambda t: entry[t].rank)[:k]
+        return ids_, torch.softmax(torch.tensor([entry[t].logprob for t in ids_], dtype=torch.float64) / temperature, 0)
+
+    plain = engine()
+    first, p1 = top(plain, prompt)
+    cells, expected, unlikely = [], [], {}
+    for a, pa in zip(first, p1.tolist()):
+        second, p2 = top(plain, prompt + [a])
+        unlikely[a] = second[int(p2.argmin())]
+        for b, pb in zip(second, p2.tolist()):
+            cells.append((a, b))
+            expected.append(pa * pb * n)
+    llm = engine(speculative={"schedule": "fixed"})
+    real = llm.model.draft
+
+    def draft(pools, slots, positions, tokens, sample):
+        anchors = tokens.tolist()
+
+        def skewed(i, logits):
+            if i == 0:
+                custom = torch.full_like(logits, float("-inf"))
+                for r, a in enumerate(anchors):
+                    if a in unlikely:
+                        pair = [b for x, b in cells if x == a]
+                        for b in pair:
+                            custom[r, b] = temperature * math.log(0.8 if b == unlikely[a] else 0.2)
+                    else:
+                        custom[r] = logits[r]
+                logits = custom
+            return sample(i, logits)
+        return real(pools, slots, positions, tokens, skewed)
+
+    llm.model.draft = draft
+    sps = [SamplingParams(temperature=temperature, top_k=k, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, sps, use_tqdm=False)
+    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+    assert set(pairs) <= set(cells), set(pairs) - set(cells)
+    observed = [pairs.count(c) for c in cells]
+    big = [i for i, e in enumerate(expected) if e >= 5]            # cells expected below 5 are pooled into one
+    obs = [observed[i] for i in big] + [sum(o for i, o in enumerate(observed) if i not in big)]
+    exp = [expected[i] for i in big] + [sum(e for i, e in enumerate(expected) if i not in big)]
+    if exp[-1] < 5:                                                # too little pooled mass: fold it into a cell
+        obs, exp = obs[:-2] + [obs[-2] + obs[-1]], exp[:-2] + [exp[-2] + exp[-1]]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    critical = {1: 10.828, 2: 13.816, 3: 16.266}[len(obs) - 1]      # chi-square at p = 1e-3
+    assert stat < critical, (observed, [round(e, 1) for e in expected])
+    st = llm.stats
+    assert st.draft_tokens > 0 and 0 < st.accepted_draft_tokens < st.draft_tokens    # both paths taken
