@@ -154,16 +154,10 @@ class DSpark:
         """One draft block per sequence. features [B, n_targets*D] at target positions [B] (= p),
         tokens [B] the target's sample for p+1. `sample` maps [B, V] fp32 logits to [B] tokens.
         write=False: the rings already hold position p (observe ran on the target's features)."""
-        cfg = self.cfg
-        bsz, blk = tokens.shape[0], cfg.dspark_block_size
+        bsz, blk = tokens.shape[0], self.cfg.dspark_block_size
         if write:
             self.observe(features, positions, list(range(bsz)), states)
-        ids = torch.full((bsz, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=tokens.device)
-        ids[:, 0] = tokens
-        h = embed(ids.view(-1)).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()   # [B*blk, hc, D]
-        pre = torch.zeros(h.shape[:2], dtype=upcast(h).dtype, device=h.device)
-        pre[:, 0] = 1
-        qpos = (positions.unsqueeze(1) + 1 + torch.arange(blk, device=positions.device)).reshape(-1)
+        h, pre, qpos = self._block_inputs(embed, tokens, positions)
         for i, stage in enumerate(self.stages):
             rings = [s.mtp[i] for s in states]
             h, pre = stage(h, pre, lambda x: self._attend(stage.attn, x, qpos, rings, bsz, blk))
@@ -176,14 +170,8 @@ class DSpark:
         (rings[i]: stage i's pool [S, span', d], position t at row t % span') hold the target's positions up to
         positions[r] (= p); tokens [R] the target's sample for p+1. sample(i, logits [R, V] fp32) -> the drafts
         [R] for positions p+2+i. Static shapes throughout (a CUDA graph can hold it)."""
-        cfg = self.cfg
-        bsz, blk = tokens.shape[0], cfg.dspark_block_size
-        ids = torch.full((bsz, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=tokens.device)
-        ids[:, 0] = tokens
-        h = embed(ids.view(-1)).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()   # [R*blk, hc, D]
-        pre = torch.zeros(h.shape[:2], dtype=upcast(h).dtype, device=h.device)
-        pre[:, 0] = 1
-        qpos = (positions.unsqueeze(1) + 1 + torch.arange(blk, device=positions.device)).reshape(-1)
+        bsz, blk = tokens.shape[0], self.cfg.dspark_block_size
+        h, pre, qpos = self._block_inputs(embed, tokens, positions)
         span = rings[0].shape[1]
         tp = positions.unsqueeze(1) - (window - 1) + torch.arange(window, device=positions.device)   # [R, W]
         ring_idx = torch.where(tp >= 0, slots.unsqueeze(1) * span + tp % span, -1)
@@ -194,6 +182,20 @@ class DSpark:
             h, pre = stage(h, pre, lambda x, attn=stage.attn, flat=flat, index=index:
                            self._attend_pooled(attn, x, qpos, flat, index))
         return self._head(head, h, pre, tokens, bsz, blk, sample)
+
+    def _block_inputs(self, embed: nn.Embedding, tokens: torch.Tensor, positions: torch.Tensor):
+        """The draft block's inputs for rows anchored at positions p [B] with the target's token for p+1 [B]:
+        (streams [B*blk, hc, D] of that token then noise tokens, the stream pre-weights [B*blk, hc] (all on
+        stream 0), the block rows' positions p+1 .. p+blk [B*blk])."""
+        cfg = self.cfg
+        bsz, blk = tokens.shape[0], cfg.dspark_block_size
+        ids = torch.full((bsz, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=tokens.device)
+        ids[:, 0] = tokens
+        h = embed(ids.view(-1)).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(h.shape[:2], dtype=upcast(h).dtype, device=h.device)
+        pre[:, 0] = 1
+        qpos = (positions.unsqueeze(1) + 1 + torch.arange(blk, device=positions.device)).reshape(-1)
+        return h, pre, qpos
 
     def _head(self, head: Linear, h: torch.Tensor, pre: torch.Tensor, tokens: torch.Tensor, bsz: int, blk: int,
               sample: Callable[[int, torch.Tensor], torch.Tensor]) -> DraftOutput:
