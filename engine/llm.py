@@ -110,15 +110,19 @@ class LLM:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self._args = args
         self.rng = np.random.default_rng(seed)
-        async_scheduling = async_scheduling_default() if args["async_scheduling"] is None \
-            else args["async_scheduling"]
+        self.speculative = spec_config(args["speculative"], getattr(self.model, "draft_block_size", None))
+        if self.speculative is not None and args["async_scheduling"]:
+            raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
+                                 "loop (each step's commits are read before the next is planned; docs/"
+                                 "speculative.md); drop async_scheduling or speculative")
+        async_scheduling = False if self.speculative is not None else async_scheduling_default() \
+            if args["async_scheduling"] is None else args["async_scheduling"]
         self._config = EngineConfig(args["max_num_seqs"], args["max_num_batched_tokens"], self.max_model_len,
                                     async_scheduling)
         kernels = KernelTable(backend)
         if kernels.invariant and self.max_model_len > INVARIANT_CONTEXT_HINT:
             log.warning("batch-invariant mode reads every block column: with max_model_len=%d each row's entry "
                         "lists cover the whole length; set max_model_len to what the run needs", self.max_model_len)
-        self.speculative = spec_config(args["speculative"], getattr(self.model, "draft_block_size", None))
         slack = self.speculative.num_speculative_tokens if self.speculative else 0
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
                                args["block_size"], args["kv_cache_dtype"], ring_slack=slack)

@@ -57,7 +57,9 @@ class EngineStats(Counters):
 def runner_fields(runner) -> dict:
     """What the runner says about CUDA graphs (a runner without graphs reports none)."""
     graphs = getattr(runner, "graphs", None)
-    captured = getattr(graphs, "graphs", None) or {}
+    captured = dict(getattr(graphs, "graphs", None) or {})
+    drafts = getattr(getattr(runner, "speculator", None), "graphs", None)    # speculation's draft-block graphs
+    captured.update({("draft", *k): None for k in (getattr(drafts, "graphs", None) or {})})
     return {"cuda_graphs": graphs is not None, "graphs_captured": [list(k) if isinstance(k, tuple) else k
                                                                    for k in sorted(captured, key=repr)],
             "graph_replays": int(getattr(runner, "graph_replays", 0) or 0)}

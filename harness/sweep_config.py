@@ -216,8 +216,9 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
     if speculative and "speculative" in engine_args:
         raise v.error("speculative", "give speculative decoding either in engine_args (every point) or as the "
                                      "`speculative` list (one run of the points per setting), not both")
-    if "speculative" in engine_args:
-        v.speculative([engine_args["speculative"]], "engine_args.speculative", model)
+    if "speculative" in engine_args:              # validated as LLM takes it ("off" spelled as False)
+        engine_args["speculative"] = v.speculative([engine_args["speculative"]], "engine_args.speculative",
+                                                   model)[0][1]
     return SweepConfig(name=name, model=model, device=device, scenarios=MappingProxyType(scenarios),
                        concurrency=MappingProxyType(concurrency), dtype=dtype,
                        engine_args=MappingProxyType(engine_args), mode=mode, range_ratio=float(range_ratio),

@@ -21,7 +21,15 @@ V41 = "deepseek_v41"
 
 
 def engine(**kw) -> LLM:
+    """Tiny V4.1 in float64, its state pools capped (the default budget is 2 GiB a float64 engine; a test holds
+    several engines at once on CI's machine)."""
+    kw.setdefault("state_memory_bytes", 1 << 27)
     return LLM(embedded_tiny_dir(V41), dtype="float64", **kw)
+
+
+def spec_of(schedule: str, **extra) -> dict:
+    """A speculative setting: the step-rate table only where the schedule reads one."""
+    return {"schedule": schedule, **({} if schedule == "fixed" else {"step_seconds": TABLE}), **extra}
 
 
 def force_drafts(llm: LLM, truth: dict[tuple, list[int]], wrong) -> dict:
@@ -64,13 +72,13 @@ def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(sch
     want = plain_outputs(PROMPTS, sp)
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids
              for o in engine().generate(PROMPTS, sp, use_tqdm=False)}
-    probe = engine(speculative={"schedule": schedule, "step_seconds": TABLE})
+    probe = engine(speculative=spec_of(schedule))
     lay = PoolLayout.for_model(probe.model, 16, ring_slack=5)
     small = dict(max_num_batched_tokens=16, max_num_seqs=6, block_size=16, max_model_len=64,
                  state_memory_bytes=6 * lay.bytes_per_slot() + 7 * lay.bytes_per_block())
     plain = engine(**small)
     plain.generate(PROMPTS, sp, use_tqdm=False)
-    llm = engine(speculative={"schedule": schedule, "step_seconds": TABLE}, **small)
+    llm = engine(speculative=spec_of(schedule), **small)
     seen = force_drafts(llm, truth, lambda at, k: (at + k) % 4 == 3 or (k == 0 and at % 7 == 0))
     got = llm.generate(PROMPTS, sp, use_tqdm=False)
     st = llm.stats
@@ -173,8 +181,8 @@ def test_confidence_schedule_verifies_fewer_tokens_at_similar_acceptance():
     sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     stats = {}
     for schedule in ("fixed", "confidence"):
-        llm = engine(speculative={"schedule": schedule, "acceptance": survival,
-                                  "step_seconds": {1: 1.0, 8: 1.3, 64: 3.0}})
+        table = {} if schedule == "fixed" else {"step_seconds": {1: 1.0, 8: 1.3, 64: 3.0}}
+        llm = engine(speculative={"schedule": schedule, "acceptance": survival, **table})
         llm.generate(PROMPTS, sp, use_tqdm=False)
         stats[schedule] = llm.stats
     fixed, conf = stats["fixed"], stats["confidence"]
@@ -188,13 +196,38 @@ def test_confidence_schedule_verifies_fewer_tokens_at_similar_acceptance():
     ({"schedule": "smart"}, "schedule='smart'"),
     ({"acceptance": [0.5, 0.7, 0.1, 0.1, 0.1]}, "non-increasing"),
     ({"acceptance": [0.5]}, "one survival rate per draft"),
-    ({"step_seconds": {0: 1.0}}, "step_seconds"),
+    ({"schedule": "confidence", "step_seconds": {0: 1.0}}, "step_seconds"),
+    ({"step_seconds": {1: 1.0}}, "schedule 'fixed' verifies every draft and reads none"),
+    ({"confidence_spread": 0.5}, "give acceptance too"),
+    ({"acceptance": [0.5] * 5, "confidence_spread": 2}, r"must be a number in \[0, 1\]"),
     ({"speed": 1}, "unknown keys"),
     ("yes", "speculative='yes'"),
 ])
 def test_bad_speculative_settings_are_one_line(value, match):
-    with pytest.raises(DeepInferError, match=match):
+    with pytest.raises(DeepInferError, match=match) as info:
         engine(speculative=value)
+    assert "\n" not in str(info.value)
+
+
+def test_speculation_runs_the_synchronous_loop():
+    """Verify steps read each step's commits before planning the next: async_scheduling is off (stats say so),
+    and asking for it together with speculation is one line."""
+    assert engine(speculative=True).stats.async_scheduling is False
+    with pytest.raises(DeepInferError, match="async_scheduling=True with speculative decoding"):
+        engine(speculative=True, async_scheduling=True)
+
+
+def test_sampled_rows_with_logprobs_under_the_lossless_rule():
+    """Sampled rows that ask for logprobs, drafts rejected and accepted: every committed token has its logprob
+    entry (the rows after a rejection hold plain samples, never an invalid id)."""
+    llm = engine(speculative=True)
+    sp = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, logprobs=2, seed=3)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 12 and len(c.logprobs) == 12
+        assert all(t in entry for t, entry in zip(c.token_ids, c.logprobs))
+    assert llm.stats.draft_tokens > 0 and llm.stats.rollbacks > 0
 
 
 def test_speculation_needs_draft_stages_and_env_switches(monkeypatch):
@@ -206,6 +239,10 @@ def test_speculation_needs_draft_stages_and_env_switches(monkeypatch):
     assert llm.speculative.num_speculative_tokens == 3 and llm.speculative.schedule == "confidence"
     assert llm.engine.verify_policy.rate is not None           # profiled at start: a table of step seconds
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    with pytest.raises(DeepInferError, match="DEEPINFER_ENABLE_MTP_VARLEN=1 schedules speculative verification"):
+        engine()
+    assert engine(speculative=False).speculative is None        # explicitly off: the switch has nothing to do
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
     assert engine().speculative is None
 
 
@@ -217,7 +254,7 @@ def test_cuda_graph_speculation_equals_eager(schedule):
     blocks replay from CUDA graphs and commit what the eager engine commits, with the pinned acceptance model
     (so partial acceptances and rollbacks happen) and greedy forced-right drafts."""
     sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    spec = {"schedule": schedule, "acceptance": [0.8, 0.6, 0.45, 0.3, 0.25], "step_seconds": TABLE}
+    spec = spec_of(schedule, acceptance=[0.8, 0.6, 0.45, 0.3, 0.25])
     outs, stats = {}, {}
     for eager in (True, False):
         llm = LLM(embedded_tiny_dir(V41), dtype="float64", device="cuda", enforce_eager=eager, speculative=spec)

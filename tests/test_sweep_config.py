@@ -293,6 +293,8 @@ def test_speculative_axis_multiplies_points_and_labels_them():
     assert cfg.speculative_value("dspark-confidence-3") == {"schedule": "confidence", "num_speculative_tokens": 3}
     again = parse_sweep(cfg.to_dict())             # the stored definition loads back to the same points
     assert [p.key for p in again.points()] == keys
+    off = parse_sweep(sweep(model="random:deepseek_v41:tiny:2", engine_args={"speculative": "off"}))
+    assert off.engine_args["speculative"] is False      # as LLM takes it
     plain = parse_sweep(sweep())                   # no axis: keys as before, no speculative key stored
     assert plain.points()[0].key == "prefill/isl128-osl32/c1" and "speculative" not in plain.to_dict()
 

@@ -231,6 +231,8 @@ class ModelRunner:
             rows = Rows.of(sampled, offsets, [self.manager.slot(s.req.request_id) for s in sampled], logits.device)
             tokens, accepted = self.speculator.verify(rows, x, noise_rows, tokens)
             spec = (accepted, *self.speculator.draft(rows, tokens, accepted))
+        # index: each request's last sampled token, what an in-flight next step reads. A verify row's last
+        # committed token is at off + accepted instead; speculation runs the synchronous loop, so nothing reads it
         out = StepOutput(sampled, tokens, offsets, {s.req.request_id: off + s.num_logits - 1
                                                     for s, off in zip(sampled, offsets)}, spec=spec)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

@@ -79,9 +79,8 @@ class Speculator:
             greedy = rows.temperature <= 0
             accepted, toks = lossless_verify(x[at], rows.drafts, self.draft_logits[rows.slots, :rows.width],
                                              rows.lengths, greedy, rows.seeds, rows.first)
-            out = plain.clone()
-            out[at[live]] = toks[live]
-            return out, accepted
+            j = torch.arange(rows.width + 1, device=x.device).unsqueeze(0)
+            return _write(plain, at, rows.lengths, j <= accepted.unsqueeze(1), toks), accepted
         if self.rule == "pinned":
             accepted = pinned_accepts(self.config.acceptance, self.config.confidence_spread, rows.seeds, rows.first,
                                       rows.lengths, rows.width)
@@ -89,11 +88,8 @@ class Speculator:
             same = (plain[at[:, :-1]] == rows.drafts) & live[:, 1:]
             accepted = same.long().cumprod(dim=1).sum(dim=1)
         j = torch.arange(rows.width + 1, device=x.device).unsqueeze(0)
-        take = (j < accepted.unsqueeze(1)) & live                              # slots committed as drafts
         drafts = torch.cat([rows.drafts, rows.drafts[:, :1]], dim=1)
-        out = plain.clone()
-        out[at[take]] = drafts[take]
-        return out, accepted
+        return _write(plain, at, rows.lengths, j < accepted.unsqueeze(1), drafts), accepted
 
     # ---- drafting ----
     def draft(self, rows: Rows, committed: torch.Tensor, accepted: torch.Tensor
@@ -140,6 +136,17 @@ class Speculator:
         else:
             conf = out.acceptance_confidence()[:, :self.gamma]
         return drafts, conf
+
+
+def _write(plain: torch.Tensor, at: torch.Tensor, lengths: torch.Tensor, take: torch.Tensor,
+           values: torch.Tensor) -> torch.Tensor:
+    """plain [M] with values [R, L+1] written where take [R, L+1] at the logit rows at (Rows.grid), and the plain
+    samples kept elsewhere; no boolean indexing (it would wait for the device). Slots past a row's length map to
+    its last live row: they carry that row's value, so every write to one index writes the same thing."""
+    new = torch.where(take, values, plain[at])
+    new = new.gather(1, torch.minimum(torch.arange(at.shape[1], device=at.device).unsqueeze(0),
+                                      lengths.unsqueeze(1)))
+    return plain.clone().scatter_(0, at.flatten(), new.flatten())
 
 
 class DraftGraphs:

@@ -54,9 +54,10 @@ def spec_config(value, block_size: int | None) -> SpecConfig | None:
     model's draft block (None: the model cannot draft; asking for speculation is then one error line)."""
     env_cap = read("DEEPINFER_USE_NEXTN_DECODE")
     if value is None:
-        if not env_cap:
-            return None
-        value = {}
+        if not env_cap and read("DEEPINFER_ENABLE_MTP_VARLEN"):
+            raise DeepInferError("DEEPINFER_ENABLE_MTP_VARLEN=1 schedules speculative verification, which is off: "
+                                 "set DEEPINFER_USE_NEXTN_DECODE=N (or LLM(speculative=...)), or unset it")
+        value = {} if env_cap else False
     if value is False:
         return None
     if value is True or value in METHODS:
@@ -88,6 +89,12 @@ def spec_config(value, block_size: int | None) -> SpecConfig | None:
         if len(acceptance) < n:
             raise DeepInferError(f"speculative acceptance has {len(acceptance)} positions; give one survival rate "
                                  f"per draft ({n})")
+    if "confidence_spread" in value and acceptance is None:
+        raise DeepInferError("speculative confidence_spread shapes the pinned acceptance model: give acceptance too, "
+                             "or drop confidence_spread")
+    if value.get("step_seconds") is not None and schedule == "fixed":
+        raise DeepInferError("speculative step_seconds is the verify schedule's step rate; schedule 'fixed' verifies "
+                             "every draft and reads none: use schedule 'confidence' or 'budget', or drop step_seconds")
     spread = value.get("confidence_spread", 1.0)
     if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread <= 1:
         raise DeepInferError(f"speculative confidence_spread={spread!r} must be a number in [0, 1] (0: every draft "
