@@ -16,14 +16,14 @@ from deepinfer.harness.rows import read_rows
 
 
 def test_rows_carry_speculation_counters(tmp_path):
-    cfg = DSparkConfig(modes=("off", "fixed", "budget"), concurrency=(1, 3), isl=16, osl=40, rounds=2)
+    cfg = DSparkConfig(modes=("off", "fixed", "budget"), concurrency=(1, 2), isl=16, osl=32, rounds=2)
     rows = run_dspark_bench(cfg, tmp_path / "run", png=False)
     assert (tmp_path / "run" / "decode_pareto.html").exists() and (tmp_path / "run" / "summary.csv").exists()
-    assert [r["key"] for r in rows] == ["off/c1", "off/c3", "fixed/c1", "fixed/c3", "budget/c1", "budget/c3"]
+    assert [r["key"] for r in rows] == ["off/c1", "off/c2", "fixed/c1", "fixed/c2", "budget/c1", "budget/c2"]
     by = {r["key"]: r for r in rows}
     for r in rows:
         assert r["status"] == "ok" and r["completed"] == 2 * r["concurrency"]
-        assert r["total_output_tokens"] == 40 * r["completed"]
+        assert r["total_output_tokens"] == 32 * r["completed"]
     off, fixed = by["off/c1"], by["fixed/c1"]
     assert off["spec_mode"] == "none" and off["mean_accepted_length"] == 1.0 and off["draft_tokens"] == 0
     assert fixed["spec_mode"] == "dspark-fixed-5" and fixed["pinned_survival"] == list(CURVES["v41-flash"])
@@ -36,19 +36,29 @@ def test_rows_carry_speculation_counters(tmp_path):
     assert len(lines) == 7
     assert lines[2].split()[1] == "fixed" and lines[2].split()[6] == \
         f"{fixed['median_intvty'] / off['median_intvty']:.3f}"
-    assert json.loads((tmp_path / "run" / "dspark.json").read_text())["osl"] == 40
+    assert json.loads((tmp_path / "run" / "dspark.json").read_text())["osl"] == 32
     with pytest.raises(DeepInferError, match="already has rows"):
         run_dspark_bench(cfg, tmp_path / "run", png=False)
     assert len(read_rows(tmp_path / "run")) == 6
 
 
+@pytest.mark.parametrize("kw,why", [
+    ({"modes": ("fast",)}, "--modes 'fast': choose from off, fixed, confidence, budget"),
+    ({"acceptance": "high"}, "--acceptance 'high': give one of"),
+    ({"acceptance": "0.5,0.7"}, "must be non-increasing"),
+    ({"model": "random:deepseek_v4:tiny:2"}, "DSpark drafts with V4.1's draft stages"),
+    ({"osl": 1}, "--osl must be at least 2"),
+    ({"num_speculative_tokens": 9}, "must be an integer in 1..5"),
+])
+def test_bad_settings_are_one_line(kw, why):
+    with pytest.raises(DeepInferError, match=why) as info:
+        DSparkConfig(**kw).check()
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("args,why", [
     (["--modes", "fast"], "--modes 'fast': choose from off, fixed, confidence, budget"),
-    (["--acceptance", "high"], "--acceptance 'high': give one of"),
     (["--acceptance", "0.5,0.7"], "must be non-increasing"),
-    (["--model", "random:deepseek_v4:tiny:2"], "DSpark drafts with V4.1's draft stages"),
-    (["--osl", "1"], "--osl must be at least 2"),
-    (["--num-speculative-tokens", "9"], "must be an integer in 1..5"),
 ])
 def test_bad_options_are_one_line(tmp_path, args, why):
     cmd = [sys.executable, "-c", "import sys; from deepinfer.harness.cli import main; sys.argv[0] = "

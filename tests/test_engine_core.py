@@ -86,6 +86,9 @@ class FakeOutput:
         self.runner.events.append(("resolve", self.step))
         return list(zip(self.sampled, self.tokens, self.lps))
 
+    def speculation(self):
+        return None                      # no device drafter: drafts come from the core's host drafter hook
+
 
 class FakeRunner:
     def __init__(self, manager: FakeManager):

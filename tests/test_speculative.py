@@ -178,7 +178,7 @@ def test_confidence_schedule_verifies_fewer_tokens_at_similar_acceptance():
     """With the pinned model (spread confidences), confidence scheduling on a table where extra tokens cost verifies
     fewer drafts per accepted one than fixed 5-token verification."""
     survival = [0.788, 0.632, 0.485, 0.321, 0.284]
-    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     stats = {}
     for schedule in ("fixed", "confidence"):
         table = {} if schedule == "fixed" else {"step_seconds": {1: 1.0, 8: 1.3, 64: 3.0}}
@@ -235,7 +235,7 @@ def test_speculation_needs_draft_stages_and_env_switches(monkeypatch):
         LLM(embedded_tiny_dir("deepseek_v4"), speculative=True)
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    llm = engine(speculative=None)
+    llm = engine(speculative=None, max_num_seqs=4)             # a short step-rate profile (up to 16 tokens)
     assert llm.speculative.num_speculative_tokens == 3 and llm.speculative.schedule == "confidence"
     assert llm.engine.verify_policy.rate is not None           # profiled at start: a table of step seconds
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
