@@ -110,7 +110,8 @@ class LLM:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self._args = args
         self.rng = np.random.default_rng(seed)
-        self.speculative = spec_config(args["speculative"], getattr(self.model, "draft_block_size", None))
+        self.speculative = spec_config(args["speculative"], getattr(self.model, "draft_block_size", None),
+                                       getattr(self.model, "draft_method", "dspark"))
         if self.speculative is not None and args["async_scheduling"]:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
                                  "loop (each step's commits are read before the next is planned; docs/"

@@ -5,6 +5,7 @@ the contract). Environment variables have their own reader, env.py."""
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from pathlib import Path
@@ -51,6 +52,18 @@ def check_expert_storage(expert_storage, model_type: str) -> str:
 def random_spec_arch(spec: str) -> str | None:
     """ARCH of a random:ARCH:PRESET:LAYERS spec (already checked), else None."""
     return spec.split(":")[1] if isinstance(spec, str) and spec.startswith("random:") else None
+
+
+def drafter_of_spec(spec) -> str:
+    """The draft method a checked model spec's model speculates with: mtp for V4, dspark for V4.1 (the embedded
+    tiny model, a hub id: the default checkpoint is V4.1; a directory: its config.json's model_type)."""
+    arch = random_spec_arch(spec)
+    if arch is None and isinstance(spec, str) and (Path(spec) / "config.json").is_file():
+        try:
+            arch = json.loads((Path(spec) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            arch = None
+    return "mtp" if arch == "deepseek_v4" else "dspark"
 
 
 def parse_dtype(dtype) -> torch.dtype:

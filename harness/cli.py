@@ -335,7 +335,7 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
   deepinfer-bench dspark --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
       --expert-storage fp4 --modes off,fixed,confidence,budget --concurrency 1,16,60,96 --isl 1024 --osl 128""")
 @click.option("--model", default="random:deepseek_v41:tiny:2", show_default=True, callback=not_blank,
-              help="a V4.1 checkpoint dir / hub id or random:deepseek_v41:PRESET:N")
+              help="a checkpoint dir / hub id or random:ARCH:PRESET:N (V4.1 drafts with DSpark, V4 with its MTP layer)")
 @click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)

@@ -1,6 +1,7 @@
 """`deepinfer-bench dspark`: what DSpark speculative decoding buys, and what confidence-scheduled verification
 buys over fixed-length verification. One row per (mode, concurrency) point (docs/speculative.md); rows are decode rows of the sweep's form (`schedule` the
-mode, `spec_mode` none / dspark-<schedule>-<drafts>), so the report draws a frontier per spec_mode.
+mode, `spec_mode` none / <method>-<schedule>-<drafts>), so the report draws a frontier per spec_mode. A V4 model
+drafts with its MTP layer instead of DSpark stages (method mtp); everything else is the same study.
 
 Modes: `off` (no speculation: the per-user baseline), `fixed` (every one of the N drafts verified: the comparison
 mode), `confidence` (Algorithm 1 over the profiled step rate), `budget` (the production variant). One model is
@@ -85,12 +86,10 @@ class DSparkConfig:
                 raise DeepInferError(f"{name} must be at least 1, got {v}")
         if self.osl < 2:
             raise DeepInferError("--osl must be at least 2 (TPOT needs two tokens)")
-        if self.model.startswith("random:") and not self.model.startswith("random:deepseek_v41:"):
-            raise DeepInferError(f"--model {self.model}: DSpark drafts with V4.1's draft stages; use a "
-                                 f"random:deepseek_v41:PRESET:N model or a V4.1 checkpoint")
         from deepinfer.spec.config import spec_config
+        from deepinfer.validate import drafter_of_spec
         for mode in self.modes:               # the engine's own checks (drafts, curve), before anything is built
-            spec_config(self.speculative(mode), 5)
+            spec_config(self.speculative(mode), 5, drafter_of_spec(self.model))
 
     def speculative(self, mode: str):
         """The engine's `speculative` argument for a mode (False: off)."""
@@ -170,8 +169,8 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = Tr
     t0 = time.perf_counter()
     model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage)
     if getattr(model, "draft_block_size", None) is None:
-        raise DeepInferError(f"--model {cfg.model} has no DSpark draft stages (V4.1 with num_nextn_predict_layers "
-                             f">= 1 drafts; V4's MTP drafting is not built): docs/speculative.md")
+        raise DeepInferError(f"--model {cfg.model} cannot draft (no DSpark stages or NextN layer: "
+                             f"num_nextn_predict_layers = 0): docs/speculative.md")
     echo(f"model built in {time.perf_counter() - t0:.1f} s; {len(cfg.modes) * len(cfg.concurrency)} points")
     with run_dir_guard(run_dir):
         store, env = RowStore(run_dir), environment()

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from deepinfer.errors import DeepInferError
+from deepinfer.spec.config import spec_label
 from deepinfer.validate import check_device
 
 from .metrics import RequestTiming, chunk_gaps, compute_metrics
@@ -98,9 +99,9 @@ def build_llm(cfg: SweepConfig, device: str | None = None, spec: str = "", model
 
 
 def spec_mode_of(llm) -> str:
-    """A row's spec_mode: none, or dspark-<schedule>-<drafts> (the engine's speculative decoding)."""
+    """A row's spec_mode: none, or <method>-<schedule>-<drafts> (the engine's speculative decoding)."""
     spec = getattr(llm, "speculative", None)
-    return "none" if spec is None else f"dspark-{spec.schedule}-{spec.num_speculative_tokens}"
+    return "none" if spec is None else spec_label(spec)
 
 
 def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks = Ranks()) -> tuple[dict, dict]:

@@ -342,24 +342,21 @@ class Validator:
         return model
 
     def speculative(self, x: Any, path: str, model: str) -> tuple:
-        """A list of speculative settings (off / false, true, "dspark" or a mapping as LLM(speculative=...)) ->
-        ((label, value), ...): label none or dspark-<schedule>-<drafts>, unique."""
-        from deepinfer.spec.config import spec_config
-        from deepinfer.validate import random_spec_arch
+        """A list of speculative settings (off / false, true, "dspark" / "mtp" or a mapping as
+        LLM(speculative=...)) -> ((label, value), ...): label none or <method>-<schedule>-<drafts>, unique."""
+        from deepinfer.spec.config import spec_config, spec_label
+        from deepinfer.validate import drafter_of_spec
         if not isinstance(x, list) or not x:
             raise self.error(path, f"must be a non-empty list of settings (off, dspark or a mapping such as "
                                    f"{{schedule: confidence}}), got {_type_name(x)}")
         out = []
         for i, item in enumerate(x):
             value = False if item in ("off", False, None) else item
-            if value is not False and random_spec_arch(model) == "deepseek_v4":
-                raise self.error(f"{path}[{i}]", "speculative decoding drafts with V4.1's DSpark stages; this "
-                                                 "sweep's model is a V4 (its MTP drafting is not built)")
             try:
-                spec = spec_config(value, 5)
+                spec = spec_config(value, 5, drafter_of_spec(model))
             except DeepInferError as e:
                 raise self.error(f"{path}[{i}]", str(e)) from None
-            label = "none" if spec is None else f"dspark-{spec.schedule}-{spec.num_speculative_tokens}"
+            label = "none" if spec is None else spec_label(spec)
             if label in dict(out):
                 raise self.error(f"{path}[{i}]", f"repeats the setting {label}")
             out.append((label, value))

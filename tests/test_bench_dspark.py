@@ -46,7 +46,7 @@ def test_rows_carry_speculation_counters(tmp_path):
     ({"modes": ("fast",)}, "--modes 'fast': choose from off, fixed, confidence, budget"),
     ({"acceptance": "high"}, "--acceptance 'high': give one of"),
     ({"acceptance": "0.5,0.7"}, "must be non-increasing"),
-    ({"model": "random:deepseek_v4:tiny:2"}, "DSpark drafts with V4.1's draft stages"),
+    ({"model": "random:deepseek_v4:tiny:2", "num_speculative_tokens": 6}, "must be an integer in 1..5"),
     ({"osl": 1}, "--osl must be at least 2"),
     ({"num_speculative_tokens": 9}, "must be an integer in 1..5"),
 ])

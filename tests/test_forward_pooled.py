@@ -227,7 +227,7 @@ def test_v41_pooled_draft_equals_reference_draft():
         with torch.inference_mode():
             got = model.draft(seqs.pools, torch.tensor(slots, device=dev),
                               torch.tensor([seqs.done[s] - 1 for s in slots], device=dev), anchor,
-                              lambda i, logits: logits.argmax(dim=-1))
+                              lambda i, logits: logits.argmax(dim=-1), model.cfg.dspark_block_size)
         for r, s in enumerate(slots):
             d = want[s][2]
             assert torch.equal(got.tokens[r], d.tokens[0]), s

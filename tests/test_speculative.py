@@ -1,7 +1,7 @@
-"""DSpark speculative decoding end to end on the real runner (tiny V4.1, CPU): greedy output equals plain decoding
-token for token under every verify schedule, with chunked prefill and preemption in between and with forced
-partial acceptances and full rejections; the state every kind holds after rollbacks is the one plain decoding
-leaves; seeded sampling is bitwise batch-invariant (and equal to plain decoding) in batch-invariant mode; the
+"""Speculative decoding end to end on the real runner (tiny V4.1 with DSpark, tiny V4 with its MTP layer; CPU):
+greedy output equals plain decoding token for token under every verify schedule, with chunked prefill and
+preemption in between and with forced partial acceptances and full rejections; the state every kind holds after
+rollbacks is the one plain decoding leaves; V4's pooled MTP drafts are the reference layer's k-step chain; seeded sampling is bitwise batch-invariant (and equal to plain decoding) in batch-invariant mode; the
 pinned acceptance model reproduces its accepted length; bad settings are one line each."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there li
            "hello world again and again", "a b c d e f g", "DeepSeek", "what is the answer to 6 times 7?"]
 N = 20
 TABLE = {1: 1.0, 8: 1.02, 32: 1.2, 128: 2.0}          # seconds per step: cheap extra tokens, then costly
-V41 = "deepseek_v41"
+V41, V4 = "deepseek_v41", "deepseek_v4"
 
 
-def engine(**kw) -> LLM:
-    """Tiny V4.1 in float64, its state pools capped (the default budget is 2 GiB a float64 engine; a test holds
-    several engines at once on CI's machine)."""
+def engine(arch: str = V41, **kw) -> LLM:
+    """A tiny model in float64 (V4.1 unless told), its state pools capped (the default budget is 2 GiB a float64
+    engine; a test holds several engines at once on CI's machine)."""
     kw.setdefault("state_memory_bytes", 1 << 27)
-    return LLM(embedded_tiny_dir(V41), dtype="float64", **kw)
+    return LLM(embedded_tiny_dir(arch), dtype="float64", **kw)
 
 
 def spec_of(schedule: str, **extra) -> dict:
@@ -32,15 +32,16 @@ def spec_of(schedule: str, **extra) -> dict:
     return {"schedule": schedule, **({} if schedule == "fixed" else {"step_seconds": TABLE}), **extra}
 
 
-def force_drafts(llm: LLM, truth: dict[tuple, list[int]], wrong) -> dict:
+def force_drafts(llm: LLM, truth: dict[tuple, list[int]], wrong, confidence=None) -> dict:
     """Make the model's drafter propose the plain run's tokens (truth: prompt ids -> outputs), with draft k of a
     block at position p made wrong when wrong(p, k): partial acceptances and full rejections on demand. The real
-    draft block still runs (its kernels, its ring reads); only the proposed ids are replaced."""
+    draft block still runs (its kernels, its ring reads); only the proposed ids are replaced, and with
+    confidence(p, k) -> [0, 1] the confidences of V4's MTP drafts (random weights give them ~1/vocab)."""
     real, core, seen = llm.model.draft, llm.engine, {"blocks": 0}
     vocab = llm.model.cfg.vocab_size
 
-    def draft(pools, slots, positions, tokens, sample):
-        out = real(pools, slots, positions, tokens, sample)
+    def draft(pools, slots, positions, tokens, sample, steps):
+        out = real(pools, slots, positions, tokens, sample, steps)
         by_slot = {core.manager.slot(r.request_id): r for r in core.scheduler.running}
         toks = out.tokens.clone()
         for i, (slot, p) in enumerate(zip(slots.tolist(), positions.tolist())):
@@ -50,6 +51,8 @@ def force_drafts(llm: LLM, truth: dict[tuple, list[int]], wrong) -> dict:
                 at = p + 2 + k                          # draft k of the block anchored at p is for position p+2+k
                 t = stream[at] if at < len(stream) else 0
                 toks[i, k] = (t + 1) % vocab if wrong(at, k) else t
+                if confidence is not None:
+                    out.confidence[i, k] = confidence(at, k)
             seen["blocks"] += 1
         out.tokens = toks
         return out
@@ -58,28 +61,27 @@ def force_drafts(llm: LLM, truth: dict[tuple, list[int]], wrong) -> dict:
     return seen
 
 
-def plain_outputs(prompts, sp, **kw) -> list:
-    return [o.outputs[0] for o in engine(**kw).generate(prompts, sp, use_tqdm=False)]
-
-
-@pytest.mark.parametrize("schedule", ["fixed", "confidence", "budget"])
-def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(schedule):
+@pytest.mark.parametrize("arch,schedule", [(V41, "fixed"), (V41, "confidence"), (V41, "budget"), (V4, "fixed"),
+                                           (V4, "budget")])
+def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(arch, schedule):
     """8 prompts, a 16-token step budget (chunked prefill next to verify rows), pools small enough to preempt;
     drafts right except where (position + k) % 4 == 3 or at position % 7 == 0 for the first draft (a full
     rejection): every output equals plain greedy decoding, and drafts were accepted and rejected."""
     from deepinfer.cache.pools import PoolLayout
     sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    want = plain_outputs(PROMPTS, sp)
+    first = engine(arch)
+    want = [o.outputs[0] for o in first.generate(PROMPTS, sp, use_tqdm=False)]
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids
-             for o in engine().generate(PROMPTS, sp, use_tqdm=False)}
-    probe = engine(speculative=spec_of(schedule))
+             for o in first.generate(PROMPTS, sp, use_tqdm=False)}
+    probe = engine(arch, speculative=spec_of(schedule))
     lay = PoolLayout.for_model(probe.model, 16, ring_slack=5)
     small = dict(max_num_batched_tokens=16, max_num_seqs=6, block_size=16, max_model_len=64,
                  state_memory_bytes=6 * lay.bytes_per_slot() + 7 * lay.bytes_per_block())
-    plain = engine(**small)
+    plain = engine(arch, **small)
     plain.generate(PROMPTS, sp, use_tqdm=False)
-    llm = engine(speculative=spec_of(schedule), **small)
-    seen = force_drafts(llm, truth, lambda at, k: (at + k) % 4 == 3 or (k == 0 and at % 7 == 0))
+    llm = engine(arch, speculative=spec_of(schedule), **small)
+    seen = force_drafts(llm, truth, lambda at, k: (at + k) % 4 == 3 or (k == 0 and at % 7 == 0),
+                        None if arch == V41 else lambda at, k: 0.95 if (at + k) % 5 else 0.3)
     got = llm.generate(PROMPTS, sp, use_tqdm=False)
     st = llm.stats
     assert [o.outputs[0].token_ids for o in got] == [w.token_ids for w in want]
@@ -89,14 +91,15 @@ def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(sch
     assert st.steps < plain.stats.steps              # multi-token commits: fewer steps than plain decoding
 
 
-def live_state(llm: LLM, slot: int, n: int) -> dict[str, torch.Tensor]:
+def live_state(llm: LLM, slot: int, n: int, lagging: tuple = ()) -> dict[str, torch.Tensor]:
     """What the model can read of slot `slot` holding positions 0..n-1: each ring's last `span` positions (by
-    position, whatever slack the ring has), each entry stream's n // ratio entries."""
+    position, whatever slack the ring has), each entry stream's n // ratio entries. Rings in `lagging` end one
+    position earlier (V4's MTP window: the target's steps write position t-1 from the token at t; drafts write n-1)."""
     pools = llm.engine.manager.pools
     out = {}
     for name, ring in pools.rings.items():
-        span = pools.spans[name]
-        pos = torch.arange(max(0, n - span), n)
+        span, end = pools.spans[name], n - 1 if name in lagging else n
+        pos = torch.arange(max(0, end - span), end)
         out[name] = ring[slot, pos % ring.shape[1]]
     for kind in pools.layout.spec.entries:
         store = pools.entries[kind.name]
@@ -106,23 +109,26 @@ def live_state(llm: LLM, slot: int, n: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_every_state_kind_after_rollbacks_is_what_plain_decoding_leaves():
+@pytest.mark.parametrize("arch", [V41, V4])
+def test_every_state_kind_after_rollbacks_is_what_plain_decoding_leaves(arch):
     """One sequence through many verify rows with rejections: the window rings, compressor rings, engram look-back,
-    entry streams (KV and indexer keys) and DSpark rings hold, at every position the model can still read, what
-    plain decoding (writing the DSpark rings too) leaves, to float64 rounding of other row shapes."""
+    entry streams (KV and indexer keys) and draft rings (DSpark's; V4's MTP window and last streams) hold, at every
+    position the model can still read, what plain decoding (writing the draft rings too) leaves, to float64
+    rounding of other row shapes."""
     sp = SamplingParams(temperature=0, max_tokens=3 * N, ignore_eos=True)
     prompt = PROMPTS[1]
-    plain = engine()
-    plain.engine.runner.keep_draft_rings = True           # so the DSpark rings are comparable
+    plain = engine(arch)
+    plain.engine.runner.keep_draft_rings = True           # so the draft rings are comparable
     want = plain.generate(prompt, sp, use_tqdm=False)[0]
-    spec = engine(speculative={"schedule": "confidence", "step_seconds": TABLE})
+    spec = engine(arch, speculative={"schedule": "budget" if arch == V4 else "confidence", "step_seconds": TABLE})
     force_drafts(spec, {tuple(want.prompt_token_ids): want.outputs[0].token_ids},
                  lambda at, k: (at * 7 + k) % 5 == 2)
     got = spec.generate(prompt, sp, use_tqdm=False)[0]
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert spec.stats.rollbacks > 3 and spec.stats.accepted_draft_tokens > 10
     n = len(want.prompt_token_ids) + 3 * N - 1             # positions both fed (the last token is never fed)
-    a, b = live_state(plain, 1, n), live_state(spec, 1, n)
+    lagging = ("mtp.0.window",) if arch == V4 else ()
+    a, b = live_state(plain, 1, n, lagging), live_state(spec, 1, n, lagging)
     assert set(a) == set(b) and any(k.startswith("mtp.") for k in a) and any("index" in k for k in a)
     for name in a:
         assert a[name].shape == b[name].shape, name
@@ -190,6 +196,50 @@ def test_confidence_schedule_verifies_fewer_tokens_at_similar_acceptance():
     assert conf.accepted_draft_tokens / conf.draft_tokens > fixed.accepted_draft_tokens / fixed.draft_tokens
 
 
+def test_v4_pooled_mtp_drafts_are_the_reference_layers_k_step_chain():
+    """V4 drafts with its MTP layer, 5 steps reusing it: at every draft block of a run with forced partial
+    acceptances and rejections (chunked prefill too), the pooled drafts and confidences equal the reference chain
+    (models/deepseek_v4.mtp_forward over the accepted prefix, then fed its own streams and drafts) in float64."""
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    plain = engine(V4)
+    truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)}
+    llm = engine(V4, speculative=True, max_num_batched_tokens=16, max_num_seqs=4)
+    model, blocks = llm.model, []
+    real = model.draft
+
+    def record(pools, slots, positions, tokens, sample, steps):
+        out = real(pools, slots, positions, tokens, sample, steps)
+        by_slot = {llm.engine.manager.slot(q.request_id): q for q in llm.engine.scheduler.running}
+        streams = [by_slot[x].prompt_ids + truth[tuple(by_slot[x].prompt_ids)] for x in slots.tolist()]
+        blocks.append((positions.tolist(), tokens.tolist(), out.tokens.clone(), out.confidence.clone(), streams))
+        return out
+
+    model.draft = record
+    force_drafts(llm, truth, lambda at, k: (at + k) % 3 == 2)
+    llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.stats.accepted_draft_tokens > 0 and llm.stats.rollbacks > 0
+    checked = 0
+    for positions, tokens, drafts, conf, stream_of in blocks[::2]:
+        for r, (p, y) in enumerate(zip(positions, tokens)):
+            stream = stream_of[r]
+            assert stream[p + 1] == y                     # the anchor token is the committed one
+            ids, state = torch.tensor(stream[:p + 1]), model.new_state()
+            with torch.inference_mode():
+                streams = model.forward_reference(ids, [(0, p + 1)], [state])
+                if p:
+                    model.mtp_forward(streams[:p], ids[1:], [(0, p)], [state])
+                h, tok = streams[p:], torch.tensor([y])
+                for k in range(drafts.shape[1]):
+                    logits, h = model.mtp_forward(h, tok, [(0, 1)], [state])
+                    tok = logits.argmax(dim=-1)
+                    assert int(tok) == int(drafts[r, k]), (p, k)
+                    want = torch.softmax(logits, dim=-1)[0, tok].item()
+                    assert abs(want - conf[r, k].item()) <= 1e-9 * max(want, 1e-30) + 1e-300, (p, k)
+            checked += 1
+    assert checked > 10
+
+
 @pytest.mark.parametrize("value,match", [
     ({"method": "eagle"}, "method='eagle' is not supported"),
     ({"num_speculative_tokens": 9}, "must be an integer in 1..5"),
@@ -230,9 +280,18 @@ def test_sampled_rows_with_logprobs_under_the_lossless_rule():
     assert llm.stats.draft_tokens > 0 and llm.stats.rollbacks > 0
 
 
-def test_speculation_needs_draft_stages_and_env_switches(monkeypatch):
-    with pytest.raises(DeepInferError, match="needs a model with DSpark draft stages"):
-        LLM(embedded_tiny_dir("deepseek_v4"), speculative=True)
+def test_speculation_needs_a_drafter_of_the_models_method_and_env_switches(monkeypatch):
+    import dataclasses
+    from deepinfer.config.presets import TINY_V4
+    from deepinfer.models import build_model
+    no_nextn = build_model(dataclasses.replace(TINY_V4, num_nextn_predict_layers=0), "cpu", torch.float32)
+    no_nextn.checkpoint_dir = embedded_tiny_dir(V4)           # its tokenizer
+    with pytest.raises(DeepInferError, match="needs a model that drafts"):
+        LLM(model=no_nextn, speculative=True)
+    with pytest.raises(DeepInferError, match="this model drafts with 'mtp'"):
+        engine(V4, speculative="dspark")
+    with pytest.raises(DeepInferError, match="this model drafts with 'dspark'"):
+        engine(speculative={"method": "mtp"})
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     llm = engine(speculative=None, max_num_seqs=4)             # a short step-rate profile (up to 16 tokens)
@@ -298,7 +357,7 @@ def test_lossless_sampling_follows_the_target_distribution_end_to_end():
     llm = engine(speculative={"schedule": "fixed"})
     real = llm.model.draft
 
-    def draft(pools, slots, positions, tokens, sample):
+    def draft(pools, slots, positions, tokens, sample, steps):
         anchors = tokens.tolist()
 
         def skewed(i, logits):
@@ -313,7 +372,7 @@ def test_lossless_sampling_follows_the_target_distribution_end_to_end():
                         custom[r] = logits[r]
                 logits = custom
             return sample(i, logits)
-        return real(pools, slots, positions, tokens, skewed)
+        return real(pools, slots, positions, tokens, skewed, steps)
 
     llm.model.draft = draft
     sps = [SamplingParams(temperature=temperature, top_k=k, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]

@@ -293,6 +293,8 @@ def test_speculative_axis_multiplies_points_and_labels_them():
     assert cfg.speculative_value("dspark-confidence-3") == {"schedule": "confidence", "num_speculative_tokens": 3}
     again = parse_sweep(cfg.to_dict())             # the stored definition loads back to the same points
     assert [p.key for p in again.points()] == keys
+    v4 = parse_sweep(sweep(model="random:deepseek_v4:tiny:2", speculative=["off", {"schedule": "budget"}]))
+    assert [label for label, _ in v4.speculative] == ["none", "mtp-budget-5"]      # V4 drafts with its MTP layer
     off = parse_sweep(sweep(model="random:deepseek_v41:tiny:2", engine_args={"speculative": "off"}))
     assert off.engine_args["speculative"] is False      # as LLM takes it
     plain = parse_sweep(sweep())                   # no axis: keys as before, no speculative key stored
@@ -304,8 +306,8 @@ def test_speculative_axis_multiplies_points_and_labels_them():
     (sweep(model="random:deepseek_v41:tiny:2", speculative=["off", "off"]), "speculative[1]", "repeats"),
     (sweep(model="random:deepseek_v41:tiny:2", speculative=[{"schedule": "smart"}]), "speculative[0]",
      "schedule='smart'"),
-    (sweep(model="random:deepseek_v4:tiny:2", speculative=[{"schedule": "fixed"}]), "speculative[0]",
-     "MTP drafting is not built"),
+    (sweep(model="random:deepseek_v4:tiny:2", speculative=[{"method": "dspark"}]), "speculative[0]",
+     "this model drafts with 'mtp'"),
     (sweep(model="random:deepseek_v41:tiny:2", speculative=["off"], engine_args={"speculative": True}),
      "speculative", "not both"),
     (sweep(model="random:deepseek_v41:tiny:2", engine_args={"speculative": {"speed": 2}}),

@@ -174,9 +174,7 @@ class Attention(LatentAttention):
         qr = self.q_norm(self.wq_a(x))                                            # [N, q_lora]
         q = self.wq_b(qr).view(n, self.n_heads, self.head_dim)
         q = apply_rope(rms_norm(q, None, self.eps), cos, sin)                     # [N, H, d]
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                      # [N, d]
-        if self.qat_fake_quant:
-            kv = qat.quantize_kv_latent(kv, self.rope_dim)
+        kv = self.latent(x, rotary)                                               # [N, d]
         comp = idx = ()
         if self.compressor is not None:
             comp = self.compressor.project(x)                                    # kv, gate: [N, c*d] each
@@ -184,6 +182,11 @@ class Attention(LatentAttention):
             index_q, index_w = self.indexer.queries(qr, x, cos, sin)
             idx = (*self.indexer.compressor.project(x), self._quantize_index(index_q), index_w)
         return q, kv, comp, idx, (cos, sin)
+
+    def latent(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The K=V latent rows x [N, D] write into the window: [N, d], roped (+ QAT)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), *rotary)
+        return qat.quantize_kv_latent(kv, self.rope_dim) if self.qat_fake_quant else kv
 
     def _attend_one(self, q, kv, positions, first_pos: int, state: LayerState, comp, idx) -> torch.Tensor:
         """One sequence's T new tokens: q [T, H, d], kv [T, d]; updates `state` in place."""

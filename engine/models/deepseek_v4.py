@@ -20,6 +20,7 @@ from ..config.deepseek_v4 import MOE, SLIDING, DeepseekV4Config
 from .attention import Attention, SeqSlice
 from .flat_batch import FlatBatchLM
 from .layers import Linear, RMSNorm, fp32_param
+from . import mtp
 from .mhc import HyperConnectionSites, hc_collapse, hc_head, hc_post
 from .moe import MoE
 from .rope import RotaryEmbedding
@@ -81,6 +82,15 @@ class MTPLayer(Block, HyperHead):
         self.e_proj, self.h_proj = Linear(d, d, dtype), Linear(d, d, dtype)
         self._init_head(cfg)
 
+    def combine(self, embedded: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The embedding of token t+1 [N, D] and the target's streams at t [N, hc, D] -> block input [N, hc, D]."""
+        return self.e_proj(self.enorm(embedded)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+
+    def window_latent(self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The latent the block's attention keeps for input streams h [N, hc, D] at the rows' positions -> [N, d]."""
+        x, _, _ = self._pre(h, "attn")
+        return self.attn.latent(self.attn_norm(x), rotary)
+
 
 class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
     def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True):
@@ -99,8 +109,9 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
                              mtp=[m.attn.new_state() for m in self.mtp])
 
     def state_spec(self) -> StateSpec:
-        """Every layer's per-sequence state (the MTP layers are not run by the runtime)."""
-        return StateSpec.of(k for i, b in enumerate(self.layers) for k in b.attn.state_kinds(i))
+        """Every layer's per-sequence state, and the NextN drafter's (models/mtp.py) when the checkpoint has one."""
+        kinds = [k for i, b in enumerate(self.layers) for k in b.attn.state_kinds(i)]
+        return StateSpec.of(kinds + (mtp.state_kinds(self) if len(self.mtp) else []))
 
     # ---- the runtime forward ----
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -108,7 +119,23 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         h = self.embed_streams(input_ids)
         for i, block in enumerate(self.layers):
             h = block.forward_with(h, input_ids, lambda x, attn=block.attn, i=i: attn(x, batch, i))
+        if batch.draft_rings and len(self.mtp):
+            mtp.observe(self, h, input_ids, batch)
         return h
+
+    # ---- NextN drafting over the pools (models/mtp.py) ----
+    draft_method = "mtp"
+
+    @property
+    def draft_block_size(self) -> int | None:
+        """Drafts one block proposes at most (None: no NextN layer)."""
+        return mtp.MAX_STEPS if len(self.mtp) else None
+
+    def draft(self, pools, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, sample,
+              steps: int) -> mtp.MTPDrafts:
+        """`steps` drafts per row: slot slots[r] [R] holds the target up to position positions[r] = p, tokens [R]
+        is the target's token for p+1; sample(i, logits [R, V]) draws draft i (position p+2+i)."""
+        return mtp.draft(self, pools, slots, positions, tokens, sample, steps)
 
     # ---- the reference forward (the oracle) ----
     def forward_reference(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState]):
@@ -134,9 +161,7 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         Returns (logits [N, vocab] for t+2, the layer's output streams)."""
         layer = self.mtp[depth]
         positions, seqs = self._claim_positions(chunks, states, "mtp", "num_mtp_tokens")
-        e = layer.e_proj(layer.enorm(self.embed(next_ids)))
-        h = e.unsqueeze(1) + layer.h_proj(layer.hnorm(streams))
-        h = layer(h, next_ids, positions, seqs, depth)
+        h = layer(layer.combine(self.embed(next_ids), streams), next_ids, positions, seqs, depth)
         return self.head.fp32(layer.collapse(h)).float(), h
 
     def _claim_positions(self, chunks, states, layer_attr: str, count_attr: str):

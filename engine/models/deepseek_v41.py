@@ -166,13 +166,18 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         """Drafts one draft block proposes (None: no DSpark stages)."""
         return self.cfg.dspark_block_size if hasattr(self, "mtp") else None
 
-    def draft(self, pools, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, sample) -> DraftOutput:
+    draft_method = "dspark"
+
+    def draft(self, pools, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, sample,
+              steps: int) -> DraftOutput:
         """One draft block per row: sequence slot slots[r] [R] has its target state (and draft rings) up to position
         positions[r] = p; tokens [R] is the target's token for p+1. sample(i, logits [R, V]) draws draft i (for
-        position p+2+i). The rings are the ones the runtime forward keeps (ForwardBatch.draft_rings)."""
+        position p+2+i). The rings are the ones the runtime forward keeps (ForwardBatch.draft_rings). The block
+        drafts all its positions in one pass; the first `steps` are returned."""
         rings = [pools.rings[f"mtp.{i}.window"] for i in range(len(self.mtp))]
-        return self.dspark.draft_pooled(self.embed, self.head, rings, self.cfg.sliding_window, slots, positions,
-                                        tokens, sample)
+        out = self.dspark.draft_pooled(self.embed, self.head, rings, self.cfg.sliding_window, slots, positions,
+                                       tokens, sample)
+        return DraftOutput(out.tokens[:, :steps], out.logits[:, :steps], out.confidence[:, :steps])
 
     def _truncated_counts(self, batch: ForwardBatch, layer: int) -> list[int] | None:
         """Query rows each segment keeps at `layer` under YOCO truncation (None: every row, nothing to cut):

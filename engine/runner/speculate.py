@@ -128,14 +128,13 @@ class Speculator:
                 self.draft_logits[slots, i] = scaled
             return gumbel_argmax(scaled, noise, seeds, anchor_pos + 2 + i, salt)
 
-        out = self.model.draft(self.pools, slots, anchor_pos, anchor, sample)
-        drafts = out.tokens[:, :self.gamma]
+        out = self.model.draft(self.pools, slots, anchor_pos, anchor, sample, self.gamma)
         if self.rule == "pinned":
             conf = pinned_confidence(self.config.acceptance, self.config.confidence_spread, seeds, anchor_pos + 2,
                                      self.gamma)
         else:
-            conf = out.acceptance_confidence()[:, :self.gamma]
-        return drafts, conf
+            conf = out.acceptance_confidence()
+        return out.tokens, conf
 
 
 def _write(plain: torch.Tensor, at: torch.Tensor, lengths: torch.Tensor, take: torch.Tensor,

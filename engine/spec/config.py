@@ -2,14 +2,15 @@
 DEEPINFER_USE_NEXTN_DECODE (draft cap; on when >= 1) and DEEPINFER_ENABLE_MTP_VARLEN (confidence-scheduled
 verification). docs/speculative.md has the whole story.
 
-    speculative = True | "dspark" | {"method": "dspark", "num_speculative_tokens": 5, "schedule": "confidence",
+    speculative = True | "dspark" | "mtp" | {"method": "dspark", "num_speculative_tokens": 5, "schedule": "confidence",
                                       "acceptance": [0.79, 0.63, 0.49, 0.32, 0.28], "step_seconds": {1: 2.5e-3, ...}}
 
 schedule: "fixed" (every draft verified: the comparison mode), "confidence" (Algorithm 1: per-request verify
 lengths from the prefix survival of the confidences and the profiled step rate, early stop) or "budget" (the
 production variant: the step's token budget from confidences two steps back, the top drafts by live survival).
 acceptance: a pinned acceptance model for benchmarks on random weights (spec/pinned.py): per-position survival
-rates that decide acceptance while the real kernels run the real shapes."""
+rates that decide acceptance while the real kernels run the real shapes.
+method: the model's drafter, "dspark" (V4.1's DSpark stages) or "mtp" (V4's NextN layer, k steps); the default."""
 
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ from dataclasses import dataclass
 from ..env import read
 from ..errors import DeepInferError
 
-METHODS = ("dspark",)
+METHODS = ("dspark", "mtp")
 SCHEDULES = ("fixed", "confidence", "budget")
 _KEYS = ("method", "num_speculative_tokens", "schedule", "acceptance", "confidence_spread", "step_seconds")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "dspark"
+    method: str = "dspark"                    # the model's drafter: dspark (V4.1) or mtp (V4)
     num_speculative_tokens: int = 5           # drafts proposed a step (<= the drafter's block size)
     schedule: str = "fixed"
     acceptance: tuple[float, ...] | None = None   # pinned per-position survival (benchmarks); None: real acceptance
@@ -35,6 +36,11 @@ class SpecConfig:
     @property
     def varlen(self) -> bool:
         return self.schedule != "fixed"
+
+
+def spec_label(spec: SpecConfig) -> str:
+    """What rows call the setting (spec_mode): <method>-<schedule>-<drafts>, e.g. dspark-confidence-5."""
+    return f"{spec.method}-{spec.schedule}-{spec.num_speculative_tokens}"
 
 
 def _check_fraction_list(name: str, value) -> tuple[float, ...]:
@@ -49,9 +55,10 @@ def _check_fraction_list(name: str, value) -> tuple[float, ...]:
     return tuple(float(v) for v in out)
 
 
-def spec_config(value, block_size: int | None) -> SpecConfig | None:
+def spec_config(value, block_size: int | None, drafter: str = "dspark") -> SpecConfig | None:
     """LLM's `speculative` (None: the environment decides) -> a SpecConfig, or None when off. block_size: the
-    model's draft block (None: the model cannot draft; asking for speculation is then one error line)."""
+    model's draft block (None: the model cannot draft; asking for speculation is then one error line); drafter:
+    the model's draft method."""
     env_cap = read("DEEPINFER_USE_NEXTN_DECODE")
     if value is None:
         if not env_cap and read("DEEPINFER_ENABLE_MTP_VARLEN"):
@@ -63,19 +70,21 @@ def spec_config(value, block_size: int | None) -> SpecConfig | None:
     if value is True or value in METHODS:
         value = {} if value is True else {"method": value}
     if not isinstance(value, dict):
-        raise DeepInferError(f"speculative={value!r}: use True, 'dspark', None/False (off) or a dict with keys "
+        raise DeepInferError(f"speculative={value!r}: use True, 'dspark', 'mtp', None/False (off) or a dict with keys "
                              f"{list(_KEYS)}")
     unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         raise DeepInferError(f"speculative got unknown keys {unknown}; known: {list(_KEYS)}")
-    method = value.get("method", "dspark")
+    method = value.get("method", drafter)
     if method not in METHODS:
-        raise DeepInferError(f"speculative method={method!r} is not supported; use one of {list(METHODS)} (V4's MTP "
-                             f"drafting is not built yet: docs/speculative.md)")
+        raise DeepInferError(f"speculative method={method!r} is not supported; use one of {list(METHODS)}")
     if block_size is None:
-        raise DeepInferError("speculative decoding needs a model with DSpark draft stages (a V4.1 checkpoint with "
-                             "num_nextn_predict_layers >= 1); this one has none: drop speculative / "
+        raise DeepInferError("speculative decoding needs a model that drafts (num_nextn_predict_layers >= 1: V4.1's "
+                             "DSpark stages or V4's NextN layer); this one has none: drop speculative / "
                              "DEEPINFER_USE_NEXTN_DECODE")
+    if method != drafter:
+        raise DeepInferError(f"speculative method={method!r}: this model drafts with {drafter!r} (dspark: V4.1's "
+                             f"DSpark stages, mtp: V4's NextN layer); use {drafter!r} or leave method out")
     n = value.get("num_speculative_tokens", env_cap or block_size)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= block_size:
         raise DeepInferError(f"num_speculative_tokens={n!r} must be an integer in 1..{block_size} (the model's "
