@@ -38,6 +38,7 @@ from .output_processor import OutputProcessor
 from .scheduler import Request, Scheduled, Scheduler, Status
 from .spec.verify import committed_tokens
 from .stats import Counters, EngineStats, runner_fields, state_fields
+from .structured import trim_illegal_drafts
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,9 @@ class EngineCore:
         if why is None and req.params.so_args is not None:
             if req.grammar is None:
                 why = "so_args needs the request's grammar matcher (LLM.generate compiles it: engine/structured.py)"
-            elif self.drafter is not None or self.verify_policy is not None:
-                why = "so_args with speculative decoding is not supported yet (drafts would need the grammar)"
+            elif self.verify_policy is not None and self.verify_policy.config.acceptance is not None:
+                why = ("so_args with a pinned speculative acceptance model: pinned acceptance ignores the tokens, "
+                       "so it would commit drafts the grammar refuses; drop acceptance or so_args")
         if why is not None:
             raise DeepInferError(f"request {req.request_id}: {why}")
         if not 0 < req.num_tokens < self.max_model_len:
@@ -165,6 +167,7 @@ class EngineCore:
         with use(self.kernels):
             if self._prev is not None and (not self.async_scheduling or self._needs_host_outputs()):
                 finished += self._update()
+            trim_illegal_drafts(self.scheduler.running)        # so_args requests verify legal drafts only
             if self.verify_policy is not None:
                 self.verify_policy.choose(self.scheduler.running)
             batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []

@@ -158,6 +158,19 @@ class RequestGrammar:
         """Row `row` of an xgrammar bitmask [rows, ceil(V / 32)] int32: the legal next tokens."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def ended(self) -> bool:
+        """The grammar accepted its stop token: nothing may follow."""
+        return bool(self.matcher.is_terminated())
+
+    def legal_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (drafts after the committed ones) the grammar allows in a row, up to its stop token;
+        the matcher is left as it was."""
+        n = 0
+        while n < len(tokens) and not self.ended() and self.accept(tokens[n]):
+            n += 1
+        self.rollback(n)
+        return n
+
 
 class MaskBuffer:
     """One engine's host bitmask [rows, ceil(V / 32)] int32, reused every step: pinned when the logits are on a
@@ -171,7 +184,7 @@ class MaskBuffer:
         self.xgr, self.host, self.copied = xgr, None, None
         self.fills, self.fill_seconds = 0, 0.0
 
-    def apply(self, logits: torch.Tensor, grammars: list) -> None:
+    def apply(self, logits: torch.Tensor, grammars: list, drafts: list | None = None) -> None:
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return
@@ -183,8 +196,7 @@ class MaskBuffer:
         elif self.copied is not None:
             self.copied.synchronize()           # the previous step's copy has read the buffer
         bitmask = self.host[:m]                 # rows not in `rows` are never read (indices below)
-        for i in rows:
-            grammars[i].fill(bitmask, i)
+        _fill_after_drafts(bitmask, rows, grammars, drafts or [[]] * m)
         if cuda:
             bitmask = bitmask.to(logits.device, non_blocking=True)
             self.copied = torch.cuda.Event()
@@ -194,11 +206,46 @@ class MaskBuffer:
         self.fill_seconds += time.perf_counter() - t0
 
 
-def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
-    """logits [M, V] in place: row i keeps only the tokens grammars[i] allows (None: the row is untouched)."""
+def _fill_after_drafts(bitmask: torch.Tensor, rows: list[int], grammars: list, drafts: list) -> None:
+    """Row i's mask is that of grammars[i] after accepting drafts[i] (the drafts a verify row fed before its
+    logit row i; a request's rows are consecutive, each one draft longer): each matcher walks its drafts once and
+    is rolled back to its committed state. A draft the grammar refuses (EngineCore trims them, so only as a
+    safeguard) leaves the rows after it with the last legal state's mask, and the row after a stop-token draft
+    allows every token: finite logits for rows that are never committed."""
+    cur, depth = None, 0
+    for i in rows:
+        g, before = grammars[i], drafts[i]
+        if g is not cur:
+            if cur is not None:
+                cur.rollback(depth)
+            cur, depth = g, 0
+        while depth < len(before) and not g.ended() and g.accept(before[depth]):
+            depth += 1
+        if g.ended():                         # after a stop-token draft: a row the request never commits
+            bitmask[i] = -1
+        else:
+            g.fill(bitmask, i)                # a refused draft is refused again: later rows keep this mask
+    if cur is not None:
+        cur.rollback(depth)
+
+
+def trim_illegal_drafts(requests) -> None:
+    """Cut each constrained request's drafts (Request.spec_token_ids) at the first one its grammar refuses after
+    the committed tokens: a refused draft can never be accepted (the target's masked probability of it is 0), so
+    verifying it and the drafts after it would be wasted rows. The drafters themselves draw unconstrained: masking
+    a draft block would need the step's committed tokens on the host before the block runs."""
+    for r in requests:
+        if r.grammar is not None and r.spec_token_ids:
+            del r.spec_token_ids[r.grammar.legal_prefix(r.spec_token_ids):]
+
+
+def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None], drafts: list | None = None
+                        ) -> None:
+    """logits [M, V] in place: row i keeps only the tokens grammars[i] allows (None: the row is untouched), after
+    the drafts drafts[i] (a verify row's logit rows: the drafts fed before each; None: no drafts)."""
     first = next((g for g in grammars if g is not None), None)
     if first is not None:
-        first.grammars.masks.apply(logits, grammars)
+        first.grammars.masks.apply(logits, grammars, drafts)
 
 
-__all__ = ["Grammars", "RequestGrammar", "apply_grammar_masks", "schema_text"]
+__all__ = ["Grammars", "RequestGrammar", "apply_grammar_masks", "schema_text", "trim_illegal_drafts"]

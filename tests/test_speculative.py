@@ -1,8 +1,10 @@
 """Speculative decoding end to end on the real runner (tiny V4.1 with DSpark, tiny V4 with its MTP layer; CPU):
 greedy output equals plain decoding token for token under every verify schedule, with chunked prefill and
 preemption in between and with forced partial acceptances and full rejections; the state every kind holds after
-rollbacks is the one plain decoding leaves; V4's pooled MTP drafts are the reference layer's k-step chain; seeded sampling is bitwise batch-invariant (and equal to plain decoding) in batch-invariant mode; the
-pinned acceptance model reproduces its accepted length; bad settings are one line each."""
+rollbacks is the one plain decoding leaves; V4's pooled MTP drafts are the reference layer's k-step chain;
+grammar-constrained requests verify drafts under their grammar; seeded sampling is bitwise batch-invariant (and
+equal to plain decoding) in batch-invariant mode; the pinned acceptance model reproduces its accepted length;
+bad settings are one line each."""
 
 from __future__ import annotations
 
@@ -238,6 +240,46 @@ def test_v4_pooled_mtp_drafts_are_the_reference_layers_k_step_chain():
                     assert abs(want - conf[r, k].item()) <= 1e-9 * max(want, 1e-30) + 1e-300, (p, k)
             checked += 1
     assert checked > 10
+
+
+GRAMMAR = r"(cat|dog)s? [0-9]{1,3}( and (cat|dog)s?)?( with [a-z]{2,6})?"
+
+
+@pytest.mark.parametrize("arch", [V41, V4])
+def test_constrained_requests_verify_drafts_under_their_grammar(arch):
+    """so_args with speculation: greedy regex-constrained output equals plain constrained decoding token for token
+    with drafts forced right except where (position + k) % 4 == 3 (a wrong id, often one the grammar refuses: cut
+    before verification); every output ends with "stop" and matches; seeded sampled constrained rows are bitwise
+    those of plain decoding in batch-invariant mode (the coupled rule; wrong drafts the grammar allows are
+    rejected); a pinned acceptance model with so_args is refused."""
+    import re
+    pytest.importorskip("xgrammar")
+    so = {"regex": GRAMMAR}
+    greedy = SamplingParams(temperature=0, max_tokens=40, so_args=so)
+    prompts = PROMPTS[:4]
+    plain = engine(arch)
+    want = plain.generate(prompts, greedy, use_tqdm=False)
+    truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in want}
+    llm = engine(arch, speculative=True)
+    seen = force_drafts(llm, truth, lambda at, k: (at + k) % 4 == 3)
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [w.outputs[0].token_ids for w in want]
+    for o in got:
+        assert o.outputs[0].finish_reason == "stop" and re.fullmatch(GRAMMAR, o.outputs[0].text), o.outputs[0]
+    st = llm.stats
+    assert 0 < st.accepted_draft_tokens and st.draft_tokens < 5 * seen["blocks"]       # refused drafts were cut
+    kw = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8, kernel_backend="invariant")
+    sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=40, so_args=so) for s in range(4)]
+    base = LLM(embedded_tiny_dir(arch), **kw).generate(prompts, sampled, use_tqdm=False)
+    spec = LLM(embedded_tiny_dir(arch), speculative={"schedule": "budget", "step_seconds": TABLE}, **kw)
+    force_drafts(spec, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in base},
+                 lambda at, k: (at + 2 * k) % 5 == 1, None if arch == V41 else lambda at, k: 0.9)
+    outs = spec.generate(prompts, sampled, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    assert spec.stats.accepted_draft_tokens > 0 and spec.stats.rollbacks > 0    # legal wrong drafts rejected
+    pinned = engine(arch, speculative={"acceptance": [0.5] * 5})
+    with pytest.raises(DeepInferError, match="so_args with a pinned speculative acceptance model"):
+        pinned.generate("x", greedy, use_tqdm=False)
 
 
 @pytest.mark.parametrize("value,match", [

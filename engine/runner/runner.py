@@ -203,7 +203,7 @@ class ModelRunner:
         sampled = inputs.sampled
         if not sampled:
             return StepOutput([], None)
-        reqs, positions, outputs, n_out = [], [], [], []
+        reqs, positions, outputs, n_out, before = [], [], [], [], []
         for s in sampled:
             r = s.req
             for j in range(s.num_logits):
@@ -213,10 +213,10 @@ class ModelRunner:
                 positions.append(p + 1)
                 outputs.append(r.output_ids + drafts if drafts else r.output_ids)
                 n_out.append(len(r.output_ids) + r.num_inflight + len(drafts))
-        # so_args rows: only legal tokens stay finite. One matcher state per request: right while a constrained
-        # request has one logit row (EngineCore refuses so_args with a drafter, so no verify rows). A request
-        # that ended in the step before_sample read is not masked: its row here is dropped.
-        apply_grammar_masks(logits, [r.grammar if r.finish_reason is None else None for r in reqs])
+                before.append(drafts)
+        # so_args rows: only legal tokens stay finite, each verify logit row masked by the matcher after the drafts
+        # before it. A request that ended in the step before_sample read is not masked: its row here is dropped.
+        apply_grammar_masks(logits, [r.grammar if r.finish_reason is None else None for r in reqs], before)
         t = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], positions, logits.shape[-1],
                                    logits.device, [r.prompt_ids for r in reqs], outputs,
                                    self.model.cfg.eos_token_id, n_out)
