@@ -333,7 +333,11 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
 \b
   deepinfer-bench dspark --report-dir /tmp/reports                   # tiny V4.1 on CPU (about two minutes)
   deepinfer-bench dspark --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
-      --expert-storage fp4 --modes off,fixed,confidence,budget --concurrency 1,16,60,96 --isl 1024 --osl 128""")
+      --expert-storage fp4 --modes off,fixed,confidence,budget --concurrency 1,16,60,96 --isl 1024 --osl 128
+  deepinfer-bench dspark --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16 \
+      --num-speculative-tokens 3 --repeats 3                          # V4 drafting with its MTP layer
+  deepinfer-bench dspark --model /path/to/DeepSeek-V4.1-Flash --acceptance measured --prompts all \
+      --device cuda --dtype bfloat16                                  # a real checkpoint, the prompt set""")
 @click.option("--model", default="random:deepseek_v41:tiny:2", show_default=True, callback=not_blank,
               help="a checkpoint dir / hub id or random:ARCH:PRESET:N (V4.1 drafts with DSpark, V4 with its MTP layer)")
 @click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
@@ -348,17 +352,23 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
                    "rates, or 'measured' (the drafter's own, for a real checkpoint)")
 @click.option("--num-speculative-tokens", type=int, default=5, show_default=True, help="drafts per step (<= 5)")
 @click.option("--isl", type=int, default=64, show_default=True, help="prompt tokens")
-@click.option("--osl", type=int, default=64, show_default=True, help="new tokens per request (exactly)")
+@click.option("--osl", type=int, default=64, show_default=True,
+              help="new tokens per request (exactly; with --prompts from the set: at most, ending at EOS)")
 @click.option("--rounds", type=int, default=2, show_default=True,
               help="timed requests per point = concurrency x rounds")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--prompts", type=click.Choice(["random", "all", "code", "math", "chat"]), default="random",
+              show_default=True, help="random tokens, or a category of the project-owned prompt set (a real "
+              "checkpoint's acceptance: chat template, cut to --isl, up to --osl new tokens ending at EOS)")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="run the study this many times, engines built afresh (the table: medians and ranges)")
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--no-png", is_flag=True, help="chart as HTML only (no browser for kaleido)")
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: dspark-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
               help="run directory (overrides --report-dir / --run-id)")
 def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, acceptance, num_speculative_tokens, isl,
-               osl, rounds, seed, report_dir, no_png, run_id, out) -> None:
+               osl, rounds, seed, prompts, repeats, report_dir, no_png, run_id, out) -> None:
     """DSpark speculative decoding against none, and confidence-scheduled verification against fixed-length:
     throughput, tok/s/user, accepted length and verified tokens per (mode, concurrency), acceptance pinned to a
     published curve by default (random weights accept almost nothing)."""
@@ -368,7 +378,8 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
     cfg = DSparkConfig(model=model, device=device, dtype=dtype, expert_storage=expert_storage,
                        modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
                        concurrency=parse_int_list(concurrency, "--concurrency"), acceptance=acceptance,
-                       num_speculative_tokens=num_speculative_tokens, isl=isl, osl=osl, rounds=rounds, seed=seed)
+                       num_speculative_tokens=num_speculative_tokens, isl=isl, osl=osl, rounds=rounds, seed=seed,
+                       prompts=prompts, repeats=repeats)
     cfg.check()
     run_dir = run_dir_for(report_dir, run_id, out, "dspark")
     rows = run_dspark_bench(cfg, run_dir, echo=click.echo, png=not no_png)

@@ -11,13 +11,19 @@ Random weights accept almost nothing, so by default acceptance is *pinned* (engi
 golden curve's per-position survival decides which drafts pass, while the real kernels draft, verify and roll
 back the real shapes. `--acceptance measured` uses the drafter's own acceptance (a real checkpoint).
 
-Per point: concurrency x rounds random-token prompts of `isl` tokens, exactly `osl` new tokens each (greedy,
-ignore_eos), all ready at the start; as many other prompts first, untimed, in up to WARMUP_PASSES passes until a
+Per point: concurrency x rounds prompts, all ready at the start: by default random-token prompts of `isl` tokens
+and exactly `osl` new tokens each (greedy, ignore_eos); with `prompts` a category of the project-owned prompt set
+(harness/data/dspark_prompts.jsonl: code, math, chat; `all` cycles every category) the set's prompts through the
+checkpoint's chat template (the plain text where it has none), cut to their last `isl` tokens, at most `osl` new
+tokens each, ending at EOS (what a real checkpoint's acceptance is measured on). As many other prompts first, untimed, in up to WARMUP_PASSES passes until a
 pass captures no new CUDA graph (variable verify lengths meet new shapes; the row says how many were still
 captured in the timed run: engine_stats.graphs_captured_timed).
 The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
 counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
-row, acceptance by draft position, verify rows, steps, graph replays, and the step-rate table the schedule used."""
+row, acceptance by draft position, verify rows, steps, graph replays, and the step-rate table the schedule used.
+`repeats` runs the whole study that many times, every engine built afresh each time (rows carry `repeat`; the
+table gives the median and the range over the repeats: single runs differ between engines by more than the
+schedules do, docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -35,7 +41,9 @@ from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, rea
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
 
-DSPARK_METHOD_VERSION = "1"
+DSPARK_METHOD_VERSION = "2"
+PROMPT_SETS = ("random", "all", "code", "math", "chat")
+PROMPT_FILE = Path(__file__).parent / "data" / "dspark_prompts.jsonl"
 WARMUP_PASSES = 3
 MODES = ("off", "fixed", "confidence", "budget")
 # Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).
@@ -63,6 +71,8 @@ class DSparkConfig:
     osl: int = 64
     rounds: int = 2
     seed: int = 0
+    prompts: str = "random"                # PROMPT_SETS: random tokens, or a category of the prompt set
+    repeats: int = 1
 
     def survival(self) -> tuple[float, ...] | None:
         """The pinned survival curve (None: measured acceptance)."""
@@ -80,8 +90,10 @@ class DSparkConfig:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise DeepInferError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
+        if self.prompts not in PROMPT_SETS:
+            raise DeepInferError(f"--prompts {self.prompts!r}: choose from {', '.join(PROMPT_SETS)}")
         for name, v in (("--isl", self.isl), ("--osl", self.osl), ("--rounds", self.rounds),
-                        ("--num-speculative-tokens", self.num_speculative_tokens)):
+                        ("--num-speculative-tokens", self.num_speculative_tokens), ("--repeats", self.repeats)):
             if v < 1:
                 raise DeepInferError(f"{name} must be at least 1, got {v}")
         if self.osl < 2:
@@ -102,8 +114,33 @@ class DSparkConfig:
         return spec
 
 
-def key(mode: str, concurrency: int) -> str:
-    return f"{mode}/c{concurrency}"
+def key(mode: str, concurrency: int, repeat: int | None = None) -> str:
+    return f"{mode}/c{concurrency}" + ("" if repeat is None else f"/r{repeat}")
+
+
+def set_prompts(llm, category: str, n: int, isl: int) -> list[list[int]]:
+    """n prompts of the project-owned set (category or `all`), cycled, as token ids through the chat template (the
+    plain text without one), each cut to its last isl tokens."""
+    if llm.tokenizer is None:
+        raise DeepInferError("--prompts needs the checkpoint's tokenizer (the model has none): use --prompts random")
+    texts = [json.loads(line) for line in PROMPT_FILE.read_text().splitlines() if line.strip()]
+    texts = [t["prompt"] for t in texts if category == "all" or t["category"] == category]
+    try:
+        llm.chat_template()
+        encode = lambda t: llm._render_chat([{"role": "user", "content": t}], True)   # noqa: E731
+    except DeepInferError:                                   # no chat template: the plain text
+        encode = lambda t: llm.tokenizer.encode(t).ids       # noqa: E731
+    ids = [encode(t)[-isl:] for t in texts]
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def point_workload(llm, cfg: "DSparkConfig", n: int, seed: int):
+    """(prompts, SamplingParams) of one pass of a point: random tokens (exactly osl new) or the prompt set."""
+    if cfg.prompts == "random":
+        work = random_workload(n, cfg.isl, cfg.osl, 1.0, llm.model.cfg.vocab_size, seed)
+        return work.prompts, SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True)
+    prompts = set_prompts(llm, cfg.prompts, n + seed % 7, cfg.isl)[seed % 7:]   # warm-up passes start elsewhere
+    return prompts, SamplingParams(temperature=0, max_tokens=cfg.osl)
 
 
 def speculation_fields(stats, policy) -> dict:
@@ -123,19 +160,17 @@ def speculation_fields(stats, policy) -> dict:
 
 
 def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
-    vocab = llm.model.cfg.vocab_size
     n = concurrency * cfg.rounds
-    work = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index)
-    params = SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True)
+    prompts, params = point_workload(llm, cfg, n, cfg.seed * 1_000_003 + index)
     for k in range(WARMUP_PASSES):       # variable verify lengths meet new graph shapes: warm until none is new
         before = len(llm.stats.graphs_captured)
-        warm = random_workload(n, cfg.isl, cfg.osl, 1.0, vocab, cfg.seed * 1_000_003 + index + 7919 * (k + 1))
-        run_requests(llm, warm.prompts, [params] * n, concurrency)
+        warm, _ = point_workload(llm, cfg, n, cfg.seed * 1_000_003 + index + 7919 * (k + 1))
+        run_requests(llm, warm, [params] * n, concurrency)
         if len(llm.stats.graphs_captured) == before:
             break
     captured = len(llm.stats.graphs_captured)
     llm.engine.reset_stats()
-    _, timings, duration = run_requests(llm, work.prompts, [params] * n, concurrency)
+    _, timings, duration = run_requests(llm, prompts, [params] * n, concurrency)
     row = compute_metrics(timings, duration=duration, num_gpus=1).to_row()
     st = llm.stats
     row.update(speculation_fields(st, llm.engine.verify_policy))
@@ -181,56 +216,74 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = Tr
                     "precision": cfg.dtype, "device": cfg.device, "expert_storage": cfg.expert_storage,
                     "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
                     "git_dirty": env["git"]["dirty"], "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl,
-                    "rounds": cfg.rounds, "seed": cfg.seed, "acceptance": cfg.acceptance,
                     "pinned_survival": None if survival is None else list(survival),
-                    "num_speculative_tokens": cfg.num_speculative_tokens, "is_projected": False}
-        index = 0
-        for mode in cfg.modes:
-            t1 = time.perf_counter()
-            llm = _engine(model, cfg, mode)
-            backend, backends = kernel_info(llm)
-            echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
-            for c in cfg.concurrency:
-                row = {**identity, "key": key(mode, c), "schedule": mode, "spec_mode": spec_mode_of(llm),
-                       "mode": "decode", "engine": "deepinfer", "gpus": 1, "num_prompts": c * cfg.rounds,
-                       "concurrency": c, "kernel_backend": backend,
-                       "kernel_backends": backends, "started": utc_now()}
-                try:
-                    row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
-                except DeepInferError as e:            # a failed point is a row, never lost
-                    row.update(status="failed", error=str(e), finished=utc_now())
-                store.append(row)
-                index += 1
-                if row["status"] == "ok":
-                    al = row["mean_accepted_length"]
-                    echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  "
-                         f"{row['median_intvty']:8.1f} tok/s/user  AL {al:.3f}")
-                else:
-                    echo(f"  {row['key']:<14} failed: {row['error']}")
-            del llm                            # its pools and graphs go back before the next engine sizes its own
-            free_device_memory()
+                    "num_speculative_tokens": cfg.num_speculative_tokens, "is_projected": False,
+                    "rounds": cfg.rounds, "seed": cfg.seed, "acceptance": cfg.acceptance, "prompts": cfg.prompts,
+                    "repeats": cfg.repeats}
+        for rep in range(cfg.repeats):
+            for mode in cfg.modes:
+                t1 = time.perf_counter()
+                llm = _engine(model, cfg, mode)
+                backend, backends = kernel_info(llm)
+                echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
+                for index, c in enumerate(cfg.concurrency):      # every mode and repeat: the same workloads
+                    row = {**identity, "key": key(mode, c, rep if cfg.repeats > 1 else None), "schedule": mode,
+                           "spec_mode": spec_mode_of(llm), "mode": "decode", "engine": "deepinfer", "gpus": 1,
+                           "num_prompts": c * cfg.rounds, "concurrency": c, "repeat": rep, "kernel_backend": backend,
+                           "kernel_backends": backends, "started": utc_now()}
+                    try:
+                        row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
+                    except DeepInferError as e:            # a failed point is a row, never lost
+                        row.update(status="failed", error=str(e), finished=utc_now())
+                    store.append(row)
+                    if row["status"] == "ok":
+                        al = row["mean_accepted_length"]
+                        echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  "
+                             f"{row['median_intvty']:8.1f} tok/s/user  AL {al:.3f}")
+                    else:
+                        echo(f"  {row['key']:<14} failed: {row['error']}")
+                del llm                        # its pools and graphs go back before the next engine sizes its own
+                free_device_memory()
     from .report import report_run
     report_run(run_dir, png=png)               # summary.csv, decode_pareto: a frontier per spec_mode
     return read_rows(run_dir)
 
 
+def _median(values: list):
+    import statistics
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def table(rows: list[dict]) -> list[str]:
-    """Per concurrency and mode: throughput, tok/s/user, accepted length, verified tokens per row, and the
-    ratios the upstream claims are about: tok/s/user against `off`, and for confidence / budget the verified
-    tokens, accepted length and throughput against `fixed`."""
-    ok = {(r["schedule"], r["concurrency"]): r for r in rows if r.get("status") == "ok"}
+    """Per concurrency and mode (the median over repeats; with repeats, the throughput's and tok/s/user's range
+    as min-max): throughput, tok/s/user, accepted length, verified tokens per row, and the ratios the upstream
+    claims are about: tok/s/user against `off`, and for confidence / budget the verified tokens, accepted length
+    and throughput against `fixed` (ratios of medians)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            groups.setdefault((r["schedule"], r["concurrency"]), []).append(r)
+    fields = ("output_throughput", "median_intvty", "mean_accepted_length", "verified_tokens_per_row")
+    ok = {k: {f: _median([r[f] for r in g]) for f in fields} for k, g in groups.items()}
+    spread = {k: {f: (min(r[f] for r in g), max(r[f] for r in g)) for f in fields[:2]}
+              for k, g in groups.items() if len(g) > 1}
     lines = [f"{'conc':>5} {'mode':<10} {'tok/s':>9} {'tok/s/u':>8} {'AL':>6} {'verif/row':>9} "
-             f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11}"]
+             f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11}"
+             + ("  tok/s range; tok/s/u range" if spread else "")]
     fmt = lambda v, f: "-" if v is None else format(v, f)                 # noqa: E731
     ratio = lambda a, b: a / b if a is not None and b else None           # noqa: E731
     for (mode, c), r in sorted(ok.items(), key=lambda kv: (kv[0][1], MODES.index(kv[0][0]))):
         off, fix = ok.get(("off", c)), ok.get(("fixed", c))
         vs_fix = mode in ("confidence", "budget") and fix is not None
+        rng = spread.get((mode, c))
         lines.append(
             f"{c:>5} {mode:<10} {r['output_throughput']:>9.1f} {r['median_intvty']:>8.1f} "
             f"{fmt(r['mean_accepted_length'], '.3f'):>6} {fmt(r['verified_tokens_per_row'], '.3f'):>9} "
             f"{fmt(ratio(r['median_intvty'], off['median_intvty']) if off and mode != 'off' else None, '.3f'):>8} "
             f"{fmt(ratio(r['verified_tokens_per_row'], fix['verified_tokens_per_row']) if vs_fix else None, '.3f'):>12} "
             f"{fmt(ratio(r['mean_accepted_length'], fix['mean_accepted_length']) if vs_fix else None, '.3f'):>9} "
-            f"{fmt(ratio(r['output_throughput'], fix['output_throughput']) if vs_fix else None, '.3f'):>11}")
+            f"{fmt(ratio(r['output_throughput'], fix['output_throughput']) if vs_fix else None, '.3f'):>11}"
+            + (f"  {rng['output_throughput'][0]:.1f}-{rng['output_throughput'][1]:.1f}; "
+               f"{rng['median_intvty'][0]:.1f}-{rng['median_intvty'][1]:.1f}" if rng else ""))
     return lines

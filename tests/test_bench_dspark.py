@@ -42,12 +42,34 @@ def test_rows_carry_speculation_counters(tmp_path):
     assert len(read_rows(tmp_path / "run")) == 6
 
 
+def test_v4_mtp_on_the_prompt_set_with_repeats(tmp_path):
+    """A V4 model drafts with its MTP layer (spec_mode mtp-...); --prompts takes the project-owned set through the
+    chat template, cut to --isl, ending at EOS or --osl; --repeats builds the engines again and keys rows per
+    repeat, and the table gives medians with the ranges."""
+    from deepinfer.harness.dspark_bench import PROMPT_FILE
+    cfg = DSparkConfig(model="random:deepseek_v4:tiny:2", modes=("off", "fixed"), concurrency=(2,), isl=24, osl=6,
+                       rounds=1, prompts="math", repeats=2, acceptance="measured", num_speculative_tokens=2)
+    rows = run_dspark_bench(cfg, tmp_path / "run", png=False)
+    assert [r["key"] for r in rows] == ["off/c2/r0", "fixed/c2/r0", "off/c2/r1", "fixed/c2/r1"]
+    assert [r["repeat"] for r in rows] == [0, 0, 1, 1] and all(r["prompts"] == "math" for r in rows)
+    assert rows[1]["spec_mode"] == "mtp-fixed-2" and rows[1]["pinned_survival"] is None
+    for r in rows:
+        assert r["status"] == "ok" and r["completed"] == 2 and 0 < r["total_output_tokens"] <= 12
+        assert r["total_input_tokens"] <= 2 * 24
+    assert rows[0]["total_output_tokens"] == rows[2]["total_output_tokens"]        # the same workload each repeat
+    lines = table(rows)
+    assert len(lines) == 3 and "range" in lines[0] and "-" in lines[2].split()[-1]
+    assert sum(1 for line in PROMPT_FILE.read_text().splitlines() if '"math"' in line) >= 8
+
+
 @pytest.mark.parametrize("kw,why", [
     ({"modes": ("fast",)}, "--modes 'fast': choose from off, fixed, confidence, budget"),
     ({"acceptance": "high"}, "--acceptance 'high': give one of"),
     ({"acceptance": "0.5,0.7"}, "must be non-increasing"),
     ({"model": "random:deepseek_v4:tiny:2", "num_speculative_tokens": 6}, "must be an integer in 1..5"),
     ({"osl": 1}, "--osl must be at least 2"),
+    ({"prompts": "poems"}, "--prompts 'poems': choose from random, all, code, math, chat"),
+    ({"repeats": 0}, "--repeats must be at least 1"),
     ({"num_speculative_tokens": 9}, "must be an integer in 1..5"),
 ])
 def test_bad_settings_are_one_line(kw, why):
