@@ -5,7 +5,8 @@ One graph per (padded segment count, q or padded row count, context blocks, kern
 are kept). Segment counts are padded up a ladder (1, 2, 4, ... up to max_graph_batch); padding segments use
 scratch slot 0, so they compute garbage that no sequence reads. A variable-length step's row count is padded up
 a ladder of its own (1, 2, 3, 4, 6, 8, 12, ...: at most 1.5x), the padding rows forming one more segment on
-scratch slot 0; its segment lengths are a device tensor the graph reads (ForwardBatch.varlen). Context blocks
+scratch slot 0; its segment lengths are a device tensor the graph reads (ForwardBatch.varlen); the ladder stops
+at max_rows (a step of 530 rows under max_rows = 576 pads to 576, not 768). Context blocks
 are rounded up to a power of two by the runner. Graphs are captured on first use (warm-up and capture with every
 segment on scratch, so real state is never touched) and share one memory pool; larger steps run eagerly."""
 
@@ -100,7 +101,9 @@ class StepGraphs:
             return None
         rows = size * q if q is not None else row_ladder(n)
         if q is None and rows > self.max_rows:
-            return None
+            if n > self.max_rows:
+                return None
+            rows = self.max_rows                           # the ladder's top is the most rows a step can have
         key = (size, q, rows, ctx_blocks, active().name, draft_rings)   # a graph holds the kernels it was captured with
         with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
             if key not in self.graphs:
