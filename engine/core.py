@@ -37,7 +37,7 @@ from .errors import DeepInferError
 from .output_processor import OutputProcessor
 from .scheduler import Request, Scheduled, Scheduler, Status
 from .spec.verify import committed_tokens
-from .stats import Counters, EngineStats, runner_fields, state_fields
+from .stats import Counters, EngineStats, graph_count, runner_fields, state_fields
 from .structured import trim_illegal_drafts
 
 
@@ -171,9 +171,10 @@ class EngineCore:
             if self.verify_policy is not None:
                 self.verify_policy.choose(self.scheduler.running)
             batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
+            captures = graph_count(self.runner)
             launched = self._launch(batch, finished) if batch else None
             if launched is not None and self.verify_policy is not None:
-                self.verify_policy.launched(sum(s.n for s in batch))
+                self.verify_policy.launched(sum(s.n for s in batch), graph_count(self.runner) > captures)
             if self._prev is not None:
                 finished += self._update()
             elif launched is None and self.scheduler.has_unfinished():

@@ -54,6 +54,13 @@ class EngineStats(Counters):
         return dataclasses.asdict(self)
 
 
+def graph_count(runner) -> int:
+    """CUDA graphs the runner has captured so far (step graphs and draft-block graphs)."""
+    graphs = getattr(getattr(runner, "graphs", None), "graphs", None) or {}
+    drafts = getattr(getattr(getattr(runner, "speculator", None), "graphs", None), "graphs", None) or {}
+    return len(graphs) + len(drafts)
+
+
 def runner_fields(runner) -> dict:
     """What the runner says about CUDA graphs (a runner without graphs reports none)."""
     graphs = getattr(runner, "graphs", None)

@@ -44,7 +44,7 @@ from .workload import random_workload, run_requests
 DSPARK_METHOD_VERSION = "2"
 PROMPT_SETS = ("random", "all", "code", "math", "chat")
 PROMPT_FILE = Path(__file__).parent / "data" / "dspark_prompts.jsonl"
-WARMUP_PASSES = 3
+WARMUP_PASSES = 8                      # variable-length verify steps meet many graph shapes (rows x context)
 MODES = ("off", "fixed", "confidence", "budget")
 # Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).
 # V4-Pro: InferenceX golden_al_distribution dsv4_dspark_probabilistic (B300, SPEED-Bench coding, T=1): s_k is

@@ -297,10 +297,11 @@ def test_budget_properties_on_random_instances(seed):
 
 def test_profiled_rate_is_calibrated_by_the_measured_step_overhead(monkeypatch):
     """A profiled table gains the per-step time the profile did not see (EMA of launch-to-launch seconds minus
-    the table's), never below zero; a given table is left as it is; an idle gap is not a step."""
+    the table's), never below zero; a given table is left as it is; an idle gap is not a step, nor is an interval
+    in which a CUDA graph was captured."""
     from deepinfer.spec import policy as policy_mod
     from deepinfer.spec.config import SpecConfig
-    clock = iter([0.0, 0.010, 0.020, 5.0, 5.010, 6.0])
+    clock = iter([0.0, 0.010, 0.020, 5.0, 5.010, 5.5, 5.51, 6.0])
     monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
     table = StepRate.from_dict({1: 0.002, 64: 0.004})
     p = policy_mod.VerifyPolicy(SpecConfig(schedule="confidence"), table, calibrate=True)
@@ -314,6 +315,11 @@ def test_profiled_rate_is_calibrated_by_the_measured_step_overhead(monkeypatch):
     before = p.overhead
     p.launched(1)                       # t = 5.0: after an idle gap, nothing measured
     p.launched(1)                       # t = 5.01
+    assert p.overhead == pytest.approx(0.8 * before + 0.2 * 0.008)
+    before = p.overhead
+    p.launched(1, captured=True)        # t = 5.5: 490 ms, a graph captured on the way: skipped
+    assert p.overhead == before
+    p.launched(1)                       # t = 5.51: measured again from the skipped launch
     assert p.overhead == pytest.approx(0.8 * before + 0.2 * 0.008)
     given = policy_mod.VerifyPolicy(SpecConfig(schedule="confidence"), table, calibrate=False)
     given.launched(1)

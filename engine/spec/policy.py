@@ -10,7 +10,8 @@ The step rate SPS(B) comes from `step_seconds` in the config, taken as given, or
 starts (ModelRunner.profile_step_seconds: the target step and the draft block on the device). A profiled table is
 then calibrated online: what a whole engine step really takes beyond the table (host planning, sampling inputs,
 commits: a cost per step that does not grow with the verified tokens) is followed as an exponential moving
-average of (seconds between two launches - table seconds of the first one's tokens), and added to every point.
+average of (seconds between two launches - table seconds of the first one's tokens; an interval in which a CUDA
+graph was captured is skipped), and added to every point.
 Without it the schedule sees extra tokens as dearer than they are and trims too much."""
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ class VerifyPolicy:
         self.verified = 0              # drafts those steps verified
         self._last: tuple[float, int] | None = None     # (when the previous step was launched, its tokens)
 
-    def launched(self, tokens: int) -> None:
-        """A step of `tokens` fed positions was just launched (the engine core calls this each step)."""
+    def launched(self, tokens: int, captured: bool = False) -> None:
+        """A step of `tokens` fed positions was just launched (the engine core calls this each step); captured: it
+        captured a CUDA graph on the way (a one-off cost that is no step's overhead: that interval is skipped)."""
         now = time.perf_counter()
-        if self.calibrate and self._last is not None and self._last[1] <= self.table.tokens[-1]:
+        if self.calibrate and self._last is not None and self._last[1] <= self.table.tokens[-1] and not captured:
             excess = max(0.0, now - self._last[0] - self.table.seconds(self._last[1]))
             self.overhead = OVERHEAD_EMA * self.overhead + (1 - OVERHEAD_EMA) * excess
             self.rate = self.table.with_offset(self.overhead)
