@@ -29,7 +29,7 @@ from ..cache.forward_batch import ForwardBatch
 from ..cache.pools import SCRATCH
 from ..cache.spec import Ring
 
-MAX_STEPS = 5              # drafts a block proposes at most (DEEPINFER_USE_NEXTN_DECODE's default)
+MAX_STEPS = 5              # drafts a block proposes at most (the upstream draft cap's default)
 LAYER = "mtp.0"
 STREAMS = "mtp.streams"
 
