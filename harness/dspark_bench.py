@@ -1,6 +1,6 @@
 """`deepinfer-bench dspark`: what DSpark speculative decoding buys, and what confidence-scheduled verification
-buys over fixed-length verification. One row per (mode, concurrency) point (docs/speculative.md); rows are decode rows of the sweep's form (`schedule` the
-mode, `spec_mode` none / <method>-<schedule>-<drafts>), so the report draws a frontier per spec_mode. A V4 model
+buys over fixed-length verification. One row per (mode, concurrency) point (docs/speculative.md); rows are decode
+rows of the sweep's form (`schedule` the mode, `spec_mode` none / <method>-<schedule>-<drafts>), so the report draws a frontier per spec_mode. A V4 model
 drafts with its MTP layer instead of DSpark stages (method mtp); everything else is the same study.
 
 Modes: `off` (no speculation: the per-user baseline), `fixed` (every one of the N drafts verified: the comparison
@@ -15,8 +15,8 @@ Per point: concurrency x rounds prompts, all ready at the start: by default rand
 and exactly `osl` new tokens each (greedy, ignore_eos); with `prompts` a category of the project-owned prompt set
 (harness/data/dspark_prompts.jsonl: code, math, chat; `all` cycles every category) the set's prompts through the
 checkpoint's chat template (the plain text where it has none), cut to their last `isl` tokens, at most `osl` new
-tokens each, ending at EOS (what a real checkpoint's acceptance is measured on). As many other prompts first, untimed, in up to WARMUP_PASSES passes until a
-pass captures no new CUDA graph (variable verify lengths meet new shapes; the row says how many were still
+tokens each, ending at EOS (what a real checkpoint's acceptance is measured on). As many other prompts first,
+untimed, in up to WARMUP_PASSES passes until a pass captures no new CUDA graph (variable verify lengths meet new shapes; the row says how many were still
 captured in the timed run: engine_stats.graphs_captured_timed).
 The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
 counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
