@@ -334,9 +334,9 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
   deepinfer-bench dspark --report-dir /tmp/reports                   # tiny V4.1 on CPU (about two minutes)
   deepinfer-bench dspark --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
       --expert-storage fp4 --modes off,fixed,confidence,budget --concurrency 1,16,60,96 --isl 1024 --osl 128
-  deepinfer-bench dspark --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16 \
+  deepinfer-bench dspark --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16 \\
       --num-speculative-tokens 3 --repeats 3                          # V4 drafting with its MTP layer
-  deepinfer-bench dspark --model /path/to/DeepSeek-V4.1-Flash --acceptance measured --prompts all \
+  deepinfer-bench dspark --model /path/to/DeepSeek-V4.1-Flash --acceptance measured --prompts all \\
       --device cuda --dtype bfloat16                                  # a real checkpoint, the prompt set""")
 @click.option("--model", default="random:deepseek_v41:tiny:2", show_default=True, callback=not_blank,
               help="a checkpoint dir / hub id or random:ARCH:PRESET:N (V4.1 drafts with DSpark, V4 with its MTP layer)")
