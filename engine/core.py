@@ -167,11 +167,12 @@ class EngineCore:
         with use(self.kernels):
             if self._prev is not None and (not self.async_scheduling or self._needs_host_outputs()):
                 finished += self._update()
-            trim_illegal_drafts(self.scheduler.running)        # so_args requests verify legal drafts only
+            if self.drafter is not None or self.verify_policy is not None:
+                trim_illegal_drafts(self.scheduler.running)    # so_args requests verify legal drafts only
             if self.verify_policy is not None:
                 self.verify_policy.choose(self.scheduler.running)
             batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
-            captures = graph_count(self.runner)
+            captures = graph_count(self.runner) if self.verify_policy is not None else 0
             launched = self._launch(batch, finished) if batch else None
             if launched is not None and self.verify_policy is not None:
                 self.verify_policy.launched(sum(s.n for s in batch), graph_count(self.runner) > captures)

@@ -54,19 +54,23 @@ class EngineStats(Counters):
         return dataclasses.asdict(self)
 
 
+def _graph_tables(runner) -> tuple[dict, dict]:
+    """(the runner's step graphs, speculation's draft-block graphs) by key; empty where there are none."""
+    steps = getattr(getattr(runner, "graphs", None), "graphs", None) or {}
+    drafts = getattr(getattr(getattr(runner, "speculator", None), "graphs", None), "graphs", None) or {}
+    return steps, drafts
+
+
 def graph_count(runner) -> int:
     """CUDA graphs the runner has captured so far (step graphs and draft-block graphs)."""
-    graphs = getattr(getattr(runner, "graphs", None), "graphs", None) or {}
-    drafts = getattr(getattr(getattr(runner, "speculator", None), "graphs", None), "graphs", None) or {}
-    return len(graphs) + len(drafts)
+    return sum(len(t) for t in _graph_tables(runner))
 
 
 def runner_fields(runner) -> dict:
     """What the runner says about CUDA graphs (a runner without graphs reports none)."""
+    steps, drafts = _graph_tables(runner)
+    captured = {**steps, **{("draft", *k): None for k in drafts}}
     graphs = getattr(runner, "graphs", None)
-    captured = dict(getattr(graphs, "graphs", None) or {})
-    drafts = getattr(getattr(runner, "speculator", None), "graphs", None)    # speculation's draft-block graphs
-    captured.update({("draft", *k): None for k in (getattr(drafts, "graphs", None) or {})})
     return {"cuda_graphs": graphs is not None, "graphs_captured": [list(k) if isinstance(k, tuple) else k
                                                                    for k in sorted(captured, key=repr)],
             "graph_replays": int(getattr(runner, "graph_replays", 0) or 0)}

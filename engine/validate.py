@@ -5,14 +5,13 @@ the contract). Environment variables have their own reader, env.py."""
 
 from __future__ import annotations
 
-import json
 import numbers
 import os
 from pathlib import Path
 
 import torch
 
-from .errors import DeepInferError
+from .errors import ConfigError, DeepInferError
 
 # dtype names every entry point takes, in the order messages and --help list them
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -58,10 +57,11 @@ def drafter_of_spec(spec) -> str:
     """The draft method a checked model spec's model speculates with: mtp for V4, dspark for V4.1 (the embedded
     tiny model, a hub id: the default checkpoint is V4.1; a directory: its config.json's model_type)."""
     arch = random_spec_arch(spec)
-    if arch is None and isinstance(spec, str) and (Path(spec) / "config.json").is_file():
+    if arch is None and isinstance(spec, str) and Path(spec).is_dir():
+        from .config import load_model_config
         try:
-            arch = json.loads((Path(spec) / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError):
+            arch = load_model_config(spec).model_type
+        except ConfigError:                       # loading the model says what is wrong with it
             arch = None
     return "mtp" if arch == "deepseek_v4" else "dspark"
 
