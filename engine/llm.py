@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import numpy as np
 import torch
@@ -24,11 +25,12 @@ from .models import check_projection_storage, projection_storage_of
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .runner.inputs import PROMPT_LOGPROB_ROWS
+from .runner.rate_profile import profile_contexts, profile_step_rates
 from .sampling import SamplingParams
 from .scheduler import Request
 from .spec.config import spec_config
 from .spec.policy import VerifyPolicy
-from .spec.schedule import StepRate
+from .spec.step_rate import ContextStepRate, StepRate
 from .stats import EngineStats
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
                        refuse_unsupported, resolve_model, sampling_params_list)
@@ -149,15 +151,19 @@ class LLM:
             return None
         rate = None
         if spec.varlen:
-            table = dict(spec.step_seconds) if spec.step_seconds else None
-            if table is None:
-                cap = min(self._config.max_num_batched_tokens,
-                          self._config.max_num_seqs * (spec.num_speculative_tokens + 1))
+            if spec.step_seconds:
+                rate = StepRate.from_dict(dict(spec.step_seconds))
+            else:
+                q = spec.num_speculative_tokens + 1
+                cap = min(self._config.max_num_batched_tokens, self._config.max_num_seqs * q)
+                t0 = time.perf_counter()
                 with use(kernels):
-                    table = runner.profile_step_seconds(cap)
-                log.info("speculative step rate (tokens: ms per step): %s",
-                         ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in table.items()))
-            rate = StepRate.from_dict(table)
+                    tables = profile_step_rates(runner, cap, profile_contexts(self.max_model_len, q))
+                log.info("speculative step rate profiled in %.1f s (context: tokens: ms per step): %s",
+                         time.perf_counter() - t0, "; ".join(
+                             f"{c}: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in table.items())
+                             for c, table in tables.items()))
+                rate = ContextStepRate.from_dict(tables)
         return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds)
 
     def with_kernel_backend(self, name: str) -> "LLM":

@@ -15,9 +15,12 @@ Per point: concurrency x rounds prompts, all ready at the start: by default rand
 and exactly `osl` new tokens each (greedy, ignore_eos); with `prompts` a category of the project-owned prompt set
 (harness/data/dspark_prompts.jsonl: code, math, chat; `all` cycles every category) the set's prompts through the
 checkpoint's chat template (the plain text where it has none), cut to their last `isl` tokens, at most `osl` new
-tokens each, ending at EOS (what a real checkpoint's acceptance is measured on). As many other prompts first,
-untimed, in up to WARMUP_PASSES passes until a pass captures no new CUDA graph (variable verify lengths meet new shapes; the row says how many were still
-captured in the timed run: engine_stats.graphs_captured_timed).
+tokens each, ending at EOS (what a real checkpoint's acceptance is measured on). The point's workload first runs
+untimed, in up to WARMUP_PASSES passes until a pass captures no new CUDA graph (variable verify lengths meet new
+shapes; there is no prefix cache, so a repeated prompt costs what a new one does); a timed pass that still captured
+a graph is warm-up too and is run again, at most TIMED_ATTEMPTS times (engine_stats: timed_attempts, and the
+graphs the last timed pass captured, graphs_captured_timed). Every repeat builds an engine per mode, and the
+modes of a point run back to back, so drift over the run falls on all modes alike.
 The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
 counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
 row, acceptance by draft position, verify rows, steps, graph replays, and the step-rate table the schedule used.
@@ -45,6 +48,7 @@ DSPARK_METHOD_VERSION = "2"
 PROMPT_SETS = ("random", "all", "code", "math", "chat")
 PROMPT_FILE = Path(__file__).parent / "data" / "dspark_prompts.jsonl"
 WARMUP_PASSES = 8                      # variable-length verify steps meet many graph shapes (rows x context)
+TIMED_ATTEMPTS = 3                     # a timed pass that captured a graph is run again, at most this many times
 MODES = ("off", "fixed", "confidence", "budget")
 # Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).
 # V4-Pro: InferenceX golden_al_distribution dsv4_dspark_probabilistic (B300, SPEED-Bench coding, T=1): s_k is
@@ -160,23 +164,28 @@ def speculation_fields(stats, policy) -> dict:
 
 
 def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
+    """Warm-up passes of the point's own workload until one captures no new CUDA graph (at most WARMUP_PASSES),
+    then the timed pass; a timed pass that still captured a graph counts as warm-up and is run again (at most
+    TIMED_ATTEMPTS times; the row says how many it took and what the last one captured)."""
     n = concurrency * cfg.rounds
     prompts, params = point_workload(llm, cfg, n, cfg.seed * 1_000_003 + index)
     for k in range(WARMUP_PASSES):       # variable verify lengths meet new graph shapes: warm until none is new
         before = len(llm.stats.graphs_captured)
-        warm, _ = point_workload(llm, cfg, n, cfg.seed * 1_000_003 + index + 7919 * (k + 1))
-        run_requests(llm, warm, [params] * n, concurrency)
+        run_requests(llm, prompts, [params] * n, concurrency)
         if len(llm.stats.graphs_captured) == before:
             break
-    captured = len(llm.stats.graphs_captured)
-    llm.engine.reset_stats()
-    _, timings, duration = run_requests(llm, prompts, [params] * n, concurrency)
+    for attempt in range(1, TIMED_ATTEMPTS + 1):
+        captured = len(llm.stats.graphs_captured)
+        llm.engine.reset_stats()
+        _, timings, duration = run_requests(llm, prompts, [params] * n, concurrency)
+        if len(llm.stats.graphs_captured) == captured:
+            break
     row = compute_metrics(timings, duration=duration, num_gpus=1).to_row()
     st = llm.stats
     row.update(speculation_fields(st, llm.engine.verify_policy))
     row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
                      "graphs_captured_timed": len(st.graphs_captured) - captured, "warmup_passes": k + 1,
-                     "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
+                     "timed_attempts": attempt, "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
                      "max_step_tokens": st.max_step_tokens}
     return row
 
@@ -188,13 +197,34 @@ def _engine(model, cfg: DSparkConfig, mode: str):
                speculative=cfg.speculative(mode))
 
 
+def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index: int, rep: int, echo) -> dict:
+    """One point's row (a failed point is a row too, never lost)."""
+    from .step_bench import kernel_info
+    from .sweep import spec_mode_of
+    backend, backends = kernel_info(llm)
+    row = {**identity, "key": key(mode, c, rep if cfg.repeats > 1 else None), "schedule": mode,
+           "spec_mode": spec_mode_of(llm), "mode": "decode", "engine": "deepinfer", "gpus": 1,
+           "num_prompts": c * cfg.rounds, "concurrency": c, "repeat": rep, "kernel_backend": backend,
+           "kernel_backends": backends, "started": utc_now()}
+    try:
+        row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
+    except DeepInferError as e:
+        row.update(status="failed", error=str(e), finished=utc_now())
+    if row["status"] == "ok":
+        echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  {row['median_intvty']:8.1f} tok/s/user  "
+             f"AL {row['mean_accepted_length']:.3f}")
+    else:
+        echo(f"  {row['key']:<14} failed: {row['error']}")
+    return row
+
+
 def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = True) -> list[dict]:
     """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused), then the run's report
     (summary.csv and the decode Pareto chart, as `deepinfer-bench report` regenerates them); returns the rows."""
     from deepinfer.validate import resolve_model
 
-    from .step_bench import check_model, kernel_info
-    from .sweep import free_device_memory, spec_mode_of
+    from .step_bench import check_model
+    from .sweep import free_device_memory
     echo = echo or (lambda s: None)
     cfg.check()
     check_device(cfg.device)
@@ -220,30 +250,18 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = Tr
                     "num_speculative_tokens": cfg.num_speculative_tokens, "is_projected": False,
                     "rounds": cfg.rounds, "seed": cfg.seed, "acceptance": cfg.acceptance, "prompts": cfg.prompts,
                     "repeats": cfg.repeats}
-        for rep in range(cfg.repeats):
+        for rep in range(cfg.repeats):          # every mode's engine afresh each repeat; the modes of a point
+            engines = {}                         # are measured back to back (drift between them stays small)
             for mode in cfg.modes:
                 t1 = time.perf_counter()
-                llm = _engine(model, cfg, mode)
-                backend, backends = kernel_info(llm)
+                engines[mode] = _engine(model, cfg, mode)
                 echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
-                for index, c in enumerate(cfg.concurrency):      # every mode and repeat: the same workloads
-                    row = {**identity, "key": key(mode, c, rep if cfg.repeats > 1 else None), "schedule": mode,
-                           "spec_mode": spec_mode_of(llm), "mode": "decode", "engine": "deepinfer", "gpus": 1,
-                           "num_prompts": c * cfg.rounds, "concurrency": c, "repeat": rep, "kernel_backend": backend,
-                           "kernel_backends": backends, "started": utc_now()}
-                    try:
-                        row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
-                    except DeepInferError as e:            # a failed point is a row, never lost
-                        row.update(status="failed", error=str(e), finished=utc_now())
-                    store.append(row)
-                    if row["status"] == "ok":
-                        al = row["mean_accepted_length"]
-                        echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  "
-                             f"{row['median_intvty']:8.1f} tok/s/user  AL {al:.3f}")
-                    else:
-                        echo(f"  {row['key']:<14} failed: {row['error']}")
-                del llm                        # its pools and graphs go back before the next engine sizes its own
-                free_device_memory()
+            for index, c in enumerate(cfg.concurrency):          # every mode and repeat: the same workloads
+                for mode, llm in engines.items():
+                    store.append(_point_row(llm, cfg, identity, mode, c, index, rep, echo))
+            llm = None
+            engines.clear()                      # their pools and graphs go back before the next repeat's
+            free_device_memory()
     from .report import report_run
     report_run(run_dir, png=png)               # summary.csv, decode_pareto: a frontier per spec_mode
     return read_rows(run_dir)

@@ -19,7 +19,8 @@ def test_rows_carry_speculation_counters(tmp_path):
     cfg = DSparkConfig(modes=("off", "fixed", "budget"), concurrency=(1, 2), isl=16, osl=32, rounds=2)
     rows = run_dspark_bench(cfg, tmp_path / "run", png=False)
     assert (tmp_path / "run" / "decode_pareto.html").exists() and (tmp_path / "run" / "summary.csv").exists()
-    assert [r["key"] for r in rows] == ["off/c1", "off/c2", "fixed/c1", "fixed/c2", "budget/c1", "budget/c2"]
+    # the modes of a point run back to back (one engine per mode, built before the first point)
+    assert [r["key"] for r in rows] == ["off/c1", "fixed/c1", "budget/c1", "off/c2", "fixed/c2", "budget/c2"]
     by = {r["key"]: r for r in rows}
     for r in rows:
         assert r["status"] == "ok" and r["completed"] == 2 * r["concurrency"]
@@ -31,7 +32,9 @@ def test_rows_carry_speculation_counters(tmp_path):
     assert 2.8 < fixed["mean_accepted_length"] < 4.0, fixed["mean_accepted_length"]
     assert len(fixed["acceptance_by_position"]) == 5 and fixed["acceptance_by_position"][0] > 0.5
     assert fixed["verify_rows"] == fixed["drafts_by_position"][0] > 0
-    assert fixed["step_rate"] is None and by["budget/c1"]["step_rate"]      # profiled for a varlen schedule
+    assert fixed["step_rate"] is None                                        # profiled for a varlen schedule:
+    assert sorted(map(int, by["budget/c1"]["step_rate"])) == [0, 16 + 32 + 5 + 8 - 6]   # per context: 0, the longest
+    assert all(r["engine_stats"]["timed_attempts"] == 1 for r in rows)       # no graphs on CPU: one timed pass
     lines = table(rows)
     assert len(lines) == 7
     assert lines[2].split()[1] == "fixed" and lines[2].split()[6] == \

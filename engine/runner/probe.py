@@ -34,14 +34,13 @@ class StepProbe:
             raise DeepInferError(f"context {context_len} + {query_len} new positions exceed max_model_len="
                                  f"{self.manager.max_model_len}; build the engine with a larger max_model_len")
         self.rids = [f"step-probe-{i}" for i in range(batch_size)]
-        for n, rid in enumerate(self.rids):
-            if not self.manager.reserve(rid, context_len + query_len):
-                self.close()
-                raise DeepInferError(f"the state pools hold {n} of {batch_size} sequences of {context_len + query_len}"
-                                     f" positions; raise gpu_memory_utilization / state_memory_bytes or lower the batch")
+        seated = seat_random(self.manager, self.rids, context_len + query_len, seed)
+        if seated < batch_size:
+            self.close()
+            raise DeepInferError(f"the state pools hold {seated} of {batch_size} sequences of {context_len + query_len}"
+                                 f" positions; raise gpu_memory_utilization / state_memory_bytes or lower the batch")
         self.slots = [self.manager.slot(r) for r in self.rids]
         self.batch_size, self.context_len, self.query_len = batch_size, context_len, query_len
-        self._fill_state(seed)
         dev = self.model.device
         g = torch.Generator(device="cpu").manual_seed(seed)
         tokens = torch.randint(0, self.model.cfg.vocab_size, (batch_size * query_len,), generator=g).to(dev)
@@ -52,21 +51,6 @@ class StepProbe:
         self.ctx_blocks = self.runner._context_blocks(context_len + query_len)
         self.graphed = self.runner.graphs is not None and uniform is not None and \
             batch_size <= self.runner.graphs.sizes[-1]
-
-    def _fill_state(self, seed: int) -> None:
-        pools = self.manager.pools
-        g = torch.Generator(device=pools.device).manual_seed(seed)
-        slots = torch.tensor(self.slots, device=pools.device)
-        for ring in pools.rings.values():
-            if ring.dtype.is_floating_point:
-                shape = (slots.shape[0], *ring.shape[1:])
-                ring[slots] = torch.randn(shape, generator=g, device=pools.device).to(ring.dtype)
-        blocks = torch.tensor(sorted(b for r in self.rids for b in self.manager.owned[r][1]), dtype=torch.long,
-                              device=pools.device)
-        for store in pools.entries.values():
-            for part in blocks.split(FILL_BLOCKS):        # a packed store packs through fp32 temporaries: in parts
-                shape = (part.shape[0], *store.shape[1:])
-                store[part] = torch.randn(shape, generator=g, device=pools.device).to(store.dtype)
 
     @property
     def state_bytes_read(self) -> int:
@@ -94,3 +78,30 @@ class StepProbe:
     def close(self) -> None:
         for rid in self.rids:
             self.manager.release(rid)
+
+
+def seat_random(manager, rids: list[str], num_tokens: int, seed: int = 0) -> int:
+    """Give each request id a slot and the blocks of num_tokens positions, in order, and fill their state with
+    normal noise of its dtype (rings; the owned entry blocks); stops at the first that does not fit. Returns how
+    many were seated (the caller releases them)."""
+    seated = 0
+    for rid in rids:
+        if not manager.reserve(rid, num_tokens):
+            break
+        seated += 1
+    if not seated:
+        return 0
+    pools = manager.pools
+    g = torch.Generator(device=pools.device).manual_seed(seed)
+    slots = torch.tensor([manager.slot(r) for r in rids[:seated]], device=pools.device)
+    for ring in pools.rings.values():
+        if ring.dtype.is_floating_point:
+            shape = (slots.shape[0], *ring.shape[1:])
+            ring[slots] = torch.randn(shape, generator=g, device=pools.device).to(ring.dtype)
+    blocks = torch.tensor(sorted(b for r in rids[:seated] for b in manager.owned[r][1]), dtype=torch.long,
+                          device=pools.device)
+    for store in pools.entries.values():
+        for part in blocks.split(FILL_BLOCKS):        # a packed store packs through fp32 temporaries: in parts
+            shape = (part.shape[0], *store.shape[1:])
+            store[part] = torch.randn(shape, generator=g, device=pools.device).to(store.dtype)
+    return seated

@@ -144,44 +144,6 @@ class ModelRunner:
         return self._sample(inputs, self.model.logits(hidden[rows]), before_sample)
 
     @torch.inference_mode()
-    def profile_step_seconds(self, max_tokens: int, iters: int = 3) -> dict[int, float]:
-        """Seconds per target step at batch token counts 1, 2, 4, .. max_tokens (the step-rate table speculative
-        decoding's verify schedule needs), shaped as verify steps are: B tokens in segments of drafts + 1 rows on
-        scratch slot 0 (decode rows up to that), run as real steps run (a CUDA-graph replay, a variable-length one
-        when the segments differ, else eagerly), then the draft block of those rows; median of `iters` after one
-        warm-up. Host work (planning, commits) is not in it."""
-        import statistics
-        import time
-        counts = sorted({1 << k for k in range(max(max_tokens, 1).bit_length()) if 1 << k <= max_tokens}
-                        | {max(max_tokens, 1)})
-        q = self.speculator.gamma + 1 if self.speculator is not None else 1
-        dev, out = self.model.device, {}
-        for b in counts:
-            lens = [q] * (b // q) + ([b % q] if b % q else [])
-            zeros = torch.zeros(b, dtype=torch.long, device=dev)
-            uniform = lens[0] if len(set(lens)) == 1 else None
-            fake = StepInputs([], [0] * len(lens), [0] * len(lens), lens, zeros, [], 0, uniform, True)
-            times = []
-            for i in range(iters + 1):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                logits = self.graphs.run(fake, 1, self.keep_draft_rings) if self.graphs is not None else None
-                if logits is None:
-                    fb = ForwardBatch.ragged(self.pools, fake.slots, fake.starts, lens, 1,
-                                             draft_rings=self.keep_draft_rings)
-                    logits = self.model.logits(self.model.forward(zeros, fb))
-                picks = logits.argmax(dim=-1)
-                if self.speculator is not None:          # and the step's draft block, R = segments rows
-                    r = torch.zeros(len(lens), dtype=torch.long, device=dev)
-                    self.speculator.draft_block(r, r, picks[:len(lens)], r, r.float())
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[b] = statistics.median(times)
-        return out
-
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """A verify row rejected drafts: put back the rings as they were before it; returns the positions the
         state now holds (<= num_tokens: the accepted ones after it are fed again, entries are rewritten)."""

@@ -12,38 +12,54 @@ then calibrated online: what a whole engine step really takes beyond the table (
 commits: a cost per step that does not grow with the verified tokens) is followed as an exponential moving
 average of (seconds between two launches - table seconds of the first one's tokens; an interval in which a CUDA
 graph was captured is skipped), and added to every point.
-Without it the schedule sees extra tokens as dearer than they are and trims too much."""
+Without it the schedule sees extra tokens as dearer than they are and trims too much. A profiled table has one
+StepRate per profiled context (spec/step_rate.ContextStepRate): each step is scheduled at the mean context of the
+requests it verifies (positions their state holds), and calibrated against the table at the context it ran at."""
 
 from __future__ import annotations
 
 import time
 
 from .config import SpecConfig
-from .schedule import StepRate, budget_from, schedule_budget, schedule_fixed, schedule_greedy
+from .schedule import budget_from, schedule_budget, schedule_fixed, schedule_greedy
+from .step_rate import ContextStepRate, StepRate
 
 
 OVERHEAD_EMA = 0.8                     # weight of the previous estimate of the per-step overhead
 
 
 class VerifyPolicy:
-    def __init__(self, config: SpecConfig, rate: StepRate | None, calibrate: bool = False):
-        """calibrate: follow the per-step overhead beyond the table (for a profiled table)."""
-        self.config, self.table, self.rate = config, rate, rate
+    def __init__(self, config: SpecConfig, rate: StepRate | ContextStepRate | None, calibrate: bool = False):
+        """rate: the step-rate table (one StepRate holds at every context); calibrate: follow the per-step
+        overhead beyond the table (for a profiled table)."""
+        self.config = config
+        self.table = ContextStepRate({0: rate}) if isinstance(rate, StepRate) else rate
         self.calibrate = calibrate and rate is not None
         self.overhead = 0.0            # seconds per step added to the table
+        self.context = 0.0             # mean positions held by the requests of the last scheduled step
         self.steps = 0                 # planned steps that verified drafts
         self.verified = 0              # drafts those steps verified
-        self._last: tuple[float, int] | None = None     # (when the previous step was launched, its tokens)
+        self._last: tuple[float, int, float] | None = None   # (when the previous step was launched, tokens, context)
+
+    @property
+    def rate(self) -> StepRate | None:
+        """The step rate the next step is scheduled by: the table at the current context, plus the overhead."""
+        if self.table is None:
+            return None
+        rate = self.table.at(self.context)
+        return rate.with_offset(self.overhead) if self.calibrate else rate
 
     def launched(self, tokens: int, captured: bool = False) -> None:
         """A step of `tokens` fed positions was just launched (the engine core calls this each step); captured: it
         captured a CUDA graph on the way (a one-off cost that is no step's overhead: that interval is skipped)."""
         now = time.perf_counter()
-        if self.calibrate and self._last is not None and self._last[1] <= self.table.tokens[-1] and not captured:
-            excess = max(0.0, now - self._last[0] - self.table.seconds(self._last[1]))
-            self.overhead = OVERHEAD_EMA * self.overhead + (1 - OVERHEAD_EMA) * excess
-            self.rate = self.table.with_offset(self.overhead)
-        self._last = (now, tokens)
+        if self.calibrate and self._last is not None and not captured:
+            when, fed, context = self._last
+            table = self.table.at(context)
+            if fed <= table.tokens[-1]:
+                excess = max(0.0, now - when - table.seconds(fed))
+                self.overhead = OVERHEAD_EMA * self.overhead + (1 - OVERHEAD_EMA) * excess
+        self._last = (now, tokens, self.context)
 
     def idle(self) -> None:
         """Nothing is left to run: the wait for the next request is no step's overhead."""
@@ -55,6 +71,7 @@ class VerifyPolicy:
         if not reqs:
             return
         conf = [r.spec_confidence[:len(r.spec_token_ids)] for r in reqs]
+        self.context = sum(r.num_computed for r in reqs) / len(reqs)
         mode = self.config.schedule
         if mode == "fixed":
             lengths = schedule_fixed(conf, self.config.num_speculative_tokens)

@@ -12,84 +12,12 @@ into it (survival)."""
 
 from __future__ import annotations
 
-import bisect
 import math
 import numbers
 from collections.abc import Sequence
 
 from ..errors import DeepInferError
-
-
-class StepRate:
-    """Target steps per second as a function of the batch's token count, from a profiled table of seconds per step.
-
-    Seconds are interpolated linearly between profiled points, flat (the first point's time) below the first point,
-    and extrapolated from the last two points above the last one, never below the last point's time."""
-
-    def __init__(self, tokens: Sequence[int], seconds: Sequence[float]):
-        tokens, seconds = list(tokens), list(seconds)
-        if not tokens or len(tokens) != len(seconds):
-            raise DeepInferError(f"step-rate table needs as many seconds as token counts (>= 1 point); got "
-                                 f"{len(tokens)} token counts and {len(seconds)} seconds")
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1 for t in tokens):
-            raise DeepInferError(f"step-rate token counts {tokens!r} must be integers >= 1")
-        if any(b <= a for a, b in zip(tokens, tokens[1:])):
-            raise DeepInferError(f"step-rate token counts {tokens!r} must be strictly increasing")
-        if any(isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s <= 0
-               for s in seconds):
-            raise DeepInferError(f"step-rate seconds {seconds!r} must be finite numbers > 0")
-        self.tokens = [int(t) for t in tokens]
-        self.times = [float(s) for s in seconds]
-
-    @classmethod
-    def from_dict(cls, d: dict[int, float]) -> StepRate:
-        """A table from {batch tokens: seconds per step}, in any key order."""
-        if not isinstance(d, dict):
-            raise DeepInferError(f"step-rate table must be a dict of batch tokens to seconds; got {type(d).__name__}")
-        items = sorted(d.items())
-        return cls([t for t, _ in items], [s for _, s in items])
-
-    @classmethod
-    def linear(cls, fixed_s: float, per_token_s: float, max_tokens: int) -> StepRate:
-        """A synthetic table, seconds(b) = fixed_s + per_token_s * b, profiled at 1, 2, 4, .. and max_tokens."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
-            raise DeepInferError(f"step-rate max_tokens={max_tokens!r} must be an integer >= 1")
-        if not (fixed_s >= 0 and per_token_s >= 0):
-            raise DeepInferError(f"step-rate fixed_s={fixed_s!r} and per_token_s={per_token_s!r} must be >= 0")
-        points = sorted({1 << k for k in range(int(max_tokens).bit_length()) if 1 << k <= max_tokens}
-                        | {int(max_tokens)})
-        return cls(points, [fixed_s + per_token_s * b for b in points])
-
-    def with_offset(self, seconds: float) -> StepRate:
-        """The same table with `seconds` more at every point (a per-step cost the profile did not see)."""
-        return StepRate(self.tokens, [t + seconds for t in self.times])
-
-    def to_dict(self) -> dict[int, float]:
-        """The profiled points as {batch tokens: seconds per step}."""
-        return dict(zip(self.tokens, self.times))
-
-    def seconds(self, b: int) -> float:
-        """Seconds per step at b batch tokens (see the class docstring for the rule off the table)."""
-        ts, ss = self.tokens, self.times
-        if b <= ts[0]:
-            return ss[0]
-        i = bisect.bisect_left(ts, b)
-        if i < len(ts):
-            if ts[i] == b:
-                return ss[i]
-            t0, t1, s0, s1 = ts[i - 1], ts[i], ss[i - 1], ss[i]
-            return s0 + (s1 - s0) * (b - t0) / (t1 - t0)
-        if len(ts) == 1:
-            return ss[-1]
-        t0, t1, s0, s1 = ts[-2], ts[-1], ss[-2], ss[-1]
-        return max(s1, s1 + (s1 - s0) * (b - t1) / (t1 - t0))
-
-    def __call__(self, b: int) -> float:
-        """Steps per second at b batch tokens: 1 / seconds(b)."""
-        return 1.0 / self.seconds(b)
-
-    def __repr__(self) -> str:
-        return f"StepRate.from_dict({self.to_dict()!r})"
+from .step_rate import StepRate
 
 
 def survival(conf: Sequence[float]) -> list[float]:

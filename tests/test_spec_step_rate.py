@@ -1,0 +1,144 @@
+"""Step rates by context (spec/step_rate.ContextStepRate), the verify policy scheduling each step at its requests'
+context, and the engine-start profile (runner/rate_profile.py) that measures them."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepinfer import LLM
+from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.errors import DeepInferError
+from deepinfer.runner.rate_profile import profile_contexts, profile_step_rates, token_counts
+from deepinfer.spec.config import SpecConfig
+from deepinfer.spec.policy import VerifyPolicy
+from deepinfer.spec.step_rate import ContextStepRate, StepRate
+
+
+def two_contexts() -> ContextStepRate:
+    """Context 0: 1 ms + 0.1 us a token (nearly flat); context 1000: 2 ms + 0.1 ms a token (1, 2, 4, .. 64)."""
+    return ContextStepRate({0: StepRate.linear(1e-3, 1e-7, 64), 1000: StepRate.linear(2e-3, 1e-4, 64)})
+
+
+def test_context_rate_interpolates_between_contexts_and_extrapolates_above():
+    rate = two_contexts()
+    assert rate.at(0).to_dict() == StepRate.linear(1e-3, 1e-7, 64).to_dict()
+    assert rate.at(-5).seconds(8) == rate.at(0).seconds(8)              # below the first: the first table
+    mid = rate.at(250)                                                   # a quarter of the way
+    assert mid.seconds(64) == pytest.approx(0.75 * (1e-3 + 64e-7) + 0.25 * (2e-3 + 64e-4))
+    assert mid.tokens == rate.at(0).tokens
+    above = rate.at(2000)                                                # linear beyond the last context
+    assert above.seconds(64) == pytest.approx(2 * (2e-3 + 64e-4) - (1e-3 + 64e-7))
+    assert rate.at(1000.4) is rate.at(1000)                              # rounded, cached
+
+
+def test_context_rate_never_extrapolates_below_the_last_table():
+    falling = ContextStepRate({0: StepRate([1, 2], [2.0, 3.0]), 10: StepRate([1, 2], [1.0, 2.0])})
+    assert falling.at(30).to_dict() == {1: 1.0, 2: 2.0}
+
+
+def test_context_rate_round_trips_and_takes_a_plain_table():
+    rate = two_contexts()
+    as_json = {str(c): {str(t): s for t, s in v.items()} for c, v in rate.to_dict().items()}   # a row's field
+    assert ContextStepRate.from_dict(as_json).to_dict() == rate.to_dict()
+    plain = ContextStepRate.from_dict({1: 0.5, 4: 1.0})                  # one table: every context
+    assert plain.at(0).to_dict() == plain.at(10 ** 6).to_dict() == {1: 0.5, 4: 1.0}
+    with pytest.raises(DeepInferError, match="at least one profiled context"):
+        ContextStepRate({})
+    with pytest.raises(DeepInferError, match="integers >= 0"):
+        ContextStepRate({-1: StepRate([1], [1.0])})
+
+
+def request(conf, computed):
+    return SimpleNamespace(spec_token_ids=list(range(len(conf))), spec_confidence=list(conf),
+                           spec_confidence_before=[], num_computed=computed)
+
+
+def test_policy_schedules_each_step_at_its_requests_context():
+    """Context 0's table is nearly flat (every draft pays); context 1000's costs 1000x more a token, so
+    the same drafts are cut shorter there; the policy takes the mean context of the requests it verifies."""
+    policy = VerifyPolicy(SpecConfig(schedule="confidence"), two_contexts())
+    conf = [0.9, 0.6, 0.4, 0.3, 0.2]
+    near = [request(conf, 0) for _ in range(8)]
+    policy.choose(near)
+    assert policy.context == 0
+    near_len = [len(r.spec_token_ids) for r in near]
+    far = [request(conf, 900), request(conf, 1100)]                      # mean 1000
+    far += [request(conf, 1000) for _ in range(6)]
+    policy.choose(far)
+    assert policy.context == 1000
+    far_len = [len(r.spec_token_ids) for r in far]
+    assert near_len == [5] * 8 and max(far_len) < 5
+    assert policy.rate.to_dict() == two_contexts().at(1000).to_dict()
+
+
+def test_calibration_reads_the_table_at_the_context_each_step_ran_at(monkeypatch):
+    from deepinfer.spec import policy as policy_mod
+    clock = iter([0.0, 0.010])
+    monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
+    policy = VerifyPolicy(SpecConfig(schedule="confidence"), two_contexts(), calibrate=True)
+    policy.choose([request([0.9], 1000)])
+    policy.launched(8)                    # t = 0, a step at context 1000: its table says 2.8 ms for 8 tokens
+    policy.launched(8)                    # 10 ms later
+    assert policy.overhead == pytest.approx(0.2 * (0.010 - (2e-3 + 8e-4)))
+
+
+def test_profiled_contexts():
+    assert profile_contexts(333, 6) == [0, 256, 327]
+    assert profile_contexts(262, 6) == [0, 256]
+    assert profile_contexts(6, 6) == [0]
+    assert profile_contexts(10 ** 6, 6) == [0, 256, 1024, 4096, 16384]       # longer: extrapolated
+    assert profile_contexts(16390, 6) == [0, 256, 1024, 4096, 16384]
+    assert token_counts(24) == [1, 2, 4, 8, 16, 24] and token_counts(1) == [1]
+
+
+def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
+    """The engine-start profile: a table per context with every token count, steps of drafts + 1 row segments
+    starting at the context with random tokens (not one repeated id: those route to a few experts), and the
+    profile's seats given back."""
+    llm = LLM(embedded_tiny_dir("deepseek_v41"), max_num_seqs=4, max_model_len=300,
+              speculative={"schedule": "confidence", "num_speculative_tokens": 3})
+    table = llm.engine.verify_policy.table
+    assert table.contexts == [0, 256, 296]
+    assert all(t.tokens == [1, 2, 4, 8, 16] for t in table.tables)        # cap: 4 sequences x 4 rows
+    runner, manager = llm.engine.runner, llm.engine.manager
+    free = len(manager.free_slots), len(manager.free_blocks)
+    seen = []
+    forward = llm.model.forward
+
+    def recording(tokens, fb):
+        seen.append((tokens.clone(), fb.host))
+        return forward(tokens, fb)
+    monkeypatch.setattr(llm.model, "forward", recording)
+    tables = profile_step_rates(runner, 16, [0, 256], iters=1)
+    assert sorted(tables) == [0, 256] and all(sorted(t) == [1, 2, 4, 8, 16] for t in tables.values())
+    assert all(s > 0 for t in tables.values() for s in t.values())
+    assert (len(manager.free_slots), len(manager.free_blocks)) == free
+    steps = [(tok, host) for tok, host in seen if len(host[2]) and sum(host[2]) == tok.shape[0]]
+    at256 = [(tok, host) for tok, host in steps if host[1][0] == 256]
+    assert at256, "no step of the profile started at context 256"
+    tok, (slots, starts, lens) = max(at256, key=lambda s: s[0].shape[0])
+    assert lens == [4, 4, 4, 4] and starts == [256] * 4 and len(set(slots)) == 4 and 0 not in slots
+    assert torch.unique(tok).numel() > 1
+
+
+def test_profile_skips_a_context_the_pools_cannot_hold(caplog):
+    """With entry blocks for 4 short sequences but not for 4 of 256 positions, context 256 is skipped with a
+    warning (the policy then extrapolates from context 0's table) and nothing is left seated."""
+    llm = LLM(embedded_tiny_dir("deepseek_v41"), max_num_seqs=4, max_model_len=300,
+              speculative={"schedule": "confidence", "num_speculative_tokens": 3,
+                           "step_seconds": {1: 1e-3, 16: 2e-3}})
+    manager = llm.engine.manager
+    keep = 4 * manager.layout.blocks_for(4)
+    assert 4 * manager.layout.blocks_for(260) > keep
+    held = manager.free_blocks[keep:]
+    del manager.free_blocks[keep:]
+    try:
+        with caplog.at_level(logging.WARNING, logger="deepinfer"):
+            tables = profile_step_rates(llm.engine.runner, 16, [0, 256], iters=1)
+        assert sorted(tables) == [0]
+        assert "context 256 is not profiled" in caplog.text
+        assert len(manager.free_blocks) == keep and len(manager.free_slots) == 4
+    finally:
+        manager.free_blocks.extend(held)
