@@ -30,7 +30,7 @@ from .sampling import SamplingParams
 from .scheduler import Request
 from .spec.config import spec_config
 from .spec.policy import VerifyPolicy
-from .spec.step_rate import ContextStepRate, StepRate
+from .spec.step_rate import StepRate, StepRateTable
 from .stats import EngineStats
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
                        refuse_unsupported, resolve_model, sampling_params_list)
@@ -155,15 +155,17 @@ class LLM:
                 rate = StepRate.from_dict(dict(spec.step_seconds))
             else:
                 q = spec.num_speculative_tokens + 1
-                cap = min(self._config.max_num_batched_tokens, self._config.max_num_seqs * q)
                 t0 = time.perf_counter()
                 with use(kernels):
-                    tables = profile_step_rates(runner, cap, profile_contexts(self.max_model_len, q))
-                log.info("speculative step rate profiled in %.1f s (context: tokens: ms per step): %s",
-                         time.perf_counter() - t0, "; ".join(
-                             f"{c}: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in table.items())
-                             for c, table in tables.items()))
-                rate = ContextStepRate.from_dict(tables)
+                    tables = profile_step_rates(runner, self._config.max_num_batched_tokens,
+                                                min(self._config.max_num_seqs, runner.manager.num_slots),
+                                                profile_contexts(self.max_model_len, q))
+                top = {c: max(by_r.items()) for c, by_r in tables.items()}
+                log.info("speculative step rate profiled in %.1f s at contexts %s; ms per step at the most segments: "
+                         "%s", time.perf_counter() - t0, list(tables), "; ".join(
+                             f"context {c}, {r} segments: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in row.items())
+                             for c, (r, row) in top.items()))
+                rate = StepRateTable.from_dict(tables)
         return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds)
 
     def with_kernel_backend(self, name: str) -> "LLM":

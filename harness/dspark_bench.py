@@ -16,10 +16,10 @@ and exactly `osl` new tokens each (greedy, ignore_eos); with `prompts` a categor
 (harness/data/dspark_prompts.jsonl: code, math, chat; `all` cycles every category) the set's prompts through the
 checkpoint's chat template (the plain text where it has none), cut to their last `isl` tokens, at most `osl` new
 tokens each, ending at EOS (what a real checkpoint's acceptance is measured on). The point's workload first runs
-untimed, in up to WARMUP_PASSES passes until a pass captures no new CUDA graph (variable verify lengths meet new
-shapes; there is no prefix cache, so a repeated prompt costs what a new one does); a timed pass that still captured
-a graph is warm-up too and is run again, at most TIMED_ATTEMPTS times (engine_stats: timed_attempts, and the
-graphs the last timed pass captured, graphs_captured_timed). Every repeat builds an engine per mode, and the
+once untimed (there is no prefix cache, so a repeated prompt costs what a new one does), then timed; a timed pass
+that captured a new CUDA graph (variable verify lengths meet new shapes) is warm-up too and is run again, at most
+TIMED_ATTEMPTS times (engine_stats: timed_attempts, and the graphs the last one captured, graphs_captured_timed).
+Every repeat builds an engine per mode, and the
 modes of a point run back to back, so drift over the run falls on all modes alike.
 The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
 counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
@@ -47,8 +47,7 @@ from .workload import random_workload, run_requests
 DSPARK_METHOD_VERSION = "2"
 PROMPT_SETS = ("random", "all", "code", "math", "chat")
 PROMPT_FILE = Path(__file__).parent / "data" / "dspark_prompts.jsonl"
-WARMUP_PASSES = 8                      # variable-length verify steps meet many graph shapes (rows x context)
-TIMED_ATTEMPTS = 3                     # a timed pass that captured a graph is run again, at most this many times
+TIMED_ATTEMPTS = 4                     # a timed pass that captured a CUDA graph is run again, at most this often
 MODES = ("off", "fixed", "confidence", "budget")
 # Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).
 # V4-Pro: InferenceX golden_al_distribution dsv4_dspark_probabilistic (B300, SPEED-Bench coding, T=1): s_k is
@@ -164,16 +163,12 @@ def speculation_fields(stats, policy) -> dict:
 
 
 def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
-    """Warm-up passes of the point's own workload until one captures no new CUDA graph (at most WARMUP_PASSES),
-    then the timed pass; a timed pass that still captured a graph counts as warm-up and is run again (at most
-    TIMED_ATTEMPTS times; the row says how many it took and what the last one captured)."""
+    """One warm-up pass of the point's own workload, then timed passes of it until one captures no new CUDA
+    graph (at most TIMED_ATTEMPTS; a pass that captured is warm-up too). The row says how many it took and what
+    the last one captured."""
     n = concurrency * cfg.rounds
     prompts, params = point_workload(llm, cfg, n, cfg.seed * 1_000_003 + index)
-    for k in range(WARMUP_PASSES):       # variable verify lengths meet new graph shapes: warm until none is new
-        before = len(llm.stats.graphs_captured)
-        run_requests(llm, prompts, [params] * n, concurrency)
-        if len(llm.stats.graphs_captured) == before:
-            break
+    run_requests(llm, prompts, [params] * n, concurrency)
     for attempt in range(1, TIMED_ATTEMPTS + 1):
         captured = len(llm.stats.graphs_captured)
         llm.engine.reset_stats()
@@ -184,7 +179,7 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
     st = llm.stats
     row.update(speculation_fields(st, llm.engine.verify_policy))
     row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
-                     "graphs_captured_timed": len(st.graphs_captured) - captured, "warmup_passes": k + 1,
+                     "graphs_captured_timed": len(st.graphs_captured) - captured,
                      "timed_attempts": attempt, "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
                      "max_step_tokens": st.max_step_tokens}
     return row

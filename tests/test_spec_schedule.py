@@ -310,7 +310,7 @@ def test_profiled_rate_is_calibrated_by_the_measured_step_overhead(monkeypatch):
     assert p.overhead == pytest.approx(0.2 * 0.008)
     p.launched(64)                      # 10 ms after a 1-token step again
     assert p.overhead == pytest.approx(0.8 * 0.2 * 0.008 + 0.2 * 0.008)
-    assert p.rate.seconds(64) == pytest.approx(0.004 + p.overhead) and p.table.at(0).seconds(64) == 0.004
+    assert p.rate.seconds(64) == pytest.approx(0.004 + p.overhead) and p.table.at(0, 1).seconds(64) == 0.004
     p.idle()
     before = p.overhead
     p.launched(1)                       # t = 5.0: after an idle gap, nothing measured

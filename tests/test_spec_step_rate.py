@@ -10,44 +10,65 @@ import torch
 from deepinfer import LLM
 from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.errors import DeepInferError
-from deepinfer.runner.rate_profile import profile_contexts, profile_step_rates, token_counts
+from deepinfer.runner.rate_profile import profile_contexts, profile_points, profile_step_rates
 from deepinfer.spec.config import SpecConfig
 from deepinfer.spec.policy import VerifyPolicy
-from deepinfer.spec.step_rate import ContextStepRate, StepRate
+from deepinfer.spec.step_rate import StepRate, StepRateTable
 
 
-def two_contexts() -> ContextStepRate:
-    """Context 0: 1 ms + 0.1 us a token (nearly flat); context 1000: 2 ms + 0.1 ms a token (1, 2, 4, .. 64)."""
-    return ContextStepRate({0: StepRate.linear(1e-3, 1e-7, 64), 1000: StepRate.linear(2e-3, 1e-4, 64)})
+def linear(fixed_s: float, per_token_s: float, r: int, q: int = 6) -> StepRate:
+    """A profiled row of r segments: tokens l x r for l = 1 .. q, seconds fixed_s + per_token_s x tokens."""
+    return StepRate([l * r for l in range(1, q + 1)], [fixed_s + per_token_s * l * r for l in range(1, q + 1)])
 
 
-def test_context_rate_interpolates_between_contexts_and_extrapolates_above():
+def two_contexts() -> StepRateTable:
+    """Context 0: 1 ms + 0.1 us a token (nearly flat); context 1000: 2 ms + 0.1 ms a token; both at 8 segments,
+    and at 16 segments 1 ms more (a segment costs 1/8 ms)."""
+    return StepRateTable({0: {8: linear(1e-3, 1e-7, 8), 16: linear(2e-3, 1e-7, 16)},
+                          1000: {8: linear(2e-3, 1e-4, 8), 16: linear(3e-3, 1e-4, 16)}})
+
+
+def test_table_interpolates_in_context_and_extrapolates_above():
     rate = two_contexts()
-    assert rate.at(0).to_dict() == StepRate.linear(1e-3, 1e-7, 64).to_dict()
-    assert rate.at(-5).seconds(8) == rate.at(0).seconds(8)              # below the first: the first table
-    mid = rate.at(250)                                                   # a quarter of the way
-    assert mid.seconds(64) == pytest.approx(0.75 * (1e-3 + 64e-7) + 0.25 * (2e-3 + 64e-4))
-    assert mid.tokens == rate.at(0).tokens
-    above = rate.at(2000)                                                # linear beyond the last context
-    assert above.seconds(64) == pytest.approx(2 * (2e-3 + 64e-4) - (1e-3 + 64e-7))
-    assert rate.at(1000.4) is rate.at(1000)                              # rounded, cached
+    assert rate.at(0, 8).to_dict() == linear(1e-3, 1e-7, 8).to_dict()
+    assert rate.at(-5, 8).seconds(16) == rate.at(0, 8).seconds(16)        # below the first context: the first
+    mid = rate.at(250, 8)                                                 # a quarter of the way
+    assert mid.seconds(48) == pytest.approx(0.75 * (1e-3 + 48e-7) + 0.25 * (2e-3 + 48e-4))
+    assert mid.tokens == [8, 16, 24, 32, 40, 48]
+    above = rate.at(2000, 8)                                              # linear beyond the last context
+    assert above.seconds(48) == pytest.approx(2 * (2e-3 + 48e-4) - (1e-3 + 48e-7))
+    assert rate.at(1000.4, 8) is rate.at(1000, 8)                         # rounded, cached
 
 
-def test_context_rate_never_extrapolates_below_the_last_table():
-    falling = ContextStepRate({0: StepRate([1, 2], [2.0, 3.0]), 10: StepRate([1, 2], [1.0, 2.0])})
-    assert falling.at(30).to_dict() == {1: 1.0, 2: 2.0}
-
-
-def test_context_rate_round_trips_and_takes_a_plain_table():
+def test_table_interpolates_in_segments_at_equal_rows_per_segment():
     rate = two_contexts()
-    as_json = {str(c): {str(t): s for t, s in v.items()} for c, v in rate.to_dict().items()}   # a row's field
-    assert ContextStepRate.from_dict(as_json).to_dict() == rate.to_dict()
-    plain = ContextStepRate.from_dict({1: 0.5, 4: 1.0})                  # one table: every context
-    assert plain.at(0).to_dict() == plain.at(10 ** 6).to_dict() == {1: 0.5, 4: 1.0}
+    twelve = rate.at(1000, 12)                                            # half way from 8 to 16 segments
+    assert twelve.tokens == [12, 24, 36, 48, 60, 72]
+    for l in range(1, 7):                                                 # l rows each: the mean of l x 8 and l x 16
+        want = 0.5 * (2e-3 + 1e-4 * 8 * l) + 0.5 * (3e-3 + 1e-4 * 16 * l)
+        assert twelve.seconds(12 * l) == pytest.approx(want)
+    assert rate.at(0, 3).to_dict() == rate.at(0, 8).to_dict()            # clamped to the profiled counts
+    assert rate.at(0, 40).to_dict() == rate.at(0, 16).to_dict()
+
+
+def test_table_never_extrapolates_below_the_last_context():
+    falling = StepRateTable({0: {1: StepRate([1, 2], [2.0, 3.0])}, 10: {1: StepRate([1, 2], [1.0, 2.0])}})
+    assert falling.at(30, 1).to_dict() == {1: 1.0, 2: 2.0}
+
+
+def test_table_round_trips_and_takes_a_plain_table():
+    rate = two_contexts()
+    as_json = {str(c): {str(r): {str(t): s for t, s in row.items()} for r, row in by_r.items()}
+               for c, by_r in rate.to_dict().items()}                     # a row's field, through JSON
+    assert StepRateTable.from_dict(as_json).to_dict() == rate.to_dict()
+    plain = StepRateTable.from_dict({1: 0.5, 4: 1.0})                     # one table: every context and count
+    assert plain.at(0, 1).to_dict() == plain.at(10 ** 6, 64).to_dict() == {1: 0.5, 4: 1.0}
     with pytest.raises(DeepInferError, match="at least one profiled context"):
-        ContextStepRate({})
+        StepRateTable({})
     with pytest.raises(DeepInferError, match="integers >= 0"):
-        ContextStepRate({-1: StepRate([1], [1.0])})
+        StepRateTable({-1: {1: StepRate([1], [1.0])}})
+    with pytest.raises(DeepInferError, match="integers >= 1"):
+        StepRateTable({0: {0: StepRate([1], [1.0])}})
 
 
 def request(conf, computed):
@@ -70,7 +91,7 @@ def test_policy_schedules_each_step_at_its_requests_context():
     assert policy.context == 1000
     far_len = [len(r.spec_token_ids) for r in far]
     assert near_len == [5] * 8 and max(far_len) < 5
-    assert policy.rate.to_dict() == two_contexts().at(1000).to_dict()
+    assert policy.rate.to_dict() == two_contexts().at(1000, 8).to_dict()
 
 
 def test_calibration_reads_the_table_at_the_context_each_step_ran_at(monkeypatch):
@@ -78,30 +99,31 @@ def test_calibration_reads_the_table_at_the_context_each_step_ran_at(monkeypatch
     clock = iter([0.0, 0.010])
     monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
     policy = VerifyPolicy(SpecConfig(schedule="confidence"), two_contexts(), calibrate=True)
-    policy.choose([request([0.9], 1000)])
-    policy.launched(8)                    # t = 0, a step at context 1000: its table says 2.8 ms for 8 tokens
-    policy.launched(8)                    # 10 ms later
-    assert policy.overhead == pytest.approx(0.2 * (0.010 - (2e-3 + 8e-4)))
+    policy.choose([request([0.9], 1000) for _ in range(8)])
+    policy.launched(16)                   # t = 0, 8 segments at context 1000: its table says 3.6 ms for 16 tokens
+    policy.launched(16)                   # 10 ms later
+    assert policy.overhead == pytest.approx(0.2 * (0.010 - (2e-3 + 16e-4)))
 
 
-def test_profiled_contexts():
-    assert profile_contexts(333, 6) == [0, 256, 327]
-    assert profile_contexts(262, 6) == [0, 256]
+def test_profiled_contexts_and_points():
+    assert profile_contexts(333, 6) == [0, 327]
+    assert profile_contexts(2054, 6) == [0, 2048]
     assert profile_contexts(6, 6) == [0]
-    assert profile_contexts(10 ** 6, 6) == [0, 256, 1024, 4096, 16384]       # longer: extrapolated
-    assert profile_contexts(16390, 6) == [0, 256, 1024, 4096, 16384]
-    assert token_counts(24) == [1, 2, 4, 8, 16, 24] and token_counts(1) == [1]
+    assert profile_contexts(10 ** 6, 6) == [0, 2048, 16384]                   # longer: extrapolated
+    assert profile_contexts(5000, 6) == [0, 2048, 4994]
+    assert profile_points(16, 4, 4) == {1: [1, 2, 3, 4], 2: [2, 4, 6, 8], 4: [4, 8, 12, 16]}
+    assert profile_points(10, 6, 2) == {1: [1, 2], 2: [2, 4], 4: [4, 8], 6: [6]}    # B <= max_tokens
 
 
 def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
-    """The engine-start profile: a table per context with every token count, steps of drafts + 1 row segments
-    starting at the context with random tokens (not one repeated id: those route to a few experts), and the
-    profile's seats given back."""
+    """The engine-start profile: a table per context and segment count with every rows-per-segment, steps of R
+    segments starting at the context, one sequence each, with random tokens (not one repeated id: those route to
+    a few experts), and the profile's seats given back."""
     llm = LLM(embedded_tiny_dir("deepseek_v41"), max_num_seqs=4, max_model_len=300,
               speculative={"schedule": "confidence", "num_speculative_tokens": 3})
     table = llm.engine.verify_policy.table
-    assert table.contexts == [0, 256, 296]
-    assert all(t.tokens == [1, 2, 4, 8, 16] for t in table.tables)        # cap: 4 sequences x 4 rows
+    assert table.contexts == [0, 296]
+    assert {r: t.tokens for r, t in table.points[0].items()} == profile_points(10 ** 6, 4, 4)
     runner, manager = llm.engine.runner, llm.engine.manager
     free = len(manager.free_slots), len(manager.free_blocks)
     seen = []
@@ -111,9 +133,9 @@ def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
         seen.append((tokens.clone(), fb.host))
         return forward(tokens, fb)
     monkeypatch.setattr(llm.model, "forward", recording)
-    tables = profile_step_rates(runner, 16, [0, 256], iters=1)
-    assert sorted(tables) == [0, 256] and all(sorted(t) == [1, 2, 4, 8, 16] for t in tables.values())
-    assert all(s > 0 for t in tables.values() for s in t.values())
+    tables = profile_step_rates(runner, 16, 4, [0, 256], iters=1)
+    assert sorted(tables) == [0, 256] and all(sorted(t) == [1, 2, 4] for t in tables.values())
+    assert all(s > 0 for by_r in tables.values() for t in by_r.values() for s in t.values())
     assert (len(manager.free_slots), len(manager.free_blocks)) == free
     steps = [(tok, host) for tok, host in seen if len(host[2]) and sum(host[2]) == tok.shape[0]]
     at256 = [(tok, host) for tok, host in steps if host[1][0] == 256]
@@ -136,7 +158,7 @@ def test_profile_skips_a_context_the_pools_cannot_hold(caplog):
     del manager.free_blocks[keep:]
     try:
         with caplog.at_level(logging.WARNING, logger="deepinfer"):
-            tables = profile_step_rates(llm.engine.runner, 16, [0, 256], iters=1)
+            tables = profile_step_rates(llm.engine.runner, 16, 4, [0, 256], iters=1)
         assert sorted(tables) == [0]
         assert "context 256 is not profiled" in caplog.text
         assert len(manager.free_blocks) == keep and len(manager.free_slots) == 4

@@ -13,8 +13,9 @@ commits: a cost per step that does not grow with the verified tokens) is followe
 average of (seconds between two launches - table seconds of the first one's tokens; an interval in which a CUDA
 graph was captured is skipped), and added to every point.
 Without it the schedule sees extra tokens as dearer than they are and trims too much. A profiled table has one
-StepRate per profiled context (spec/step_rate.ContextStepRate): each step is scheduled at the mean context of the
-requests it verifies (positions their state holds), and calibrated against the table at the context it ran at."""
+StepRate per profiled context and segment count (spec/step_rate.StepRateTable): each step is scheduled by the
+table at the mean context of the requests it verifies (positions their state holds) and at their number, and
+calibrated against the table at the shape it ran at."""
 
 from __future__ import annotations
 
@@ -22,31 +23,32 @@ import time
 
 from .config import SpecConfig
 from .schedule import budget_from, schedule_budget, schedule_fixed, schedule_greedy
-from .step_rate import ContextStepRate, StepRate
+from .step_rate import StepRate, StepRateTable
 
 
 OVERHEAD_EMA = 0.8                     # weight of the previous estimate of the per-step overhead
 
 
 class VerifyPolicy:
-    def __init__(self, config: SpecConfig, rate: StepRate | ContextStepRate | None, calibrate: bool = False):
-        """rate: the step-rate table (one StepRate holds at every context); calibrate: follow the per-step
+    def __init__(self, config: SpecConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False):
+        """rate: the step-rate table (one StepRate: at every context and segment count); calibrate: follow the per-step
         overhead beyond the table (for a profiled table)."""
         self.config = config
-        self.table = ContextStepRate({0: rate}) if isinstance(rate, StepRate) else rate
+        self.table = StepRateTable(flat=rate) if isinstance(rate, StepRate) else rate
         self.calibrate = calibrate and rate is not None
         self.overhead = 0.0            # seconds per step added to the table
         self.context = 0.0             # mean positions held by the requests of the last scheduled step
+        self.segments = 1              # and how many of them verified drafts
         self.steps = 0                 # planned steps that verified drafts
         self.verified = 0              # drafts those steps verified
-        self._last: tuple[float, int, float] | None = None   # (when the previous step was launched, tokens, context)
+        self._last: tuple | None = None  # (when the previous step was launched, its tokens, context, segments)
 
     @property
     def rate(self) -> StepRate | None:
-        """The step rate the next step is scheduled by: the table at the current context, plus the overhead."""
+        """The step rate the next step is scheduled by: the table at its context and segments, plus the overhead."""
         if self.table is None:
             return None
-        rate = self.table.at(self.context)
+        rate = self.table.at(self.context, self.segments)
         return rate.with_offset(self.overhead) if self.calibrate else rate
 
     def launched(self, tokens: int, captured: bool = False) -> None:
@@ -54,12 +56,12 @@ class VerifyPolicy:
         captured a CUDA graph on the way (a one-off cost that is no step's overhead: that interval is skipped)."""
         now = time.perf_counter()
         if self.calibrate and self._last is not None and not captured:
-            when, fed, context = self._last
-            table = self.table.at(context)
+            when, fed, context, segments = self._last
+            table = self.table.at(context, segments)
             if fed <= table.tokens[-1]:
                 excess = max(0.0, now - when - table.seconds(fed))
                 self.overhead = OVERHEAD_EMA * self.overhead + (1 - OVERHEAD_EMA) * excess
-        self._last = (now, tokens, self.context)
+        self._last = (now, tokens, self.context, self.segments)
 
     def idle(self) -> None:
         """Nothing is left to run: the wait for the next request is no step's overhead."""
@@ -71,7 +73,7 @@ class VerifyPolicy:
         if not reqs:
             return
         conf = [r.spec_confidence[:len(r.spec_token_ids)] for r in reqs]
-        self.context = sum(r.num_computed for r in reqs) / len(reqs)
+        self.context, self.segments = sum(r.num_computed for r in reqs) / len(reqs), len(reqs)
         mode = self.config.schedule
         if mode == "fixed":
             lengths = schedule_fixed(conf, self.config.num_speculative_tokens)

@@ -1,7 +1,7 @@
 """Step rates for the verify schedules: seconds per engine step as a function of the step's batch tokens
-(StepRate), and of the context the step's rows attend over (ContextStepRate: one StepRate per profiled context,
+(StepRate), and of the step's shape (StepRateTable: one StepRate per profiled context and segment count,
 interpolated between them). A verify row's cost grows with its context (the sliding window, compressed entries,
-the indexer's keys), so a table measured at one context gives the schedule the wrong cost slope at another."""
+the indexer's keys), and a step's with its segment count at equal tokens (draft-block rows, verifications)."""
 
 from __future__ import annotations
 
@@ -85,49 +85,97 @@ class StepRate:
         return f"StepRate.from_dict({self.to_dict()!r})"
 
 
-class ContextStepRate:
-    """Seconds per step by (batch tokens, context): one StepRate per profiled context (positions each row's state
-    holds before the step). Between two profiled contexts the seconds at each token count are interpolated
-    linearly in the context; below the first the first table holds; above the last they are extrapolated from the
-    last two (attention work grows linearly with context), never below the last table's. One table: every context."""
+class StepRateTable:
+    """Seconds per verify step by (context, segments, batch tokens): a StepRate per profiled (context, R), where R
+    is the step's segment count (requests verifying: each feeds its last token and its verified drafts) and the
+    table's tokens are B = l x R for mean verify lengths l = 1 .. drafts + 1. A step's cost is not a function of B
+    alone: R segments cost R draft-block rows and R verifications, whatever their lengths.
 
-    def __init__(self, tables: Mapping[int, StepRate]):
-        if not tables:
-            raise DeepInferError("a context step-rate table needs at least one profiled context")
-        if any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0 for c in tables):
-            raise DeepInferError(f"step-rate contexts {sorted(tables)!r} must be integers >= 0")
-        self.contexts = sorted(int(c) for c in tables)
-        self.tables = [tables[c] for c in self.contexts]
-        self._cache: dict[int, StepRate] = {}
+    at(context, R) gives the StepRate a step of R requests at that context is scheduled by: at each profiled
+    context, linear in R between the two profiled segment counts around it (at equal l; clamped to the profiled
+    range), then linear in the context between the two profiled contexts around it (below the first: the first;
+    above the last: extrapolated from the last two, attention work growing linearly with context, never below the
+    last). A table from one plain StepRate (`flat`) gives that StepRate at every context and R."""
+
+    def __init__(self, points: Mapping[int, Mapping[int, StepRate]] | None = None, flat: StepRate | None = None):
+        if (points is None) == (flat is None):
+            raise DeepInferError("internal: a step-rate table is profiled points or one flat StepRate")
+        self.flat = flat
+        self.points: dict[int, dict[int, StepRate]] = {}
+        if points is not None:
+            if not points or any(not row for row in points.values()):
+                raise DeepInferError("a step-rate table needs at least one profiled context and segment count")
+            for c, row in points.items():
+                if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo
+                       for v, lo in [(c, 0), *((r, 1) for r in row)]):
+                    raise DeepInferError(f"step-rate contexts {sorted(points)!r} must be integers >= 0 and segment "
+                                         f"counts {sorted(row)!r} integers >= 1")
+                self.points[int(c)] = {int(r): row[r] for r in sorted(row)}
+        self.contexts = sorted(self.points)
+        self._cache: dict[tuple[int, int], StepRate] = {}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> ContextStepRate:
-        """{context: {tokens: seconds}} (JSON's string keys accepted) or a plain {tokens: seconds} (every context)."""
+    def from_dict(cls, d: Mapping) -> StepRateTable:
+        """{context: {segments: {tokens: seconds}}} (JSON's string keys accepted), or a plain {tokens: seconds}
+        (one table for every context and segment count)."""
         if d and all(isinstance(v, Mapping) for v in d.values()):
-            return cls({int(c): StepRate.from_dict({int(t): s for t, s in v.items()}) for c, v in d.items()})
-        return cls({0: StepRate.from_dict(dict(d))})
+            return cls({int(c): {int(r): StepRate.from_dict({int(t): s for t, s in row.items()})
+                                 for r, row in by_r.items()} for c, by_r in d.items()})
+        return cls(flat=StepRate.from_dict(dict(d)))
 
-    def to_dict(self) -> dict[int, dict[int, float]]:
-        return {c: t.to_dict() for c, t in zip(self.contexts, self.tables)}
+    def to_dict(self) -> dict:
+        if self.flat is not None:
+            return self.flat.to_dict()
+        return {c: {r: t.to_dict() for r, t in row.items()} for c, row in self.points.items()}
 
-    def at(self, context: float) -> StepRate:
-        """The StepRate of steps whose rows hold `context` positions on average (rounded to an integer)."""
-        c = max(int(round(context)), 0)
-        hit = self._cache.get(c)
-        if hit is not None:
-            return hit
-        cs, ts = self.contexts, self.tables
-        if len(cs) == 1 or c <= cs[0]:
-            rate = ts[0]
-        else:
-            i = min(max(bisect.bisect_left(cs, c), 1), len(cs) - 1)
-            c0, c1, t0, t1 = cs[i - 1], cs[i], ts[i - 1], ts[i]
-            w = (c - c0) / (c1 - c0)
-            tokens = sorted(set(t0.tokens) | set(t1.tokens))
-            seconds = [t0.seconds(b) + w * (t1.seconds(b) - t0.seconds(b)) for b in tokens]
-            if c > c1:                                   # beyond the last context: never below its table
-                seconds = [max(s, t1.seconds(b)) for s, b in zip(seconds, tokens)]
-            rate = StepRate(tokens, seconds)
-        if len(self._cache) < 4096:
-            self._cache[c] = rate
-        return rate
+    def at(self, context: float, segments: int) -> StepRate:
+        """The StepRate of a step of `segments` verifying requests whose state holds `context` positions on
+        average (rounded to an integer); see the class docstring."""
+        if self.flat is not None:
+            return self.flat
+        key = (max(int(round(context)), 0), max(int(segments), 1))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = _blend([(c, _at_segments(self.points[c], key[1])) for c in self.contexts], key[0], floor=True)
+            if len(self._cache) < 1 << 14:
+                self._cache[key] = hit
+        return hit
+
+
+def _at_segments(row: dict[int, StepRate], r: int) -> StepRate:
+    """The StepRate of r segments from one context's tables (keyed by segment count), at equal rows per segment."""
+    counts = list(row)
+    r = min(max(r, counts[0]), counts[-1])
+    if r in row:
+        return row[r]
+    i = bisect.bisect_left(counts, r)
+    r0, r1 = counts[i - 1], counts[i]
+    w = (r - r0) / (r1 - r0)
+    t0, t1 = row[r0], row[r1]
+    per_row = sorted({b / r0 for b in t0.tokens} | {b / r1 for b in t1.tokens})
+    tokens, seconds = [], []
+    for l in per_row:
+        b = max(int(round(l * r)), 1)
+        if tokens and b <= tokens[-1]:
+            continue
+        tokens.append(b)
+        seconds.append(t0.seconds(round(l * r0)) + w * (t1.seconds(round(l * r1)) - t0.seconds(round(l * r0))))
+    return StepRate(tokens, seconds)
+
+
+def _blend(rates: list[tuple[int, StepRate]], x: int, floor: bool) -> StepRate:
+    """Linear in x between the two (x_i, StepRate) around it, at each token count of either; below the first: the
+    first; above the last: extrapolated from the last two, never below the last (floor)."""
+    if len(rates) == 1 or x <= rates[0][0]:
+        return rates[0][1]
+    xs = [c for c, _ in rates]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    (x0, t0), (x1, t1) = rates[i - 1], rates[i]
+    if x == x1:
+        return t1
+    w = (x - x0) / (x1 - x0)
+    tokens = sorted(set(t0.tokens) | set(t1.tokens))
+    seconds = [t0.seconds(b) + w * (t1.seconds(b) - t0.seconds(b)) for b in tokens]
+    if floor and x > x1:
+        seconds = [max(s, t1.seconds(b)) for s, b in zip(seconds, tokens)]
+    return StepRate(tokens, seconds)
