@@ -142,7 +142,7 @@ def point_workload(llm, cfg: "DSparkConfig", n: int, seed: int):
     if cfg.prompts == "random":
         work = random_workload(n, cfg.isl, cfg.osl, 1.0, llm.model.cfg.vocab_size, seed)
         return work.prompts, SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True)
-    prompts = set_prompts(llm, cfg.prompts, n + seed % 7, cfg.isl)[seed % 7:]   # warm-up passes start elsewhere
+    prompts = set_prompts(llm, cfg.prompts, n + seed % 7, cfg.isl)[seed % 7:]   # each point starts elsewhere
     return prompts, SamplingParams(temperature=0, max_tokens=cfg.osl)
 
 

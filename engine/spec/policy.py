@@ -7,7 +7,7 @@
                 (known two steps back, so an asynchronous scheduler could fix the batch size early), then the
                 top K drafts by live survival
 The step rate SPS(B) comes from `step_seconds` in the config, taken as given, or is profiled when the engine
-starts (ModelRunner.profile_step_seconds: the target step and the draft block on the device). A profiled table is
+starts (runner/rate_profile.profile_step_rates: the target step and the draft block on the device). A profiled table is
 then calibrated online: what a whole engine step really takes beyond the table (host planning, sampling inputs,
 commits: a cost per step that does not grow with the verified tokens) is followed as an exponential moving
 average of (seconds between two launches - table seconds of the first one's tokens; an interval in which a CUDA
