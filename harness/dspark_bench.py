@@ -19,8 +19,8 @@ tokens each, ending at EOS (what a real checkpoint's acceptance is measured on).
 once untimed (there is no prefix cache, so a repeated prompt costs what a new one does), then timed; a timed pass
 that captured a new CUDA graph (variable verify lengths meet new shapes) is warm-up too and is run again, at most
 TIMED_ATTEMPTS times (engine_stats: timed_attempts, and the graphs the last one captured, graphs_captured_timed).
-Every repeat builds an engine per mode, and the
-modes of a point run back to back, so drift over the run falls on all modes alike.
+Every repeat builds an engine per mode, and the modes of a point run back to back, so drift over the run falls on
+all modes alike.
 The row holds the client metrics (harness/metrics.py: output throughput, TPOT, tok/s/user) and the speculation
 counters: mean accepted length (committed tokens per decode / verify row, bonus included), drafts verified per
 row, acceptance by draft position, verify rows, steps, graph replays, and the step-rate table the schedule used.

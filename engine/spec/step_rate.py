@@ -136,7 +136,7 @@ class StepRateTable:
         key = (max(int(round(context)), 0), max(int(segments), 1))
         hit = self._cache.get(key)
         if hit is None:
-            hit = _blend([(c, _at_segments(self.points[c], key[1])) for c in self.contexts], key[0], floor=True)
+            hit = _blend([(c, _at_segments(self.points[c], key[1])) for c in self.contexts], key[0])
             if len(self._cache) < 1 << 14:
                 self._cache[key] = hit
         return hit
@@ -163,9 +163,9 @@ def _at_segments(row: dict[int, StepRate], r: int) -> StepRate:
     return StepRate(tokens, seconds)
 
 
-def _blend(rates: list[tuple[int, StepRate]], x: int, floor: bool) -> StepRate:
+def _blend(rates: list[tuple[int, StepRate]], x: int) -> StepRate:
     """Linear in x between the two (x_i, StepRate) around it, at each token count of either; below the first: the
-    first; above the last: extrapolated from the last two, never below the last (floor)."""
+    first; above the last: extrapolated from the last two, never below the last."""
     if len(rates) == 1 or x <= rates[0][0]:
         return rates[0][1]
     xs = [c for c, _ in rates]
@@ -176,6 +176,6 @@ def _blend(rates: list[tuple[int, StepRate]], x: int, floor: bool) -> StepRate:
     w = (x - x0) / (x1 - x0)
     tokens = sorted(set(t0.tokens) | set(t1.tokens))
     seconds = [t0.seconds(b) + w * (t1.seconds(b) - t0.seconds(b)) for b in tokens]
-    if floor and x > x1:
+    if x > x1:
         seconds = [max(s, t1.seconds(b)) for s, b in zip(seconds, tokens)]
     return StepRate(tokens, seconds)
