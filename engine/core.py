@@ -293,6 +293,8 @@ class EngineCore:
     def reset_stats(self) -> None:
         """Start the counters again (e.g. after a warm-up run)."""
         self._counters = Counters()
+        if self.verify_policy is not None:
+            self.verify_policy.reset_counts()
         self._base = {"preemptions": self.scheduler.num_preemptions,
                       "graph_replays": runner_fields(self.runner)["graph_replays"]}
 

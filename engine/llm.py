@@ -166,7 +166,8 @@ class LLM:
                              f"context {c}, {r} segments: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in row.items())
                              for c, (r, row) in top.items()))
                 rate = StepRateTable.from_dict(tables)
-        return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds)
+        pad = runner.graphs.padded_rows if runner.graphs is not None else None   # verify steps' graph row counts
+        return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds, pad=pad)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

@@ -159,7 +159,9 @@ def speculation_fields(stats, policy) -> dict:
             "acceptance_by_position": by_pos, "drafts_by_position": list(stats.drafts_at),
             "rollbacks": stats.rollbacks,
             "step_rate": None if policy is None or policy.table is None else policy.table.to_dict(),
-            "step_overhead": None if policy is None or not policy.calibrate else policy.overhead}
+            "step_overhead": None if policy is None or not policy.calibrate else policy.overhead,
+            "drafts_filled": None if policy is None else policy.filled,
+            "step_times": None if policy is None else policy.step_times()}
 
 
 def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from deepinfer.errors import DeepInferError
-from deepinfer.spec.schedule import (StepRate, batch_tokens, budget_from, expected_accepted, schedule_budget,
+from deepinfer.spec.schedule import (StepRate, batch_tokens, budget_from, expected_accepted, fill, schedule_budget,
                                      schedule_fixed, schedule_greedy, survival)
 
 
@@ -159,6 +159,46 @@ def test_early_stop_versus_global_argmax():
     assert budget_from(conf, rate, max_extra=1) == 0           # K in [0, 1]: Θ(1) = 0.95 < Θ(0) = 1
 
 
+# --- filling a CUDA graph's padding ----------------------------------------------------------------------------
+
+def test_fill_admits_the_next_ranked_drafts():
+    conf = [[0.9, 0.5], [0.8, 0.8], [0.0, 0.9]]     # survivals 0.9 0.45 | 0.8 0.64 | 0 0: ranked r0.1 r1.1 r1.2 r0.2
+    assert fill(conf, [1, 0, 0], 2) == ([1, 2, 0], 2)
+    assert fill(conf, [1, 0, 0], 3) == ([2, 2, 0], 3)
+    assert fill(conf, [1, 0, 0], 9) == ([2, 2, 0], 3)             # survival-0 drafts are never worth a row
+    assert fill(conf, [1, 0, 0], 0) == ([1, 0, 0], 0)
+    assert fill(conf, [0, 0, 0], -1) == ([0, 0, 0], 0)            # no padding to fill
+    with pytest.raises(DeepInferError, match="2 verify lengths given for 3 requests"):
+        fill(conf, [0, 0], 1)
+
+
+def first_token_a(verify_length) -> float:
+    """P(the first committed token is A) under the lossless rule, for the paper's Appendix A: target (0.7, 0.3)
+    over {A, B}, draft x1 ~ (0.5, 0.5) with confidence 0.9, and a second draft whose confidence depends on x1 (1
+    after A, 0 after B). verify_length(conf) -> the request's verify length. Verified, x1 passes with
+    min(1, p_t / p_d) (A always, B 0.6 of the time), else the residual (A); not verified, the target draws."""
+    p_a = 0.0
+    for x1, p_d, a_if_verified in (("A", 0.5, 1.0), ("B", 0.5, 0.4)):
+        conf = [[0.9, 1.0 if x1 == "A" else 0.0]]
+        p_a += p_d * (a_if_verified if verify_length(conf) >= 1 else 0.7)
+    return p_a
+
+
+def test_fill_after_the_early_stop_stays_lossless():
+    """Appendix A's rates stop Algorithm 1 before draft 1 whatever x1 is. Padding of 2 rows then admits draft 1
+    whatever x1 is (only whether draft 2 joins depends on x1: its confidence may): the first token keeps the
+    target's 0.7. A look-ahead over the live confidences (a global argmax) verifies x1 only after A: 0.85."""
+    rate = StepRate([1, 2, 3], [1.0, 2.0, 1 / 0.45])
+
+    def padded(conf):
+        lengths = schedule_greedy(conf, rate)
+        return fill(conf, lengths, 3 - batch_tokens(lengths))[0][0]     # a graph of 3 rows
+    assert first_token_a(lambda conf: schedule_greedy(conf, rate)[0]) == pytest.approx(0.7)
+    assert first_token_a(padded) == pytest.approx(0.7)
+    assert padded([[0.9, 1.0]]) == 2 and padded([[0.9, 0.0]]) == 1
+    assert first_token_a(lambda conf: schedule_budget(conf, budget_from(conf, rate))[0]) == pytest.approx(0.85)
+
+
 # --- the budget variant -----------------------------------------------------------------------------------------
 
 def test_budget_from_worked_example_and_cap():
@@ -293,6 +333,12 @@ def test_budget_properties_on_random_instances(seed):
         # the greedy's lengths are the top drafts by the same ranking: schedule_budget with its count agrees
         greedy = schedule_greedy(conf, rate)
         assert schedule_budget(conf, sum(greedy)) == greedy
+        # and filling them with e more drafts is the top (their count + e) of the positive-survival ranking
+        e = rng.randint(0, 4)
+        positive = sum(a > 0 for c in conf for a in survival(c))
+        filled, added = fill(conf, greedy, e)
+        assert added == min(e, positive - sum(greedy))
+        assert filled == schedule_budget(conf, sum(greedy) + added)
 
 
 def test_profiled_rate_is_calibrated_by_the_measured_step_overhead(monkeypatch):

@@ -10,7 +10,9 @@ import torch
 from deepinfer import LLM
 from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.errors import DeepInferError
+from deepinfer.runner.graphs import StepGraphs, ladder, row_ladder
 from deepinfer.runner.rate_profile import profile_contexts, profile_points, profile_step_rates
+from deepinfer.spec.schedule import batch_tokens, budget_from, fill, schedule_budget, schedule_greedy
 from deepinfer.spec.config import SpecConfig
 from deepinfer.spec.policy import VerifyPolicy
 from deepinfer.spec.step_rate import StepRate, StepRateTable
@@ -115,6 +117,95 @@ def test_profiled_contexts_and_points():
     assert profile_points(10, 6, 2) == {1: [1, 2], 2: [2, 4], 4: [4, 8], 6: [6]}    # B <= max_tokens
 
 
+def graphs_of(max_batch: int, max_rows: int) -> StepGraphs:
+    """A StepGraphs' padding rule without a device (its ladders only)."""
+    graphs = StepGraphs.__new__(StepGraphs)
+    graphs.sizes, graphs.max_rows = ladder(max_batch), max_rows
+    return graphs
+
+
+def test_profile_points_are_the_graphs_padded_row_counts():
+    """Where verify steps are graphs, the table is measured at the row counts they run as: R = 96 segments of
+    1 .. 6 rows run as 96, 128, 192, 256, 384, 512 or 576 rows (the row ladder, capped at 576), never at 288 (a step
+    of 288 rows runs as 384)."""
+    graphs = graphs_of(96, 576)
+    assert graphs.padded_rows(96, 288) == 384 and graphs.padded_rows(96, 530) == 576
+    assert graphs.padded_rows(97, 10) == 10 and graphs.padded_rows(4, 600) == 600     # eager: as many as it has
+    points = profile_points(576, 96, 6, graphs.padded_rows)
+    assert sorted(points) == [1, 2, 4, 8, 16, 32, 64, 96]
+    assert points[96] == [96, 128, 192, 256, 384, 512, 576]
+    assert points[64] == [64, 96, 128, 192, 256, 384]
+    assert points[1] == [1, 2, 3, 4, 6]
+    assert profile_points(200, 96, 6, graphs.padded_rows)[64] == [64, 96, 128, 192, 256]   # steps of <= 200
+
+
+CONF8 = [[round(0.97 - 0.04 * r, 2), 0.8, 0.7, 0.6, 0.5] for r in range(8)]     # 8 requests' confidences
+
+
+def drafting(confs, computed=100):
+    return [request(c, computed) for c in confs]
+
+
+def test_policy_fills_the_graph_padding_with_the_next_drafts():
+    """8 requests, drafts dear enough that Algorithm 1 stops early; the graph pads the step to its rung, and the
+    padding rows verify the next drafts in the ranked order. A step with a request that has no drafts may run
+    eagerly: not filled. Fixed verifies every draft as before."""
+    rate = StepRate.linear(1.0, 0.05, 48)
+    pad = graphs_of(8, 48).padded_rows                       # rows: 8, 12, 16, 24, 32, 48
+    greedy = schedule_greedy(CONF8, rate)
+    assert greedy == [3, 3, 3, 3, 2, 2, 2, 2]                 # B = 28 rows: the graph runs 32
+    policy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, pad=pad)
+    reqs = drafting(CONF8)
+    policy.choose(reqs)
+    lengths = [len(r.spec_token_ids) for r in reqs]
+    assert lengths == [3] * 8 and policy.filled == 4        # the next 4 drafts: the third ones of requests 4 .. 7
+    assert lengths == fill(CONF8, greedy, 4)[0]
+    plain = drafting(CONF8) + [request([], 100)]             # one request without drafts
+    policy.choose(plain)
+    assert [len(r.spec_token_ids) for r in plain[:8]] == greedy and policy.filled == 4
+    fixed = VerifyPolicy(SpecConfig(schedule="fixed", num_speculative_tokens=3), None, pad=pad)
+    reqs = drafting(CONF8)
+    fixed.choose(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == [3] * 8 and fixed.filled == 0
+
+
+def test_budget_takes_its_argmax_over_the_padded_cost():
+    """The budget rule's cost is the jagged one of the rows a step runs as: flat inside a rung, so its argmax
+    lands on a rung's top (the smooth table's argmax need not)."""
+    rate = StepRate.linear(1.0, 0.05, 48)
+    pad = graphs_of(8, 48).padded_rows
+    assert 8 + budget_from(CONF8, rate) == 28                 # the smooth table's argmax: inside the rung 25 .. 32
+    assert 8 + budget_from(CONF8, lambda t: rate(pad(8, t))) == 32
+    policy = VerifyPolicy(SpecConfig(schedule="budget"), rate, pad=pad)
+    reqs = drafting(CONF8)
+    policy.choose(reqs)
+    assert [len(r.spec_token_ids) for r in reqs] == schedule_budget(CONF8, 24) == [3] * 8
+    assert policy.filled == 0
+
+
+def test_measured_step_times_and_calibration_at_the_padded_rows(monkeypatch):
+    """The policy measures each step launch to launch under its shape (segments, the rows its graph ran) and
+    calibrates against the table there; steps that verified nothing are neither."""
+    from deepinfer.spec import policy as policy_mod
+    clock = iter([0.0, 0.030, 0.060, 0.090, 0.100, 0.200])
+    monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
+    rate = StepRate([8, 12, 16], [0.010, 0.020, 0.025])
+    policy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, calibrate=True,
+                          pad=graphs_of(8, 16).padded_rows)
+    policy.choose(drafting([[0.9]] * 8))
+    for _ in range(4):
+        policy.launched(9)           # 9 rows run as 12: the table says 20 ms, each step took 30 ms
+    assert policy.overhead == pytest.approx((1 - 0.8 ** 3) * 0.010)
+    assert policy.step_times() == [{"segments": 8, "rows": 12, "steps": 3, "measured_ms": pytest.approx(30.0),
+                                    "table_ms": pytest.approx(20.0)}]
+    policy.choose([request([], 100)])
+    policy.launched(1)               # t = 0.1: the last 12-row step measured; this one verifies nothing
+    policy.launched(1)               # t = 0.2: not measured
+    assert policy.step_times()[0]["steps"] == 4 and len(policy.observed) == 1
+    policy.reset_counts()
+    assert policy.step_times() == [] and policy.filled == 0
+
+
 def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
     """The engine-start profile: a table per context and segment count with every rows-per-segment, steps of R
     segments starting at the context, one sequence each, with random tokens (not one repeated id: those route to
@@ -143,6 +234,25 @@ def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
     tok, (slots, starts, lens) = max(at256, key=lambda s: s[0].shape[0])
     assert lens == [4, 4, 4, 4] and starts == [256] * 4 and len(set(slots)) == 4 and 0 not in slots
     assert torch.unique(tok).numel() > 1
+
+
+def test_profile_at_padded_rows_splits_them_evenly(monkeypatch):
+    """Padded row counts that are not a multiple of the segments run as segments of as even lengths as divide:
+    6 rows over 4 segments as 2, 2, 1, 1."""
+    llm = LLM(embedded_tiny_dir("deepseek_v41"), max_num_seqs=4, max_model_len=300,
+              speculative={"schedule": "confidence", "num_speculative_tokens": 3, "step_seconds": {1: 1e-3}})
+    seen = []
+    forward = llm.model.forward
+
+    def recording(tokens, fb):
+        seen.append(fb.host)
+        return forward(tokens, fb)
+    monkeypatch.setattr(llm.model, "forward", recording)
+    tables = profile_step_rates(llm.engine.runner, 16, 4, [0], iters=1, pad=lambda r, b: row_ladder(b))
+    assert {r: sorted(t) for r, t in tables[0].items()} == {1: [1, 2, 3, 4], 2: [2, 3, 4, 6, 8],
+                                                            4: [4, 6, 8, 12, 16]}
+    lens = [host[2] for host in seen if len(host[2]) == 4]
+    assert [2, 2, 1, 1] in lens and [3, 3, 3, 3] in lens
 
 
 def test_profile_skips_a_context_the_pools_cannot_hold(caplog):

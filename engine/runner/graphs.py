@@ -92,18 +92,26 @@ class StepGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
+    def varlen_rows(self, segments: int, rows: int) -> int | None:
+        """The rows a variable-length step of `segments` segments and `rows` rows runs as (its graph's padded row
+        count: the row ladder, capped at max_rows), or None when it runs eagerly (above the ladders)."""
+        if segments > self.sizes[-1] or rows > self.max_rows:
+            return None
+        return min(row_ladder(rows), self.max_rows)
+
+    def padded_rows(self, segments: int, rows: int) -> int:
+        """What a variable-length verify step of that shape costs in rows: its graph's row count, or `rows` when
+        it runs eagerly (spec/policy.py fills the padding with drafts; the step-rate profile measures these)."""
+        return self.varlen_rows(segments, rows) or rows
+
     def run(self, inputs, ctx_blocks: int, draft_rings: bool = False) -> torch.Tensor | None:
         """Logits [N, V] of a step whose rows are all sampled (replayed, capturing first if needed): a uniform one,
         or a variable-length one; None when it is above the ladders."""
         g, q, n = len(inputs.slots), inputs.uniform_q, inputs.tokens.shape[0]
         size = next((s for s in self.sizes if s >= g), None)
-        if size is None:
+        rows = self.varlen_rows(g, n) if q is None else None if size is None else size * q
+        if rows is None:
             return None
-        rows = size * q if q is not None else row_ladder(n)
-        if q is None and rows > self.max_rows:
-            if n > self.max_rows:
-                return None
-            rows = self.max_rows                           # the ladder's top is the most rows a step can have
         key = (size, q, rows, ctx_blocks, active().name, draft_rings)   # a graph holds the kernels it was captured with
         with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
             if key not in self.graphs:

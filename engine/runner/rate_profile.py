@@ -4,14 +4,18 @@ step by context, segment count and batch tokens, measured on the device when the
     tables = profile_step_rates(runner, max_tokens=576, max_segments=96, contexts=profile_contexts(333, q=6))
     # {context: {segments R: {tokens B: seconds}}}; StepRateTable.from_dict(tables)
 
-Each point is a step of R segments of l rows (B = l x R tokens; l = 1 .. drafts + 1, R on the graph ladder 1, 2,
-4, .. max_segments), one segment per sequence, on sequences seated for the profile at the context (their state
-random noise, seat_random) with random input tokens (so the MoE routes them as a real batch's tokens spread over
-the experts: identical tokens would all reach the same few experts and leave most expert weights unread), run as
-variable-length verify steps run (their CUDA graphs, else eagerly), then the draft block of the R rows; the median
-of `iters` after one warm-up. Host work (planning, commits) is not in it: the policy's online calibration follows
-that. A context whose sequences the pools cannot hold is skipped (the table above it is extrapolated). The graphs
-the profile captures are the ones real steps of those shapes replay later."""
+Each point is a step of R segments of B rows in all (R on the graph ladder 1, 2, 4, .. max_segments; every
+segment 1 .. drafts + 1 rows, as even as they divide), one segment per sequence, on sequences seated for the
+profile at the context (their state random noise, seat_random) with random input tokens (so the MoE routes them as
+a real batch's tokens spread over the experts: identical tokens would all reach the same few experts and leave
+most expert weights unread), run as variable-length verify steps run (their CUDA graphs, else eagerly), then the
+draft block of the R rows; the median of `iters` after one warm-up. B runs over the row counts real steps run at:
+where verify steps are graphs, the padded row counts of their graphs (R = 96, 6 rows a segment at most: 96, 128,
+192, 256, 384, 576), so every point is a shape real steps replay and nothing is measured at a padded cost it does
+not show (a point of 288 rows ran as 384: the table then read the step from 192 to 288 rows as dearer than those
+after it); eagerly, l x R for l = 1 .. drafts + 1. Host work (planning, commits) is not in it: the policy's online
+calibration follows that. A context whose sequences the pools cannot hold is skipped (the table above it is
+extrapolated). The graphs the profile captures are the ones real steps of those shapes replay later."""
 
 from __future__ import annotations
 
@@ -47,11 +51,16 @@ def profile_contexts(max_model_len: int, q: int) -> list[int]:
     return out
 
 
-def profile_points(max_tokens: int, max_segments: int, q: int) -> dict[int, list[int]]:
-    """{segments R: [l x R for l = 1 .. q]}, R on the graph ladder up to max_segments, B <= max_tokens."""
+def profile_points(max_tokens: int, max_segments: int, q: int, pad=None) -> dict[int, list[int]]:
+    """{segments R: [batch rows B]}, R on the graph ladder up to max_segments: B = l x R for l = 1 .. q (at most
+    max_tokens), or with pad(R, b) (the rows a step of b rows runs as: StepGraphs.padded_rows) every distinct
+    pad(R, b) for b = R .. q x R (b at most max_tokens)."""
     out = {}
     for r in ladder(max(max_segments, 1)):
-        tokens = [l * r for l in range(1, q + 1) if l * r <= max_tokens]
+        if pad is None:
+            tokens = [l * r for l in range(1, q + 1) if l * r <= max_tokens]
+        else:
+            tokens = sorted({pad(r, b) for b in range(r, min(q * r, max_tokens) + 1)})
         if tokens:
             out[r] = tokens
     return out
@@ -59,11 +68,14 @@ def profile_points(max_tokens: int, max_segments: int, q: int) -> dict[int, list
 
 @torch.inference_mode()
 def profile_step_rates(runner, max_tokens: int, max_segments: int, contexts: list[int], iters: int = 2,
-                       seed: int = 0) -> dict[int, dict[int, dict[int, float]]]:
-    """{context: {segments: {batch tokens: seconds per step}}} on `runner` (see the module docstring)."""
+                       seed: int = 0, pad=None) -> dict[int, dict[int, dict[int, float]]]:
+    """{context: {segments: {batch tokens: seconds per step}}} on `runner` (see the module docstring); pad: the
+    padded row counts to profile at (default: the runner's graphs', none when it runs eagerly)."""
     manager, model = runner.manager, runner.model
     q = runner.speculator.gamma + 1 if runner.speculator is not None else 1
-    points = profile_points(max_tokens, max_segments, q)
+    if pad is None and runner.graphs is not None:
+        pad = runner.graphs.padded_rows
+    points = profile_points(max_tokens, max_segments, q, pad)
     rids = [f"step-rate-{i}" for i in range(max(points))]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out: dict[int, dict[int, dict[int, float]]] = {}
@@ -76,8 +88,8 @@ def profile_step_rates(runner, max_tokens: int, max_segments: int, contexts: lis
                             context + q, context)
                 continue
             slots = [manager.slot(r) for r in rids]
-            out[context] = {r: {b: _time_step(runner, model, slots[:r], context, b // r, gen, iters) for b in bs}
-                            for r, bs in points.items()}
+            out[context] = {r: {b: _time_step(runner, model, slots[:r], context, _even_split(b, r), gen, iters)
+                                for b in bs} for r, bs in points.items()}
         finally:
             for rid in rids[:seated]:
                 manager.release(rid)
@@ -86,17 +98,24 @@ def profile_step_rates(runner, max_tokens: int, max_segments: int, contexts: lis
     return out
 
 
-def _time_step(runner, model, slots: list[int], context: int, rows: int, gen, iters: int) -> float:
-    """Median seconds of one profiled step: len(slots) segments of `rows` rows at `context` (module docstring)."""
+def _even_split(rows: int, segments: int) -> list[int]:
+    """`rows` rows over `segments` segments, as even as they divide (the longer ones first)."""
+    base, extra = divmod(rows, segments)
+    return [base + 1] * extra + [base] * (segments - extra)
+
+
+def _time_step(runner, model, slots: list[int], context: int, lens: list[int], gen, iters: int) -> float:
+    """Median seconds of one profiled step: a segment of lens[i] rows on slots[i], each at `context` (module
+    docstring)."""
     dev = model.device
-    r = len(slots)
-    lens = [rows] * r
-    tokens = torch.randint(0, model.cfg.vocab_size, (rows * r,), generator=gen).to(dev)
-    inputs = StepInputs([], slots, [context] * r, lens, tokens, [], context + rows - 1, None, True)  # varlen shape
-    ctx = runner._context_blocks(context + rows)
+    r, n = len(slots), sum(lens)
+    tokens = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(dev)
+    inputs = StepInputs([], slots, [context] * r, lens, tokens, [], context + max(lens) - 1, None, True)  # varlen
+    ctx = runner._context_blocks(context + max(lens))
     seg_slots = torch.tensor(slots, dtype=torch.long, device=dev)
-    last_row = torch.arange(1, r + 1, device=dev) * rows - 1
-    anchor_pos = torch.full((r,), context + rows - 1, dtype=torch.long, device=dev)
+    ends = torch.tensor(lens, dtype=torch.long).cumsum(0)
+    last_row = (ends - 1).to(dev)
+    anchor_pos = (context + torch.tensor(lens, dtype=torch.long) - 1).to(dev)
     zeros = torch.zeros(r, dtype=torch.long, device=dev)
     times = []
     for i in range(iters + 1):

@@ -15,27 +15,48 @@ graph was captured is skipped), and added to every point.
 Without it the schedule sees extra tokens as dearer than they are and trims too much. A profiled table has one
 StepRate per profiled context and segment count (spec/step_rate.StepRateTable): each step is scheduled by the
 table at the mean context of the requests it verifies (positions their state holds) and at their number, and
-calibrated against the table at the shape it ran at."""
+calibrated against the table at the shape it ran at.
+
+Where verify steps run as CUDA graphs, a step of B rows runs as its graph's padded row count (pad: the runner's
+StepGraphs.padded_rows; the profile measures the table at those counts). Rows the graph runs anyway cost nothing
+more, so after the schedule the padding is filled with the next drafts in the ranked order (schedule.fill). That
+keeps Algorithm 1 lossless: the fill's size follows from the drafts up to the early stop, and a draft's place in
+the order never depends on a later draft of its own request. Algorithm 1 itself runs over the table's smooth curve
+through the padded points: on the jagged one (flat inside a rung, a jump at its top) its early stop would halt at
+the first draft past a rung's top. The budget rule takes its global argmax over the jagged curve (the cost of
+pad(B)), as the paper's production variant does. A step with a request that has no drafts (a prefill piece, a
+request's first decode) may run eagerly: it is not filled.
+The policy also keeps the launch-to-launch seconds of the steps it measured by shape (segments, padded rows), for
+the bench to hold against the table (step_times)."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 from .config import SpecConfig
-from .schedule import budget_from, schedule_budget, schedule_fixed, schedule_greedy
+from .schedule import batch_tokens, budget_from, fill, schedule_budget, schedule_fixed, schedule_greedy
 from .step_rate import StepRate, StepRateTable
 
 
 OVERHEAD_EMA = 0.8                     # weight of the previous estimate of the per-step overhead
+OBSERVED_PER_SHAPE = 512               # measured steps kept per (segments, rows) shape
 
 
 class VerifyPolicy:
-    def __init__(self, config: SpecConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False):
+    def __init__(self, config: SpecConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False,
+                 pad: Callable[[int, int], int] | None = None):
         """rate: the step-rate table (one StepRate: at every context and segment count); calibrate: follow the per-step
-        overhead beyond the table (for a profiled table)."""
+        overhead beyond the table (for a profiled table); pad(segments, rows): the rows a verify step of that shape
+        runs as (None: as many as it has)."""
         self.config = config
         self.table = StepRateTable(flat=rate) if isinstance(rate, StepRate) else rate
         self.calibrate = calibrate and rate is not None
+        self.pad = pad
+        self.filled = 0                # drafts admitted into graph padding
+        # (segments, padded rows) -> [(measured seconds launch to launch, the table's seconds at that shape)]
+        self.observed: dict[tuple[int, int], list[tuple[float, float | None]]] = {}
         self.overhead = 0.0            # seconds per step added to the table
         self.context = 0.0             # mean positions held by the requests of the last scheduled step
         self.segments = 1              # and how many of them verified drafts
@@ -55,13 +76,36 @@ class VerifyPolicy:
         """A step of `tokens` fed positions was just launched (the engine core calls this each step); captured: it
         captured a CUDA graph on the way (a one-off cost that is no step's overhead: that interval is skipped)."""
         now = time.perf_counter()
-        if self.calibrate and self._last is not None and not captured:
-            when, fed, context, segments = self._last
-            table = self.table.at(context, segments)
-            if fed <= table.tokens[-1]:
-                excess = max(0.0, now - when - table.seconds(fed))
+        if self._last is not None and not captured and self._last[3] > 0:
+            when, rows, context, segments = self._last
+            table = self.table.at(context, segments) if self.table is not None else None
+            seen = self.observed.setdefault((segments, rows), [])
+            if len(seen) < OBSERVED_PER_SHAPE:
+                seen.append((now - when, None if table is None else table.seconds(rows)))
+            if self.calibrate and rows <= table.tokens[-1]:
+                excess = max(0.0, now - when - table.seconds(rows))
                 self.overhead = OVERHEAD_EMA * self.overhead + (1 - OVERHEAD_EMA) * excess
-        self._last = (now, tokens, self.context, self.segments)
+        self._last = (now, self._padded(self.segments, tokens), self.context, self.segments)
+
+    def _padded(self, segments: int, rows: int) -> int:
+        return rows if self.pad is None else self.pad(segments, rows)
+
+    def reset_counts(self) -> None:
+        """Start the counters and the measured step times again (the engine core's reset_stats)."""
+        self.steps = self.verified = self.filled = 0
+        self.observed = {}
+
+    def step_times(self, min_steps: int = 3) -> list[dict]:
+        """Per step shape measured at least min_steps times: segments, padded rows, steps, the median measured
+        milliseconds launch to launch and the median of the table's (without the calibrated overhead)."""
+        out = []
+        for (segments, rows), seen in sorted(self.observed.items()):
+            if len(seen) >= min_steps:
+                table = [t for _, t in seen if t is not None]
+                out.append({"segments": segments, "rows": rows, "steps": len(seen),
+                            "measured_ms": 1e3 * statistics.median(m for m, _ in seen),
+                            "table_ms": 1e3 * statistics.median(table) if table else None})
+        return out
 
     def idle(self) -> None:
         """Nothing is left to run: the wait for the next request is no step's overhead."""
@@ -71,17 +115,25 @@ class VerifyPolicy:
         """Trim each request's drafts (Request.spec_token_ids) to its verify length for the next step."""
         reqs = [r for r in requests if r.spec_token_ids]
         if not reqs:
+            self.segments = 0          # a step that verifies nothing: not measured, not calibrated against
             return
         conf = [r.spec_confidence[:len(r.spec_token_ids)] for r in reqs]
         self.context, self.segments = sum(r.num_computed for r in reqs) / len(reqs), len(reqs)
         mode = self.config.schedule
+        pad = self.pad if len(reqs) == len(requests) else None       # else the step may run eagerly: no padding
         if mode == "fixed":
             lengths = schedule_fixed(conf, self.config.num_speculative_tokens)
         elif mode == "confidence":
             lengths = schedule_greedy(conf, self.rate)
         else:
             stale = [r.spec_confidence_before[:len(c)] or c for r, c in zip(reqs, conf)]
-            lengths = schedule_budget(conf, budget_from(stale, self.rate))
+            rate = self.rate
+            jagged = rate if pad is None else lambda b: rate(pad(len(reqs), b))   # noqa: E731
+            lengths = schedule_budget(conf, budget_from(stale, jagged))
+        if pad is not None and mode != "fixed":
+            b = batch_tokens(lengths)
+            lengths, added = fill(conf, lengths, pad(len(reqs), b) - b)
+            self.filled += added
         for r, n in zip(reqs, lengths):
             del r.spec_token_ids[n:]
         self.steps += 1

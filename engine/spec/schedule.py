@@ -120,6 +120,25 @@ def schedule_budget(conf_live: Sequence[Sequence[float]], budget: int) -> list[i
     return lengths
 
 
+def fill(conf: Sequence[Sequence[float]], lengths: Sequence[int], extra: int) -> tuple[list[int], int]:
+    """Verify lengths with up to `extra` more drafts admitted: the next ones in the ranked order (survival > 0)
+    after those `lengths` admits (a prefix of it, as every schedule here admits). Where a step runs as a CUDA graph
+    padded to more rows than it has, the padding verifies these drafts for nothing. Lossless after Algorithm 1:
+    `extra` follows from the drafts up to its early stop, and whether a draft is in the fill depends on the drafts
+    ranked before it, never on a later draft of its own request (ranked after it). Returns (lengths, admitted)."""
+    out = [_check_count("verify length", n) for n in lengths]
+    left = _check_count("extra drafts", max(extra, 0))
+    if len(out) != len(conf):
+        raise DeepInferError(f"{len(out)} verify lengths given for {len(conf)} requests")
+    admitted = 0
+    for _, r, n in _ranked(conf, positive=True):
+        if admitted == left:
+            break
+        if n == out[r] + 1:
+            out[r], admitted = n, admitted + 1
+    return out, admitted
+
+
 def schedule_fixed(conf: Sequence[Sequence[float]], length: int) -> list[int]:
     """The comparison mode: ℓ_r = min(length, γ_r) for every request."""
     length = _check_count("verify length", length)
