@@ -64,12 +64,15 @@ def force_drafts(llm: LLM, truth: dict[tuple, list[int]], wrong, confidence=None
 
 
 @pytest.mark.parametrize("arch,schedule", [(V41, "fixed"), (V41, "confidence"), (V41, "budget"), (V4, "fixed"),
-                                           (V4, "budget")])
+                                           (V4, "budget"), (V41, "confidence+padding")])
 def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(arch, schedule):
     """8 prompts, a 16-token step budget (chunked prefill next to verify rows), pools small enough to preempt;
     drafts right except where (position + k) % 4 == 3 or at position % 7 == 0 for the first draft (a full
-    rejection): every output equals plain greedy decoding, and drafts were accepted and rejected."""
+    rejection): every output equals plain greedy decoding, and drafts were accepted and rejected. `+padding`:
+    steps padded up the graphs' row ladder (as CUDA graphs run them), the padding filled with drafts."""
     from deepinfer.cache.pools import PoolLayout
+    from deepinfer.runner.graphs import row_ladder
+    schedule, padded = schedule.split("+")[0], schedule.endswith("+padding")
     sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     first = engine(arch)
     want = [o.outputs[0] for o in first.generate(PROMPTS, sp, use_tqdm=False)]
@@ -84,8 +87,12 @@ def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(arc
     llm = engine(arch, speculative=spec_of(schedule), **small)
     seen = force_drafts(llm, truth, lambda at, k: (at + k) % 4 == 3 or (k == 0 and at % 7 == 0),
                         None if arch == V41 else lambda at, k: 0.95 if (at + k) % 5 else 0.3)
+    if padded:
+        llm.engine.verify_policy.pad = lambda segments, rows: row_ladder(rows)
     got = llm.generate(PROMPTS, sp, use_tqdm=False)
     st = llm.stats
+    if padded:
+        assert llm.engine.verify_policy.filled > 0
     assert [o.outputs[0].token_ids for o in got] == [w.token_ids for w in want]
     assert st.preemptions > 0 and seen["blocks"] > 0
     assert st.draft_tokens > st.accepted_draft_tokens > 0 and st.rollbacks > 0
@@ -356,17 +363,23 @@ def test_cuda_graph_speculation_equals_eager(arch, schedule):
     (so partial acceptances and rollbacks happen) and greedy forced-right drafts."""
     sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     spec = spec_of(schedule, acceptance=[0.8, 0.6, 0.45, 0.3, 0.25])
-    outs, stats = {}, {}
-    for eager in (True, False):
+    outs, stats, pad = {}, {}, None
+    for eager in (False, True):
         llm = LLM(embedded_tiny_dir(arch), dtype="float64", device="cuda", enforce_eager=eager, speculative=spec)
+        if eager:                       # the same verify lengths: the graphed engine fills its graphs' padding
+            llm.engine.verify_policy.pad = pad
+        else:
+            pad = llm.engine.verify_policy.pad
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
-        stats[eager] = llm.stats
+        stats[eager] = (llm.stats, llm.engine.verify_policy.filled)
     assert outs[True] == outs[False]
-    graphed = stats[False]
+    graphed, filled = stats[False]
     assert graphed.graph_replays > 0 and graphed.rollbacks > 0
-    assert stats[True].accepted_draft_tokens == graphed.accepted_draft_tokens
+    assert stats[True][0].accepted_draft_tokens == graphed.accepted_draft_tokens and stats[True][1] == filled
     if schedule != "fixed":             # a variable-length graph: (size, q=None, rows, ...) keys
         assert any(k[1] is None for k in graphed.graphs_captured), graphed.graphs_captured
+    if schedule == "confidence":        # its table stops short of every draft: the padding verified some
+        assert filled > 0
 
 
 def test_lossless_sampling_follows_the_target_distribution_end_to_end():

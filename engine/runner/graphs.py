@@ -12,6 +12,8 @@ segment on scratch, so real state is never touched) and share one memory pool; l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from deepinfer.kernels.table import active
@@ -27,6 +29,7 @@ def ladder(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+@functools.lru_cache(maxsize=4096)
 def row_ladder(rows: int) -> int:
     """The padded row count of a variable-length step: the smallest of 1, 2, 3, 4, 6, 8, 12, ... >= rows."""
     b = 1

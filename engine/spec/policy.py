@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 
 from .config import SpecConfig
-from .schedule import batch_tokens, budget_from, fill, schedule_budget, schedule_fixed, schedule_greedy
+from .schedule import (batch_tokens, budget_from, fill, ranked_drafts, schedule_budget, schedule_fixed,
+                       schedule_greedy)
 from .step_rate import StepRate, StepRateTable
 
 
@@ -121,18 +122,19 @@ class VerifyPolicy:
         self.context, self.segments = sum(r.num_computed for r in reqs) / len(reqs), len(reqs)
         mode = self.config.schedule
         pad = self.pad if len(reqs) == len(requests) else None       # else the step may run eagerly: no padding
+        ranked = ranked_drafts(conf) if mode != "fixed" else None     # once for the schedule and the fill
         if mode == "fixed":
             lengths = schedule_fixed(conf, self.config.num_speculative_tokens)
         elif mode == "confidence":
-            lengths = schedule_greedy(conf, self.rate)
+            lengths = schedule_greedy(conf, self.rate, ranked)
         else:
             stale = [r.spec_confidence_before[:len(c)] or c for r, c in zip(reqs, conf)]
             rate = self.rate
             jagged = rate if pad is None else lambda b: rate(pad(len(reqs), b))   # noqa: E731
-            lengths = schedule_budget(conf, budget_from(stale, jagged))
+            lengths = schedule_budget(conf, budget_from(stale, jagged), ranked)
         if pad is not None and mode != "fixed":
             b = batch_tokens(lengths)
-            lengths, added = fill(conf, lengths, pad(len(reqs), b) - b)
+            lengths, added = fill(conf, lengths, pad(len(reqs), b) - b, ranked)
             self.filled += added
         for r, n in zip(reqs, lengths):
             del r.spec_token_ids[n:]

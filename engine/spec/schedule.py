@@ -12,8 +12,11 @@ into it (survival)."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
+import operator
+from itertools import accumulate
 from collections.abc import Sequence
 
 from ..errors import DeepInferError
@@ -24,26 +27,25 @@ def survival(conf: Sequence[float]) -> list[float]:
     """Prefix products of one request's confidences: out[j] = conf[0] * .. * conf[j] (same length as conf).
     A finite confidence outside [0, 1] is clipped into it (a raw odds estimate above 1 means sure acceptance, below 0
     sure rejection: the pinned drafter reports such odds); NaN, infinities and non-numbers are refused."""
-    out, p = [], 1.0
-    for c in conf:
-        number = type(c) is float or not isinstance(c, bool) and isinstance(c, numbers.Real)
-        if not (number and math.isfinite(c)):
-            raise DeepInferError(f"draft confidence {c!r} must be a finite number (a probability in [0, 1])")
-        p *= min(max(float(c), 0.0), 1.0)
-        out.append(p)
-    return out
+    if not all(type(c) is float and -math.inf < c < math.inf for c in conf):     # the engine's case: finite floats
+        for c in conf:
+            number = type(c) is float or not isinstance(c, bool) and isinstance(c, numbers.Real)
+            if not (number and math.isfinite(c)):
+                raise DeepInferError(f"draft confidence {c!r} must be a finite number (a probability in [0, 1])")
+    return list(accumulate((min(max(float(c), 0.0), 1.0) for c in conf), operator.mul))
 
 
-def _ranked(conf: Sequence[Sequence[float]], positive: bool) -> list[tuple[float, int, int]]:
+def ranked_drafts(conf: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
     """Every draft as (-survival, request r, verify length j+1), best first: survival descending, then r, then j
-    ascending (a prefix-respecting order). `positive` drops drafts of survival 0."""
-    drafts = []
-    for r, c in enumerate(conf):
-        for j, a in enumerate(survival(c)):
-            if a > 0 or not positive:
-                drafts.append((-a, r, j + 1))
+    ascending (a prefix-respecting order; drafts of survival 0 last). One step's schedule and fill share it."""
+    drafts = [(-a, r, j + 1) for r, c in enumerate(conf) for j, a in enumerate(survival(c))]
     drafts.sort()
     return drafts
+
+
+def _positive(ranked: list[tuple[float, int, int]]) -> list[tuple[float, int, int]]:
+    """The drafts of survival > 0: the ranking up to its first survival 0."""
+    return ranked[:bisect.bisect_left(ranked, (0.0,))]
 
 
 def _check_count(name: str, value) -> int:
@@ -70,17 +72,18 @@ def expected_accepted(conf: Sequence[Sequence[float]], lengths: Sequence[int]) -
     return tau
 
 
-def schedule_greedy(conf: Sequence[Sequence[float]], rate: StepRate) -> list[int]:
+def schedule_greedy(conf: Sequence[Sequence[float]], rate: StepRate, ranked: list | None = None) -> list[int]:
     """Algorithm 1: verify lengths ℓ (one int per request) admitting drafts best survival first while Θ = τ · SPS(B)
     strictly improves; the first admission that does not improve Θ stops the search (and is not kept), so whether
-    a draft is verified never depends on the drafts after it (the losslessness condition). O(n log n) in drafts."""
+    a draft is verified never depends on the drafts after it (the losslessness condition). O(n log n) in drafts.
+    ranked: ranked_drafts(conf), when the caller has it."""
     lengths = [0] * len(conf)
     if not conf:
         return lengths
     tokens = len(conf)
     tau = float(tokens)
     best = tau * rate(tokens)
-    for neg_a, r, n in _ranked(conf, positive=True):
+    for neg_a, r, n in _positive(ranked_drafts(conf) if ranked is None else ranked):
         tokens, tau = tokens + 1, tau - neg_a
         theta = tau * rate(tokens)
         if not theta > best:
@@ -94,7 +97,7 @@ def budget_from(conf_stale: Sequence[Sequence[float]], rate: StepRate, max_extra
     the global argmax over K in [0, min(total drafts, max_extra)] of τ(K) · SPS(R + K), with τ(K) = R + the K best
     survivals of the stale confidences (one list per request that will run). Ties: the smallest K."""
     cap = None if max_extra is None else _check_count("max_extra", max_extra)
-    ranked = _ranked(conf_stale, positive=False)
+    ranked = ranked_drafts(conf_stale)
     if cap is not None:
         ranked = ranked[:cap]
     tokens = len(conf_stale)
@@ -110,17 +113,19 @@ def budget_from(conf_stale: Sequence[Sequence[float]], rate: StepRate, max_extra
     return best_k
 
 
-def schedule_budget(conf_live: Sequence[Sequence[float]], budget: int) -> list[int]:
+def schedule_budget(conf_live: Sequence[Sequence[float]], budget: int, ranked: list | None = None) -> list[int]:
     """Verify lengths (one int per request) admitting the `budget` best drafts by live survival, in the ranked order
-    (so each request's admitted drafts are a prefix); a budget over the total drafts admits them all."""
+    (so each request's admitted drafts are a prefix); a budget over the total drafts admits them all. ranked:
+    ranked_drafts(conf_live), when the caller has it."""
     budget = _check_count("draft budget", budget)
     lengths = [0] * len(conf_live)
-    for _, r, n in _ranked(conf_live, positive=False)[:budget]:
+    for _, r, n in (ranked_drafts(conf_live) if ranked is None else ranked)[:budget]:
         lengths[r] = n
     return lengths
 
 
-def fill(conf: Sequence[Sequence[float]], lengths: Sequence[int], extra: int) -> tuple[list[int], int]:
+def fill(conf: Sequence[Sequence[float]], lengths: Sequence[int], extra: int,
+         ranked: list | None = None) -> tuple[list[int], int]:
     """Verify lengths with up to `extra` more drafts admitted: the next ones in the ranked order (survival > 0)
     after those `lengths` admits (a prefix of it, as every schedule here admits). Where a step runs as a CUDA graph
     padded to more rows than it has, the padding verifies these drafts for nothing. Lossless after Algorithm 1:
@@ -131,7 +136,7 @@ def fill(conf: Sequence[Sequence[float]], lengths: Sequence[int], extra: int) ->
     if len(out) != len(conf):
         raise DeepInferError(f"{len(out)} verify lengths given for {len(conf)} requests")
     admitted = 0
-    for _, r, n in _ranked(conf, positive=True):
+    for _, r, n in _positive(ranked_drafts(conf) if ranked is None else ranked):
         if admitted == left:
             break
         if n == out[r] + 1:
