@@ -197,16 +197,22 @@ def _engine(model, cfg: DSparkConfig, mode: str):
 def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index: int, rep: int, echo) -> dict:
     """One point's row (a failed point is a row too, never lost)."""
     from .step_bench import kernel_info
-    from .sweep import spec_mode_of
+    from .sweep import free_device_memory, spec_mode_of
     backend, backends = kernel_info(llm)
     row = {**identity, "key": key(mode, c, rep if cfg.repeats > 1 else None), "schedule": mode,
            "spec_mode": spec_mode_of(llm), "mode": "decode", "engine": "deepinfer", "gpus": 1,
            "num_prompts": c * cfg.rounds, "concurrency": c, "repeat": rep, "kernel_backend": backend,
            "kernel_backends": backends, "started": utc_now()}
+    import torch
     try:
         row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
     except DeepInferError as e:
         row.update(status="failed", error=str(e), finished=utc_now())
+    except torch.OutOfMemoryError as e:        # every mode's engine is held at once: a large point can run out
+        free_device_memory()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
+        row.update(status="failed", error=f"out of device memory at concurrency {c} ({first[:120]}); every mode's "
+                   f"engine is held at once: run fewer --modes or a lower --concurrency", finished=utc_now())
     if row["status"] == "ok":
         echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  {row['median_intvty']:8.1f} tok/s/user  "
              f"AL {row['mean_accepted_length']:.3f}")
@@ -270,21 +276,41 @@ def _median(values: list):
     return statistics.median(values) if values else None
 
 
+def fixed_verified_at(al: float | None, survival: list | None) -> float | None:
+    """Verified tokens per row (drafts + 1) that fixed-length verification needs for accepted length `al`, from
+    fixed's measured survival s_1..s_n (AL(k) = 1 + s_1 + .. + s_k; linear between whole k: verifying draft k+1
+    on a share f of the rows adds f x s_{k+1}). None when `al` is above what all n drafts reach."""
+    if al is None or not survival:
+        return None
+    reached, k = 1.0, 0
+    for s in survival:
+        if s is None or s <= 0 or al <= reached:
+            break
+        if al <= reached + s:
+            return 1 + k + (al - reached) / s
+        reached, k = reached + s, k + 1
+    return 1.0 + k if al <= reached + 1e-9 else None
+
+
 def table(rows: list[dict]) -> list[str]:
     """Per concurrency and mode (the median over repeats; with repeats, the throughput's and tok/s/user's range
     as min-max): throughput, tok/s/user, accepted length, verified tokens per row, and the ratios the upstream
     claims are about: tok/s/user against `off`, and for confidence / budget the verified tokens, accepted length
-    and throughput against `fixed` (ratios of medians)."""
+    and throughput against `fixed` (ratios of medians), and the verified tokens against what fixed-length
+    verification needs for the same accepted length (`@AL`: fixed_verified_at over fixed's measured survival)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("status") == "ok":
             groups.setdefault((r["schedule"], r["concurrency"]), []).append(r)
     fields = ("output_throughput", "median_intvty", "mean_accepted_length", "verified_tokens_per_row")
     ok = {k: {f: _median([r[f] for r in g]) for f in fields} for k, g in groups.items()}
+    for (mode, _), g in groups.items():
+        if mode == "fixed":                 # fixed's survival by draft position (the median over repeats)
+            ok[mode, _]["survival"] = [_median(list(s)) for s in zip(*(r["acceptance_by_position"] for r in g))]
     spread = {k: {f: (min(r[f] for r in g), max(r[f] for r in g)) for f in fields[:2]}
               for k, g in groups.items() if len(g) > 1}
     lines = [f"{'conc':>5} {'mode':<10} {'tok/s':>9} {'tok/s/u':>8} {'AL':>6} {'verif/row':>9} "
-             f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11}"
+             f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11} {'verif vs fix@AL':>15}"
              + ("  tok/s range; tok/s/u range" if spread else "")]
     fmt = lambda v, f: "-" if v is None else format(v, f)                 # noqa: E731
     ratio = lambda a, b: a / b if a is not None and b else None           # noqa: E731
@@ -298,7 +324,8 @@ def table(rows: list[dict]) -> list[str]:
             f"{fmt(ratio(r['median_intvty'], off['median_intvty']) if off and mode != 'off' else None, '.3f'):>8} "
             f"{fmt(ratio(r['verified_tokens_per_row'], fix['verified_tokens_per_row']) if vs_fix else None, '.3f'):>12} "
             f"{fmt(ratio(r['mean_accepted_length'], fix['mean_accepted_length']) if vs_fix else None, '.3f'):>9} "
-            f"{fmt(ratio(r['output_throughput'], fix['output_throughput']) if vs_fix else None, '.3f'):>11}"
+            f"{fmt(ratio(r['output_throughput'], fix['output_throughput']) if vs_fix else None, '.3f'):>11} "
+            f"{fmt(ratio(r['verified_tokens_per_row'], fixed_verified_at(r['mean_accepted_length'], fix.get('survival'))) if vs_fix else None, '.3f'):>15}"
             + (f"  {rng['output_throughput'][0]:.1f}-{rng['output_throughput'][1]:.1f}; "
                f"{rng['median_intvty'][0]:.1f}-{rng['median_intvty'][1]:.1f}" if rng else ""))
     return lines

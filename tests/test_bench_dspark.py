@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from deepinfer.errors import DeepInferError
-from deepinfer.harness.dspark_bench import CURVES, DSparkConfig, run_dspark_bench, table
+from deepinfer.harness.dspark_bench import CURVES, DSparkConfig, fixed_verified_at, run_dspark_bench, table
 from deepinfer.harness.rows import read_rows
 
 
@@ -35,6 +35,11 @@ def test_rows_carry_speculation_counters(tmp_path):
     assert fixed["step_rate"] is None                                        # profiled for a varlen schedule:
     assert sorted(map(int, by["budget/c1"]["step_rate"])) == [0, 16 + 32 + 5 + 8 - 6]   # per context: 0, the longest
     assert all(r["engine_stats"]["timed_attempts"] == 1 for r in rows)       # no graphs on CPU: one timed pass
+    # measured step times by shape (segments, rows) beside the table's; no graph padding on CPU: nothing filled
+    times = by["budget/c2"]["step_times"]
+    assert times and all(t["steps"] >= 3 and t["measured_ms"] > 0 and t["table_ms"] > 0 for t in times)
+    assert {t["segments"] for t in times} <= {1, 2} and by["budget/c2"]["drafts_filled"] == 0
+    assert all(t["table_ms"] is None for t in fixed["step_times"]) and off["step_times"] is None
     lines = table(rows)
     assert len(lines) == 7
     assert lines[2].split()[1] == "fixed" and lines[2].split()[6] == \
@@ -43,6 +48,41 @@ def test_rows_carry_speculation_counters(tmp_path):
     with pytest.raises(DeepInferError, match="already has rows"):
         run_dspark_bench(cfg, tmp_path / "run", png=False)
     assert len(read_rows(tmp_path / "run")) == 6
+
+
+def test_verified_tokens_fixed_needs_for_an_accepted_length():
+    """Survival 0.8, 0.6, 0.4: AL 1.8 / 2.4 / 2.8 with 1 / 2 / 3 drafts verified (2 / 3 / 4 tokens a row);
+    between them a share of the rows verifies one draft more."""
+    s = [0.8, 0.6, 0.4]
+    assert fixed_verified_at(1.0, s) == 1.0 and fixed_verified_at(1.8, s) == pytest.approx(2.0)
+    assert fixed_verified_at(2.1, s) == pytest.approx(2.5)          # 1.8 + 0.5 x 0.6: half the rows verify draft 2
+    assert fixed_verified_at(2.8, s) == pytest.approx(4.0)
+    assert fixed_verified_at(2.81, s) is None and fixed_verified_at(None, s) is None
+    rows = [{"status": "ok", "schedule": m, "concurrency": 4, "output_throughput": 100.0, "median_intvty": 25.0,
+             "mean_accepted_length": al, "verified_tokens_per_row": v, "acceptance_by_position": s}
+            for m, al, v in (("fixed", 2.8, 4.0), ("confidence", 2.1, 2.25))]
+    assert table(rows)[2].split()[-1] == f"{2.25 / 2.5:.3f}"          # 10% fewer than fixed needs for AL 2.1
+
+
+def test_a_point_out_of_device_memory_is_a_failed_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    """CUDA's out-of-memory error in one point (every mode's engine is held at once) becomes that point's failed
+    row with one line saying what to do; the points after it still run."""
+    import torch
+
+    from deepinfer.harness import dspark_bench
+    real = dspark_bench.measure_point
+
+    def measure(llm, cfg, concurrency, index):
+        if concurrency == 2 and llm.engine.verify_policy is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 640.00 MiB.\nmore detail")
+        return real(llm, cfg, concurrency, index)
+    monkeypatch.setattr(dspark_bench, "measure_point", measure)
+    cfg = DSparkConfig(modes=("off", "fixed"), concurrency=(1, 2, 3), isl=8, osl=8, rounds=1)
+    rows = {r["key"]: r for r in run_dspark_bench(cfg, tmp_path / "run", png=False)}
+    assert len(rows) == 6 and rows["fixed/c2"]["status"] == "failed"
+    assert rows["fixed/c2"]["error"].startswith("out of device memory at concurrency 2 (CUDA out of memory.")
+    assert "\n" not in rows["fixed/c2"]["error"] and "fewer --modes" in rows["fixed/c2"]["error"]
+    assert all(r["status"] == "ok" for k, r in rows.items() if k != "fixed/c2")
 
 
 def test_v4_mtp_on_the_prompt_set_with_repeats(tmp_path):
