@@ -88,8 +88,9 @@ class StepRate:
 class StepRateTable:
     """Seconds per verify step by (context, segments, batch tokens): a StepRate per profiled (context, R), where R
     is the step's segment count (requests verifying: each feeds its last token and its verified drafts) and the
-    table's tokens are B = l x R for mean verify lengths l = 1 .. drafts + 1. A step's cost is not a function of B
-    alone: R segments cost R draft-block rows and R verifications, whatever their lengths.
+    table's tokens B run from R to (drafts + 1) x R (the row counts the verify graphs run at, runner/rate_profile.py).
+    A step's cost is not a function of B alone: R segments cost R draft-block rows and R verifications, whatever
+    their lengths.
 
     at(context, R) gives the StepRate a step of R requests at that context is scheduled by: at each profiled
     context, linear in R between the two profiled segment counts around it (at equal l; clamped to the profiled
