@@ -318,6 +318,7 @@ def table(rows: list[dict]) -> list[str]:
         off, fix = ok.get(("off", c)), ok.get(("fixed", c))
         vs_fix = mode in ("confidence", "budget") and fix is not None
         rng = spread.get((mode, c))
+        at_al = fixed_verified_at(r["mean_accepted_length"], fix.get("survival")) if vs_fix else None
         lines.append(
             f"{c:>5} {mode:<10} {r['output_throughput']:>9.1f} {r['median_intvty']:>8.1f} "
             f"{fmt(r['mean_accepted_length'], '.3f'):>6} {fmt(r['verified_tokens_per_row'], '.3f'):>9} "
@@ -325,7 +326,7 @@ def table(rows: list[dict]) -> list[str]:
             f"{fmt(ratio(r['verified_tokens_per_row'], fix['verified_tokens_per_row']) if vs_fix else None, '.3f'):>12} "
             f"{fmt(ratio(r['mean_accepted_length'], fix['mean_accepted_length']) if vs_fix else None, '.3f'):>9} "
             f"{fmt(ratio(r['output_throughput'], fix['output_throughput']) if vs_fix else None, '.3f'):>11} "
-            f"{fmt(ratio(r['verified_tokens_per_row'], fixed_verified_at(r['mean_accepted_length'], fix.get('survival'))) if vs_fix else None, '.3f'):>15}"
+            f"{fmt(ratio(r['verified_tokens_per_row'], at_al), '.3f'):>15}"
             + (f"  {rng['output_throughput'][0]:.1f}-{rng['output_throughput'][1]:.1f}; "
                f"{rng['median_intvty'][0]:.1f}-{rng['median_intvty'][1]:.1f}" if rng else ""))
     return lines

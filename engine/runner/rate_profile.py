@@ -11,7 +11,7 @@ a real batch's tokens spread over the experts: identical tokens would all reach 
 most expert weights unread), run as variable-length verify steps run (their CUDA graphs, else eagerly), then the
 draft block of the R rows; the median of `iters` after one warm-up. B runs over the row counts real steps run at:
 where verify steps are graphs, the padded row counts of their graphs (R = 96, 6 rows a segment at most: 96, 128,
-192, 256, 384, 576), so every point is a shape real steps replay and nothing is measured at a padded cost it does
+192, 256, 384, 512, 576), so every point is a shape real steps replay and nothing is measured at a padded cost it does
 not show (a point of 288 rows ran as 384: the table then read the step from 192 to 288 rows as dearer than those
 after it); eagerly, l x R for l = 1 .. drafts + 1. Host work (planning, commits) is not in it: the policy's online
 calibration follows that. A context whose sequences the pools cannot hold is skipped (the table above it is

@@ -63,7 +63,7 @@ class VerifyPolicy:
         self.segments = 1              # and how many of them verified drafts
         self.steps = 0                 # planned steps that verified drafts
         self.verified = 0              # drafts those steps verified
-        self._last: tuple | None = None  # (when the previous step was launched, its tokens, context, segments)
+        self._last: tuple | None = None  # (when the previous step was launched, its padded rows, context, segments)
 
     @property
     def rate(self) -> StepRate | None:

@@ -16,8 +16,8 @@ import bisect
 import math
 import numbers
 import operator
-from itertools import accumulate
 from collections.abc import Sequence
+from itertools import accumulate
 
 from ..errors import DeepInferError
 from .step_rate import StepRate
