@@ -73,3 +73,21 @@ def capture_graph(fn, *args):
     with torch.cuda.graph(graph):
         out = fn(*args)
     return graph, out
+
+
+def interpreter_run() -> tuple[list[str], dict[str, str]]:
+    """pytest arguments and environment for a subprocess running tests in Triton's CPU interpreter
+    (TRITON_INTERPRET=1): pytest-xdist's workers, one per core (at most 4), where it is installed. The interpreter
+    runs one Python thread, so on CI's 2 cores two workers take about half the time; each worker's torch, OpenMP
+    and BLAS then get one thread (two workers' thread pools spinning on two cores would cost more than they save)."""
+    import os
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return [], env
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if min(cores, 4) < 2:
+        return [], env
+    env.update({v: "1" for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+    return ["-n", str(min(cores, 4))], env

@@ -225,8 +225,9 @@ def test_triton_kernels_in_the_interpreter():
     pytest.importorskip("triton")
     if INTERPRETER:
         pytest.skip("already inside the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "--noconftest", "-p", "no:cacheprovider", "-k", "interp",
+    from tests.helpers import interpreter_run
+    args, env = interpreter_run()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "--noconftest", "-p", "no:cacheprovider", *args, "-k", "interp",
            __file__]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

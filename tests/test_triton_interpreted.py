@@ -3,12 +3,13 @@ Triton decides at import whether kernels are interpreted, so they cannot share t
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import interpreter_run
 
 pytest.importorskip("triton")
 
@@ -16,9 +17,9 @@ HERE = Path(__file__).parent
 
 
 def test_interpreted_kernels():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interpreted")],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    args, env = interpreter_run()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
+                           str(HERE / "interpreted")], env=env, capture_output=True, text=True, timeout=1200)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail, tail

@@ -38,6 +38,7 @@ def attention_in_the_triton_set(monkeypatch):
     monkeypatch.setitem(registry._IMPLS["sparse_sink_attention"], "triton", kat.sparse_sink_attention_triton)
     monkeypatch.setitem(registry._IMPLS["sparse_index_scores"], "triton", kit.sparse_index_scores_triton)
     monkeypatch.setitem(registry._IMPLS["hc_mixes"], "triton", kmt.hc_mixes_triton)
+    monkeypatch.delitem(registry._IMPLS["top_k_indices"], "triton", raising=False)   # left out (the docstring)
     for name, mod, kernel in (("attention", kat, "sparse_attention"), ("index", kit, "index_scores_kernel"),
                               ("mhc", kmt, "hc_mixes_kernel")):
         monkeypatch.setattr(mod, kernel, _counted(name, getattr(mod, kernel)))
