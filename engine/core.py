@@ -150,6 +150,8 @@ class EngineCore:
         """Stop every unfinished request (finish_reason "abort"): every seat and block goes back, nothing stays
         in flight. Returns them."""
         aborted = list(self.scheduler.running) + list(self.scheduler.waiting)
+        if self.verify_policy is not None:
+            self.verify_policy.idle()          # the time to the next launch is no step's
         for r in aborted:
             r.finish_reason = "abort"
             self.scheduler.finish(r)
@@ -175,7 +177,8 @@ class EngineCore:
             captures = graph_count(self.runner) if self.verify_policy is not None else 0
             launched = self._launch(batch, finished) if batch else None
             if launched is not None and self.verify_policy is not None:
-                self.verify_policy.launched(sum(s.n for s in batch), graph_count(self.runner) > captures)
+                self.verify_policy.launched(getattr(self.runner, "ran_rows", 0) or sum(s.n for s in batch),
+                                            graph_count(self.runner) > captures)
             if self._prev is not None:
                 finished += self._update()
             elif launched is None and self.scheduler.has_unfinished():

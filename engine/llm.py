@@ -167,7 +167,8 @@ class LLM:
                              for c, (r, row) in top.items()))
                 rate = StepRateTable.from_dict(tables)
         pad = runner.graphs.padded_rows if runner.graphs is not None else None   # verify steps' graph row counts
-        return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds, pad=pad)
+        return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds, pad=pad,
+                            max_tokens=self._config.max_num_batched_tokens)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

@@ -209,10 +209,11 @@ def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index:
     except DeepInferError as e:
         row.update(status="failed", error=str(e), finished=utc_now())
     except torch.OutOfMemoryError as e:        # every mode's engine is held at once: a large point can run out
-        free_device_memory()
         first = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
         row.update(status="failed", error=f"out of device memory at concurrency {c} ({first[:120]}); every mode's "
                    f"engine is held at once: run fewer --modes or a lower --concurrency", finished=utc_now())
+    if row["status"] == "failed":
+        free_device_memory()                   # outside the handler: its traceback no longer holds the tensors
     if row["status"] == "ok":
         echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  {row['median_intvty']:8.1f} tok/s/user  "
              f"AL {row['mean_accepted_length']:.3f}")

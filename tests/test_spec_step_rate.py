@@ -131,12 +131,19 @@ def test_profile_points_are_the_graphs_padded_row_counts():
     graphs = graphs_of(96, 576)
     assert graphs.padded_rows(96, 288) == 384 and graphs.padded_rows(96, 530) == 576
     assert graphs.padded_rows(97, 10) == 10 and graphs.padded_rows(4, 600) == 600     # eager: as many as it has
-    points = profile_points(576, 96, 6, graphs.padded_rows)
+    assert graphs.varlen_rows(97, 10) is None and graphs.varlen_rows(96, 288) == 384
+    points = profile_points(576, 96, 6, graphs.varlen_rows)
     assert sorted(points) == [1, 2, 4, 8, 16, 32, 64, 96]
     assert points[96] == [96, 128, 192, 256, 384, 512, 576]
     assert points[64] == [64, 96, 128, 192, 256, 384]
     assert points[1] == [1, 2, 3, 4, 6]
-    assert profile_points(200, 96, 6, graphs.padded_rows)[64] == [64, 96, 128, 192, 256]   # steps of <= 200
+    assert profile_points(200, 96, 6, graphs.varlen_rows)[64] == [64, 96, 128, 192, 256]   # steps of <= 200
+    # 4 drafts (q = 5): 5 x 32 rows pad to 192 (a point timed with 160 rows); at the top, the cap (64 x 5 rows);
+    # above the graph ladder (eager steps): l x R
+    graphs = graphs_of(64, 320)
+    assert profile_points(480, 64, 5, graphs.varlen_rows)[32] == [32, 48, 64, 96, 128, 192]
+    assert profile_points(480, 64, 5, graphs.varlen_rows)[64] == [64, 96, 128, 192, 256, 320]
+    assert profile_points(480, 64, 5, graphs_of(32, 160).varlen_rows)[64] == [64, 128, 192, 256, 320]
 
 
 CONF8 = [[round(0.97 - 0.04 * r, 2), 0.8, 0.7, 0.6, 0.5] for r in range(8)]     # 8 requests' confidences
@@ -169,6 +176,29 @@ def test_policy_fills_the_graph_padding_with_the_next_drafts():
     assert [len(r.spec_token_ids) for r in reqs] == [3] * 8 and fixed.filled == 0
 
 
+def test_verify_lengths_stay_within_the_token_budget():
+    """max_num_batched_tokens 20 with 8 running requests leaves room for 12 drafts: Algorithm 1 (which would admit
+    20, then fill to 32) admits the 12 best, the budget rule its best K <= 12 (8: 16 rows, a rung's top), the fill
+    adds none; so the scheduler never cuts a verify row by what the rows before it took."""
+    rate = StepRate.linear(1.0, 0.05, 48)
+    pad = graphs_of(8, 48).padded_rows
+    for mode in ("confidence", "budget"):
+        policy = VerifyPolicy(SpecConfig(schedule=mode), rate, pad=pad, max_tokens=20)
+        reqs = drafting(CONF8)
+        policy.choose(reqs)
+        lengths = [len(r.spec_token_ids) for r in reqs]
+        if mode == "confidence":
+            assert lengths == schedule_budget(CONF8, 12) and policy.filled == 0, lengths
+        else:                        # its argmax over the padded cost within the room: 8 drafts, a rung's top
+            assert lengths == schedule_budget(CONF8, 8) and policy.filled == 0, lengths
+    assert schedule_greedy(CONF8, rate, max_extra=12) == schedule_budget(CONF8, 12)
+    assert schedule_greedy(CONF8, rate, max_extra=0) == [0] * 8
+    roomy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, pad=pad, max_tokens=30)   # room for 22: fill 2
+    reqs = drafting(CONF8)
+    roomy.choose(reqs)
+    assert batch_tokens([len(r.spec_token_ids) for r in reqs]) == 30 and roomy.filled == 2
+
+
 def test_budget_takes_its_argmax_over_the_padded_cost():
     """The budget rule's cost is the jagged one of the rows a step runs as: flat inside a rung, so its argmax
     lands on a rung's top (the smooth table's argmax need not)."""
@@ -194,7 +224,7 @@ def test_measured_step_times_and_calibration_at_the_padded_rows(monkeypatch):
                           pad=graphs_of(8, 16).padded_rows)
     policy.choose(drafting([[0.9]] * 8))
     for _ in range(4):
-        policy.launched(9)           # 9 rows run as 12: the table says 20 ms, each step took 30 ms
+        policy.launched(12)          # a graph of 12 rows (the runner's ran_rows): the table says 20 ms, steps take 30
     assert policy.overhead == pytest.approx((1 - 0.8 ** 3) * 0.010)
     assert policy.step_times() == [{"segments": 8, "rows": 12, "steps": 3, "measured_ms": pytest.approx(30.0),
                                     "table_ms": pytest.approx(20.0)}]
@@ -238,9 +268,10 @@ def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
 
 def test_profile_at_padded_rows_splits_them_evenly(monkeypatch):
     """Padded row counts that are not a multiple of the segments run as segments of as even lengths as divide:
-    6 rows over 4 segments as 2, 2, 1, 1."""
+    6 rows over 4 segments as 2, 2, 1, 1; a rung above drafts + 1 rows a segment (24 for 4 x 5) is timed with
+    the most rows a step has (20: the graph pads the rest), never a segment longer than a verify row."""
     llm = LLM(embedded_tiny_dir("deepseek_v41"), max_num_seqs=4, max_model_len=300,
-              speculative={"schedule": "confidence", "num_speculative_tokens": 3, "step_seconds": {1: 1e-3}})
+              speculative={"schedule": "confidence", "num_speculative_tokens": 4, "step_seconds": {1: 1e-3}})
     seen = []
     forward = llm.model.forward
 
@@ -248,11 +279,12 @@ def test_profile_at_padded_rows_splits_them_evenly(monkeypatch):
         seen.append(fb.host)
         return forward(tokens, fb)
     monkeypatch.setattr(llm.model, "forward", recording)
-    tables = profile_step_rates(llm.engine.runner, 16, 4, [0], iters=1, pad=lambda r, b: row_ladder(b))
-    assert {r: sorted(t) for r, t in tables[0].items()} == {1: [1, 2, 3, 4], 2: [2, 3, 4, 6, 8],
-                                                            4: [4, 6, 8, 12, 16]}
+    tables = profile_step_rates(llm.engine.runner, 20, 4, [0], iters=1, pad=lambda r, b: row_ladder(b))
+    assert {r: sorted(t) for r, t in tables[0].items()} == {1: [1, 2, 3, 4, 6], 2: [2, 3, 4, 6, 8, 12],
+                                                            4: [4, 6, 8, 12, 16, 24]}
     lens = [host[2] for host in seen if len(host[2]) == 4]
     assert [2, 2, 1, 1] in lens and [3, 3, 3, 3] in lens
+    assert max(max(host[2]) for host in seen) == 5          # 24 rows (the rung of 20) timed as 4 segments of 5
 
 
 def test_profile_skips_a_context_the_pools_cannot_hold(caplog):

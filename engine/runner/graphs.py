@@ -94,6 +94,7 @@ class StepGraphs:
         self.max_rows = max_rows or max_batch
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
+        self.last_rows = 0                 # rows the last replayed step ran (its graph's, padding included)
 
     def varlen_rows(self, segments: int, rows: int) -> int | None:
         """The rows a variable-length step of `segments` segments and `rows` rows runs as (its graph's padded row
@@ -115,6 +116,7 @@ class StepGraphs:
         rows = self.varlen_rows(g, n) if q is None else None if size is None else size * q
         if rows is None:
             return None
+        self.last_rows = rows
         key = (size, q, rows, ctx_blocks, active().name, draft_rings)   # a graph holds the kernels it was captured with
         with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
             if key not in self.graphs:

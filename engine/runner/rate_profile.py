@@ -52,15 +52,16 @@ def profile_contexts(max_model_len: int, q: int) -> list[int]:
 
 
 def profile_points(max_tokens: int, max_segments: int, q: int, pad=None) -> dict[int, list[int]]:
-    """{segments R: [batch rows B]}, R on the graph ladder up to max_segments: B = l x R for l = 1 .. q (at most
-    max_tokens), or with pad(R, b) (the rows a step of b rows runs as: StepGraphs.padded_rows) every distinct
-    pad(R, b) for b = R .. q x R (b at most max_tokens)."""
+    """{segments R: [batch rows B]}, R on the graph ladder up to max_segments: with pad(R, b) (the rows a
+    variable-length step of b rows runs as, None when it runs eagerly: StepGraphs.varlen_rows) every distinct
+    pad(R, b) for b = R .. q x R (b at most max_tokens); where R's steps run eagerly, B = l x R for l = 1 .. q (at
+    most max_tokens). A point above q x R (the rung a step of q x R rows pads to) is timed with q x R rows."""
     out = {}
     for r in ladder(max(max_segments, 1)):
-        if pad is None:
+        if pad is None or pad(r, r) is None:
             tokens = [l * r for l in range(1, q + 1) if l * r <= max_tokens]
         else:
-            tokens = sorted({pad(r, b) for b in range(r, min(q * r, max_tokens) + 1)})
+            tokens = sorted({pad(r, b) or b for b in range(r, min(q * r, max_tokens) + 1)})
         if tokens:
             out[r] = tokens
     return out
@@ -70,11 +71,11 @@ def profile_points(max_tokens: int, max_segments: int, q: int, pad=None) -> dict
 def profile_step_rates(runner, max_tokens: int, max_segments: int, contexts: list[int], iters: int = 2,
                        seed: int = 0, pad=None) -> dict[int, dict[int, dict[int, float]]]:
     """{context: {segments: {batch tokens: seconds per step}}} on `runner` (see the module docstring); pad: the
-    padded row counts to profile at (default: the runner's graphs', none when it runs eagerly)."""
+    padded row counts to profile at (profile_points; default: the runner's graphs', none when it runs eagerly)."""
     manager, model = runner.manager, runner.model
     q = runner.speculator.gamma + 1 if runner.speculator is not None else 1
     if pad is None and runner.graphs is not None:
-        pad = runner.graphs.padded_rows
+        pad = runner.graphs.varlen_rows
     points = profile_points(max_tokens, max_segments, q, pad)
     rids = [f"step-rate-{i}" for i in range(max(points))]
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -88,8 +89,8 @@ def profile_step_rates(runner, max_tokens: int, max_segments: int, contexts: lis
                             context + q, context)
                 continue
             slots = [manager.slot(r) for r in rids]
-            out[context] = {r: {b: _time_step(runner, model, slots[:r], context, _even_split(b, r), gen, iters)
-                                for b in bs} for r, bs in points.items()}
+            out[context] = {r: {b: _time_step(runner, model, slots[:r], context, _even_split(min(b, q * r), r),
+                                              gen, iters) for b in bs} for r, bs in points.items()}
         finally:
             for rid in rids[:seated]:
                 manager.release(rid)

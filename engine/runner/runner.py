@@ -108,6 +108,7 @@ class ModelRunner:
         self.graphs = StepGraphs(model, self.pools, max_graph_batch, max_rows) \
             if cuda_graphs and model.device.type == "cuda" else None
         self.graph_replays = 0
+        self.ran_rows = 0
         # A drafter that reads the model's draft rings (DSpark) turns this on: every step then keeps them current.
         self.keep_draft_rings = speculative is not None
         self.speculator = Speculator(model, self.pools, speculative, fixed_context,
@@ -122,10 +123,12 @@ class ModelRunner:
             if s.num_logits > 1:             # a verify row: keep the rings as they are before it (rollback), unless
                 self.manager.snapshot_unless_slack(s.req.request_id, s.start, s.num_logits - 1)  # they hold enough
         ctx = self._context_blocks(inputs.max_position + 1)
+        self.ran_rows = inputs.tokens.shape[0]              # rows the step runs (a graph's: padding included)
         if self.graphs is not None and inputs.all_sampled:
             logits = self.graphs.run(inputs, ctx, self.keep_draft_rings)
             if logits is not None:
                 self.graph_replays += 1
+                self.ran_rows = self.graphs.last_rows
                 return self._sample(inputs, logits, before_sample)
         last_only = [self.truncate and s.num_logits <= 1 and s.n >= self.truncate_min_tokens
                      and not wants_prompt_logprobs(s) for s in batch] if self.truncate else None

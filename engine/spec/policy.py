@@ -25,7 +25,10 @@ the order never depends on a later draft of its own request. Algorithm 1 itself 
 through the padded points: on the jagged one (flat inside a rung, a jump at its top) its early stop would halt at
 the first draft past a rung's top. The budget rule takes its global argmax over the jagged curve (the cost of
 pad(B)), as the paper's production variant does. A step with a request that has no drafts (a prefill piece, a
-request's first decode) may run eagerly: it is not filled.
+request's first decode) may run eagerly: it is not filled. Every schedule admits at most the drafts the step's token
+budget (max_num_batched_tokens, less one row per running request) leaves room for: a cap on how many are admitted
+in the ranked order, lossless like the early stop; left to the scheduler, a verify row would be cut by what the
+rows before it in running order took, which depends on the row's own later drafts.
 The policy also keeps the launch-to-launch seconds of the steps it measured by shape (segments, padded rows), for
 the bench to hold against the table (step_times)."""
 
@@ -47,14 +50,16 @@ OBSERVED_PER_SHAPE = 512               # measured steps kept per (segments, rows
 
 class VerifyPolicy:
     def __init__(self, config: SpecConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False,
-                 pad: Callable[[int, int], int] | None = None):
+                 pad: Callable[[int, int], int] | None = None, max_tokens: int | None = None):
         """rate: the step-rate table (one StepRate: at every context and segment count); calibrate: follow the per-step
         overhead beyond the table (for a profiled table); pad(segments, rows): the rows a verify step of that shape
-        runs as (None: as many as it has)."""
+        runs as (None: as many as it has); max_tokens: the scheduler's token budget a step (max_num_batched_tokens),
+        which the verify lengths stay within."""
         self.config = config
         self.table = StepRateTable(flat=rate) if isinstance(rate, StepRate) else rate
         self.calibrate = calibrate and rate is not None
         self.pad = pad
+        self.max_tokens = max_tokens
         self.filled = 0                # drafts admitted into graph padding
         # (segments, padded rows) -> [(measured seconds launch to launch, the table's seconds at that shape)]
         self.observed: dict[tuple[int, int], list[tuple[float, float | None]]] = {}
@@ -73,28 +78,27 @@ class VerifyPolicy:
         rate = self.table.at(self.context, self.segments)
         return rate.with_offset(self.overhead) if self.calibrate else rate
 
-    def launched(self, tokens: int, captured: bool = False) -> None:
-        """A step of `tokens` fed positions was just launched (the engine core calls this each step); captured: it
-        captured a CUDA graph on the way (a one-off cost that is no step's overhead: that interval is skipped)."""
+    def launched(self, rows: int, captured: bool = False) -> None:
+        """A step of `rows` rows was just launched (the engine core calls this each step, with the rows the runner
+        ran: a graph's padded count, else the fed positions); captured: it captured a CUDA graph on the way (a
+        one-off cost that is no step's overhead: that interval is skipped)."""
         now = time.perf_counter()
         if self._last is not None and not captured and self._last[3] > 0:
-            when, rows, context, segments = self._last
+            when, ran, context, segments = self._last
             table = self.table.at(context, segments) if self.table is not None else None
-            seen = self.observed.setdefault((segments, rows), [])
+            seen = self.observed.setdefault((segments, ran), [])
             if len(seen) < OBSERVED_PER_SHAPE:
-                seen.append((now - when, None if table is None else table.seconds(rows)))
-            if self.calibrate and rows <= table.tokens[-1]:
-                excess = max(0.0, now - when - table.seconds(rows))
+                seen.append((now - when, None if table is None else table.seconds(ran)))
+            if self.calibrate and ran <= table.tokens[-1]:
+                excess = max(0.0, now - when - table.seconds(ran))
                 self.overhead = OVERHEAD_EMA * self.overhead + (1 - OVERHEAD_EMA) * excess
-        self._last = (now, self._padded(self.segments, tokens), self.context, self.segments)
-
-    def _padded(self, segments: int, rows: int) -> int:
-        return rows if self.pad is None else self.pad(segments, rows)
+        self._last = (now, rows, self.context, self.segments)
 
     def reset_counts(self) -> None:
         """Start the counters and the measured step times again (the engine core's reset_stats)."""
         self.steps = self.verified = self.filled = 0
         self.observed = {}
+        self._last = None
 
     def step_times(self, min_steps: int = 3) -> list[dict]:
         """Per step shape measured at least min_steps times: segments, padded rows, steps, the median measured
@@ -123,18 +127,24 @@ class VerifyPolicy:
         mode = self.config.schedule
         pad = self.pad if len(reqs) == len(requests) else None       # else the step may run eagerly: no padding
         ranked = ranked_drafts(conf) if mode != "fixed" else None     # once for the schedule and the fill
+        # drafts the token budget leaves room for: a cap on the count admitted in the ranked order (lossless, as the
+        # early stop), so the scheduler never cuts a verify row by what the rows before it took
+        room = None if self.max_tokens is None else max(self.max_tokens - len(requests), 0)
         if mode == "fixed":
             lengths = schedule_fixed(conf, self.config.num_speculative_tokens)
         elif mode == "confidence":
-            lengths = schedule_greedy(conf, self.rate, ranked)
+            lengths = schedule_greedy(conf, self.rate, ranked, room)
         else:
             stale = [r.spec_confidence_before[:len(c)] or c for r, c in zip(reqs, conf)]
             rate = self.rate
             jagged = rate if pad is None else lambda b: rate(pad(len(reqs), b))   # noqa: E731
-            lengths = schedule_budget(conf, budget_from(stale, jagged), ranked)
+            lengths = schedule_budget(conf, budget_from(stale, jagged, room), ranked)
         if pad is not None and mode != "fixed":
             b = batch_tokens(lengths)
-            lengths, added = fill(conf, lengths, pad(len(reqs), b) - b, ranked)
+            extra = pad(len(reqs), b) - b
+            if room is not None:
+                extra = min(extra, room - (b - len(reqs)))
+            lengths, added = fill(conf, lengths, extra, ranked)
             self.filled += added
         for r, n in zip(reqs, lengths):
             del r.spec_token_ids[n:]

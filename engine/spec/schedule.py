@@ -72,18 +72,21 @@ def expected_accepted(conf: Sequence[Sequence[float]], lengths: Sequence[int]) -
     return tau
 
 
-def schedule_greedy(conf: Sequence[Sequence[float]], rate: StepRate, ranked: list | None = None) -> list[int]:
+def schedule_greedy(conf: Sequence[Sequence[float]], rate: StepRate, ranked: list | None = None,
+                    max_extra: int | None = None) -> list[int]:
     """Algorithm 1: verify lengths ℓ (one int per request) admitting drafts best survival first while Θ = τ · SPS(B)
     strictly improves; the first admission that does not improve Θ stops the search (and is not kept), so whether
     a draft is verified never depends on the drafts after it (the losslessness condition). O(n log n) in drafts.
-    ranked: ranked_drafts(conf), when the caller has it."""
+    ranked: ranked_drafts(conf), when the caller has it; max_extra: admit at most that many (a cap on the count
+    admitted in the ranked order, so the stop still depends on no later draft)."""
     lengths = [0] * len(conf)
+    cap = None if max_extra is None else _check_count("max_extra", max_extra)
     if not conf:
         return lengths
     tokens = len(conf)
     tau = float(tokens)
     best = tau * rate(tokens)
-    for neg_a, r, n in _positive(ranked_drafts(conf) if ranked is None else ranked):
+    for neg_a, r, n in _positive(ranked_drafts(conf) if ranked is None else ranked)[:cap]:
         tokens, tau = tokens + 1, tau - neg_a
         theta = tau * rate(tokens)
         if not theta > best:
