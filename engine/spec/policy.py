@@ -29,8 +29,8 @@ request's first decode) may run eagerly: it is not filled. Every schedule admits
 budget (max_num_batched_tokens, less one row per running request) leaves room for: a cap on how many are admitted
 in the ranked order, lossless like the early stop; left to the scheduler, a verify row would be cut by what the
 rows before it in running order took, which depends on the row's own later drafts.
-The policy also keeps the launch-to-launch seconds of the steps it measured by shape (segments, padded rows), for
-the bench to hold against the table (step_times)."""
+The policy also keeps the launch-to-launch seconds of the steps it measured by shape (segments, the rows the runner
+ran), for the bench to hold against the table (step_times)."""
 
 from __future__ import annotations
 
@@ -101,8 +101,9 @@ class VerifyPolicy:
         self._last = None
 
     def step_times(self, min_steps: int = 3) -> list[dict]:
-        """Per step shape measured at least min_steps times: segments, padded rows, steps, the median measured
-        milliseconds launch to launch and the median of the table's (without the calibrated overhead)."""
+        """Per step shape measured at least min_steps times: segments, the rows the step ran (a graph's padded
+        count), steps, the median measured milliseconds launch to launch and the median of the table's (without the
+        calibrated overhead)."""
         out = []
         for (segments, rows), seen in sorted(self.observed.items()):
             if len(seen) >= min_steps:
