@@ -177,8 +177,7 @@ class EngineCore:
             captures = graph_count(self.runner) if self.verify_policy is not None else 0
             launched = self._launch(batch, finished) if batch else None
             if launched is not None and self.verify_policy is not None:
-                self.verify_policy.launched(getattr(self.runner, "ran_rows", 0) or sum(s.n for s in batch),
-                                            graph_count(self.runner) > captures)
+                self.verify_policy.launched(self.runner.ran_rows, graph_count(self.runner) > captures)
             if self._prev is not None:
                 finished += self._update()
             elif launched is None and self.scheduler.has_unfinished():

@@ -196,6 +196,8 @@ def _engine(model, cfg: DSparkConfig, mode: str):
 
 def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index: int, rep: int, echo) -> dict:
     """One point's row (a failed point is a row too, never lost)."""
+    import torch
+
     from .step_bench import kernel_info
     from .sweep import free_device_memory, spec_mode_of
     backend, backends = kernel_info(llm)
@@ -203,7 +205,6 @@ def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index:
            "spec_mode": spec_mode_of(llm), "mode": "decode", "engine": "deepinfer", "gpus": 1,
            "num_prompts": c * cfg.rounds, "concurrency": c, "repeat": rep, "kernel_backend": backend,
            "kernel_backends": backends, "started": utc_now()}
-    import torch
     try:
         row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
     except DeepInferError as e:
