@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from .errors import DeepInferError
-from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, PRESETS, PROJECTION_STORAGE, resolve_model
+from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, MAX_ROUTER_SKEW, PRESETS, PROJECTION_STORAGE, resolve_model
 
 
 def run_cli(entry) -> None:
@@ -58,7 +58,11 @@ MAKE_EXAMPLES = """Examples:
 \b
   deepinfer make-checkpoint --out /tmp/tiny-v41                      # tiny V4.1, DeepSeek layout (seconds)
   deepinfer make-checkpoint --arch deepseek_v4 --format hf --seed 3 --out /tmp/tiny-v4-hf
-  deepinfer make-checkpoint --preset flash --layers 4 --out /data/v41-flash-4l   # released widths, 4 layers"""
+  deepinfer make-checkpoint --preset flash --layers 4 --out /data/v41-flash-4l   # released widths, 4 layers
+  deepinfer make-checkpoint --preset flash --layers 4 --router-skew 0.8 --out /data/v41-hot   # hot experts
+
+Routers are calibrated after the weights are drawn: balanced across experts like a trained model's, or with
+--router-skew S a Zipf-like hot-expert load (share ~ rank^-S; docs/bench.md has the curve)."""
 
 RUN_EXAMPLES = """Examples:
 
@@ -77,7 +81,7 @@ GENERATE_EXAMPLES = """Examples:
   deepinfer generate --prompt "Phone:" --so-regex "[0-9]{3}-[0-9]{4}"
   deepinfer generate --prompt "A user as JSON:" --so-json user.schema.json --max-tokens 200"""
 
-MODEL_HELP = "checkpoint dir, hub id, tiny or random:ARCH:PRESET:LAYERS [default: the embedded tiny model]"
+MODEL_HELP = "checkpoint dir, hub id, tiny or random:ARCH:PRESET:LAYERS[:skew=S] [default: the embedded tiny model]"
 DEVICE_HELP = "cpu, cuda or cuda:N [default: $DEEPINFER_ACCELERATOR, else cpu]"
 
 
@@ -91,14 +95,17 @@ DEVICE_HELP = "cpu, cuda or cuda:N [default: $DEEPINFER_ACCELERATOR, else cpu]"
 @click.option("--layers", default=None, type=click.IntRange(1), help="reduced depth (N layers of the preset)")
 @click.option("--engram-vocab-size", default=None, type=click.IntRange(1),
               help="deepseek_v41: smaller engram tables (bucket primes start here; the release uses 16000000)")
+@click.option("--router-skew", default=0.0, show_default=True, type=click.FloatRange(0, MAX_ROUTER_SKEW),
+              help="hot-expert skew of the calibrated routers: expert of rank r gets a load share ~ r^-S (0: balanced)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
-def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, out, overwrite) -> None:
+def make_checkpoint_cmd(arch, preset, fmt, seed, layers, engram_vocab_size, router_skew, out, overwrite) -> None:
     from .checkpoint.make import make_checkpoint
     if engram_vocab_size is not None and arch != "deepseek_v41":
         raise DeepInferError(f"--engram-vocab-size sizes V4.1's engram tables; {arch} has none: drop it")
     t0 = time.perf_counter()
-    path = make_checkpoint(arch, preset, fmt, seed, out, layers, overwrite, engram_vocab_size=engram_vocab_size)
+    path = make_checkpoint(arch, preset, fmt, seed, out, layers, overwrite, engram_vocab_size=engram_vocab_size,
+                           router_skew=router_skew)
     click.echo(f"wrote {arch}/{preset} seed {seed} ({fmt} format) to {path} in {time.perf_counter() - t0:.1f}s")
 
 

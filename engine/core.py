@@ -66,13 +66,15 @@ def invariant_chunk(budget: int) -> int:
 class EngineCore:
     def __init__(self, runner, manager, kernels: KernelTable, config: EngineConfig,
                  decode: Callable[[list[int]], str], eos_token_id: int | None,
-                 drafter: Callable[[Request], list[int]] | None = None, verify_policy=None):
+                 drafter: Callable[[Request], list[int]] | None = None, verify_policy=None, traffic=None):
         """runner: `execute(batch, prev, before_sample) -> StepOutput` (before_sample: None or a call to make
         between launching the forward and sampling); manager: a scheduler.SeatManager; decode: output ids ->
         text (stop strings); drafter: proposes a request's next draft tokens after it commits (a host hook, for
         tests); verify_policy: spec/policy.VerifyPolicy when the runner drafts on the device (DSpark): each step
-        commits what its verification accepted and takes the drafts it proposed."""
+        commits what its verification accepted and takes the drafts it proposed; traffic: the model's
+        parallel/traffic.ExpertTraffic counters, if it has them (reported in stats, zeroed by reset_stats)."""
         self.runner, self.manager, self.kernels, self.config = runner, manager, kernels, config
+        self.traffic = traffic
         self.processor = OutputProcessor(decode, eos_token_id, config.max_model_len)
         align = invariant_chunk(config.max_num_batched_tokens) if kernels.invariant else None
         self.scheduler = Scheduler(min(config.max_num_seqs, manager.num_slots), config.max_num_batched_tokens,
@@ -290,13 +292,16 @@ class EngineCore:
         return EngineStats(**dataclasses.asdict(self._counters),
                            preemptions=self.scheduler.num_preemptions - self._base["preemptions"],
                            kernel_backend=self.kernels.name, kernel_backends=dict(self.kernels.backends),
-                           async_scheduling=self.async_scheduling, **runner, **state_fields(self.manager))
+                           async_scheduling=self.async_scheduling, **runner, **state_fields(self.manager),
+                           expert_traffic=self.traffic.summary() if self.traffic is not None else None)
 
     def reset_stats(self) -> None:
         """Start the counters again (e.g. after a warm-up run)."""
         self._counters = Counters()
         if self.verify_policy is not None:
             self.verify_policy.reset_counts()
+        if self.traffic is not None:
+            self.traffic.reset()
         self._base = {"preemptions": self.scheduler.num_preemptions,
                       "graph_replays": runner_fields(self.runner)["graph_replays"]}
 

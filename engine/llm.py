@@ -37,6 +37,7 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.moe import set_expert_act_quant
+from .parallel.traffic import ExpertTraffic
 from .cache.pools import check_kv_cache_dtype
 
 log = logging.getLogger("deepinfer")
@@ -47,7 +48,7 @@ _ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_
                 "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
                 "projection_storage": "dense", "kv_cache_dtype": "auto",
                 "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
-                "expert_act_quant": False, "speculative": None}
+                "expert_act_quant": False, "speculative": None, "expert_traffic": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -73,7 +74,8 @@ class LLM:
         util = args["gpu_memory_utilization"]
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
-        for name in ("enforce_eager", "async_scheduling", "keep_quantized", "skip_tokenizer_init", "expert_act_quant"):
+        for name in ("enforce_eager", "async_scheduling", "keep_quantized", "skip_tokenizer_init", "expert_act_quant",
+                     "expert_traffic"):
             check_flag(name, args[name], none_ok=name == "async_scheduling")
         check_flag("qat_fake_quant", qat_fake_quant)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -105,6 +107,8 @@ class LLM:
                                  f"in, which holds its FP8 projections as {projection_storage_of(self.model)!r}: "
                                  f"drop the argument or build the model with it")
         set_expert_act_quant(self.model, args["expert_act_quant"])     # on or off: a passed-in model is reused
+        # routed-traffic counters (engine/parallel/traffic.py), wrapped in before any graph is captured
+        self.traffic = ExpertTraffic.install(self.model) if args["expert_traffic"] else None
         self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
@@ -141,7 +145,7 @@ class LLM:
         decode = (lambda ids: "") if self.tokenizer is None else \
             (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
         return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id,
-                          verify_policy=self._verify_policy(runner, kernels))
+                          verify_policy=self._verify_policy(runner, kernels), traffic=self.traffic)
 
     def _verify_policy(self, runner: ModelRunner, kernels: KernelTable):
         """Speculative decoding's verify-length rule, with the step-rate table it needs (given, else profiled on this

@@ -49,6 +49,7 @@ class EngineStats(Counters):
     block_tokens: int | None = None  # positions per block
     state_bytes: int | None = None   # bytes of the state pools
     state_summary: str | None = None  # the start-up log line of the state manager
+    expert_traffic: dict | None = None  # LLM(expert_traffic=True): per MoE layer, parallel/traffic.ExpertTraffic
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -5,8 +5,10 @@ the contract). Environment variables have their own reader, env.py."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +25,44 @@ EXPERT_STORAGE = ("dense", "fp4")
 PROJECTION_STORAGE = ("dense", "fp8")      # models.check_projection_storage: what a config allows
 EMBEDDED = "tiny"                     # the embedded tiny checkpoint (built once into the user cache)
 MODEL_FORMS = (f"a checkpoint directory, a hub id (org/name), '{EMBEDDED}' (the embedded tiny model) or "
-               f"random:ARCH:PRESET:LAYERS (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")
+               f"random:ARCH:PRESET:LAYERS[:skew=S] (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")
+MAX_ROUTER_SKEW = 4.0
+RANDOM_FORM = ("random:ARCH:PRESET:LAYERS[:skew=S] with ARCH in " + "|".join(ARCHS) + ", PRESET in " + "|".join(PRESETS)
+               + ", LAYERS an integer >= 1 and S the routers' hot-expert skew in [0, 4] (default 0: balanced), "
+                 "e.g. random:deepseek_v41:flash:4 or random:deepseek_v41:flash:4:skew=0.8")
+
+
+@dataclass(frozen=True)
+class RandomSpec:
+    """A parsed random:ARCH:PRESET:LAYERS[:skew=S] model name."""
+    arch: str
+    preset: str
+    layers: int
+    skew: float = 0.0
+
+
+def parse_random_spec(spec: str) -> RandomSpec:
+    """random:ARCH:PRESET:LAYERS[:skew=S] -> RandomSpec; anything else in that form is one line."""
+    parts = spec.split(":")
+    skew = 0.0
+    if len(parts) == 5 and parts[4].startswith("skew="):
+        try:
+            skew = float(parts[4][len("skew="):])
+        except ValueError:
+            skew = math.nan
+        parts = parts[:4]
+    if (len(parts) != 4 or parts[0] != "random" or parts[1] not in ARCHS or parts[2] not in PRESETS
+            or not parts[3].isdigit() or int(parts[3]) < 1 or not (0 <= skew <= MAX_ROUTER_SKEW)):
+        raise DeepInferError(f"model={spec!r}: a random model is {RANDOM_FORM}")
+    return RandomSpec(parts[1], parts[2], int(parts[3]), skew)
+
+
+def check_router_skew(skew) -> float:
+    """A random model's hot-expert skew (make-checkpoint --router-skew, random:...:skew=S): a number in [0, 4]."""
+    if isinstance(skew, bool) or not isinstance(skew, numbers.Real) or not (0 <= skew <= MAX_ROUTER_SKEW):
+        raise DeepInferError(f"router skew {skew!r} must be a number in [0, {MAX_ROUTER_SKEW:g}] (0: balanced "
+                             f"routing, 0.8: a strong hot-expert skew; docs/bench.md has the load curve)")
+    return float(skew)
 
 
 def refuse_unsupported(call: str, given: dict, known: str) -> None:
@@ -120,12 +159,7 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
     if not model.strip():
         raise DeepInferError(f"model={model!r} is empty; give {MODEL_FORMS}")
     if model.startswith("random:"):
-        parts = model.split(":")
-        if (len(parts) != 4 or parts[1] not in ARCHS or parts[2] not in PRESETS or not parts[3].isdigit()
-                or int(parts[3]) < 1):
-            raise DeepInferError(f"model={model!r}: a random model is random:ARCH:PRESET:LAYERS with ARCH in "
-                                 f"{'|'.join(ARCHS)}, PRESET in {'|'.join(PRESETS)}, LAYERS an integer >= 1, "
-                                 f"e.g. random:deepseek_v41:flash:4")
+        parse_random_spec(model)
         return model
     return model if model == EMBEDDED else _located(model)
 

@@ -40,6 +40,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
 from .metrics import compute_metrics
+from .traffic import traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
@@ -180,6 +181,7 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
     row = compute_metrics(timings, duration=duration, num_gpus=1).to_row()
     st = llm.stats
     row.update(speculation_fields(st, llm.engine.verify_policy))
+    row.update(traffic_fields(st))
     row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
                      "graphs_captured_timed": len(st.graphs_captured) - captured,
                      "timed_attempts": attempt, "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
@@ -191,7 +193,7 @@ def _engine(model, cfg: DSparkConfig, mode: str):
     from deepinfer import LLM
     return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, expert_storage=cfg.expert_storage,
                max_model_len=cfg.isl + cfg.osl + cfg.num_speculative_tokens + 8, max_num_seqs=max(cfg.concurrency),
-               speculative=cfg.speculative(mode))
+               speculative=cfg.speculative(mode), expert_traffic=True)
 
 
 def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index: int, rep: int, echo) -> dict:

@@ -22,10 +22,13 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
 from deepinfer.errors import DeepInferError
+
+from .traffic import traffic_warning
 
 SCHEMA_VERSION = "1"      # the row layout
 METHOD_VERSION = "2"      # how points are measured (2: request clocks = client send times)
@@ -281,6 +284,9 @@ class RowStore:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        warning = traffic_warning(row)
+        if warning:
+            print(warning, file=sys.stderr)
 
     def write_raw(self, key: str, raw: dict) -> Path:
         path = self.dir / "raw" / f"{key.replace('/', '__')}.json"

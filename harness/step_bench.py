@@ -43,6 +43,7 @@ from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
+from .traffic import layer_summary, traffic_summary
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
                    refuse_existing_rows, run_dir_for, run_dir_guard, utc_now)
 
@@ -280,11 +281,14 @@ class Routing:
     rows: int = 0                                  # most rows one dispatch call saw
     recorded: bool = True
     source: str | None = None                      # "dispatch" (record_routing) or "gate" (router hooks)
+    layers: dict = field(default_factory=dict)     # harness/traffic.layer_summary of the calls (n_experts given)
 
 
-def routing_from_calls(calls) -> Routing:
-    """calls: (MoE name, ids [N, k]) per dispatch, as record_routing collects them; one layer's calls merge."""
+def routing_from_calls(calls, n_experts: dict[str, int] | None = None) -> Routing:
+    """calls: (MoE name, ids [N, k]) per dispatch, as record_routing collects them; one layer's calls merge.
+    n_experts: experts per MoE name, for the per-layer traffic summary (touched against uniform, the load)."""
     out, sets = Routing(), {}
+    out.layers = layer_summary([(name or "?", ids) for name, ids in calls], n_experts or {})
     for name, ids in calls:
         key = name or "?"
         sets.setdefault(key, set()).update(ids.reshape(-1).unique().tolist())
@@ -569,7 +573,8 @@ def measure_point(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Invent
             with routing_recorder(llm.model) as calls:
                 how = eager_run(probe, llm)
                 _sync(device)
-            routing = routing_from_calls(calls["dispatch"] or calls["gate"])
+            routing = routing_from_calls(calls["dispatch"] or calls["gate"],
+                                         {n: info.n_experts for n, info in inv.experts.items()})
             routing.recorded = bool(calls["dispatch"] or calls["gate"])
             routing.source = "dispatch" if calls["dispatch"] else "gate" if calls["gate"] else None
             for _ in range(cfg.warmup):
@@ -591,6 +596,7 @@ def measure_point(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Invent
             "routing_run": how,
             "routing_rows": routing.rows,
             "experts_touched_per_layer": {k: v for k, v in routing.touched.items() if k in inv.experts},
+            "expert_traffic": traffic_summary(routing.layers),
             "routing_outside_step_layers": sorted(k for k in routing.touched if k not in inv.experts),
             "gpu_idle_fraction": None if idle is None else idle["idle_fraction"],
             "gpu_idle_ms_per_step": None if idle is None else idle["idle_ms_per_step"],

@@ -28,6 +28,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
 from .metrics import compute_metrics
+from .traffic import traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
@@ -152,6 +153,7 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
     row["constrained_stopped"] = len(stopped)
     row["constrained_stopped_parse"] = sum(output_parses(schema, t) for t in stopped)
     st = llm.stats
+    row.update(traffic_fields(st))
     fills = masks1["fills"] - masks0["fills"]
     row["engine"] = {"steps": st.steps, "graph_replays": st.graph_replays, "async_scheduling": st.async_scheduling,
                      "mask_fills": fills, "mask_fill_ms_per_fill":

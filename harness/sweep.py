@@ -31,6 +31,7 @@ from .metrics import RequestTiming, chunk_gaps, compute_metrics
 from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
+from .traffic import traffic_fields
 from .rows import (METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
                    refuse_existing_rows, run_dir_guard, run_id_for, utc_now)
 from .sweep_config import SweepConfig, SweepPoint, parse_sweep
@@ -95,6 +96,7 @@ def build_llm(cfg: SweepConfig, device: str | None = None, spec: str = "", model
                               projection_storage=args.get("projection_storage", "dense"))
     if cfg.speculative:
         args["speculative"] = cfg.speculative_value(spec)
+    args.setdefault("expert_traffic", True)          # every row says how the model routed (harness/traffic.py)
     return LLM(model=model, device=device, dtype=cfg.dtype, seed=cfg.seed, **args)
 
 
@@ -125,7 +127,7 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
            "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
            "ttfts": [r.token_times[0] - r.start if r.success and r.token_times else 0.0 for r in records],
            "itls": [chunk_gaps(r) if r.success else [] for r in records]}
-    return {**metrics.to_row(), "engine_stats": engine_stats}, raw
+    return {**metrics.to_row(), "engine_stats": engine_stats, **traffic_fields(stats)}, raw
 
 
 def _measure(llm, work: Workload, warmup: Workload, concurrency: int) -> tuple[list[RequestTiming], float]:

@@ -27,6 +27,7 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
+from .traffic import traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 
@@ -127,6 +128,7 @@ def run_deepinfer(llm, ids: torch.Tensor, cfg: VersusConfig) -> tuple[list[list[
     params = SamplingParams(temperature=0, max_tokens=cfg.osl, ignore_eos=True)
     prompts = [{"prompt_token_ids": row} for row in ids.tolist()]
     llm.generate(prompts, params, use_tqdm=False)                            # untimed: same shape first
+    llm.engine.reset_stats()                                                 # the row's traffic: the timed run
     outs, seconds = _timed(cfg.device, lambda: llm.generate(prompts, params, use_tqdm=False))
     return [list(o.outputs[0].token_ids) for o in outs], seconds
 
@@ -202,12 +204,13 @@ def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
             args = {"kernel_backend": backend} if backend else {}
             llm = LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, qat_fake_quant=False,
                       max_num_seqs=max(cfg.batches), max_model_len=max_len,
-                      max_num_batched_tokens=max(max(cfg.batches) * cfg.isl, 256), **args)
+                      max_num_batched_tokens=max(max(cfg.batches) * cfg.isl, 256), expert_traffic=True, **args)
             kernels, backends = kernel_info(llm)
             for b in cfg.batches:
                 tokens, seconds = run_deepinfer(llm, prompts_for(cfg, b, vocab), cfg)
                 record(engine, b, tokens, seconds, {"kernel_backend": kernels, "kernel_backends": backends,
-                                                    "graph_replays": llm.stats.graph_replays})
+                                                    "graph_replays": llm.stats.graph_replays,
+                                                    **traffic_fields(llm.stats)})
             del llm
             gc.collect()
     return read_rows(run_dir)

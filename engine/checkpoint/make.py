@@ -18,6 +18,7 @@ from ..config.presets import preset_config
 from ..errors import DeepInferError
 from ..models import build_model
 from .random_init import init_random_weights
+from .routers import CALIBRATION_VERSION, calibrate_routers
 from .tokenizer import train_tokenizer
 from .writer import SHARD_BYTES, check_out_dir, write_checkpoint
 
@@ -43,27 +44,31 @@ def preset_model_config(arch: str, preset: str, layers: int | None = None, engra
     return bind_config_to_tokenizer(cfg, tokenizer), tokenizer
 
 
-def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool, **options):
+def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool,
+                  router_skew: float = 0.0, **options):
+    """Weights drawn from `seed`, then the routers' selection biases calibrated (balanced, or to `router_skew`)
+    on the model's own forward: docs/bench.md, routing of random models."""
     model = build_model(cfg, device, dtype, qat_fake_quant, **options)
     init_random_weights(model, seed)
     if tokenizer is not None and cfg.engram_layer_ids:
         model.bind_tokenizer(tokenizer)
+    calibrate_routers(model, seed, router_skew, tokenizer or train_tokenizer(cfg.vocab_size))
     return model
 
 
 def random_model(arch: str, preset: str, seed: int, layers: int | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, qat_fake_quant: bool = True,
-                 engram_vocab_size: int | None = None, **options) -> torch.nn.Module:
+                 engram_vocab_size: int | None = None, router_skew: float = 0.0, **options) -> torch.nn.Module:
     """Build a preset model on `device` and fill it from `seed` (no files involved; a V4.1 model comes bound
-    to its tokenizer). bf16 loses nothing: every stored value is bf16-representable (FP8/FP4 dequantize
+    to its tokenizer), its routers balanced (or skewed by `router_skew`, routers.py). bf16 loses nothing: every stored value is bf16-representable (FP8/FP4 dequantize
     exactly). `options` go to build_model (projection_storage="fp8") and the model class (V4.1:
     expert_storage="fp4")."""
     cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
-    return _random_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant, **options)
+    return _random_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant, router_skew, **options)
 
 
 def make_checkpoint(arch: str, preset: str, fmt: str, seed: int, out: str | Path, layers: int | None = None,
-                    overwrite: bool = False, engram_vocab_size: int | None = None) -> Path:
+                    overwrite: bool = False, engram_vocab_size: int | None = None, router_skew: float = 0.0) -> Path:
     check_out_dir(out, fmt, overwrite)  # fail before building a possibly huge model
     cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
     options, shard_bytes = {}, SHARD_BYTES
@@ -74,15 +79,17 @@ def make_checkpoint(arch: str, preset: str, fmt: str, seed: int, out: str | Path
         shard_bytes = LARGE_SHARD_BYTES
         if cfg.model_type == "deepseek_v41" and cfg.quant is not None and cfg.quant.expert_dtype == "fp4":
             options["expert_storage"] = "fp4"
-    model = _random_model(cfg, tokenizer, seed, "cpu", torch.bfloat16, True, **options)
+    model = _random_model(cfg, tokenizer, seed, "cpu", torch.bfloat16, True, router_skew, **options)
     return write_checkpoint(model, out, fmt, overwrite=overwrite, tokenizer=tokenizer, shard_bytes=shard_bytes)
 
 
 def embedded_tiny_dir(arch: str = "deepseek_v41", seed: int = 0) -> Path:
     """The embedded default model: the tiny preset, built once into the user cache. The directory name
-    carries the preset's config hash, so a changed preset builds afresh instead of reusing a stale copy."""
+    carries the preset's config hash and the router calibration's version, so a changed preset or calibration
+    builds afresh instead of reusing a stale copy."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepinfer" / "models"
-    out = cache / f"{arch}-tiny-seed{seed}-{preset_config(arch, 'tiny').config_hash()[:8]}"
+    tag = f"{preset_config(arch, 'tiny').config_hash()[:8]}-r{CALIBRATION_VERSION}"   # r: router calibration
+    out = cache / f"{arch}-tiny-seed{seed}-{tag}"
     if not (out / "config.json").is_file():
         try:
             make_checkpoint(arch, "tiny", "deepseek", seed, out, overwrite=True)
@@ -94,23 +101,21 @@ def embedded_tiny_dir(arch: str = "deepseek_v41", seed: int = 0) -> Path:
 
 def random_preset_model(spec: str, device: str, dtype: str, expert_storage: str = "dense", qat: bool = True,
                         projection_storage: str = "dense"):
-    """random:ARCH:PRESET:LAYERS -> a model with seed-0 random weights built on the device (V4.1: engram tables
-    reduced to 1000 rows), its tokenizer written to a temporary directory (LLM reads tokenizer.json from
-    model.checkpoint_dir). For benchmarks of released widths without writing a checkpoint."""
+    """random:ARCH:PRESET:LAYERS[:skew=S] -> a model with seed-0 random weights built on the device, its routers
+    calibrated (balanced, or skewed by S) (V4.1: engram tables reduced to 1000 rows), its tokenizer written to a
+    temporary directory (LLM reads tokenizer.json from model.checkpoint_dir). For benchmarks of released widths
+    without writing a checkpoint."""
     import tempfile
 
-    from ..validate import parse_dtype
+    from ..validate import parse_dtype, parse_random_spec
     from .tokenizer import write_tokenizer
-    parts = spec.split(":")
-    if len(parts) != 4 or parts[0] != "random" or not parts[3].isdigit():
-        raise DeepInferError(f"model {spec!r}: a random model is named random:ARCH:PRESET:LAYERS, "
-                             f"e.g. random:deepseek_v41:flash:4")
-    _, arch, preset, layers = parts
-    options = {"expert_storage": expert_storage} if arch == "deepseek_v41" else {}
+    rs = parse_random_spec(spec)
+    options = {"expert_storage": expert_storage} if rs.arch == "deepseek_v41" else {}
     options["projection_storage"] = projection_storage
-    engram = {"engram_vocab_size": 1000} if arch == "deepseek_v41" else {}
-    model = random_model(arch, preset, 0, int(layers), device, parse_dtype(dtype), qat, **engram, **options)
-    cfg, tokenizer = preset_model_config(arch, preset, int(layers), **engram)
+    engram = {"engram_vocab_size": 1000} if rs.arch == "deepseek_v41" else {}
+    model = random_model(rs.arch, rs.preset, 0, rs.layers, device, parse_dtype(dtype), qat, router_skew=rs.skew,
+                         **engram, **options)
+    cfg, tokenizer = preset_model_config(rs.arch, rs.preset, rs.layers, **engram)
     model.checkpoint_dir = Path(tempfile.mkdtemp(prefix="deepinfer-tok-"))
     write_tokenizer(model.checkpoint_dir, cfg.vocab_size, cfg.max_position_embeddings, tokenizer=tokenizer)
     return model

@@ -49,6 +49,11 @@ class Gate(nn.Module):
         """x: [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
         return self._route(x, input_ids)
 
+    def selection_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, E] fp32 scores before the selection bias (what the bias is fitted against)."""
+        logits = x.float() @ self.weight.float().t()
+        return SCORE_FUNCS[self.score_func](logits if self.temp == 1.0 else logits / self.temp)
+
     def _route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # kernels.routing.route (its invariant backend runs on fixed row tiles)
         return route(x, self.weight, None if self.is_hash else self.bias, top_k=self.top_k,

@@ -1,0 +1,149 @@
+"""Random routers that route like trained ones.
+
+A trained DeepSeek router is balanced by its selection bias: the auxiliary-loss-free rule nudges each expert's
+bias down by u when the expert got more than its share of a batch and up when it got less (b_e -= u sign(load_e -
+target_e)). Drawn at random, the bias (std 0.5) outweighs the sqrt-softplus scores' spread across tokens (~0.3), so
+a random model sends almost every token to the same few experts. calibrate_routers runs that rule on a seeded
+sample after the weights are drawn, layer by layer in forward order: each gate's bias is fitted on the gate's own
+inputs, which already carry the calibrated routing of every layer before it (one forward, a pre-hook per gate).
+
+The sample is what the harness sends: random ids and tokenized text (the tokenizer's corpus). Hash-routed layers
+keep their tid2eid tables. V4.1's DSpark stages and V4's MTP layer are calibrated on their own draft inputs.
+
+Skew: `skew` S > 0 fits the biases to a Zipf-like load instead of an even one: the expert of rank r (a seeded
+permutation per layer) gets a share proportional to r^-S of the routed pairs, capped at 1/k (a token picks
+distinct experts, so no expert can take more than every token). A real property of the weights, as a trained
+model's hot experts are. docs/bench.md tabulates the load curve it gives."""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from ..models.moe import Gate
+from ..validate import check_router_skew
+
+# Bump when the calibration changes what it writes: cached embedded models carry it in their directory name.
+CALIBRATION_VERSION = 1
+SAMPLE_LENGTH = 256            # tokens per calibration sequence (half the sequences random ids, half text)
+PAIRS_PER_EXPERT = 256         # routed (token, slot) pairs per expert the sample is sized for: E k^-1 256 tokens
+ITERATIONS = 300               # sign-rule steps per gate
+FINAL_STEP = 1e-4              # the last step's size, relative to the first
+
+
+def target_shares(n_experts: int, top_k: int, skew: float, gen: torch.Generator) -> torch.Tensor:
+    """[E] fp64, the share of routed pairs each expert is fitted to (sums to 1). Ranks come from a seeded
+    permutation; shares above 1/k are capped there and the excess spread over the others in proportion (water-fill)."""
+    rank = torch.randperm(n_experts, generator=gen) + 1
+    share = rank.double() ** -float(skew)
+    share /= share.sum()
+    cap = 1.0 / top_k
+    for _ in range(n_experts):
+        over = share > cap
+        if not over.any():
+            break
+        excess = (share[over] - cap).sum()
+        share[over] = cap
+        free = ~over & (share < cap)
+        share[free] += excess * share[free] / share[free].sum()
+    return share
+
+
+def fit_bias(scores: torch.Tensor, top_k: int, share: torch.Tensor, iterations: int = ITERATIONS) -> torch.Tensor:
+    """scores [N, E] fp32 (the router's selection scores before bias) -> bias [E] fp32 whose top-k selection gives
+    each expert its `share` of the N*k pairs: the sign rule b -= u sign(load - target), u decaying geometrically
+    from a tenth of the scores' spread to FINAL_STEP of that (deterministic: the same scores give the same bits)."""
+    n, e = scores.shape
+    target = (share.to(scores.device, torch.float32) * n * top_k)
+    bias = torch.zeros(e, dtype=torch.float32, device=scores.device)
+    step = 0.1 * float(scores.std()) + 1e-6
+    decay = FINAL_STEP ** (1.0 / max(iterations - 1, 1))
+    ones = torch.ones(n * top_k, dtype=torch.float32, device=scores.device)
+    for _ in range(iterations):
+        ids = (scores + bias).topk(top_k, dim=-1).indices.reshape(-1)
+        load = torch.zeros(e, dtype=torch.float32, device=scores.device).index_add_(0, ids, ones)
+        bias -= step * torch.sign(load - target)
+        step *= decay
+    return bias - bias.mean()
+
+
+def sample_sequences(cfg) -> int:
+    """Sequences of SAMPLE_LENGTH in the calibration sample: enough tokens that the widest learned router of the
+    main stack sees PAIRS_PER_EXPERT pairs per expert on balance (at least 4 sequences; 64 for V4.1 flash)."""
+    tokens = PAIRS_PER_EXPERT * cfg.n_routed_experts / cfg.num_experts_per_tok
+    return max(4, 2 * math.ceil(tokens / (2 * SAMPLE_LENGTH)))
+
+
+def calibration_ids(cfg, tokenizer, seed: int, sequences: int | None = None,
+                    length: int = SAMPLE_LENGTH) -> torch.Tensor:
+    """[sequences, length] int64: the first half random ids over the vocabulary, the rest the tokenizer's
+    corpus (windows from seeded offsets; random ids too when there is no tokenizer)."""
+    sequences = sample_sequences(cfg) if sequences is None else sequences
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.randint(0, cfg.vocab_size, (sequences, length), generator=gen)
+    if tokenizer is not None:
+        from .tokenizer import corpus_text
+        text = torch.tensor(tokenizer.encode(corpus_text()).ids, dtype=torch.long)
+        if text.numel() > length:
+            starts = torch.randint(0, text.numel() - length, (sequences - sequences // 2,), generator=gen)
+            for row, s in zip(range(sequences // 2, sequences), starts.tolist()):
+                out[row] = text[s:s + length]
+    return out
+
+
+def routed_gates(model: torch.nn.Module) -> list[tuple[str, Gate]]:
+    """(name, gate) of every learned-score router in `model` (hash-routed gates excluded), in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Gate) and not m.is_hash]
+
+
+@torch.no_grad()
+def calibrate_routers(model: torch.nn.Module, seed: int, skew: float = 0.0, tokenizer=None) -> dict[str, int]:
+    """Fit every learned router's selection bias (balanced, or to `skew`) on a seeded sample; returns
+    {gate name: tokens it was fitted on}. The model's own forward supplies each gate's inputs."""
+    skew = check_router_skew(skew)
+    gates = routed_gates(model)
+    if not gates:
+        return {}
+    gen = torch.Generator().manual_seed(seed ^ 0x5EED)
+    shares = {id(g): target_shares(g.n_experts, g.top_k, skew, gen) for _, g in gates}
+    fitted: dict[str, int] = {}
+    names = {id(g): n for n, g in gates}
+
+    def fit(gate: Gate, args):
+        if names[id(gate)] in fitted:
+            return
+        x = args[0]
+        gate.bias.copy_(fit_bias(gate.selection_scores(x), gate.top_k, shares[id(gate)]))
+        fitted[names[id(gate)]] = int(x.shape[0])
+
+    handles = [g.register_forward_pre_hook(fit) for _, g in gates]
+    try:
+        _sample_forwards(model, calibration_ids(model.cfg, tokenizer, seed).to(model.device))
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [n for n, _ in gates if n not in fitted]
+    if missing:
+        raise RuntimeError(f"router calibration never reached {missing}")
+    return fitted
+
+
+def _sample_forwards(model, ids: torch.Tensor) -> None:
+    """The forwards that reach every gate: the main stack on the whole sample, then the draft layers (V4.1's
+    DSpark stages, V4's MTP layer) on drafts from every position of it."""
+    with torch.inference_mode():
+        flat, chunks = model.batch_chunks(ids)
+        states = [model.new_state() for _ in chunks]
+        out = model.forward_reference(flat, chunks, states)
+        if hasattr(model, "mtp") and model.cfg.model_type == "deepseek_v4":
+            next_ids = torch.roll(flat, -1)
+            model.mtp_forward(out, next_ids, chunks, [model.new_state() for _ in chunks])
+        elif hasattr(model, "dspark"):
+            _dspark_sample(model, ids)
+
+
+def _dspark_sample(model, ids: torch.Tensor, prompt: int = 16) -> None:
+    """DSpark stages see one draft block after each sequence's last token: the sample cut into `prompt`-token
+    sequences gives 4096 / 16 = 256 blocks in one call (each stage fitted on 256 x block rows)."""
+    rows = ids.reshape(-1, prompt)
+    model.extend_and_draft(list(rows), [model.new_state() for _ in range(rows.shape[0])])

@@ -1,0 +1,120 @@
+"""Expert traffic in every row: experts touched per step against a uniform router's expectation, and the load.
+
+A decode step's cost is mostly the expert weights it reads, and how many experts it reads is a property of the
+routing. A random model whose routers send every token to the same few experts reads 3-5x fewer expert bytes
+than a trained one (docs/results.md), so a row that does not say how its model routed cannot be trusted to
+transfer. Every bench row carries `expert_traffic` (the same fields whichever bench made it):
+
+  touched_per_step     distinct experts routed to per forward, summed over the main stack's MoE layers
+  uniform_per_step     what a uniform router touches at the same forwards' rows: sum of E (1 - (1 - k/E)^N)
+  touched_vs_uniform   their ratio (1: balanced and diverse; a trained router sits near 1)
+  load_max_over_mean   the busiest expert's (row, slot) pairs over the mean, worst layer, over every forward
+  mean_load            pairs per expert of that layer (the max/mean of a uniform router is ~1 + 3 / sqrt(it))
+  layers               per MoE layer: experts, top_k, forwards, rows, touched / uniform per forward, max/mean
+  draft                the same totals for draft layers (V4.1 DSpark stages, V4 MTP), which run other batches
+  balanced             touched_vs_uniform >= BALANCED_TOUCHED and the max/mean within the noise bound below
+"""
+
+from __future__ import annotations
+
+import math
+
+from deepinfer.parallel.traffic import uniform_touched
+
+BALANCED_TOUCHED = 0.8          # at least this share of a uniform router's distinct experts per step
+NOISE_SIGMAS = 4.0              # max/mean above 1 + 4 / sqrt(mean load) (+ 0.3) is more than sampling noise
+DRAFT_PREFIXES = ("mtp.",)      # module names of draft layers (DSpark stages and V4's MTP are `mtp.N`)
+
+
+def layer_summary(calls, n_experts: dict[str, int]) -> dict[str, dict]:
+    """calls: (MoE name, ids [N, k]) per forward (an eager forward's routing record) -> per-layer summary in the
+    engine counters' form (engine/parallel/traffic.py ExpertTraffic.summary)."""
+    import torch
+    layers: dict[str, dict] = {}
+    loads: dict[str, torch.Tensor] = {}
+    for name, ids in calls:
+        e = n_experts.get(name)
+        if e is None:
+            continue
+        n, k = ids.shape
+        counts = torch.bincount(ids.reshape(-1).cpu(), minlength=e)
+        s = layers.setdefault(name, {"experts": e, "top_k": k, "forwards": 0, "rows": 0, "touched": 0.0,
+                                     "uniform": 0.0})
+        s["forwards"] += 1
+        s["rows"] += n
+        s["touched"] += int((counts > 0).sum())
+        s["uniform"] += uniform_touched(e, k, n)
+        loads[name] = loads.get(name, 0) + counts
+    out = {}
+    for name, s in layers.items():
+        load = loads[name].float()
+        out[name] = {"experts": s["experts"], "top_k": s["top_k"], "forwards": s["forwards"], "rows": s["rows"],
+                     "touched_per_forward": s["touched"] / s["forwards"],
+                     "uniform_per_forward": s["uniform"] / s["forwards"],
+                     "load_max_over_mean": float(load.max() / load.mean()) if load.sum() else None}
+    return out
+
+
+def _totals(layers: dict[str, dict]) -> dict:
+    if not layers:
+        return {}
+    touched = sum(v["touched_per_forward"] for v in layers.values())
+    uniform = sum(v["uniform_per_forward"] for v in layers.values())
+    worst = max(layers.items(), key=lambda kv: kv[1]["load_max_over_mean"] or 0.0)
+    w = worst[1]
+    mean_load = w["rows"] * w["top_k"] / w["experts"]
+    return {"touched_per_step": round(touched, 2), "uniform_per_step": round(uniform, 2),
+            "touched_vs_uniform": round(touched / uniform, 4) if uniform else None,
+            "load_max_over_mean": None if w["load_max_over_mean"] is None else round(w["load_max_over_mean"], 4),
+            "load_worst_layer": worst[0], "mean_load": round(mean_load, 2)}
+
+
+def noise_bound(mean_load: float) -> float:
+    """The max/mean a balanced router stays under at `mean_load` pairs per expert (sampling noise + margin)."""
+    return 1.3 + NOISE_SIGMAS / math.sqrt(max(mean_load, 1.0))
+
+
+def traffic_summary(layers: dict[str, dict] | None) -> dict | None:
+    """Per-layer counters (engine stats or layer_summary) -> the row's `expert_traffic` (module doc)."""
+    if not layers:
+        return None
+    main = {n: v for n, v in layers.items() if not n.startswith(DRAFT_PREFIXES)}
+    draft = {n: v for n, v in layers.items() if n.startswith(DRAFT_PREFIXES)}
+    out = {**_totals(main), "layers": {n: _rounded(v) for n, v in layers.items()}}
+    if draft:
+        out["draft"] = _totals(draft)
+    ratio, mm = out.get("touched_vs_uniform"), out.get("load_max_over_mean")
+    out["balanced"] = bool(ratio is not None and ratio >= BALANCED_TOUCHED
+                           and (mm is None or mm <= noise_bound(out["mean_load"])))
+    return out
+
+
+def _rounded(v: dict) -> dict:
+    return {k: round(x, 4) if isinstance(x, float) else x for k, x in v.items()}
+
+
+def traffic_fields(stats) -> dict:
+    """{"expert_traffic": ...} from an engine's stats (LLM(expert_traffic=True)); None when it has no counters."""
+    return {"expert_traffic": traffic_summary(getattr(stats, "expert_traffic", None))}
+
+
+def traffic_warning(row: dict) -> str | None:
+    """One line when a row's model routed far from balanced (None when it is balanced or says nothing)."""
+    t = row.get("expert_traffic")
+    if not t or t.get("balanced", True):
+        return None
+    return (f"warning: {row.get('key', 'row')}: routing far from balanced ({t['touched_per_step']:.0f} experts "
+            f"touched per step where a uniform router touches {t['uniform_per_step']:.0f}, "
+            f"{t['touched_vs_uniform']:.2f}x; busiest expert {t['load_max_over_mean']:.2f}x the mean load): "
+            f"its figures will not transfer to a trained checkpoint")
+
+
+def traffic_cell(row: dict) -> str:
+    """`touched/uniform max/mean` for report tables ('-' without traffic)."""
+    t = row.get("expert_traffic")
+    if not t or t.get("touched_per_step") is None:
+        return "-"
+    mm = t.get("load_max_over_mean")
+    flag = "" if t.get("balanced", True) else " !"
+    return f"{t['touched_per_step']:.0f}/{t['uniform_per_step']:.0f} {mm:.2f}{flag}" if mm is not None else \
+        f"{t['touched_per_step']:.0f}/{t['uniform_per_step']:.0f}{flag}"
