@@ -23,6 +23,8 @@ import torch
 from ..models.moe import Gate
 from ..validate import check_router_skew
 
+log = logging.getLogger("deepinfer")
+
 # Bump when the calibration changes what it writes: cached embedded models carry it in their directory name.
 CALIBRATION_VERSION = 1
 SAMPLE_LENGTH = 256            # tokens per calibration sequence (half the sequences random ids, half text)
@@ -116,6 +118,7 @@ def calibrate_routers(model: torch.nn.Module, seed: int, skew: float = 0.0, toke
         gate.bias.copy_(fit_bias(gate.selection_scores(x), gate.top_k, shares[id(gate)]))
         fitted[names[id(gate)]] = int(x.shape[0])
 
+    t0 = time.perf_counter()
     handles = [g.register_forward_pre_hook(fit) for _, g in gates]
     try:
         _sample_forwards(model, calibration_ids(model.cfg, tokenizer, seed).to(model.device))
@@ -125,6 +128,8 @@ def calibrate_routers(model: torch.nn.Module, seed: int, skew: float = 0.0, toke
     missing = [n for n, _ in gates if n not in fitted]
     if missing:
         raise RuntimeError(f"router calibration never reached {missing}")
+    log.info("routers: %d selection biases fitted (skew %g) on %d tokens in %.1f s", len(fitted), skew,
+             max(fitted.values()), time.perf_counter() - t0)
     return fitted
 
 
@@ -142,8 +147,8 @@ def _sample_forwards(model, ids: torch.Tensor) -> None:
             _dspark_sample(model, ids)
 
 
-def _dspark_sample(model, ids: torch.Tensor, prompt: int = 16) -> None:
-    """DSpark stages see one draft block after each sequence's last token: the sample cut into `prompt`-token
-    sequences gives 4096 / 16 = 256 blocks in one call (each stage fitted on 256 x block rows)."""
-    rows = ids.reshape(-1, prompt)
+def _dspark_sample(model, ids: torch.Tensor, prompt: int = 16, blocks: int = 256) -> None:
+    """DSpark stages see one draft block after each sequence's last token: `blocks` sequences of `prompt` tokens
+    cut from the sample give each stage blocks x block-size rows in one call (1280 rows at V4.1's 5)."""
+    rows = ids.reshape(-1, prompt)[:blocks]
     model.extend_and_draft(list(rows), [model.new_state() for _ in range(rows.shape[0])])
