@@ -17,7 +17,9 @@ model's hot experts are. docs/bench.md tabulates the load curve it gives."""
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 import torch
 
 from ..models.moe import Gate
