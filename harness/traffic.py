@@ -8,11 +8,13 @@ transfer. Every bench row carries `expert_traffic` (the same fields whichever be
   touched_per_step     distinct experts routed to per forward, summed over the main stack's MoE layers
   uniform_per_step     what a uniform router touches at the same forwards' rows: sum of E (1 - (1 - k/E)^N)
   touched_vs_uniform   their ratio (1: balanced and diverse; a trained router sits near 1)
-  load_max_over_mean   the busiest expert's (row, slot) pairs over the mean, worst layer, over every forward
-  mean_load            pairs per expert of that layer (the max/mean of a uniform router is ~1 + 3 / sqrt(it))
+  load_max_over_mean   the busiest expert's (row, slot) pairs over the mean, over every forward, in the layer
+                       that exceeds chance most (load_worst_layer)
+  mean_load            pairs per expert of that layer (a uniform router's max/mean is ~1 + 3 / sqrt(it))
+  load_over_noise      that max/mean over the chance bound (m + 4 sqrt(m) + 2) / m at that mean load m
   layers               per MoE layer: experts, top_k, forwards, rows, touched / uniform per forward, max/mean
   draft                the same totals for draft layers (V4.1 DSpark stages, V4 MTP), which run other batches
-  balanced             touched_vs_uniform >= BALANCED_TOUCHED and the max/mean within the noise bound below
+  balanced             touched_vs_uniform >= BALANCED_TOUCHED and load_over_noise <= MAX_OVER_NOISE
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import math
 from deepinfer.parallel.traffic import uniform_touched
 
 BALANCED_TOUCHED = 0.8          # at least this share of a uniform router's distinct experts per step
-NOISE_SIGMAS = 4.0              # max/mean above 1 + 4 / sqrt(mean load) (+ 0.3) is more than sampling noise
+NOISE_SIGMAS = 4.0              # the busiest uniform expert stays under m + 4 sqrt(m) + 2 pairs (module doc)
+MAX_OVER_NOISE = 2.0            # busiest expert at most 2x that chance bound: beyond it, hot experts
 DRAFT_PREFIXES = ("mtp.",)      # module names of draft layers (DSpark stages and V4's MTP are `mtp.N`)
 
 
@@ -55,23 +58,34 @@ def layer_summary(calls, n_experts: dict[str, int]) -> dict[str, dict]:
     return out
 
 
+def excess_load(v: dict) -> float | None:
+    """A layer's max/mean over the max/mean a uniform router reaches by chance at the same load (> 1: more skew
+    than sampling noise explains). With m pairs per expert the busiest of E uniform experts stays under
+    m + NOISE_SIGMAS sqrt(m) + 2 (Poisson tail plus the one-pair floor of a small load)."""
+    mm = v.get("load_max_over_mean")
+    if mm is None:
+        return None
+    m = v["rows"] * v["top_k"] / v["experts"]
+    return mm / noise_bound(m)
+
+
+def noise_bound(mean_load: float) -> float:
+    """The max/mean a uniform router stays under by chance at `mean_load` pairs per expert."""
+    m = max(mean_load, 1e-9)
+    return (m + NOISE_SIGMAS * math.sqrt(m) + 2.0) / m
+
+
 def _totals(layers: dict[str, dict]) -> dict:
     if not layers:
         return {}
     touched = sum(v["touched_per_forward"] for v in layers.values())
     uniform = sum(v["uniform_per_forward"] for v in layers.values())
-    worst = max(layers.items(), key=lambda kv: kv[1]["load_max_over_mean"] or 0.0)
-    w = worst[1]
-    mean_load = w["rows"] * w["top_k"] / w["experts"]
+    worst_name, w = max(layers.items(), key=lambda kv: excess_load(kv[1]) or 0.0)
     return {"touched_per_step": round(touched, 2), "uniform_per_step": round(uniform, 2),
             "touched_vs_uniform": round(touched / uniform, 4) if uniform else None,
             "load_max_over_mean": None if w["load_max_over_mean"] is None else round(w["load_max_over_mean"], 4),
-            "load_worst_layer": worst[0], "mean_load": round(mean_load, 2)}
-
-
-def noise_bound(mean_load: float) -> float:
-    """The max/mean a balanced router stays under at `mean_load` pairs per expert (sampling noise + margin)."""
-    return 1.3 + NOISE_SIGMAS / math.sqrt(max(mean_load, 1.0))
+            "load_worst_layer": worst_name, "mean_load": round(w["rows"] * w["top_k"] / w["experts"], 2),
+            "load_over_noise": None if excess_load(w) is None else round(excess_load(w), 4)}
 
 
 def traffic_summary(layers: dict[str, dict] | None) -> dict | None:
@@ -83,9 +97,8 @@ def traffic_summary(layers: dict[str, dict] | None) -> dict | None:
     out = {**_totals(main), "layers": {n: _rounded(v) for n, v in layers.items()}}
     if draft:
         out["draft"] = _totals(draft)
-    ratio, mm = out.get("touched_vs_uniform"), out.get("load_max_over_mean")
-    out["balanced"] = bool(ratio is not None and ratio >= BALANCED_TOUCHED
-                           and (mm is None or mm <= noise_bound(out["mean_load"])))
+    ratio, over = out.get("touched_vs_uniform"), out.get("load_over_noise")
+    out["balanced"] = bool(ratio is not None and ratio >= BALANCED_TOUCHED and (over is None or over <= MAX_OVER_NOISE))
     return out
 
 

@@ -52,7 +52,7 @@ def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qa
     init_random_weights(model, seed)
     if tokenizer is not None and cfg.engram_layer_ids:
         model.bind_tokenizer(tokenizer)
-    calibrate_routers(model, seed, router_skew, tokenizer or train_tokenizer(cfg.vocab_size))
+    calibrate_routers(model, seed, router_skew)
     return model
 
 

@@ -7,13 +7,20 @@ a random model sends almost every token to the same few experts. calibrate_route
 sample after the weights are drawn, layer by layer in forward order: each gate's bias is fitted on the gate's own
 inputs, which already carry the calibrated routing of every layer before it (one forward, a pre-hook per gate).
 
-The sample is what the harness sends: random ids and tokenized text (the tokenizer's corpus). Hash-routed layers
-keep their tid2eid tables. V4.1's DSpark stages and V4's MTP layer are calibrated on their own draft inputs.
+The sample is what the harness's figures come from: random token ids over the whole vocabulary (sweeps, step,
+structured, versus and DSpark rows send them). One bias cannot balance two inputs that route differently, and a
+random model routes text unlike random ids: on the tiny-width flash-shaped V4, biases fitted on ids alone leave
+held-out ids at 1.23-1.26x the mean load (chance at that load: ~1.2) and text at 4-6x; fitted on half ids, half
+text, ids 1.6-1.7x and text 2.1-2.3x (docs/results.md). Rows on text prompts (DSpark --prompts, eval) say what
+they saw in their own traffic fields. Hash-routed layers keep their tid2eid tables. V4.1's DSpark stages and
+V4's MTP layer are calibrated on their own draft inputs.
 
 Skew: `skew` S > 0 fits the biases to a Zipf-like load instead of an even one: the expert of rank r (a seeded
-permutation per layer) gets a share proportional to r^-S of the routed pairs, capped at 1/k (a token picks
-distinct experts, so no expert can take more than every token). A real property of the weights, as a trained
-model's hot experts are. docs/bench.md tabulates the load curve it gives."""
+permutation per layer) gets a share proportional to (r + E/16)^-S of the routed pairs (Zipf-Mandelbrot; the offset
+keeps the head realistic: S = 0.8 gives the hottest expert ~4x the mean load and the hottest tenth ~27% of the
+traffic at E = 384, where pure r^-0.8 would give 32x), capped at 1/k (a token picks distinct experts, so no
+expert can take more than every token). A real property of the weights, as a trained model's hot experts are.
+docs/bench.md tabulates the load curve it gives."""
 
 from __future__ import annotations
 
@@ -28,18 +35,19 @@ from ..validate import check_router_skew
 log = logging.getLogger("deepinfer")
 
 # Bump when the calibration changes what it writes: cached embedded models carry it in their directory name.
-CALIBRATION_VERSION = 1
-SAMPLE_LENGTH = 256            # tokens per calibration sequence (half the sequences random ids, half text)
+CALIBRATION_VERSION = 2        # 1: fitted on half random ids, half text (never published)
+SAMPLE_LENGTH = 256            # tokens per calibration sequence
 PAIRS_PER_EXPERT = 256         # routed (token, slot) pairs per expert the sample is sized for: E k^-1 256 tokens
 ITERATIONS = 300               # sign-rule steps per gate
 FINAL_STEP = 1e-4              # the last step's size, relative to the first
+ZIPF_OFFSET = 16               # skew: share of rank r ~ (r + E / ZIPF_OFFSET)^-S
 
 
 def target_shares(n_experts: int, top_k: int, skew: float, gen: torch.Generator) -> torch.Tensor:
-    """[E] fp64, the share of routed pairs each expert is fitted to (sums to 1). Ranks come from a seeded
-    permutation; shares above 1/k are capped there and the excess spread over the others in proportion (water-fill)."""
+    """[E] fp64, the share of routed pairs each expert is fitted to (sums to 1): ~ (rank + E/16)^-skew, ranks from a
+    seeded permutation; shares above 1/k are capped there and the excess spread over the others in proportion."""
     rank = torch.randperm(n_experts, generator=gen) + 1
-    share = rank.double() ** -float(skew)
+    share = (rank.double() + n_experts / ZIPF_OFFSET) ** -float(skew)
     share /= share.sum()
     cap = 1.0 / top_k
     for _ in range(n_experts):
@@ -75,24 +83,13 @@ def sample_sequences(cfg) -> int:
     """Sequences of SAMPLE_LENGTH in the calibration sample: enough tokens that the widest learned router of the
     main stack sees PAIRS_PER_EXPERT pairs per expert on balance (at least 4 sequences; 64 for V4.1 flash)."""
     tokens = PAIRS_PER_EXPERT * cfg.n_routed_experts / cfg.num_experts_per_tok
-    return max(4, 2 * math.ceil(tokens / (2 * SAMPLE_LENGTH)))
+    return max(4, math.ceil(tokens / SAMPLE_LENGTH))
 
 
-def calibration_ids(cfg, tokenizer, seed: int, sequences: int | None = None,
-                    length: int = SAMPLE_LENGTH) -> torch.Tensor:
-    """[sequences, length] int64: the first half random ids over the vocabulary, the rest the tokenizer's
-    corpus (windows from seeded offsets; random ids too when there is no tokenizer)."""
+def calibration_ids(cfg, seed: int, sequences: int | None = None, length: int = SAMPLE_LENGTH) -> torch.Tensor:
+    """[sequences, length] int64 random ids over the vocabulary, from `seed` (the harness's random prompts)."""
     sequences = sample_sequences(cfg) if sequences is None else sequences
-    gen = torch.Generator().manual_seed(seed)
-    out = torch.randint(0, cfg.vocab_size, (sequences, length), generator=gen)
-    if tokenizer is not None:
-        from .tokenizer import corpus_text
-        text = torch.tensor(tokenizer.encode(corpus_text()).ids, dtype=torch.long)
-        if text.numel() > length:
-            starts = torch.randint(0, text.numel() - length, (sequences - sequences // 2,), generator=gen)
-            for row, s in zip(range(sequences // 2, sequences), starts.tolist()):
-                out[row] = text[s:s + length]
-    return out
+    return torch.randint(0, cfg.vocab_size, (sequences, length), generator=torch.Generator().manual_seed(seed))
 
 
 def routed_gates(model: torch.nn.Module) -> list[tuple[str, Gate]]:
@@ -101,7 +98,7 @@ def routed_gates(model: torch.nn.Module) -> list[tuple[str, Gate]]:
 
 
 @torch.no_grad()
-def calibrate_routers(model: torch.nn.Module, seed: int, skew: float = 0.0, tokenizer=None) -> dict[str, int]:
+def calibrate_routers(model: torch.nn.Module, seed: int, skew: float = 0.0) -> dict[str, int]:
     """Fit every learned router's selection bias (balanced, or to `skew`) on a seeded sample; returns
     {gate name: tokens it was fitted on}. The model's own forward supplies each gate's inputs."""
     skew = check_router_skew(skew)
@@ -123,7 +120,7 @@ def calibrate_routers(model: torch.nn.Module, seed: int, skew: float = 0.0, toke
     t0 = time.perf_counter()
     handles = [g.register_forward_pre_hook(fit) for _, g in gates]
     try:
-        _sample_forwards(model, calibration_ids(model.cfg, tokenizer, seed).to(model.device))
+        _sample_forwards(model, calibration_ids(model.cfg, seed).to(model.device))
     finally:
         for h in handles:
             h.remove()

@@ -127,5 +127,6 @@ def label_dispatchers(model: torch.nn.Module) -> None:
     """Name every MoE's dispatcher after its module (`layers.3.ffn`), so routing records say which layer."""
     for name, module in model.named_modules():
         dispatcher = getattr(module, "dispatch", None)
+        dispatcher = getattr(dispatcher, "inner", dispatcher)     # under a traffic counter (parallel/traffic.py)
         if isinstance(dispatcher, LocalDispatch):
             dispatcher.name = name
