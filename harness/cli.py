@@ -120,7 +120,7 @@ def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
     is written; with --all such a run is listed as unreadable."""
     from deepinfer.errors import DeepInferError
 
-    from .report import comparison_charts, ok_rows, report_run, sweep_runs, write_index
+    from .report import bench_table, comparison_charts, ok_rows, report_run, sweep_runs, write_index
     from .rows import CorruptRowError
     root = Path(report_dir)
     if not root.is_dir():
@@ -150,13 +150,16 @@ def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
             if not all_runs:
                 raise
     for run_dir, rows in loaded.items():   # with --all, the index names the unreadable ones (one warning each)
-        if not rows:
+        table = [] if all_runs else bench_table(run_dir)     # a named bench run: its table, traffic included
+        if rows:
+            written = report_run(run_dir, png=not no_png, rows=rows)
+            for other in (d for d in runs_all if d.name in against):
+                written += comparison_charts(run_dir, rows, other, ok_rows(other), png=not no_png)
+            click.echo(f"{run_dir}: " + ", ".join(p.name for p in written))
+        elif not table:
             click.echo(f"{run_dir}: no sweep points (a check run or nothing finished): no charts")
-            continue
-        written = report_run(run_dir, png=not no_png, rows=rows)
-        for other in (d for d in runs_all if d.name in against):
-            written += comparison_charts(run_dir, rows, other, ok_rows(other), png=not no_png)
-        click.echo(f"{run_dir}: " + ", ".join(p.name for p in written))
+        for line in ([f"{run_dir}: its table"] if table else []) + [f"  {line}" for line in table]:
+            click.echo(line)
     click.echo(f"index: {write_index(root)}")
 
 

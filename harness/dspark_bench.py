@@ -40,7 +40,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
 from .metrics import compute_metrics
-from .traffic import traffic_fields
+from .traffic import traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
@@ -307,14 +307,16 @@ def table(rows: list[dict]) -> list[str]:
         if r.get("status") == "ok":
             groups.setdefault((r["schedule"], r["concurrency"]), []).append(r)
     fields = ("output_throughput", "median_intvty", "mean_accepted_length", "verified_tokens_per_row")
-    ok = {k: {f: _median([r[f] for r in g]) for f in fields} for k, g in groups.items()}
+    ok = {k: {f: _median([r[f] for r in g]) for f in fields} | {"traffic": traffic_cell(g[-1])}
+          for k, g in groups.items()}
     for (mode, _), g in groups.items():
         if mode == "fixed":                 # fixed's survival by draft position (the median over repeats)
             ok[mode, _]["survival"] = [_median(list(s)) for s in zip(*(r["acceptance_by_position"] for r in g))]
     spread = {k: {f: (min(r[f] for r in g), max(r[f] for r in g)) for f in fields[:2]}
               for k, g in groups.items() if len(g) > 1}
     lines = [f"{'conc':>5} {'mode':<10} {'tok/s':>9} {'tok/s/u':>8} {'AL':>6} {'verif/row':>9} "
-             f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11} {'verif vs fix@AL':>15}"
+             f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11} {'verif vs fix@AL':>15} "
+             f"{'touched/uniform max/mean':<24}"
              + ("  tok/s range; tok/s/u range" if spread else "")]
     fmt = lambda v, f: "-" if v is None else format(v, f)                 # noqa: E731
     ratio = lambda a, b: a / b if a is not None and b else None           # noqa: E731
@@ -330,7 +332,7 @@ def table(rows: list[dict]) -> list[str]:
             f"{fmt(ratio(r['verified_tokens_per_row'], fix['verified_tokens_per_row']) if vs_fix else None, '.3f'):>12} "
             f"{fmt(ratio(r['mean_accepted_length'], fix['mean_accepted_length']) if vs_fix else None, '.3f'):>9} "
             f"{fmt(ratio(r['output_throughput'], fix['output_throughput']) if vs_fix else None, '.3f'):>11} "
-            f"{fmt(ratio(r['verified_tokens_per_row'], at_al), '.3f'):>15}"
+            f"{fmt(ratio(r['verified_tokens_per_row'], at_al), '.3f'):>15} {r['traffic']:<24}"
             + (f"  {rng['output_throughput'][0]:.1f}-{rng['output_throughput'][1]:.1f}; "
                f"{rng['median_intvty'][0]:.1f}-{rng['median_intvty'][1]:.1f}" if rng else ""))
     return lines

@@ -1,11 +1,13 @@
 """`deepinfer-bench report`: every table and chart of a run, regenerated from its stored rows alone.
 
 Per run directory: `summary.csv` (pandas; one line per successful point, fixed column order, stable float
-format), `prefill_pareto.html/.png` (input tok/s/GPU against p99 TTFT) and `decode_pareto.html/.png` (output
-tok/s/GPU against tok/s/user = 1000 / median TPOT), with the Pareto frontier drawn per (hardware, engine,
-spec mode, measured/projected) group and every point's details on hover. `reports/index.md` lists the runs;
-only `deepinfer-bench report` writes it (the publish step: sweeps and evals leave it alone), and a run whose rows
-cannot be read is listed as unreadable with one warning line, so one corrupt run never stops the others.
+format; the last four columns are the point's expert traffic, harness/traffic.py), `prefill_pareto.html/.png`
+(input tok/s/GPU against p99 TTFT) and `decode_pareto.html/.png` (output tok/s/GPU against tok/s/user = 1000 /
+median TPOT), with the Pareto frontier drawn per (hardware, engine, spec mode, measured/projected) group and
+every point's details on hover. `reports/index.md` lists the runs with their routing verdict (balanced, N of M
+rows unbalanced, not recorded); only `deepinfer-bench report` writes it (the publish step: sweeps and evals
+leave it alone), and a run whose rows cannot be read is listed as unreadable with one warning line, so one
+corrupt run never stops the others.
 
 Charts are plotly figures written as HTML (plotly.js once for all runs, `<report root>/plotly.min.js`, so
 the pages work offline) and PNG through kaleido. Kaleido drives a Chrome / Chromium: it uses the browser at
@@ -23,6 +25,7 @@ from .frontier import DEFAULT_GROUP_KEYS, frontiers
 from deepinfer.errors import DeepInferError
 
 from .rows import CorruptRowError, atomic_write_text, read_rows
+from .traffic import TRAFFIC_COLUMNS, routing_verdict, traffic_cell, traffic_columns
 
 log = logging.getLogger("deepinfer")
 
@@ -30,7 +33,8 @@ COLUMNS = ["run_id", "key", "mode", "isl", "osl", "concurrency", "num_prompts", 
            "spec_mode", "is_projected", "model", "precision", "completed", "failed", "duration",
            "input_tput_per_gpu", "output_tput_per_gpu", "tput_per_gpu", "median_intvty",
            "mean_ttft", "median_ttft", "p90_ttft", "p99_ttft", "mean_tpot", "median_tpot", "p90_tpot", "p99_tpot",
-           "mean_itl", "median_itl", "p90_itl", "p99_itl", "mean_e2el", "median_e2el", "p90_e2el", "p99_e2el"]
+           "mean_itl", "median_itl", "p90_itl", "p99_itl", "mean_e2el", "median_e2el", "p90_e2el", "p99_e2el",
+           *TRAFFIC_COLUMNS]
 CHARTS = {
     "prefill": ("p99_ttft", "input_tput_per_gpu", "lower", "p99 TTFT (s)", "input tokens/s per GPU"),
     "decode": ("median_intvty", "output_tput_per_gpu", "higher", "tokens/s per user (1000 / median TPOT ms)",
@@ -48,7 +52,7 @@ def ok_rows(run_dir: Path) -> list[dict]:
 
 def write_summary(run_dir: Path, rows: list[dict]) -> Path:
     import pandas as pd
-    frame = pd.DataFrame([{c: r.get(c) for c in COLUMNS} for r in rows], columns=COLUMNS)
+    frame = pd.DataFrame([{c: r.get(c) for c in COLUMNS} | traffic_columns(r) for r in rows], columns=COLUMNS)
     path = run_dir / "summary.csv"
     atomic_write_text(path, frame.to_csv(index=False, float_format="%.6g", lineterminator="\n"))
     return path
@@ -136,7 +140,7 @@ def write_index(report_root: Path) -> Path:
     if not report_root.is_dir():
         raise DeepInferError(f"no report directory {report_root}: run a sweep first, or pass --report-dir")
     lines = ["# Benchmark runs", "", "Regenerate with `deepinfer-bench report --all`.", "",
-             "| run | schema | points (ok / failed) | charts |", "| --- | --- | --- | --- |"]
+             "| run | schema | points (ok / failed) | routing | charts |", "| --- | --- | --- | --- | --- |"]
     lines += [_sweep_line(report_root, run_dir) for run_dir in sweep_runs(report_root)]
     evals = sorted(p.parent for p in (report_root / EVAL_DIR).glob("*/rows.jsonl"))
     if evals:
@@ -152,12 +156,13 @@ def write_index(report_root: Path) -> Path:
 def _sweep_line(report_root: Path, run_dir: Path) -> str:
     rows, unreadable = readable_rows(run_dir)
     if unreadable:
-        return f"| {run_dir.name}{unreadable} | {run_dir.parent.name} |  |  |"
+        return f"| {run_dir.name}{unreadable} | {run_dir.parent.name} |  |  |  |"
     ok_keys = {r["key"] for r in rows if r.get("status") == "ok"}
     failed = {r["key"] for r in rows if r.get("status") != "ok"} - ok_keys     # points, not attempts
     charts = ", ".join(f"[{p.stem}]({p.relative_to(report_root).as_posix()})"
                        for p in sorted(run_dir.glob("*_pareto.*")))
-    return f"| {run_dir.name} | {run_dir.parent.name} | {len(ok_keys)} / {len(failed)} | {charts} |"
+    return (f"| {run_dir.name} | {run_dir.parent.name} | {len(ok_keys)} / {len(failed)} | {routing_verdict(rows)} "
+            f"| {charts} |")
 
 
 def _eval_line(run_dir: Path) -> str:
@@ -193,6 +198,25 @@ def comparison_charts(run_dir: Path, rows: list[dict], other: Path, other_rows: 
     return written
 
 
+BENCH_TABLES = {"step": "step_bench", "dspark": "dspark_bench", "structured": "structured_bench",
+                "versus": "versus_bench"}     # benches whose runs have no charts: their end-of-run table instead
+
+
+def bench_table(run_dir: Path) -> list[str]:
+    """The end-of-run table of a step / dspark / structured / versus run (traffic column included), from its
+    stored rows; [] for other runs, and one line when the rows predate a field the table reads."""
+    import importlib
+    rows = read_rows(run_dir)
+    benches = {r.get("bench") for r in rows}
+    if len(benches) != 1 or next(iter(benches)) not in BENCH_TABLES:
+        return []
+    module = importlib.import_module(f".{BENCH_TABLES[next(iter(benches))]}", __package__)
+    try:
+        return module.table(rows)
+    except KeyError as e:
+        return [f"(no table: these rows predate the field {e.args[0]!r} the table reads)"]
+
+
 def report_run(run_dir: Path, png: bool = True, rows: list[dict] | None = None) -> list[Path]:
     """summary.csv and the charts of one run, from its ok sweep rows (`rows`: ok_rows(run_dir), already read)."""
     rows = ok_rows(run_dir) if rows is None else rows
@@ -204,5 +228,6 @@ def _hover(r: dict) -> str:
     fields = [("point", r["key"]), ("model", r.get("model")), ("hardware", r.get("hardware")),
               ("gpus", r.get("gpus")), ("p50 TTFT s", r.get("median_ttft")), ("p99 TTFT s", r.get("p99_ttft")),
               ("p50 TPOT s", r.get("median_tpot")), ("in tok/s/GPU", r.get("input_tput_per_gpu")),
-              ("out tok/s/GPU", r.get("output_tput_per_gpu"))]
+              ("out tok/s/GPU", r.get("output_tput_per_gpu")),
+              ("experts touched/uniform, max/mean", traffic_cell(r))]
     return "<br>".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in fields)

@@ -43,7 +43,7 @@ from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
-from .traffic import layer_summary, traffic_summary
+from .traffic import layer_summary, traffic_cell, traffic_summary
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
                    refuse_existing_rows, run_dir_for, run_dir_guard, utc_now)
 
@@ -726,12 +726,12 @@ def table(rows: list[dict]) -> list[str]:
         if r.get("status") == "ok":
             latest[r["key"]] = r
     head = f"{'point':<24} {'graph':>5} {'median ms':>10} {'p90 ms':>9} {'roofline':>9} {'bound':>7} " \
-           f"{'ratio':>7} {'experts':>9} {'GB':>8} {'idle':>6}"
+           f"{'ratio':>7} {'experts':>9} {'GB':>8} {'idle':>6}  {'touched/uniform max/mean':<24}"
     lines = [head]
     for r in latest.values():
         idle = "n/a" if r.get("gpu_idle_fraction") is None else f"{100 * r['gpu_idle_fraction']:.0f}%"
         lines.append(f"{r['key']:<24} {'yes' if r['graphed'] else 'no':>5} {r['step_ms_median']:>10.3f} "
                      f"{r['step_ms_p90']:>9.3f} {r['roofline_ms']:>9.4g} {r['bound']:>7} {r['ratio']:>7.2f} "
                      f"{str(r['experts_touched']) + '/' + str(r['experts_total']):>9} "
-                     f"{r['bytes']['total'] / 1e9:>8.3f} {idle:>6}")
+                     f"{r['bytes']['total'] / 1e9:>8.3f} {idle:>6}  {traffic_cell(r):<24}")
     return lines

@@ -28,7 +28,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
 from .metrics import compute_metrics
-from .traffic import traffic_fields
+from .traffic import traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
@@ -209,7 +209,7 @@ def table(rows: list[dict]) -> list[str]:
     ok = {r["key"]: r for r in rows if r.get("status") == "ok"}
     base = {r["batch"]: r for r in ok.values() if r["schema"] == "none"}
     lines = [f"{'schema':<7} {'batch':>5} {'fraction':>8} {'p50 TPOT':>9} {'vs f0':>7} {'mean TPOT':>9} "
-             f"{'tok/s':>9} {'out/req':>8} {'parse':>7}"]
+             f"{'tok/s':>9} {'out/req':>8} {'parse':>7}  {'touched/uniform max/mean':<24}"]
     for r in sorted(ok.values(), key=lambda r: (r["batch"], r["schema"] != "none", r["schema"], r["fraction"])):
         b = base.get(r["batch"])
         ratio = r["median_tpot"] / b["median_tpot"] if b and b["median_tpot"] and \
@@ -218,5 +218,5 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(f"{r['schema']:<7} {r['batch']:>5} {r['fraction']:>8g} {r['median_tpot'] * 1e3:>9.2f} "
                      f"{'-' if ratio is None else format(ratio, '.3f'):>7} {r['mean_tpot'] * 1e3:>9.2f} "
                      f"{r['output_throughput']:>9.1f} "
-                     f"{r['total_output_tokens'] / r['completed']:>8.1f} {parse:>7}")
+                     f"{r['total_output_tokens'] / r['completed']:>8.1f} {parse:>7}  {traffic_cell(r):<24}")
     return lines

@@ -122,6 +122,26 @@ def traffic_warning(row: dict) -> str | None:
             f"its figures will not transfer to a trained checkpoint")
 
 
+TRAFFIC_COLUMNS = ["experts_touched_per_step", "experts_uniform_per_step", "load_max_over_mean", "routing_balanced"]
+
+
+def traffic_columns(row: dict) -> dict:
+    """The row's traffic as flat summary.csv columns (TRAFFIC_COLUMNS; empty cells without traffic)."""
+    t = row.get("expert_traffic") or {}
+    return dict(zip(TRAFFIC_COLUMNS, (t.get("touched_per_step"), t.get("uniform_per_step"),
+                                      t.get("load_max_over_mean"), t.get("balanced"))))
+
+
+def routing_verdict(rows: list[dict]) -> str:
+    """A run's routing in one index cell: `balanced` when every row with traffic is, `N of M rows unbalanced`,
+    or `not recorded` (rows older than the traffic fields, or benches without a model)."""
+    seen = [r["expert_traffic"] for r in rows if r.get("expert_traffic")]
+    if not seen:
+        return "not recorded"
+    bad = sum(not t.get("balanced", True) for t in seen)
+    return f"{bad} of {len(seen)} rows unbalanced" if bad else "balanced"
+
+
 def traffic_cell(row: dict) -> str:
     """`touched/uniform max/mean` for report tables ('-' without traffic)."""
     t = row.get("expert_traffic")

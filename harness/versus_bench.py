@@ -27,7 +27,7 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .traffic import traffic_fields
+from .traffic import traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 
@@ -220,12 +220,13 @@ def table(rows: list[dict]) -> list[str]:
     """Per batch: each engine's time, tok/s, ms per step, and its speed against transformers and the reference."""
     ok = {(r["engine"], r["batch"]): r for r in rows if r.get("status") == "ok"}
     lines = [f"{'engine':<13} {'batch':>5} {'seconds':>9} {'tok/s':>9} {'ms/step':>8} {'vs hf':>7} {'vs ref':>7} "
-             f"{'agree':>6}"]
+             f"{'agree':>6}  {'touched/uniform max/mean':<24}"]
     for (engine, b), r in sorted(ok.items(), key=lambda kv: (kv[0][1], ENGINES.index(kv[0][0]))):
         hf, ref = ok.get(("transformers", b)), ok.get(("reference", b))
         vs_hf = f"{hf['seconds'] / r['seconds']:.2f}x" if hf else "-"
         vs_ref = f"{ref['seconds'] / r['seconds']:.2f}x" if ref else "-"
         agree = r.get("agreement_with_transformers")
         lines.append(f"{engine:<13} {b:>5} {r['seconds']:>9.3f} {r['output_tok_s']:>9.1f} {r['ms_per_step']:>8.2f} "
-                     f"{vs_hf:>7} {vs_ref:>7} {'-' if not agree else format(agree['tokens'], '.2f'):>6}")
+                     f"{vs_hf:>7} {vs_ref:>7} {'-' if not agree else format(agree['tokens'], '.2f'):>6}  "
+                     f"{traffic_cell(r):<24}")
     return lines

@@ -23,6 +23,27 @@ def tiny_checkpoint_copy(tiny_checkpoint_dir, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_checkpoint_dir, tmp_path / "ckpt"))
 
 
+V4_REFERENCE_TRANSFORMERS = "5.23.0"   # pyproject's test / reference extras pin the same version
+
+
+@pytest.fixture(scope="session")
+def transformers_v4_reference():
+    """The transformers module when it is the V4 parity reference: transformers==5.23.0, exactly, the release
+    whose DeepseekV4ForCausalLM / DeepseekV4Config every V4 comparison with transformers was written against.
+    Any other version (the GPU image's 5.17, a build from main) or none: the requesting test skips with one line
+    naming both versions, rather than failing. Every test that compares with transformers' deepseek_v4 requests
+    this fixture (directly, through `pytest.mark.usefixtures`, or through a fixture of its own)."""
+    try:
+        import transformers
+    except ImportError:
+        installed = "none"
+    else:
+        installed = transformers.__version__
+        if installed == V4_REFERENCE_TRANSFORMERS:
+            return transformers
+    pytest.skip(f"V4 parity needs transformers=={V4_REFERENCE_TRANSFORMERS} (installed: {installed})")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_cpu_kernels():
     """Run each op the model uses once before any test compares outputs bitwise.

@@ -20,8 +20,9 @@ class PooledSequences:
         self.layout = PoolLayout.for_model(model, block_tokens, ring_slack=ring_slack)
         per = max(self.layout.blocks_for(max_len), 1)
         self.pools = StatePools(self.layout, num_slots, num_slots * per, max_len, model.device)
+        table = self.pools.block_table
         for s in range(1, num_slots + 1):
-            self.pools.block_table[s, :per] = torch.arange((s - 1) * per + 1, s * per + 1)
+            table[s, :per] = torch.arange((s - 1) * per + 1, s * per + 1, dtype=table.dtype, device=table.device)
         self.done = {s: 0 for s in range(1, num_slots + 1)}
 
     def ctx_blocks(self, max_position: int) -> int:
@@ -51,7 +52,9 @@ class PooledSequences:
         else:
             fb = ForwardBatch.ragged(self.pools, slots, starts, lens, ctx, [last_only] * len(slots),
                                      draft_rings=draft_rings)
-        ids = torch.cat([feeds[s] for s in slots] + [torch.zeros(varlen_pad or 0, dtype=torch.long)]).to(dev)
+        # every piece on the model's device: feeds may come from either side, and torch.cat refuses a mix
+        ids = torch.cat([feeds[s].to(dev) for s in slots]
+                        + [torch.zeros(varlen_pad or 0, dtype=torch.long, device=dev)])
         logits = self.model.logits(self.model.forward(ids, fb))
         out, o = {}, 0
         for s, n in zip(slots, lens):

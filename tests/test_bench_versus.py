@@ -11,9 +11,8 @@ from deepinfer.errors import DeepInferError
 from deepinfer.harness.cli import cli
 from deepinfer.harness.versus_bench import VersusConfig, run_versus_bench, table
 
-pytest.importorskip("transformers")
 
-
+@pytest.mark.usefixtures("transformers_v4_reference")
 def test_versus_rows_and_agreement(tmp_path):
     cfg = VersusConfig(batches=(1, 3), isl=40, osl=6)
     rows = run_versus_bench(cfg, tmp_path / "run")

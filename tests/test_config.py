@@ -133,8 +133,8 @@ def test_compress_ratios_without_mtp_entries():
 # ----------------------------------------------------------------------------- transformers reads our export
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_hf_dict_loads_into_transformers(preset, tmp_path):
-    transformers = pytest.importorskip("transformers")
+def test_hf_dict_loads_into_transformers(preset, tmp_path, transformers_v4_reference):
+    transformers = transformers_v4_reference
     cfg = PRESETS[preset]
     d = cfg.to_hf_dict()
     expected = copy.deepcopy(d)
@@ -154,8 +154,8 @@ def test_hf_dict_loads_into_transformers(preset, tmp_path):
     assert load_model_config(tmp_path) == dataclasses.replace(cfg, quant=None)
 
 
-def test_transformers_reads_the_release_spelling_like_we_do():
-    transformers = pytest.importorskip("transformers")
+def test_transformers_reads_the_release_spelling_like_we_do(transformers_v4_reference):
+    transformers = transformers_v4_reference
     d = FLASH_V4.to_deepseek_dict()
     for key in ("model_type", "architectures", "quantization_config", "expert_dtype", "topk_method", "rope_scaling"):
         d.pop(key, None)

@@ -36,7 +36,7 @@ def ours(v4_hf_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(v4_hf_dir):
+def reference(v4_hf_dir, transformers_v4_reference):
     from lm_eval.models.huggingface import HFLM
     return HFLM(pretrained=str(v4_hf_dir), dtype="float32", device="cpu", batch_size=4, max_length=254)
 

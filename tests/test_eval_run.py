@@ -157,6 +157,7 @@ def test_offline_data_is_reproducible(tmp_path, monkeypatch):
         assert (tmp_path / f).read_bytes() == (TASKS_DIR / "data" / f).read_bytes()
 
 
+@pytest.mark.usefixtures("transformers_v4_reference")
 def test_reference_transformers_cross_check(tmp_path):
     pytest.importorskip("accelerate")
     from deepinfer.checkpoint.make import make_checkpoint

@@ -12,6 +12,7 @@ from .helpers import SCHEDULES, our_model, transformers_twin
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+@pytest.mark.usefixtures("transformers_v4_reference")
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("length", (1, 129, 700))
 def test_bf16_parity_with_transformers(name, length):

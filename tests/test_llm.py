@@ -198,6 +198,7 @@ def test_chat_input_errors(llm):
             llm.chat(bad, use_tqdm=False)
 
 
+@pytest.mark.usefixtures("transformers_v4_reference")
 def test_v4_greedy_and_prompt_logprobs_match_transformers():
     from tests.helpers import transformers_twin
     llm = LLM(embedded_tiny_dir("deepseek_v4"), dtype="float32", qat_fake_quant=False)

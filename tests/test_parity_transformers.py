@@ -8,7 +8,7 @@ from deepinfer.checkpoint.make import make_checkpoint
 
 from .helpers import SCHEDULES, our_model, transformers_twin
 
-pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("transformers_v4_reference")   # tests/conftest.py: 5.23.0 or skip
 LENGTHS = (1, 127, 128, 129, 300, 700)
 TOL = 1e-4
 

@@ -71,3 +71,39 @@ def test_rows_of_an_unbalanced_model_say_so(tmp_path, capsys):
     RowStore(tmp_path / "run").append({"key": "p", "status": "ok", "expert_traffic": t})
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: p: routing far from balanced")
+
+
+def test_report_shows_the_traffic(tmp_path):
+    """`deepinfer-bench report`: summary.csv's traffic columns, the index's routing verdict per run, and a named
+    step run's table with its traffic cell."""
+    from click.testing import CliRunner
+
+    from deepinfer.harness.cli import cli
+    balanced = {"touched_per_step": 990.0, "uniform_per_step": 975.0, "touched_vs_uniform": 1.0154,
+                "load_max_over_mean": 1.62, "load_over_noise": 1.1, "balanced": True}
+    hot = {**balanced, "touched_per_step": 214.0, "touched_vs_uniform": 0.2195, "balanced": False}
+    point = {"status": "ok", "mode": "decode", "isl": 8, "osl": 4, "concurrency": 1, "median_intvty": 10.0,
+             "output_tput_per_gpu": 10.0, "hardware": "cpu", "engine": "deepinfer", "spec_mode": "off",
+             "is_projected": False, "gpus": 1}
+    for run, traffics in (("mixed", (balanced, hot)), ("even", (balanced,)), ("old", (None,))):
+        store = RowStore(tmp_path / "1" / run)
+        for i, t in enumerate(traffics):
+            store.append({**point, "key": f"decode/c{i}", "concurrency": i + 1, "expert_traffic": t})
+    step = {"key": "decode-b64-c1024-q1", "bench": "step", "status": "ok", "graphed": True, "step_ms_median": 12.5,
+            "step_ms_p90": 12.9, "roofline_ms": 5.0, "bound": "memory", "ratio": 2.5, "experts_touched": 990,
+            "experts_total": 1536, "bytes": {"total": 2e10}, "gpu_idle_fraction": None, "expert_traffic": balanced}
+    RowStore(tmp_path / "1" / "steps").append(step)
+    res = CliRunner().invoke(cli, ["report", "--all", "--report-dir", str(tmp_path), "--no-png"])
+    assert res.exit_code == 0, res.output
+    index = (tmp_path / "index.md").read_text()
+    assert "| mixed | 1 | 2 / 0 | 1 of 2 rows unbalanced |" in index and "| even | 1 | 1 / 0 | balanced |" in index
+    assert "| old | 1 | 1 / 0 | not recorded |" in index and "| steps | 1 | 1 / 0 | balanced |" in index
+    import pandas as pd
+    frame = pd.read_csv(tmp_path / "1" / "mixed" / "summary.csv")
+    assert list(frame.columns[-4:]) == ["experts_touched_per_step", "experts_uniform_per_step", "load_max_over_mean",
+                                       "routing_balanced"]
+    assert list(frame["experts_touched_per_step"]) == [990.0, 214.0] and list(frame["routing_balanced"]) == [True, False]
+    res = CliRunner().invoke(cli, ["report", "steps", "--report-dir", str(tmp_path), "--no-png"])
+    assert res.exit_code == 0, res.output
+    line = [x for x in res.output.splitlines() if "decode-b64-c1024-q1" in x]
+    assert len(line) == 1 and line[0].rstrip().endswith("990/975 1.62"), res.output

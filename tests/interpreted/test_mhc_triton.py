@@ -46,20 +46,25 @@ def test_hc_not_a_power_of_two_falls_back():
 
 
 def test_rows_do_not_depend_on_the_batch():
-    """Prefixes only: the interpreter's tl.dot (numpy matmul) rounds a row by its position in the tile, which the
-    MMA does not (the GPU test checks any row alone)."""
+    """Any row alone (first, inside, last of the second row block) and a shuffled batch: the bits of the row in the
+    batch. With the order-fixed tl.dot (tests/interpreter_dot.py) a row's place in the tile changes nothing, as
+    on the MMA (the GPU test checks the same); numpy's matmul would round a row by its place in the tile."""
     streams, fn, base, scale = inputs(20, 4, 64, seed=1)
     full = kmt.hc_mixes_kernel(streams, fn, base, scale, 1e-6, 1e-6, 20)
-    for m in (1, 8, 16):
-        part = kmt.hc_mixes_kernel(streams[:m], fn, base, scale, 1e-6, 1e-6, 20)
-        assert all(torch.equal(f[:m], p) for f, p in zip(full, part)), m
+    for j in (0, 13, 19):
+        part = kmt.hc_mixes_kernel(streams[j:j + 1], fn, base, scale, 1e-6, 1e-6, 20)
+        assert all(torch.equal(f[j:j + 1], p) for f, p in zip(full, part)), j
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(0))
+    shuffled = kmt.hc_mixes_kernel(streams[perm], fn, base, scale, 1e-6, 1e-6, 20)
+    assert all(torch.equal(f[perm], p) for f, p in zip(full, shuffled))
 
 
 @pytest.mark.parametrize("d", [64, 72])
 def test_chunks_split_or_not_same_bits(d, monkeypatch):
     """K = 4 x d in 128-column chunks (2, or 3 with a ragged last one): one program per (row block, chunk) and
-    then the mixes, or each row block walking its chunks, give the same bits here (numpy's arithmetic; on the
-    H200 they differ in last bits, tests/test_kernels_mhc_triton.py), both = the reference."""
+    then the mixes, or each row block walking its chunks, give the same bits here (the order-fixed tl.dot adds
+    acc after a chunk's products, as the interpreter does; on the H200 they differ in last bits,
+    tests/test_kernels_mhc_triton.py), both = the reference."""
     monkeypatch.setattr(kmt, "CHUNK", 128)
     streams, fn, base, scale = inputs(19, 4, d, seed=d)
     split = kmt.hc_mixes_kernel(streams, fn, base, scale, 1e-6, 1e-6, 20, split=True)
