@@ -91,3 +91,12 @@ def interpreter_run() -> tuple[list[str], dict[str, str]]:
         return [], env
     env.update({v: "1" for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
     return ["-n", str(min(cores, 4))], env
+
+
+def assert_traffic(row: dict) -> None:
+    """A bench row carries the model's routed traffic (harness/traffic.py): experts touched per step beside a
+    uniform router's, and per layer."""
+    t = row.get("expert_traffic")
+    assert t, f"{row.get('key')}: no expert_traffic"
+    assert t["touched_per_step"] > 0 and t["uniform_per_step"] > 0 and t["layers"], row.get("key")
+    assert isinstance(t["balanced"], bool) and t["load_max_over_mean"] >= 1.0, row.get("key")

@@ -13,6 +13,7 @@ import pytest
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.dspark_bench import CURVES, DSparkConfig, fixed_verified_at, run_dspark_bench, table
 from deepinfer.harness.rows import read_rows
+from tests.helpers import assert_traffic
 
 
 def test_rows_carry_speculation_counters(tmp_path):
@@ -25,6 +26,7 @@ def test_rows_carry_speculation_counters(tmp_path):
     for r in rows:
         assert r["status"] == "ok" and r["completed"] == 2 * r["concurrency"]
         assert r["total_output_tokens"] == 32 * r["completed"]
+        assert_traffic(r)               # each mode's own steps, though every engine shares one model's counters
     off, fixed = by["off/c1"], by["fixed/c1"]
     assert off["spec_mode"] == "none" and off["mean_accepted_length"] == 1.0 and off["draft_tokens"] == 0
     assert fixed["spec_mode"] == "dspark-fixed-5" and fixed["pinned_survival"] == list(CURVES["v41-flash"])

@@ -15,6 +15,7 @@ from deepinfer.harness.cli import cli
 from deepinfer.harness.step_bench import (Routing, StepConfig, StepPoint, attention_flops, busy_union,
                                           idle_from_trace, inventory, top_kernels, parse_int_list, routing_from_calls,
                                           step_traffic)
+from tests.helpers import assert_traffic
 
 try:
     import deepinfer.runner.probe  # noqa: F401
@@ -188,6 +189,8 @@ def test_cli_end_to_end(tmp_path, monkeypatch):
         _check_row(r)
         assert r["tokens"] == r["batch"] and r["routing_rows"] == r["batch"] and r["bytes"]["state"] > 0
         assert sum(r["experts_touched_per_layer"].values()) == r["experts_touched"]
+        if HAVE_PROBE:
+            assert_traffic(r)
         assert len(r["experts_touched_per_layer"]) == 4 and r["routing_outside_step_layers"] == []
         # each layer routes batch rows x top-2: at least 2, at most 2 x batch distinct experts
         assert all(2 <= n <= 2 * r["batch"] for n in r["experts_touched_per_layer"].values())

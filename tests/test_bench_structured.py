@@ -13,6 +13,7 @@ import pytest
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.rows import read_rows
 from deepinfer.harness.structured_bench import StructuredConfig, output_parses, run_structured_bench, table
+from tests.helpers import assert_traffic
 
 pytest.importorskip("xgrammar")
 
@@ -23,6 +24,8 @@ def test_rows_split_constrained_and_free_requests(tmp_path):
     rows = run_structured_bench(cfg, tmp_path / "run")
     assert [r["key"] for r in rows] == ["none/b2/f0", "regex/b2/f0.5", "regex/b2/f1", "json/b2/f0.5", "json/b2/f1"]
     by = {r["key"]: r for r in rows}
+    for r in rows:
+        assert_traffic(r)
     assert by["none/b2/f0"]["constrained_requests"] == 0 and by["none/b2/f0"]["free_requests"] == 2
     assert by["regex/b2/f0.5"]["constrained_requests"] == 1 and by["regex/b2/f0.5"]["free_requests"] == 1
     assert by["json/b2/f1"]["constrained_requests"] == 2 and by["json/b2/f1"]["free_mean_tpot"] is None

@@ -9,9 +9,10 @@ from click.testing import CliRunner
 from deepinfer.errors import DeepInferError
 from deepinfer.harness import sweep as sweep_mod
 from deepinfer.harness.cli import cli
-from deepinfer.harness.rows import RowStore
+from deepinfer.harness.rows import RowStore, read_rows
 from deepinfer.harness.sweep import DEFAULT_SWEEP, TopologyError, run_sweep
 from deepinfer.harness.sweep_config import SweepConfigError, load_sweep, parse_sweep
+from tests.helpers import assert_traffic
 
 MICRO = {"name": "micro", "model": "tiny", "device": "cpu",
          "engine_args": {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 64},
@@ -147,6 +148,8 @@ def test_report_is_regenerated_byte_for_byte_from_rows(tmp_path):
     from deepinfer.harness.report import report_run, write_index
     run_dir = run_sweep(parse_sweep(MICRO), tmp_path, "rep", progress=False)
     first = report_run(run_dir, png=False)
+    for r in read_rows(run_dir):
+        assert_traffic(r)
     names = sorted(p.name for p in first)
     assert names == ["decode_pareto.html", "prefill_pareto.html", "summary.csv"]
     before = {p.name: p.read_bytes() for p in first}

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.cli import cli
 from deepinfer.harness.versus_bench import VersusConfig, run_versus_bench, table
+from tests.helpers import assert_traffic
 
 
 @pytest.mark.usefixtures("transformers_v4_reference")
@@ -22,6 +23,7 @@ def test_versus_rows_and_agreement(tmp_path):
         assert r["status"] == "ok" and r["output_tokens"] == r["batch"] * 6 and r["seconds"] > 0
         assert r["qat_fake_quant"] is False and r["model_type"] == "deepseek_v4"
         if r["engine"] != "transformers":
+            assert_traffic(r)
             assert r["agreement_with_transformers"] == {"tokens": 1.0, "first_token": 1.0}   # fp32: same tokens
             assert r["kernel_backend"] == "reference"                                       # CPU default
     assert json.loads((tmp_path / "run" / "versus.json").read_text())["osl"] == 6

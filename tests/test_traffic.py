@@ -107,3 +107,22 @@ def test_report_shows_the_traffic(tmp_path):
     assert res.exit_code == 0, res.output
     line = [x for x in res.output.splitlines() if "decode-b64-c1024-q1" in x]
     assert len(line) == 1 and line[0].rstrip().endswith("990/975 1.62"), res.output
+
+
+def test_engines_on_one_model_share_its_counters(tmp_path):
+    """The DSpark bench builds one engine per mode on one model before running any: each row must still count
+    its own engine's steps (the counters are the model's; each engine zeroes them at reset_stats)."""
+    cfg, tok = preset_model_config("deepseek_v41", "tiny", 2)
+    model = build_model(cfg, "cpu", torch.float32, True)
+    init_random_weights(model, 0)
+    model.bind_tokenizer(tok)
+    model.checkpoint_dir = tmp_path / "ck"
+    first = LLM(model, expert_traffic=True, skip_tokenizer_init=True, enforce_eager=True)
+    second = LLM(model, expert_traffic=True, skip_tokenizer_init=True, enforce_eager=True)
+    assert first.engine.traffic is second.engine.traffic
+    prompts = [[5 + i, 9, 11 + 2 * i] for i in range(4)]
+    for llm in (first, second):
+        llm.engine.reset_stats()
+        llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        t = traffic_summary(llm.stats.expert_traffic)
+        assert t and t["touched_per_step"] > 0

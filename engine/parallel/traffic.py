@@ -53,15 +53,19 @@ class ExpertTraffic:
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> "ExpertTraffic":
-        """Wrap the dispatcher of every module of `model` that has one (MoE layers, draft stages included)."""
+        """Wrap the dispatcher of every module of `model` that has one (MoE layers, draft stages included). The
+        counters belong to the model: engines built on one model (the DSpark bench's modes) share them, each
+        zeroing them at its reset_stats, and a graph captured by any of them adds into the same tensors."""
         moes = [(n, m) for n, m in model.named_modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
+        counted = {id(m.dispatch.traffic) for _, m in moes if isinstance(m.dispatch, CountingDispatch)}
+        if counted and len(counted) == 1 and all(isinstance(m.dispatch, CountingDispatch) for _, m in moes):
+            return moes[0][1].dispatch.traffic
+        if counted:
+            raise RuntimeError("expert traffic counters half-installed on this model")   # no code path does this
         device = next(model.parameters()).device
         traffic = cls([n for n, _ in moes], [m.dispatch.n_experts for _, m in moes], device)
         for i, (_, m) in enumerate(moes):
-            if not isinstance(m.dispatch, CountingDispatch):
-                m.dispatch = CountingDispatch(m.dispatch, traffic, i)
-            else:
-                m.dispatch.traffic, m.dispatch.layer = traffic, i
+            m.dispatch = CountingDispatch(m.dispatch, traffic, i)
         return traffic
 
     def count(self, layer: int, offsets: torch.Tensor, rows: int, top_k: int) -> None:
