@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import click
 
 from .errors import DeepInferError
+from .text import check_text, read_text_file
 from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, MAX_ROUTER_SKEW, PRESETS, PROJECTION_STORAGE, resolve_model
 
 
@@ -129,17 +129,19 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
     from .llm import LLM
     from .sampling import SamplingParams
     from .validate import check_checkpoint_arch, check_model_spec
+    check_text("--prompt", prompt)
     model = check_model_spec(model)
     if model is None or model == EMBEDDED:
         from .checkpoint.make import embedded_tiny_dir
         model = embedded_tiny_dir(arch or "deepseek_v41")
     elif arch is not None and isinstance(model, str) and model.startswith("random:"):
         check_checkpoint_arch(arch, model, model.split(":")[1])
+    sized = {}
     if not (isinstance(model, str) and model.startswith("random:")):
-        _check_prompt_first(model, arch, [prompt])
+        sized = _sized_to(_check_prompt_first(model, arch, [prompt]), max_tokens)
     t0 = time.perf_counter()
     llm = LLM(model=model, device=device, dtype=dtype, qat_fake_quant=not no_qat, expert_storage=expert_storage,
-              projection_storage=projection_storage, max_num_seqs=1)
+              projection_storage=projection_storage, max_num_seqs=1, **sized)
     cfg = llm.model.cfg
     check_checkpoint_arch(arch, llm.model.checkpoint_dir, cfg.model_type)
     ids = llm.tokenizer.encode(prompt).ids
@@ -160,9 +162,10 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
                f"{llm.stats.steps} engine steps")
 
 
-def _check_prompt_first(model, arch, prompts: list[str]) -> None:
+def _check_prompt_first(model, arch, prompts: list[str]) -> tuple[int, int]:
     """Before the weights load (minutes at released widths): the checkpoint's config and tokenizer decide whether
-    --arch fits and the prompt is empty or too long, with the checks LLM.generate makes."""
+    --arch fits and the prompt is empty or too long, with the checks LLM.generate makes. Returns (the longest
+    prompt's tokens, the model's positions)."""
     from .checkpoint.hub import resolve_model_dir
     from .checkpoint.tokenizer import read_tokenizer
     from .config import load_model_config
@@ -171,8 +174,17 @@ def _check_prompt_first(model, arch, prompts: list[str]) -> None:
     cfg = load_model_config(ckpt)
     check_checkpoint_arch(arch, ckpt, cfg.model_type)
     tokenizer = read_tokenizer(ckpt, "this command needs to encode --prompt")
-    for i, p in enumerate(prompts):
-        encode_prompt(i, p, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
+    longest = max(len(encode_prompt(i, p, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)[1])
+                  for i, p in enumerate(prompts))
+    return longest, cfg.max_position_embeddings
+
+
+def _sized_to(prompt_and_limit: tuple[int, int], max_tokens: int) -> dict:
+    """The engine sized to the command's one request batch: max_model_len = the longest prompt + max_tokens (at
+    most the model's positions). Start-up work that scales with it (the speculative step-rate profile, the state
+    pools) then does what the run can use: the default 4096 positions x 256 sequences took minutes on a CPU."""
+    longest, limit = prompt_and_limit
+    return {"max_model_len": min(longest + max_tokens, limit)}
 
 
 def _token_bar(llm, total: int):
@@ -209,14 +221,17 @@ def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed,
     from .llm import LLM
     from .sampling import SamplingParams
     from .validate import check_model_spec
+    for i, p in enumerate(prompts):
+        check_text("--prompt" if len(prompts) == 1 else f"--prompt {i + 1}", p)
     so_args = _so_args_option(so_json, so_regex, so_ebnf)
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed,
                         so_args=so_args)
     model = check_model_spec(model)
+    sized = {"max_num_seqs": len(prompts) * sp.n}
     if not (isinstance(model, str) and model.startswith("random:")):
-        _check_prompt_first(resolve_model(model, "cpu", "float32") if model in (None, EMBEDDED) else model, None,
-                            list(prompts))
-    llm = LLM(model=model, device=device, dtype=dtype)
+        sized |= _sized_to(_check_prompt_first(resolve_model(model, "cpu", "float32") if model in (None, EMBEDDED)
+                                               else model, None, list(prompts)), max_tokens)
+    llm = LLM(model=model, device=device, dtype=dtype, **sized)
     for out in llm.generate(list(prompts), sp, use_tqdm=False):
         if as_json:
             click.echo(json.dumps({"prompt": out.prompt, "outputs": [
@@ -238,7 +253,7 @@ def _so_args_option(so_json: str | None, so_regex: str | None, so_ebnf: str | No
     if kind == "regex":
         return {"schema_type": "regex", "schema": value}
     try:
-        text = Path(value).read_text()
+        text = read_text_file(f"--so-{kind}", value)
     except OSError as err:
         raise click.UsageError(f"--so-{kind} {value}: cannot read it ({err.strerror})") from None
     return {"schema_type": kind, "schema": text}

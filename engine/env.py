@@ -24,6 +24,7 @@ class Var:
     kind: str                    # flag | int | choice | path | build
     default: object = None
     minimum: int = 0             # int
+    maximum: int | None = None   # int (None: unbounded)
     choices: tuple = ()          # choice (cuda:N is also taken by DEEPINFER_ACCELERATOR)
     doc: str = ""
 
@@ -38,8 +39,9 @@ VARIABLES = {
     "DEEPINFER_ASYNC_SCHEDULING": Var("flag", True, doc="plan step N+1 while the device runs step N"),
     "DEEPINFER_YOCO_PREFILL": Var("flag", True, doc="V4.1 YOCO-truncated prefill of last-logit pieces"),
     "DEEPINFER_YOCO_PREFILL_MIN_TOKENS": Var("int", 2, minimum=1, doc="shorter pieces run untruncated"),
-    "DEEPINFER_USE_NEXTN_DECODE": Var("int", None, minimum=0, doc="speculative decoding with up to N drafts a step "
-                                      "(0 = off) when LLM(speculative=) is not given"),
+    "DEEPINFER_USE_NEXTN_DECODE": Var("int", None, minimum=0, maximum=5, doc="speculative decoding with up to N "
+                                      "drafts a step (0 = off; 5: the drafters' largest block) when "
+                                      "LLM(speculative=) is not given"),
     "DEEPINFER_ENABLE_MTP_VARLEN": Var("flag", False, doc="1 = confidence-scheduled (variable-length) verification"),
     "DEEPINFER_CONFIGURE_LOGGING": Var("flag", True, doc="INFO handler for the deepinfer logger on stderr"),
     "DEEPINFER_HF_MODEL_DIR": Var("path", None, doc="local checkpoint directory used instead of a hub download"),
@@ -67,12 +69,12 @@ def read(name: str):
             raise DeepInferError(f"{name}={raw!r} is not a flag; use 1 or 0")
         return v in _TRUE
     if var.kind == "int":
-        try:
-            value = int(raw)
-        except ValueError:
-            raise DeepInferError(f"{name}={raw!r} is not an integer; use an integer >= {var.minimum}") from None
-        if value < var.minimum:
-            raise DeepInferError(f"{name}={value} must be >= {var.minimum}")
+        span = f"in {var.minimum}..{var.maximum}" if var.maximum is not None else f">= {var.minimum}"
+        if not (raw.isascii() and raw.lstrip("+-").isdigit()):
+            raise DeepInferError(f"{name}={raw!r} is not an integer; use an integer {span}")
+        value = int(raw)
+        if value < var.minimum or (var.maximum is not None and value > var.maximum):
+            raise DeepInferError(f"{name}={value} must be {span}")
         return value
     if var.kind == "choice":
         v = raw.lower() if name == "DEEPINFER_ACCELERATOR" else raw

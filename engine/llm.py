@@ -25,10 +25,11 @@ from .models import check_projection_storage, projection_storage_of
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .runner.inputs import PROMPT_LOGPROB_ROWS
-from .runner.rate_profile import profile_contexts, profile_step_rates
+from .runner.rate_profile import profile_contexts, profile_points, profile_step_rates
 from .sampling import SamplingParams
 from .scheduler import Request
 from .spec.config import spec_config
+from .text import check_text
 from .spec.policy import VerifyPolicy
 from .spec.step_rate import StepRate, StepRateTable
 from .stats import EngineStats
@@ -159,11 +160,17 @@ class LLM:
                 rate = StepRate.from_dict(dict(spec.step_seconds))
             else:
                 q = spec.num_speculative_tokens + 1
+                seats = min(self._config.max_num_seqs, runner.manager.num_slots)
+                contexts = profile_contexts(self.max_model_len, q)
+                pad = runner.graphs.varlen_rows if runner.graphs is not None else None
+                shapes = sum(map(len, profile_points(self._config.max_num_batched_tokens, seats, q, pad).values()))
+                # start-up work of seconds to minutes: say what it is and what sizes it, before it starts
+                log.info("speculative step rate: profiling %d verify-step shapes at contexts %s on up to %d "
+                         "sequence(s) (max_num_seqs, max_model_len size it; speculative step_seconds skips it)",
+                         shapes, contexts, seats)
                 t0 = time.perf_counter()
                 with use(kernels):
-                    tables = profile_step_rates(runner, self._config.max_num_batched_tokens,
-                                                min(self._config.max_num_seqs, runner.manager.num_slots),
-                                                profile_contexts(self.max_model_len, q))
+                    tables = profile_step_rates(runner, self._config.max_num_batched_tokens, seats, contexts)
                 top = {c: max(by_r.items()) for c, by_r in tables.items()}
                 log.info("speculative step rate profiled in %.1f s at contexts %s; ms per step at the most segments: "
                          "%s", time.perf_counter() - t0, list(tables), "; ".join(
@@ -256,6 +263,8 @@ class LLM:
             if extra:
                 raise DeepInferError(f"chat messages hold unknown keys {extra}; a message has "
                                      f"{sorted(CHAT_MESSAGE_KEYS)}")
+            for j, m in enumerate(c):
+                check_text(f"chat message {j} ({m['role']!r}) content", m["content"])
         ids = [{"prompt_token_ids": self._render_chat(c, add_generation_prompt)} for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, DeepInferError
+from .text import check_text
 
 # dtype names every entry point takes, in the order messages and --help list them
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -221,6 +222,11 @@ def prompt_list(prompts) -> list:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise DeepInferError(f"prompts must be {PROMPT_FORMS}, or a non-empty list of these; got "
                              f"{type(prompts).__name__}" + (" (empty)" if isinstance(prompts, (list, tuple)) else ""))
+    ids = [j for j, p in enumerate(prompts) if _is_id(p)]
+    if ids:          # a token-id prompt with a stray item: blame the stray, not the valid ids around it
+        j = next(j for j, p in enumerate(prompts) if not _is_id(p))
+        raise DeepInferError(f"prompts mixes token ids with a {type(prompts[j]).__name__} at position {j}: a prompt "
+                             f"of token ids holds integers only; a list of prompts holds {PROMPT_FORMS} only")
     return list(prompts)
 
 
@@ -233,7 +239,7 @@ def encode_prompt(i: int, prompt, tokenizer, vocab_size: int, max_model_len: int
         if tokenizer is None:
             raise DeepInferError(f"prompt {i} is text, but the engine was built with skip_tokenizer_init=True; "
                                  f"give token ids ({{'prompt_token_ids': [...]}})")
-        text, ids = prompt, tokenizer.encode(prompt).ids
+        text, ids = check_text(f"prompt {i}", prompt), tokenizer.encode(prompt).ids
     elif isinstance(prompt, dict):
         if set(prompt) != {"prompt_token_ids"}:
             raise DeepInferError(f"prompt {i} is a dict with keys {sorted(prompt)}; the dict form is "

@@ -11,9 +11,12 @@ import argparse
 import json
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cli import run_cli
 
+# the name bounded by a pattern: a random model would otherwise run out of tokens in it (xgrammar 0.2.9 compiles
+# maxLength so that it admits raw control characters: docs/structured-outputs.md)
 USER = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
                        "role": {"enum": ["admin", "user", "guest"]}}}
 WEATHER_CALL = {"type": "object", "required": ["city"], "additionalProperties": False,
                 "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]}, "unit": {"enum": ["C", "F"]}}}
@@ -48,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)      # bad input: one error line, exit 2 (docs/errors.md)

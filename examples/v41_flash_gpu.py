@@ -18,6 +18,7 @@ import torch
 from deepinfer.cache.sequence_state import packed_kv_bytes_per_token
 from deepinfer.checkpoint.make import random_model
 from deepinfer.config.presets import preset_config
+from deepinfer.cli import run_cli
 
 
 def sync() -> None:
@@ -111,4 +112,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)      # bad input: one error line, exit 2 (docs/errors.md)

@@ -72,6 +72,8 @@ ENVIRONMENT = [
     ("typo", "DEEPINFER_BATCH_INVARIENT", "1", "did you mean DEEPINFER_BATCH_INVARIANT"),
     ("model-dir-missing", "DEEPINFER_HF_MODEL_DIR", "/no/such/dir", "='/no/such/dir' is not a directory"),
     ("build-flag", "DEEPINFER_NO_TEST_DEPS", "maybe", "DEEPINFER_NO_TEST_DEPS='maybe' is not a flag"),
+    ("nextn-9", "DEEPINFER_USE_NEXTN_DECODE", "9", r"DEEPINFER_USE_NEXTN_DECODE=9 must be in 0\.\.5"),
+    ("nextn-superscript", "DEEPINFER_USE_NEXTN_DECODE", "\u00b2", "is not an integer; use an integer in 0..5"),
 ]
 
 
@@ -115,6 +117,10 @@ GENERATE = [
     ("numpy-float", np.ones(3), None, "1-D ndarray of float64"),
     ("dict-keys", {"prompt": "x"}, None, r"keys \['prompt'\]"),
     ("prompts-empty-list", [], None, "non-empty list"),
+    ("lone-surrogate", "ab\ud800", None,
+     r"prompt 0 is not valid Unicode text: a lone surrogate U\+D800 at character 2"),
+    ("raw-byte", "caf\udce9", None, "prompt 0 is not valid UTF-8: byte 0xe9 at character 3"),
+    ("stray-in-ids", [1, "a", 3], None, "prompts mixes token ids with a str at position 1"),
 ]
 
 
@@ -123,6 +129,37 @@ def test_generate_refuses(llm, prompts, params, match):
     steps = llm.stats.steps
     refuse_api(lambda: llm.generate(prompts, params, use_tqdm=False), DeepInferError, match)
     assert llm.stats.steps == steps                       # no work was done
+
+
+def test_text_is_checked_wherever_it_enters(llm, tmp_path):
+    """One rule (engine/text.py) for every text input: stop strings, schemas, chat messages."""
+    from deepinfer.errors import DeepInferError as E
+    refuse_api(lambda: SamplingParams(stop=["ok", "x\udcff"]), E, "stop string 1 is not valid UTF-8: byte 0xff")
+    refuse_api(lambda: SamplingParams(so_args={"regex": "a\ud800"}), E,
+               r"so_args regex schema is not valid Unicode text: a lone surrogate U\+D800")
+    steps = llm.stats.steps
+    refuse_api(lambda: llm.chat([{"role": "user", "content": "\udce9t\u00e9"}], use_tqdm=False), E,
+               r"chat message 0 \('user'\) content is not valid UTF-8: byte 0xe9 at character 0")
+    assert llm.stats.steps == steps
+
+
+SPEC_SWITCHES = [
+    ("varlen-with-spec-off", {"DEEPINFER_ENABLE_MTP_VARLEN": "1"}, False,
+     "speculative=False turns speculative decoding off, but DEEPINFER_ENABLE_MTP_VARLEN=1 ask"),
+    ("nextn-with-spec-off", {"DEEPINFER_USE_NEXTN_DECODE": "3"}, False, "but DEEPINFER_USE_NEXTN_DECODE=3 ask"),
+    ("varlen-with-fixed", {"DEEPINFER_USE_NEXTN_DECODE": "3", "DEEPINFER_ENABLE_MTP_VARLEN": "1"},
+     {"schedule": "fixed"}, "schedule='fixed' verifies every draft, but DEEPINFER_ENABLE_MTP_VARLEN=1"),
+    ("nextn-disagrees", {"DEEPINFER_USE_NEXTN_DECODE": "2"}, {"num_speculative_tokens": 3},
+     "num_speculative_tokens=3 and DEEPINFER_USE_NEXTN_DECODE=2 disagree"),
+]
+
+
+@pytest.mark.parametrize("env, speculative, match", [c[1:] for c in SPEC_SWITCHES], ids=[c[0] for c in SPEC_SWITCHES])
+def test_speculation_switches_are_applied_or_refused(env, speculative, match, monkeypatch):
+    """The documented switches never go silently unapplied: an argument that contradicts them is refused."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    refuse_api(lambda: LLM(model="tiny", speculative=speculative), DeepInferError, match)
 
 
 def test_vllm_arguments_we_lack_and_odd_calls(llm, tiny_checkpoint_dir):
@@ -207,6 +244,11 @@ CLI = [
     ("generate-so-missing", ["generate", "--prompt", "a", "--so-json", "{tmp}/none.json"], "--so-json .*cannot read it"),
     ("generate-so-bad-regex", ["generate", "--prompt", "a", "--so-regex", "(a"],
      "request 0: so_args regex schema does not compile"),
+    ("run-non-utf8", ["run", "--prompt", "caf\udce9"], "--prompt is not valid UTF-8: byte 0xe9 at character 3"),
+    ("generate-non-utf8", ["generate", "--prompt", "ok", "--prompt", "caf\udce9"],
+     "--prompt 2 is not valid UTF-8: byte 0xe9"),
+    ("generate-so-json-latin1", ["generate", "--prompt", "a", "--so-json", "{latin1}"],
+     r"--so-json .*s\.json is not UTF-8 text: byte 0xe9 at byte 14 \(line 1\); save it as UTF-8"),
     ("make-bad-arch", ["make-checkpoint", "--arch", "v5", "--out", "{tmp}/x"], "'v5' is not one of"),
     ("make-bad-preset", ["make-checkpoint", "--preset", "huge", "--out", "{tmp}/x"], "'huge' is not one of"),
     ("unknown-option", ["run", "--temprature", "1"], "No such option"),
@@ -219,7 +261,11 @@ def test_deepinfer_cli_refuses(args, match, tmp_path, v4_dir):
     if "{bad_tok}" in args:
         shutil.copytree(v4_dir, bad_tok)
         (bad_tok / "tokenizer.json").write_text('{"x":')
-    args = [a.format(v4=v4_dir, tmp=tmp_path, bad_tok=bad_tok) for a in args]
+    latin1 = tmp_path / "latin1" / "s.json"
+    if "{latin1}" in args:
+        latin1.parent.mkdir()
+        latin1.write_bytes(b'{"title": "caf\xe9"}')
+    args = [a.format(v4=v4_dir, tmp=tmp_path, bad_tok=bad_tok, latin1=latin1) for a in args]
     refuse_cli(deepinfer_cli, args, match, watch=[tmp_path])
 
 
@@ -255,3 +301,38 @@ def test_choices_are_listed_in_help():
                        (["make-checkpoint", "--help"], "flash")):
         assert want in runner.invoke(deepinfer_cli, args).output
 
+
+
+def test_readme_dspark_switches_finish_on_the_cpu_with_a_progress_line(tmp_path):
+    """The README's switches on `deepinfer generate`: the step-rate profile is sized to the command's one request
+    (not 256 sequences x 4096 positions, minutes on a CPU) and says what it does before it starts."""
+    import os
+    import subprocess
+    import time
+
+    from tests.helpers import deepinfer_exe
+    env = {**os.environ, "DEEPINFER_USE_NEXTN_DECODE": "3", "DEEPINFER_ENABLE_MTP_VARLEN": "1"}
+    t0 = time.perf_counter()
+    p = subprocess.run([deepinfer_exe(), "generate", "--prompt", "Hi", "--max-tokens", "8", "--json"], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    elapsed = time.perf_counter() - t0
+    assert p.returncode == 0, p.stderr
+    assert "speculative step rate: profiling" in p.stderr and "on up to 1 sequence(s)" in p.stderr
+    assert '"finish_reason": "length"' in p.stdout and elapsed < 60, elapsed
+
+
+def test_examples_take_the_error_path(tmp_path):
+    """Every example ends in the CLIs' error path (one line, exit 2), here with a model that does not exist."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
+    for path in examples:
+        main_block = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.If)
+                      and "__main__" in ast.unparse(n.test)]
+        assert main_block and "run_cli(main)" in ast.unparse(main_block[0]), path.name
+    p = subprocess.run([sys.executable, str(examples[0].parent / "structured_output.py"), "--model", "./no/such"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr

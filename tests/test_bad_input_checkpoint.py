@@ -305,3 +305,31 @@ def test_bad_index_entries(tiny_checkpoint_copy, case):
     match = INDEX_CASES[case](tiny_checkpoint_copy)
     refuse_api(lambda: deepinfer.load_model(tiny_checkpoint_copy), CheckpointError, match,
                watch=[tiny_checkpoint_copy.parent])
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_tensor_stored_in_another_float_dtype_is_said_once(tiny_checkpoint_copy, exact, caplog):
+    """A bf16 tensor stored as float32 loads (the values go into the model's dtype either way) with one warning
+    line naming it, the dtypes, and whether its values were bf16 values exactly."""
+    def widen(d: Path):
+        shard = weight_map(d)[BF16]
+        tensors = load_file(str(d / shard))
+        t = tensors[BF16].float()
+        if not exact:
+            t.view(-1)[0] += 2 ** -20 * max(float(t.view(-1)[0].abs()), 1.0)        # below bf16's resolution
+        tensors[BF16] = t
+        save_file(tensors, str(d / shard), metadata={"format": "pt"})
+    widen(tiny_checkpoint_copy)
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        deepinfer.load_model(tiny_checkpoint_copy)
+    lines = [r.getMessage() for r in caplog.records if "stored as float32" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert f"1 tensor(s) are stored as float32 where the release stores bfloat16" in lines[0] and BF16 in lines[0]
+    assert ("all hold bfloat16 values exactly" in lines[0]) == exact
+    assert ("1 hold values bfloat16 cannot represent" in lines[0]) == (not exact)
+
+
+def test_release_dtypes_load_without_the_warning(tiny_checkpoint_dir, caplog):
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        deepinfer.load_model(tiny_checkpoint_dir)
+    assert not [r for r in caplog.records if "stored as" in r.getMessage()]

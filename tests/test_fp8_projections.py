@@ -75,18 +75,32 @@ def test_projection_runs_the_w8a8_recipe(pair):
 
 def test_logits_close_to_the_dense_model(pair):
     """W8A8 against the dense (W8A16) model on the same weights: the logits differ by the activation
-    quantization only (e4m3 keeps 3 mantissa bits: 2.7% rms per activation). Per position, |diff| / max |logit|,
-    measured over 40 tokens: V4 (4 layers) 0.045-0.155, 95% of argmaxes agree; V4.1 (10 layers) 0.088 at the first
-    position, up to 0.81 later, 55% agree. The tiny V4.1 model is that sensitive to any activation error: 2% rms
-    random noise at the same projections of the dense model moves its logits by up to 0.98 (65% agree), the
-    later positions through flipped top-k selections. Bounds: the first position (no selection yet) 0.2, the
-    whole sequence 0.25 (V4) / 1.0 (V4.1)."""
+    quantization only (e4m3 keeps 3 mantissa bits: ~2.7% rms per activation), so they differ no more than the
+    dense model's do under 2.7% rms random noise on the inputs of the same projections. Measured over 40 tokens
+    (relative rms of the logit difference): V4 (4 layers) FP8 0.074 against noise 0.111; V4.1 (10 layers) 0.46
+    against 0.51. The tiny V4.1 model is that sensitive to any activation error since its routers are calibrated
+    to balance (docs/bench.md): a token's top-k experts then hold near-ties that small errors flip (its first
+    position moves by 0.78 of the largest logit, where the drawn, concentrated routers moved it by 0.09). V4 keeps
+    its per-position bounds: the first position 0.2, the whole sequence 0.25."""
     dense, fp8 = pair
     ids = torch.randint(0, dense.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     a, b = dense.compute_logits(ids)[0], fp8.compute_logits(ids)[0]
-    per_position = (a - b).abs().amax(-1) / a.abs().amax(-1)
-    assert 0 < per_position[0] < 0.2
-    assert per_position.max() < (1.0 if dense.cfg.model_type == "deepseek_v41" else 0.25)
+    gen = torch.Generator().manual_seed(7)
+
+    def noisy(_module, args):
+        return (args[0] * (1 + 0.027 * torch.randn(args[0].shape, generator=gen)), *args[1:])
+    hooks = [dense.get_submodule(n).register_forward_pre_hook(noisy)
+             for n, m in fp8.named_modules() if isinstance(m, Fp8Linear)]
+    try:
+        c = dense.compute_logits(ids)[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    rel_rms = lambda x: float(((a - x).pow(2).mean() / a.pow(2).mean()).sqrt())     # noqa: E731
+    assert 0 < rel_rms(b) <= 1.25 * rel_rms(c), (rel_rms(b), rel_rms(c))
+    if dense.cfg.model_type == "deepseek_v4":
+        per_position = (a - b).abs().amax(-1) / a.abs().amax(-1)
+        assert 0 < per_position[0] < 0.2 and per_position.max() < 0.25
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +124,7 @@ def test_load_checkpoint_fp8_resident(arch, request):
 def test_llm_generates_with_fp8_projections(tiny_checkpoint_dir):
     llm = LLM(model=str(tiny_checkpoint_dir), projection_storage="fp8", max_num_seqs=2)
     assert projection_storage_of(llm.model) == "fp8"
-    out = llm.generate(["hello there", "a b c"], SamplingParams(max_tokens=6, temperature=0.0))
+    out = llm.generate(["hello there", "a b c"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
 
 

@@ -349,7 +349,9 @@ def test_speculation_needs_a_drafter_of_the_models_method_and_env_switches(monke
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
     with pytest.raises(DeepInferError, match="DEEPINFER_ENABLE_MTP_VARLEN=1 schedules speculative verification"):
         engine()
-    assert engine(speculative=False).speculative is None        # explicitly off: the switch has nothing to do
+    with pytest.raises(DeepInferError, match="speculative=False turns speculative decoding off, but "
+                                             "DEEPINFER_ENABLE_MTP_VARLEN=1 ask"):
+        engine(speculative=False)                                # the switch would go unapplied: refused
     monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
     assert engine().speculative is None
 
@@ -383,28 +385,35 @@ def test_cuda_graph_speculation_equals_eager(arch, schedule):
 
 
 def test_lossless_sampling_follows_the_target_distribution_end_to_end():
-    """Seeded top-2 sampling at temperature 0.05 with DSpark drafting through the lossless rule. The drafter's
-    first draft distribution is replaced (through the real block's sample hook, so the kept draft distributions
-    are the ones drawn from) by one that puts 0.8 on the target's *less* likely id: accepting it without the ratio
-    test would skew the output. The joint distribution of the first two output tokens (the second one verified)
-    over 600 seeds fits the target's, computed exactly from the plain engine's logprobs (chi-square, p > 1e-3, cells
-    expected below 5 pooled); drafts are both accepted and rejected."""
+    """Seeded top-2 sampling (at a temperature that splits every position's top 2 at most 70 / 30) with DSpark drafting
+    through the lossless rule. The drafter's first draft distribution is replaced (through the real block's sample
+    hook, so the kept draft distributions are the ones drawn from) by one that puts 0.8 on the target's *less*
+    likely id: accepting it without the ratio test would skew the output. The joint distribution of the first two
+    output tokens (the second one verified) over 600 seeds fits the target's, computed exactly from the plain
+    engine's logprobs (chi-square, p > 1e-3, cells expected below 5 pooled); drafts are both accepted and rejected."""
     import math
     prompt = [7, 11, 13, 17, 19]
-    k, n, temperature = 2, 600, 0.05
+    k, n = 2, 600
 
-    def top(llm, ids):                    # the target's top-k ids and their probabilities at the temperature
+    def top(llm, ids):                    # the target's top-k ids and their logprobs
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1, logprobs=k),
                            use_tqdm=False)[0].outputs[0]
         entry = out.logprobs[0]
         ids_ = sorted(entry, key=lambda t: entry[t].rank)[:k]
-        return ids_, torch.softmax(torch.tensor([entry[t].logprob for t in ids_], dtype=torch.float64) / temperature, 0)
+        return ids_, torch.tensor([entry[t].logprob for t in ids_], dtype=torch.float64)
 
     plain = engine()
-    first, p1 = top(plain, prompt)
+    first, lp1 = top(plain, prompt)
+    seconds = {a: top(plain, prompt + [a]) for a in first}
+    # a temperature at which every position's top-2 split is at most 70 / 30 (a weight-independent test: the
+    # random model's logit gaps set it), so both ids of every cell are drawn often enough to be tested
+    gaps = [float(lp[0] - lp[1]) for lp in [lp1, *(lp for _, lp in seconds.values())]]
+    temperature = max(max(gaps) / math.log(7 / 3), 1e-3)
+    p1 = torch.softmax(lp1 / temperature, 0)
     cells, expected, unlikely = [], [], {}
     for a, pa in zip(first, p1.tolist()):
-        second, p2 = top(plain, prompt + [a])
+        second, lp2 = seconds[a]
+        p2 = torch.softmax(lp2 / temperature, 0)
         unlikely[a] = second[int(p2.argmin())]
         for b, pb in zip(second, p2.tolist()):
             cells.append((a, b))

@@ -26,7 +26,7 @@ from ..errors import CheckpointError
 from ..models.engram import dequantize_engram_rows
 from ..models.layers import Fp8Linear, Linear, QuantizedWeight
 from .names import V41, EXPERTS_HF, checkpoint_tensors, ds_to_hf, hf_to_ds, is_vision_tensor, split_expert_name
-from .random_init import ENGRAM_ROW_BLOCK, is_engram_table
+from .random_init import ENGRAM_ROW_BLOCK, is_engram_table, is_fp32_tensor
 
 log = logging.getLogger("deepinfer")
 
@@ -112,6 +112,10 @@ class CheckpointLoader:
         self._nan_scales: torch.Tensor | None = None         # this shard's count of NaN bytes: FP4-resident
                                                              # experts' e8m0 scales, FP8-resident weights' e4m3
         self._finite_checked: list[tuple[str, torch.Tensor, str]] = []   # (key, loaded tensor, kind)
+        # unquantized floats stored in another dtype than the release's (F32 for its F32 tensors, else
+        # config.json's dtype): (key, stored dtype, release dtype, values exact in the release dtype)
+        self.stored_dtype = getattr(torch, str(getattr(model.cfg, "torch_dtype", "bfloat16")), torch.bfloat16)
+        self.off_dtype: list[tuple[str, torch.dtype, torch.dtype, bool]] = []
 
     def _expected_names(self) -> set[str]:
         """Every tensor (DeepSeek spelling, experts per index, no scales except FP4-resident experts') the
@@ -163,6 +167,8 @@ class CheckpointLoader:
         self._drop_float_engram_scales()
         if self.pending:
             self._report_pending()
+        if self.off_dtype:
+            self._report_off_dtype()
         missing = sorted(self.expected - self.seen)
         if missing:
             raise CheckpointError(f"checkpoint {self.ckpt_dir} is missing {len(missing)} tensor(s) the config needs, "
@@ -368,6 +374,11 @@ class CheckpointLoader:
             raise CheckpointError(f"{path}: tensor {key} has dtype {value.dtype}, expected {want}")
         if name in self.seen:
             raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+        if value.dtype.is_floating_point and not tensor_was_quantized:
+            release = torch.float32 if is_fp32_tensor(name, self.family) else self.stored_dtype
+            if value.dtype != release:
+                exact = bool(torch.equal(value.to(release).to(value.dtype), value))
+                self.off_dtype.append((key, value.dtype, release, exact))
         if name.endswith("tid2eid"):
             self._check_tid2eid(value, key, path)
         with torch.no_grad():
@@ -377,6 +388,18 @@ class CheckpointLoader:
             self._count_nonfinite(key, dest, "dequantized" if tensor_was_quantized else "float")
         if quantized is not None:
             self._attach(name, expert, quantized)
+
+    def _report_off_dtype(self) -> None:
+        """One line for every tensor stored in another float dtype than the release's (values are loaded either
+        way, into the model's dtype): whether they are the release dtype's values exactly, or were rounded."""
+        first, stored, release, _ = self.off_dtype[0]
+        inexact = sum(not exact for *_, exact in self.off_dtype)
+        name = lambda d: str(d).removeprefix("torch.")                     # noqa: E731
+        values = (f"all hold {name(release)} values exactly" if not inexact else
+                  f"{inexact} hold values {name(release)} cannot represent (the release would have rounded them)")
+        log.warning("checkpoint %s: %d tensor(s) are stored as %s where the release stores %s (config.json's "
+                    "dtype, or F32 for its F32 tensors), e.g. %s; %s; loaded into the model's %s", self.ckpt_dir,
+                    len(self.off_dtype), name(stored), name(release), first, values, name(self.dtype))
 
     def _check_tid2eid(self, value: torch.Tensor, key: str, path: Path) -> None:
         """Hash routing indexes experts with these ids: out-of-range ids would only fail (or read garbage)

@@ -18,7 +18,7 @@ from ..config.presets import preset_config
 from ..errors import DeepInferError
 from ..models import build_model
 from .random_init import init_random_weights
-from .routers import CALIBRATION_VERSION, calibrate_routers
+from .routers import CALIBRATION_VERSION, calibrate_routers, routed_gates
 from .tokenizer import train_tokenizer
 from .writer import SHARD_BYTES, check_out_dir, write_checkpoint
 
@@ -44,25 +44,46 @@ def preset_model_config(arch: str, preset: str, layers: int | None = None, engra
     return bind_config_to_tokenizer(cfg, tokenizer), tokenizer
 
 
-def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool,
-                  router_skew: float = 0.0, **options):
-    """Weights drawn from `seed`, then the routers' selection biases calibrated (balanced, or to `router_skew`)
-    on the model's own forward: docs/bench.md, routing of random models."""
+TWIN_MAX_PARAMETERS = 500_000_000   # models up to this size calibrate on a float32 dense CPU twin (below)
+
+
+def _drawn_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool, **options):
     model = build_model(cfg, device, dtype, qat_fake_quant, **options)
     init_random_weights(model, seed)
     if tokenizer is not None and cfg.engram_layer_ids:
         model.bind_tokenizer(tokenizer)
-    calibrate_routers(model, seed, router_skew)
+    return model
+
+
+def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qat_fake_quant: bool,
+                  router_skew: float = 0.0, **options):
+    """Weights drawn from `seed`, then the routers' selection biases calibrated (balanced, or to `router_skew`):
+    docs/bench.md, routing of random models. The biases must be a property of (config, seed, skew) like every
+    other weight, so a model's bf16 / fp32 / FP8-projection / CUDA builds and its checkpoint are one model: up to
+    TWIN_MAX_PARAMETERS they are fitted on a float32, dense, QAT CPU twin drawn from the same seed (the drawn
+    values are bf16-representable, so the twin holds the same weights) and copied in. Larger models (flash
+    widths, too big for a float32 twin) are fitted on their own forward, in their own dtype and device."""
+    model = _drawn_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant, **options)
+    canonical = dtype == torch.float32 and str(device) == "cpu" and qat_fake_quant and not options
+    if canonical or sum(p.numel() for p in model.parameters()) > TWIN_MAX_PARAMETERS:
+        calibrate_routers(model, seed, router_skew)
+        return model
+    twin = _drawn_model(cfg, tokenizer, seed, "cpu", torch.float32, True)
+    calibrate_routers(twin, seed, router_skew)
+    fitted = dict(routed_gates(twin))
+    with torch.no_grad():
+        for name, gate in routed_gates(model):
+            gate.bias.copy_(fitted[name].bias)
     return model
 
 
 def random_model(arch: str, preset: str, seed: int, layers: int | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, qat_fake_quant: bool = True,
                  engram_vocab_size: int | None = None, router_skew: float = 0.0, **options) -> torch.nn.Module:
-    """Build a preset model on `device` and fill it from `seed` (no files involved; a V4.1 model comes bound
-    to its tokenizer), its routers balanced (or skewed by `router_skew`, routers.py). bf16 loses nothing: every stored value is bf16-representable (FP8/FP4 dequantize
-    exactly). `options` go to build_model (projection_storage="fp8") and the model class (V4.1:
-    expert_storage="fp4")."""
+    """Build a preset model on `device` and fill it from `seed` (no files involved; a V4.1 model comes bound to its
+    tokenizer), its routers balanced (or skewed by `router_skew`, routers.py). bf16 loses nothing: every stored
+    value is bf16-representable (FP8/FP4 dequantize exactly). `options` go to build_model (projection_storage="fp8")
+    and the model class (V4.1: expert_storage="fp4")."""
     cfg, tokenizer = preset_model_config(arch, preset, layers, engram_vocab_size)
     return _random_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant, router_skew, **options)
 

@@ -35,7 +35,8 @@ from ..validate import check_router_skew
 log = logging.getLogger("deepinfer")
 
 # Bump when the calibration changes what it writes: cached embedded models carry it in their directory name.
-CALIBRATION_VERSION = 2        # 1: fitted on half random ids, half text (never published)
+CALIBRATION_VERSION = 3        # 1: half random ids, half text (never published); 2: on every build's own forward
+                               # (3 fits models up to make.TWIN_MAX_PARAMETERS on a float32 twin; larger ones as 2)
 SAMPLE_LENGTH = 256            # tokens per calibration sequence
 PAIRS_PER_EXPERT = 256         # routed (token, slot) pairs per expert the sample is sized for: E k^-1 256 tokens
 ITERATIONS = 300               # sign-rule steps per gate

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from ..errors import DeepInferError
+from ..text import check_text
 
 SEED_LIMIT = 2**63
 SO_TYPES = ("regex", "json", "ebnf", "structural_tag")     # engine/structured.py: what each schema is
@@ -87,7 +88,7 @@ def _stop(value: Any) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
         _fail("stop", value, allowed)
-    return list(items)
+    return [check_text(f"stop string {j}", s) for j, s in enumerate(items)]
 
 
 def _stop_token_ids(value: Any) -> list[int]:
@@ -115,6 +116,8 @@ def _so_args(value: Any) -> Optional[dict]:
         _fail("so_args", value, allowed)
     if kind not in SO_TYPES:
         _fail("so_args", value, allowed)
+    if isinstance(spec, str):
+        check_text(f"so_args {kind} schema", spec)
     if kind in ("json", "structural_tag"):
         try:
             if isinstance(spec, str):

@@ -59,12 +59,18 @@ def spec_config(value, block_size: int | None, drafter: str = "dspark") -> SpecC
     """LLM's `speculative` (None: the environment decides) -> a SpecConfig, or None when off. block_size: the
     model's draft block (None: the model cannot draft; asking for speculation is then one error line); drafter:
     the model's draft method."""
-    env_cap = read("DEEPINFER_USE_NEXTN_DECODE")
+    env_cap, env_varlen = read("DEEPINFER_USE_NEXTN_DECODE"), read("DEEPINFER_ENABLE_MTP_VARLEN")
     if value is None:
-        if not env_cap and read("DEEPINFER_ENABLE_MTP_VARLEN"):
+        if not env_cap and env_varlen:
             raise DeepInferError("DEEPINFER_ENABLE_MTP_VARLEN=1 schedules speculative verification, which is off: "
                                  "set DEEPINFER_USE_NEXTN_DECODE=N (or LLM(speculative=...)), or unset it")
         value = {} if env_cap else False
+    elif value is False and (env_cap or env_varlen):
+        # the switches ask for speculation that the argument turns off: refused, not silently dropped
+        switches = " and ".join(f"{k}={v}" for k, v in (("DEEPINFER_USE_NEXTN_DECODE", env_cap),
+                                                         ("DEEPINFER_ENABLE_MTP_VARLEN", int(env_varlen))) if v)
+        raise DeepInferError(f"speculative=False turns speculative decoding off, but {switches} ask for it: unset "
+                             f"the variable(s), or leave speculative out to apply them")
     if value is False:
         return None
     if value is True or value in METHODS:
@@ -86,10 +92,20 @@ def spec_config(value, block_size: int | None, drafter: str = "dspark") -> SpecC
         raise DeepInferError(f"speculative method={method!r}: this model drafts with {drafter!r} (dspark: V4.1's "
                              f"DSpark stages, mtp: V4's NextN layer); use {drafter!r} or leave method out")
     n = value.get("num_speculative_tokens", env_cap or block_size)
+    if env_cap and "num_speculative_tokens" in value and n != env_cap:
+        raise DeepInferError(f"speculative num_speculative_tokens={n!r} and DEEPINFER_USE_NEXTN_DECODE={env_cap} "
+                             f"disagree: drop one of them")
+    if env_cap and "num_speculative_tokens" not in value and env_cap > block_size:
+        raise DeepInferError(f"DEEPINFER_USE_NEXTN_DECODE={env_cap} is more drafts than this model's draft block "
+                             f"({block_size}): use 1..{block_size}")
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= block_size:
         raise DeepInferError(f"num_speculative_tokens={n!r} must be an integer in 1..{block_size} (the model's "
                              f"draft block)")
-    schedule = value.get("schedule", "confidence" if read("DEEPINFER_ENABLE_MTP_VARLEN") else "fixed")
+    schedule = value.get("schedule", "confidence" if env_varlen else "fixed")
+    if env_varlen and schedule == "fixed":
+        raise DeepInferError("speculative schedule='fixed' verifies every draft, but DEEPINFER_ENABLE_MTP_VARLEN=1 "
+                             "asks for variable-length verification: unset it, or use schedule 'confidence' or "
+                             "'budget'")
     if schedule not in SCHEDULES:
         raise DeepInferError(f"speculative schedule={schedule!r}: use one of {list(SCHEDULES)}")
     acceptance = value.get("acceptance")
