@@ -10,6 +10,7 @@ import click
 
 from deepinfer.cli import run_cli
 from deepinfer.harness.cli import DEVICE_HELP, not_blank
+from deepinfer.harness.options import DIGITS, Count
 from deepinfer.validate import DTYPE_NAMES
 
 
@@ -36,15 +37,16 @@ Exit status 0; 1 when a metric misses its suite threshold; 2 on bad input. Runs 
               help="override the suite's model (checkpoint dir, hub id, tiny, random:ARCH:PRESET:N)")
 @click.option("--device", default=None, callback=not_blank, help=f"override the suite's device: {DEVICE_HELP}")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, help="override the suite's dtype")
-@click.option("--limit", type=int, default=None, help="samples per task")
-@click.option("--num-fewshot", type=int, default=None, help="few-shot examples for every task")
+@click.option("--limit", type=Count(1), default=None, help="samples per task")
+@click.option("--num-fewshot", type=Count(0), default=None, help="few-shot examples for every task")
 @click.option("--concurrency", default=None, callback=not_blank,
               help="comma-separated: integers, max, median (default: the suite's)")
 @click.option("--batch-invariant/--no-batch-invariant", default=None,
               help="batch-invariant mode on / off (default: the suite's)")
 @click.option("--apply-chat-template", is_flag=True, default=None, help="render prompts with the chat template")
-@click.option("--max-model-len", type=int, default=None, help="override engine_args.max_model_len")
-@click.option("--max-num-seqs", type=int, default=None, help="override engine_args.max_num_seqs (= 'max' concurrency)")
+@click.option("--max-model-len", type=Count(1), default=None, help="override engine_args.max_model_len")
+@click.option("--max-num-seqs", type=Count(1), default=None,
+              help="override engine_args.max_num_seqs (= 'max' concurrency)")
 @click.option("--reference", type=click.Choice(["transformers"]), default=None,
               help="also run the tasks through lm-eval's HF backend on the same V4 checkpoint (QAT off on ours)")
 @click.option("--confirm-run-unsafe-code", is_flag=True,
@@ -75,13 +77,12 @@ def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurr
                  "batch_invariant": batch_invariant, "apply_chat_template": apply_chat_template}
     d.update({k: v for k, v in overrides.items() if v is not None})
     if concurrency is not None:
-        d["concurrency"] = [int(c) if c.isdigit() else c for c in comma_list(concurrency, "--concurrency", "8,max")]
+        d["concurrency"] = [int(c) if DIGITS.fullmatch(c) else c      # a word (max, median): the suite checks it
+                            for c in comma_list(concurrency, "--concurrency", "8,max")]
     for key, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
         if value is not None:
             d["engine_args"] = {**d.get("engine_args", {}), key: value}
     if num_fewshot is not None:
-        if num_fewshot < 0:
-            raise click.UsageError("--num-fewshot must be >= 0")
         d["tasks"] = [{**(t if isinstance(t, dict) else {"task": t}), "num_fewshot": num_fewshot} for t in d["tasks"]]
     suite = parse_suite(d, f"{suite_name or ('--tasks' if tasks else 'offline-smoke')} (with command-line options)")
     run = run_suite(suite, out, run_id, reference, progress=not quiet, unsafe_code=confirm_run_unsafe_code)

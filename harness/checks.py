@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from deepinfer import SamplingParams
+from deepinfer.errors import DeepInferError
 from deepinfer.kernels.registry import DEFAULT_OF, INVARIANT_OF
 
 from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment, run_dir_guard
@@ -28,6 +29,21 @@ from .workload import random_workload, seats
 
 log = logging.getLogger("deepinfer")
 SAMPLINGS = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=0.8, top_p=0.95, seed=1234)}
+CHECK_MODES = {"both": [False, True], "on": [True], "off": [False]}      # --mode -> batch-invariant mode off / on
+
+
+def check_modes(given: str | None) -> list[bool]:
+    """--mode as the modes to run. DEEPINFER_BATCH_INVARIANT=1 lets the engine run batch-invariant kernels only,
+    so the default becomes `on`, and a --mode that runs the default kernels is refused naming both."""
+    from .limits import INVARIANT_VAR, batch_invariant_env
+    invariant = batch_invariant_env()
+    if given is None:
+        return CHECK_MODES["on" if invariant else "both"]
+    if invariant and given != "on":
+        raise DeepInferError(f"--mode {given} runs batch-invariant mode off (the default kernels), but "
+                             f"{INVARIANT_VAR}=1 allows batch-invariant kernels only: use --mode on (or leave --mode "
+                             f"out), or unset {INVARIANT_VAR}")
+    return CHECK_MODES[given]
 
 
 def with_mode(llm, on: bool):

@@ -13,7 +13,9 @@ from deepinfer.kernels.registry import BACKEND_SETS
 from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE, PROJECTION_STORAGE
 
+from .checks import CHECK_MODES
 from .kernel_bench import OPS as KOPS   # noqa: E402  deepinfer-bench kernels --op
+from .options import Count, parse_int_list, parse_names, split_items
 from .versus_bench import ENGINES as VERSUS_ENGINES   # noqa: E402
 
 DEVICE_HELP = "cpu | cuda | cuda:N (GPU N)"
@@ -47,8 +49,8 @@ reports/index.md is rewritten by deepinfer-bench report only.""")
 @click.option("--model", default=None, callback=not_blank,
               help="override the sweep's model (dir, hub id, tiny, random:ARCH:PRESET:N)")
 @click.option("--device", default=None, callback=not_blank, help=f"override the sweep's device: {DEVICE_HELP}")
-@click.option("--prefill-ranks", type=int, default=None, help="ranks for prefill points")
-@click.option("--decode-ranks", type=int, default=None, help="ranks for decode points")
+@click.option("--prefill-ranks", type=Count(1), default=None, help="ranks for prefill points")
+@click.option("--decode-ranks", type=Count(1), default=None, help="ranks for decode points")
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name (default: time + sweep name)")
 @click.option("--resume", is_flag=True, help="continue the run --run-id: skip finished points, retry failed ones")
@@ -187,21 +189,21 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
               help="rows per decode step, comma-separated [default: 1,8]")
 @click.option("--context", "contexts", default=None, callback=not_blank,
               help="positions already in each row's state, comma-separated [default: 128,512]")
-@click.option("--query-len", type=int, default=1, show_default=True,
+@click.option("--query-len", type=Count(1), default=1, show_default=True,
               help="tokens per row (1: decode; > 1: verify-shaped rows)")
 @click.option("--prefill", default=None, callback=not_blank,
               help="also prefill points: one row of T tokens from an empty state, comma-separated T (alone: prefill "
                    "points only)")
-@click.option("--iters", type=int, default=20, show_default=True, help="timed steps per point")
-@click.option("--warmup", type=int, default=3, show_default=True, help="untimed steps per point first")
-@click.option("--trace-steps", type=int, default=5, show_default=True, help="steps in the GPU idle trace")
+@click.option("--iters", type=Count(1), default=20, show_default=True, help="timed steps per point")
+@click.option("--warmup", type=Count(0), default=3, show_default=True, help="untimed steps per point first")
+@click.option("--trace-steps", type=Count(1), default=5, show_default=True, help="steps in the GPU idle trace")
 @click.option("--no-graphs", is_flag=True, help="eager steps (the engine's enforce_eager)")
 @click.option("--expert-act-quant", is_flag=True, help="W4A8 experts: FP8 activations per 1x128 (with fp4 storage)")
 @click.option("--projection-storage", type=click.Choice(PROJECTION_STORAGE), default="dense", show_default=True,
               help="fp8: the release's FP8 projections stay FP8 and run fp8_linear (W8A8)")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="fp8: the release's FP8 / FP4 KV cache records (docs/kernels.md)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: step-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -216,11 +218,12 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
     Per point: measured step time (CUDA events over graph replays on a GPU), the roofline from the bytes the
     step must read (dense weights, the experts its routing selects, state) and its FLOPs over copy bandwidth
     and GEMM peak measured in the same run, their ratio, and the GPU idle fraction between steps."""
-    from .step_bench import DEFAULT_MODEL, StepConfig, parse_int_list, run_step_bench, table
+    from .step_bench import DEFAULT_MODEL, StepConfig, run_step_bench, table
     if resume and not (run_id or out):
         raise click.UsageError("--resume needs the --run-id (or --out) of the run to continue")
-    pre = parse_int_list(prefill, "--prefill")
-    b, c = parse_int_list(batches, "--batch"), parse_int_list(contexts, "--context", minimum=0)
+    pre = parse_int_list(prefill, "--prefill", example="1024,8192")
+    b = parse_int_list(batches, "--batch")
+    c = parse_int_list(contexts, "--context", minimum=0, example="1024,8192")
     if not pre or batches is not None or contexts is not None:
         b, c = b or (1, 8), c or (128, 512)
     cfg = StepConfig(model=model or DEFAULT_MODEL, device=device, dtype=dtype, expert_storage=expert_storage,
@@ -255,10 +258,10 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
               help="a16: activations in bf16 (W4A16 / W8A16); a8: FP8 per 1x128 (W4A8 / W8A8)")
 @click.option("--backend", "backends", default="triton,triton_invariant", show_default=True, callback=not_blank)
 @click.option("--no-reference", is_flag=True, help="skip timing the reference backend and the error against it")
-@click.option("--experts-limit", type=int, default=None, help="build only this many experts (small devices)")
-@click.option("--iters", type=int, default=20, show_default=True)
-@click.option("--warmup", type=int, default=3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--experts-limit", type=Count(1), default=None, help="build only this many experts (small devices)")
+@click.option("--iters", type=Count(1), default=20, show_default=True)
+@click.option("--warmup", type=Count(0), default=3, show_default=True)
+@click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: kernels-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -270,15 +273,15 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
     torch reference (and cuBLAS for the dense GEMM), with the error against the reference (docs/bench.md)."""
     from .kernel_bench import KernelConfig, run_kernel_bench, table
     from .rows import run_dir_for
-    from .step_bench import parse_int_list
     if resume and not (run_id or out):
         raise click.UsageError("--resume needs the --run-id (or --out) of the run to continue")
-    if experts_limit is not None and experts_limit < 1:
-        raise click.UsageError("--experts-limit must be >= 1")
-    split = lambda v: tuple(p.strip() for p in v.split(",") if p.strip())   # noqa: E731
-    cfg = KernelConfig(device=device, ops=split(ops), models=split(models), tokens=parse_int_list(tokens, "--tokens"),
-                       contexts=parse_int_list(contexts, "--contexts"), storage=split(storage),
-                       numerics=split(numerics), backends=split(backends),
+    names = lambda text, option, example: tuple(split_items(text, option, example))   # noqa: E731  checked below
+    cfg = KernelConfig(device=device, ops=names(ops, "--op", "experts,attention"),
+                       models=names(models, "--model", "v41,v4"), tokens=parse_int_list(tokens, "--tokens"),
+                       contexts=parse_int_list(contexts, "--contexts", example="8192,32768"),
+                       storage=names(storage, "--storage", "fp4,bf16"),
+                       numerics=names(numerics, "--numerics", "a16,a8"),
+                       backends=names(backends, "--backend", "triton,triton_invariant"),
                        iters=iters, warmup=warmup, seed=seed, check_reference=not no_reference,
                        experts_limit=experts_limit)
     run_dir = run_dir_for(report_dir, run_id, out, "kernels")
@@ -305,10 +308,10 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
               help="concurrencies, comma-separated")
 @click.option("--fractions", default="0,0.5,1", show_default=True, callback=not_blank,
               help="share of each batch constrained")
-@click.option("--isl", type=int, default=64, show_default=True, help="prompt tokens")
-@click.option("--osl", type=int, default=64, show_default=True, help="most output tokens")
-@click.option("--rounds", type=int, default=2, show_default=True, help="timed requests per point = batch x rounds")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--isl", type=Count(1), default=64, show_default=True, help="prompt tokens")
+@click.option("--osl", type=Count(1), default=64, show_default=True, help="most output tokens")
+@click.option("--rounds", type=Count(1), default=2, show_default=True, help="timed requests per point = batch x rounds")
+@click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: structured-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -318,10 +321,9 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
     """Structured outputs' cost: TPOT and throughput with 0 / 50 / 100% of each batch constrained (JSON schema,
     regex), one row per point, each set against the unconstrained baseline of its batch."""
     from .rows import run_dir_for
-    from .step_bench import parse_int_list
-    from .structured_bench import StructuredConfig, parse_fractions, run_structured_bench, table
+    from .structured_bench import SCHEMAS, StructuredConfig, parse_fractions, run_structured_bench, table
     cfg = StructuredConfig(model=model, device=device, dtype=dtype, expert_storage=expert_storage,
-                           schemas=tuple(s.strip() for s in schemas.split(",") if s.strip()),
+                           schemas=parse_names(schemas, "--schemas", tuple(SCHEMAS)),
                            batches=parse_int_list(batches, "--batch"), fractions=parse_fractions(fractions),
                            isl=isl, osl=osl, rounds=rounds, seed=seed)
     run_dir = run_dir_for(report_dir, run_id, out, "structured")
@@ -353,17 +355,17 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
 @click.option("--acceptance", default="v41-flash", show_default=True, callback=not_blank,
               help="pinned acceptance: a curve name (harness/dspark_bench.py CURVES), comma-separated survival "
                    "rates, or 'measured' (the drafter's own, for a real checkpoint)")
-@click.option("--num-speculative-tokens", type=int, default=5, show_default=True, help="drafts per step (<= 5)")
-@click.option("--isl", type=int, default=64, show_default=True, help="prompt tokens")
-@click.option("--osl", type=int, default=64, show_default=True,
+@click.option("--num-speculative-tokens", type=Count(1), default=5, show_default=True, help="drafts per step (<= 5)")
+@click.option("--isl", type=Count(1), default=64, show_default=True, help="prompt tokens")
+@click.option("--osl", type=Count(1), default=64, show_default=True,
               help="new tokens per request (exactly; with --prompts from the set: at most, ending at EOS)")
-@click.option("--rounds", type=int, default=2, show_default=True,
+@click.option("--rounds", type=Count(1), default=2, show_default=True,
               help="timed requests per point = concurrency x rounds")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option("--prompts", type=click.Choice(["random", "all", "code", "math", "chat"]), default="random",
               show_default=True, help="random tokens, or a category of the project-owned prompt set (a real "
               "checkpoint's acceptance: chat template, cut to --isl, up to --osl new tokens ending at EOS)")
-@click.option("--repeats", type=int, default=1, show_default=True,
+@click.option("--repeats", type=Count(1), default=1, show_default=True,
               help="run the study this many times, engines built afresh (the table: medians and ranges)")
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--no-png", is_flag=True, help="chart as HTML only (no browser for kaleido)")
@@ -375,11 +377,10 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
     """DSpark speculative decoding against none, and confidence-scheduled verification against fixed-length:
     throughput, tok/s/user, accepted length and verified tokens per (mode, concurrency), acceptance pinned to a
     published curve by default (random weights accept almost nothing)."""
-    from .dspark_bench import DSparkConfig, run_dspark_bench, table
+    from .dspark_bench import MODES, DSparkConfig, run_dspark_bench, table
     from .rows import run_dir_for
-    from .step_bench import parse_int_list
     cfg = DSparkConfig(model=model, device=device, dtype=dtype, expert_storage=expert_storage,
-                       modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+                       modes=parse_names(modes, "--modes", MODES),
                        concurrency=parse_int_list(concurrency, "--concurrency"), acceptance=acceptance,
                        num_speculative_tokens=num_speculative_tokens, isl=isl, osl=osl, rounds=rounds, seed=seed,
                        prompts=prompts, repeats=repeats)
@@ -403,11 +404,11 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--batch", "batches", default="1,64", show_default=True, callback=not_blank,
               help="batch sizes, comma-separated")
-@click.option("--isl", type=int, default=128, show_default=True, help="prompt tokens")
-@click.option("--osl", type=int, default=32, show_default=True, help="new tokens per prompt (exactly)")
+@click.option("--isl", type=Count(1), default=128, show_default=True, help="prompt tokens")
+@click.option("--osl", type=Count(1), default=32, show_default=True, help="new tokens per prompt (exactly)")
 @click.option("--engines", default=",".join(VERSUS_ENGINES), show_default=True, callback=not_blank,
               help="which of transformers, deepinfer (default kernels), reference (torch backend)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: versus-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -416,11 +417,9 @@ def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_di
     """deepinfer against transformers' eager generate and against its own torch reference backend on the same V4
     weights: one row per (engine, batch), greedy, the same prompts, exactly --osl new tokens each."""
     from .rows import run_dir_for
-    from .step_bench import parse_int_list
     from .versus_bench import VersusConfig, run_versus_bench, table
     cfg = VersusConfig(model=model, device=device, dtype=dtype, batches=parse_int_list(batches, "--batch"),
-                       isl=isl, osl=osl, engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
-                       seed=seed)
+                       isl=isl, osl=osl, engines=parse_names(engines, "--engines", VERSUS_ENGINES), seed=seed)
     cfg.check()
     run_dir = run_dir_for(report_dir, run_id, out, "versus")
     rows = run_versus_bench(cfg, run_dir, echo=click.echo)
@@ -436,21 +435,18 @@ def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_di
   deepinfer-bench ops --model random:deepseek_v4:tiny:4 --top 60""")
 @click.option("--model", default="tiny", show_default=True, callback=not_blank,
               help="dir, hub id, tiny or random:ARCH:PRESET:N (CPU: keep it small)")
-@click.option("--kernel-backend", type=click.Choice(list(BACKEND_SETS)), default="reference", show_default=True)
-@click.option("--batch", type=int, default=4, show_default=True, help="sequences decoding together")
-@click.option("--top", type=int, default=40, show_default=True, help="source lines listed")
+@click.option("--kernel-backend", type=click.Choice(list(BACKEND_SETS)), default=None,
+              help="kernel backend set [default: the engine's on the CPU: DEEPINFER_KERNEL_BACKEND, else reference; "
+                   "invariant under DEEPINFER_BATCH_INVARIANT=1]")
+@click.option("--batch", type=Count(1), default=4, show_default=True, help="sequences decoding together")
+@click.option("--top", type=Count(1), default=40, show_default=True, help="source lines listed")
 def ops_cmd(model, kernel_backend, batch, top) -> None:
     """Count a decode step's torch ops on the CPU by the engine source line that issues them (harness/op_census.py):
     what the model and the cache still launch outside the kernel ops, the list to fuse from."""
-    from deepinfer import LLM
-    from deepinfer.errors import DeepInferError
-    from deepinfer.validate import resolve_model
-
-    from .op_census import run_census, table
-    if batch < 1 or top < 1:
-        raise DeepInferError(f"--batch {batch} / --top {top}: both must be at least 1")
-    llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu", kernel_backend=kernel_backend,
-              enforce_eager=True, async_scheduling=False)
+    from .op_census import build_census_engine, check_census, run_census, table
+    backend = check_census(model, kernel_backend, batch)          # before the model builds
+    llm = build_census_engine(model, kernel_backend, batch)
+    click.echo(f"kernel backend: {backend}")
     for line in table(run_census(llm, batch=batch), top):
         click.echo(line)
 
@@ -461,11 +457,12 @@ def _check_options(f):
                      help="dir, hub id, tiny or random:ARCH:PRESET:N"),
         click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP),
         click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True),
-        click.option("--max-tokens", type=int, default=32, show_default=True),
-        click.option("--prompt-len", type=int, default=48, show_default=True),
-        click.option("--mode", "modes", type=click.Choice(["both", "on", "off"]), default="both", show_default=True,
-                     help="batch-invariant mode off, on, or both"),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--max-tokens", type=Count(1), default=32, show_default=True),
+        click.option("--prompt-len", type=Count(1), default=48, show_default=True),
+        click.option("--mode", "modes", type=click.Choice(list(CHECK_MODES)), default=None,
+                     help="batch-invariant mode off, on, or both [default: both; on only under "
+                          "DEEPINFER_BATCH_INVARIANT=1]"),
+        click.option("--seed", type=Count(0), default=0, show_default=True),
         click.option("--report-dir", default="reports", show_default=True, callback=not_blank),
         click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: time + check]")]):
         f = opt(f)
@@ -478,8 +475,8 @@ def _check_options(f):
   deepinfer-bench determinism --runs 8 --mode on           # tiny model on CPU, batch-invariant mode only
   deepinfer-bench determinism --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16""")
 @_check_options
-@click.option("--runs", type=int, default=50, show_default=True, help="repetitions of the same prompts")
-@click.option("--num-prompts", type=int, default=8, show_default=True)
+@click.option("--runs", type=Count(1), default=50, show_default=True, help="repetitions of the same prompts")
+@click.option("--num-prompts", type=Count(1), default=8, show_default=True)
 def determinism_cmd(runs, num_prompts, **kw) -> None:
     """The same prompts N times (greedy and seeded; shuffled, at changing concurrency): unique outputs per prompt
     and the first divergence."""
@@ -492,7 +489,7 @@ def determinism_cmd(runs, num_prompts, **kw) -> None:
   deepinfer-bench batch-invariance --trials 4              # tiny model on CPU, mode off and on
   deepinfer-bench batch-invariance --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16""")
 @_check_options
-@click.option("--trials", type=int, default=20, show_default=True, help="batches the needle is placed in")
+@click.option("--trials", type=Count(1), default=20, show_default=True, help="batches the needle is placed in")
 def batch_invariance_cmd(trials, **kw) -> None:
     """A needle prompt alone vs at random slots of random batches: tokens and logprobs compared bitwise."""
     _run_check("batch-invariance", kw, runs=None, num_prompts=1, trials=trials)
@@ -501,26 +498,26 @@ def batch_invariance_cmd(trials, **kw) -> None:
 def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: int | None) -> None:
     from deepinfer.validate import check_device
 
-    from .checks import run_checks
+    from .checks import check_modes, run_checks
+    from .limits import Term, check_positions, model_limits
     from .rows import SCHEMA_VERSION, refuse_existing_rows, run_id_for
     from .sweep import build_llm
     from .sweep_config import parse_sweep
     from .workload import random_workload
-    for name, value in (("--runs", runs), ("--num-prompts", num_prompts), ("--trials", trials),
-                        ("--max-tokens", kw["max_tokens"]), ("--prompt-len", kw["prompt_len"])):
-        if value is not None and value < 1:
-            raise click.UsageError(f"{name} must be at least 1")
-    check_device(kw["device"])
-    max_len = kw["prompt_len"] * 2 + kw["max_tokens"] + 8
+    check_device(kw["device"])                # the counts are >= 1 already (their option type, Count(1))
+    modes = check_modes(kw["modes"])
+    slack = 8
+    max_len = kw["prompt_len"] * 2 + kw["max_tokens"] + slack     # batch-invariance's fill prompts may be longer
     cfg = parse_sweep({"name": kind, "model": kw["model"], "device": kw["device"], "dtype": kw["dtype"],
                        "engine_args": {"max_model_len": max_len, "max_num_seqs": 32},
                        "scenarios": [{"isl": kw["prompt_len"], "osl": kw["max_tokens"]}], "concurrency": [1],
                        "seed": kw["seed"]}, f"deepinfer-bench {kind}")
+    check_positions(kw["model"], model_limits(kw["model"]), [Term("--prompt-len", kw["prompt_len"], per=2),
+                                                             Term("--max-tokens", kw["max_tokens"])], reserved=slack)
     run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id_for(kw["run_id"], kind)
     refuse_existing_rows(run_dir, resumable=False)
     llm = build_llm(cfg)                      # a bad model fails here, before the run directory is made
     prompts = random_workload(num_prompts, kw["prompt_len"], 1, 0.5, llm.model.cfg.vocab_size, kw["seed"]).prompts
-    modes = {"both": [False, True], "on": [True], "off": [False]}[kw["modes"]]
     rows = run_checks(llm, kind, modes, run_dir, prompts, runs or 0, trials or 0, kw["max_tokens"], kw["seed"])
     click.echo(f"{kind}: rows in {run_dir}")
     for r in rows:

@@ -39,7 +39,9 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
+from .limits import Term, check_concurrency, check_positions, default_step_budget, model_limits
 from .metrics import compute_metrics
+from .options import check_distinct, check_names, parse_decimal_list
 from .traffic import traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
@@ -48,6 +50,7 @@ from .workload import random_workload, run_requests
 DSPARK_METHOD_VERSION = "2"
 PROMPT_SETS = ("random", "all", "code", "math", "chat")
 PROMPT_FILE = Path(__file__).parent / "data" / "dspark_prompts.jsonl"
+POSITION_SLACK = 8                     # positions max_model_len keeps beyond isl + osl + drafts
 TIMED_ATTEMPTS = 4                     # a timed pass that captured a CUDA graph is run again, at most this often
 MODES = ("off", "fixed", "confidence", "budget")
 # Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).
@@ -84,16 +87,20 @@ class DSparkConfig:
             return None
         if self.acceptance in CURVES:
             return CURVES[self.acceptance]
-        try:
-            return tuple(float(v) for v in self.acceptance.split(","))
-        except ValueError:
+        try:                                  # survival rates may repeat (a flat curve): no distinct rule
+            return parse_decimal_list(self.acceptance, "--acceptance", "0.8,0.6,0.45", noun="survival rates",
+                                      distinct=False)
+        except DeepInferError:
             raise DeepInferError(f"--acceptance {self.acceptance!r}: give one of {', '.join(CURVES)}, 'measured' "
-                                 f"or comma-separated survival rates (e.g. 0.8,0.6,0.45,0.3,0.25)") from None
+                                 f"or comma-separated survival rates as plain decimals (e.g. 0.8,0.6,0.45,0.3,0.25)") \
+                from None
 
     def check(self) -> None:
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not self.modes:
-            raise DeepInferError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
+        """Every option, then what they become as engine arguments (max_num_seqs = the largest concurrency,
+        max_model_len = isl + osl + drafts + 8) against the engine's step budget and the model's positions, before
+        anything is built."""
+        check_names("--modes", self.modes, MODES)
+        check_distinct("--concurrency", self.concurrency)
         if self.prompts not in PROMPT_SETS:
             raise DeepInferError(f"--prompts {self.prompts!r}: choose from {', '.join(PROMPT_SETS)}")
         for name, v in (("--isl", self.isl), ("--osl", self.osl), ("--rounds", self.rounds),
@@ -103,9 +110,19 @@ class DSparkConfig:
         if self.osl < 2:
             raise DeepInferError("--osl must be at least 2 (TPOT needs two tokens)")
         from deepinfer.spec.config import spec_config
+        from deepinfer.env import read
         from deepinfer.validate import drafter_of_spec
+        switches = [k for k in ("DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_ENABLE_MTP_VARLEN") if read(k)]
+        if switches:                          # each mode sets speculation itself: the switches would contradict it
+            raise DeepInferError(f"deepinfer-bench dspark sets speculative decoding per mode (--modes, "
+                                 f"--num-speculative-tokens); {' and '.join(switches)} would contradict it: unset "
+                                 f"{'them' if len(switches) > 1 else 'it'}")
         for mode in self.modes:               # the engine's own checks (drafts, curve), before anything is built
             spec_config(self.speculative(mode), 5, drafter_of_spec(self.model))
+        check_concurrency("--concurrency", self.concurrency, default_step_budget())
+        check_positions(self.model, model_limits(self.model), [
+            Term("--isl", self.isl), Term("--osl", self.osl, minimum=2),
+            Term("--num-speculative-tokens", self.num_speculative_tokens)], reserved=POSITION_SLACK)
 
     def speculative(self, mode: str):
         """The engine's `speculative` argument for a mode (False: off)."""
@@ -192,7 +209,8 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
 def _engine(model, cfg: DSparkConfig, mode: str):
     from deepinfer import LLM
     return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, expert_storage=cfg.expert_storage,
-               max_model_len=cfg.isl + cfg.osl + cfg.num_speculative_tokens + 8, max_num_seqs=max(cfg.concurrency),
+               max_model_len=cfg.isl + cfg.osl + cfg.num_speculative_tokens + POSITION_SLACK,
+               max_num_seqs=max(cfg.concurrency),
                speculative=cfg.speculative(mode), expert_traffic=True)
 
 

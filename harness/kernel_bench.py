@@ -33,6 +33,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device
 
 from .ceilings import _time_calls, measure_ceilings
+from .options import check_distinct
 from .rows import (RowStore, atomic_write_text, done_keys, environment, read_rows, refuse_existing_rows, run_dir_guard,
                    utc_now)
 
@@ -78,10 +79,13 @@ class KernelConfig:
             bad = [v for v in values if v not in allowed]
             if bad or not values:
                 raise DeepInferError(f"{name} {','.join(bad) or '(empty)'}: use one or more of {', '.join(allowed)}")
+            check_distinct(name, values)
         if any(c < 1 for c in self.contexts) or not self.contexts:
             raise DeepInferError("--contexts: positive integers, comma-separated (e.g. 8192,32768,131072)")
         if any(t < 1 for t in self.tokens) or not self.tokens:
             raise DeepInferError("--tokens: positive integers, comma-separated (e.g. 1,16,64,256,8192)")
+        check_distinct("--contexts", self.contexts)
+        check_distinct("--tokens", self.tokens)
         if self.iters < 1 or self.warmup < 0:
             raise DeepInferError("--iters must be >= 1 and --warmup >= 0")
         triton_sets = [b for b in self.backends if b.startswith("triton")]

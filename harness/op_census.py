@@ -21,6 +21,12 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from deepinfer.errors import DeepInferError
+
+PROMPT_LEN = 32             # each census prompt's tokens
+NEW_TOKENS = 6              # tokens each prompt generates: the prefill's, then NEW_TOKENS - 1 decode steps
+RESERVED_IDS = 5            # the lowest ids are special tokens: prompts use ids from here up
+
 # aten ops that make no kernel (views, aliases, metadata, host reads); `to` / `contiguous` / `flatten` dispatch
 # their real work as _to_copy / clone / copy_, counted as those
 NO_LAUNCH = frozenset({
@@ -87,7 +93,41 @@ def _resolved(filename: str) -> Path:
     return Path(filename).resolve()      # the roots are resolved: a symlinked checkout still matches
 
 
-def run_census(llm, batch: int = 4, prompt_len: int = 32, new_tokens: int = 6) -> Census:
+def check_census(model: str, kernel_backend: str | None, batch: int) -> str:
+    """Before anything is built: the model's form, --batch against the engine's step budget (every decoding
+    sequence needs a token of each step) and --kernel-backend against the CPU and DEEPINFER_BATCH_INVARIANT.
+    Returns the backend set the engine will run."""
+    from deepinfer.validate import check_model_spec
+
+    from .limits import check_concurrency, check_kernel_backend, default_step_budget
+    check_model_spec(model)
+    check_concurrency("--batch", [batch], default_step_budget())
+    return check_kernel_backend(kernel_backend, "cpu")
+
+
+def build_census_engine(model: str, kernel_backend: str | None, batch: int):
+    """An eager CPU engine with a seat for each of `batch` sequences, positions for the census prompts (the count
+    per step does not depend on either: the tiny V4.1 gives 311 at batch 4 with 256 seats x 4096 positions and
+    with 4 x 39). Refused in one line when the state memory seats fewer than --batch."""
+    from deepinfer import LLM
+    from deepinfer.validate import resolve_model
+    llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu", kernel_backend=kernel_backend,
+              enforce_eager=True, async_scheduling=False, max_num_seqs=batch,
+              max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
+    if llm.engine.num_seats < batch:
+        raise DeepInferError(f"--batch {batch}: the CPU state memory seats {llm.engine.num_seats} sequences of "
+                             f"this model, so fewer would decode together; use --batch <= {llm.engine.num_seats}")
+    return llm
+
+
+def census_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[dict]:
+    """`batch` distinct prompts of consecutive ids (prompt i starts at id RESERVED_IDS + i), wrapping inside the
+    vocabulary so any batch stays in it (past vocab_size - RESERVED_IDS prompts, starts repeat)."""
+    span = vocab_size - RESERVED_IDS
+    return [{"prompt_token_ids": [RESERVED_IDS + (i + j) % span for j in range(prompt_len)]} for i in range(batch)]
+
+
+def run_census(llm, batch: int = 4, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS) -> Census:
     """Generate `new_tokens` for `batch` prompts twice on `llm` (an eager LLM); the second run's decode steps
     (every scheduled piece one token) are counted."""
     import deepinfer
@@ -108,7 +148,7 @@ def run_census(llm, batch: int = 4, prompt_len: int = 32, new_tokens: int = 6) -
             recorder.on = False
 
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(5 + i, 5 + i + prompt_len))} for i in range(batch)]
+    prompts = census_prompts(batch, prompt_len, llm.model.cfg.vocab_size)
     llm.generate(prompts, sp, use_tqdm=False)                      # warm: first-call paths out of the count
     runner.execute = counted
     try:
@@ -117,7 +157,6 @@ def run_census(llm, batch: int = 4, prompt_len: int = 32, new_tokens: int = 6) -
     finally:
         runner.execute = execute
     if census.steps == 0:
-        from deepinfer.errors import DeepInferError
         raise DeepInferError(f"deepinfer-bench ops: no decode step ran ({new_tokens} new tokens for {batch} "
                              f"prompts); give at least 2 new tokens")
     return census

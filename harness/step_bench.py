@@ -43,6 +43,8 @@ from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
 from .ceilings import measure_ceilings, roofline
+from .limits import Term, check_kernel_backend, check_positions, model_limits
+from .options import check_distinct
 from .traffic import layer_summary, traffic_cell, traffic_summary
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
                    refuse_existing_rows, run_dir_for, run_dir_guard, utc_now)
@@ -56,22 +58,6 @@ BUSY_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 # --------------------------------------------------------------------------------------------- run definition
-
-def parse_int_list(text: str | None, name: str, minimum: int = 1) -> tuple[int, ...]:
-    """"1,16,64" -> (1, 16, 64); one error line naming the option otherwise."""
-    if text is None or str(text).strip() == "":
-        return ()
-    out = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) < minimum:
-            raise DeepInferError(f"{name} {text!r}: give a comma-separated list of integers >= {minimum}, "
-                                 f"e.g. {'1,16,64' if name == '--batch' else '1024,8192'}")
-        out.append(int(part))
-    if len(set(out)) != len(out):
-        raise DeepInferError(f"{name} {text!r} repeats a value")
-    return tuple(out)
-
 
 @dataclass(frozen=True)
 class StepPoint:
@@ -133,6 +119,8 @@ class StepConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise DeepInferError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
         parse_dtype(self.dtype)
+        for option, values in (("--batch", self.batches), ("--context", self.contexts), ("--prefill", self.prefill)):
+            check_distinct(option, values)
         if not self.points():
             raise DeepInferError("no points: give --batch and --context, or --prefill")
 
@@ -166,6 +154,18 @@ class StepConfig:
         if self.kv_cache_dtype != "auto":
             args["kv_cache_dtype"] = self.kv_cache_dtype
         return args
+
+    def check_positions(self) -> None:
+        """engine_args' max_model_len (the longest point) mapped back to --context / --query-len / --prefill and
+        checked against the model's positions, from its config alone (before anything is built)."""
+        limits = model_limits(self.model)
+        rows = [p for p in self.points() if p.shape != "prefill"]
+        if rows:
+            longest = max(rows, key=lambda p: p.context + p.query_len)
+            check_positions(self.model, limits, [Term("--context", longest.context, minimum=0),
+                                                 Term("--query-len", longest.query_len)])
+        if self.prefill:
+            check_positions(self.model, limits, [Term("--prefill", max(self.prefill))])
 
 
 # ------------------------------------------------------------------------------------- what a step must touch
@@ -654,6 +654,8 @@ def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", r
     run_dir = run_dir_for(report_dir, run_id, out, "step")
     probe_cls = (probe_factory or default_probe_factory)()        # fail before any device work
     check_model(cfg.model, cfg.expert_storage)
+    cfg.check_positions()
+    check_kernel_backend(cfg.kernel_backend, cfg.device)
     done = check_run(cfg, run_dir, resume)
     todo = [p for p in cfg.points() if p.key not in done]
     if not todo:

@@ -27,13 +27,16 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
+from .limits import Term, check_concurrency, check_positions, default_step_budget, model_limits
 from .metrics import compute_metrics
+from .options import check_distinct, check_names, parse_decimal_list
 from .traffic import traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
 
 STRUCTURED_METHOD_VERSION = "1"
+POSITION_SLACK = 8                 # positions max_model_len keeps beyond isl + osl
 # The bench's grammars: open-ended ones (a random model rarely completes them early), with the large legal
 # token sets of free text inside JSON strings / the regex's words: the expensive case for the mask.
 SCHEMAS = {
@@ -76,17 +79,23 @@ class StructuredConfig:
         return out
 
     def check(self) -> None:
-        unknown = [s for s in self.schemas if s not in SCHEMAS]
-        if unknown or not self.schemas:
-            raise DeepInferError(f"--schemas {','.join(self.schemas)!r}: choose from {', '.join(SCHEMAS)}")
+        """Every option, then what they become as engine arguments (max_num_seqs = the largest batch,
+        max_model_len = isl + osl + POSITION_SLACK) against the engine's step budget and the model's positions,
+        before anything is built."""
+        check_names("--schemas", self.schemas, tuple(SCHEMAS))
         bad = [f for f in self.fractions if not 0 <= f <= 1]
         if bad or not self.fractions:
             raise DeepInferError(f"--fractions: give fractions in [0, 1], e.g. 0,0.5,1 (got {bad or 'none'})")
+        check_distinct("--fractions", self.fractions)
+        check_distinct("--batch", self.batches)
         for name, v in (("--isl", self.isl), ("--osl", self.osl), ("--rounds", self.rounds)):
             if v < 1:
                 raise DeepInferError(f"{name} must be at least 1, got {v}")
         if self.osl < 2:
             raise DeepInferError("--osl must be at least 2 (TPOT needs two tokens)")
+        check_concurrency("--batch", self.batches, default_step_budget())
+        check_positions(self.model, model_limits(self.model),
+                        [Term("--isl", self.isl), Term("--osl", self.osl, minimum=2)], reserved=POSITION_SLACK)
 
 
 def constrained(fraction: float, batch: int) -> int:
@@ -99,14 +108,8 @@ def key(schema: str, batch: int, fraction: float) -> str:
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:
-    try:
-        out = tuple(float(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise DeepInferError(f"--fractions {text!r}: give comma-separated fractions in [0, 1], e.g. 0,0.5,1") \
-            from None
-    if len(set(out)) != len(out):
-        raise DeepInferError(f"--fractions {text!r} repeats a value")
-    return out
+    """'0,0.5,1' -> (0.0, 0.5, 1.0): distinct plain decimals (their range: StructuredConfig.check)."""
+    return parse_decimal_list(text, "--fractions", "0,0.5,1", noun="fractions")
 
 
 def output_parses(schema: str, text: str) -> bool:
@@ -172,7 +175,7 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
     parse_dtype(cfg.dtype)
     check_model(cfg.model, cfg.expert_storage)
     refuse_existing_rows(run_dir, resumable=False)
-    max_len = cfg.isl + cfg.osl + 8
+    max_len = cfg.isl + cfg.osl + POSITION_SLACK
     sweep = parse_sweep({"name": "structured", "model": cfg.model, "device": cfg.device, "dtype": cfg.dtype,
                          "engine_args": {"max_model_len": max_len, "max_num_seqs": max(cfg.batches),
                                          "expert_storage": cfg.expert_storage},

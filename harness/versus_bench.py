@@ -27,11 +27,14 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
+from .limits import Term, bench_backend, check_positions, model_limits
+from .options import check_distinct, check_names
 from .traffic import traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 
 VERSUS_METHOD_VERSION = "1"
+POSITION_SLACK = 8                 # positions max_model_len keeps beyond isl + osl
 ENGINES = ("transformers", "deepinfer", "reference")
 
 
@@ -47,14 +50,17 @@ class VersusConfig:
     seed: int = 0
 
     def check(self) -> None:
-        bad = [e for e in self.engines if e not in ENGINES]
-        if bad or not self.engines:
-            raise DeepInferError(f"--engines {','.join(self.engines)!r}: choose from {', '.join(ENGINES)}")
+        """Every option, then max_model_len (isl + osl + POSITION_SLACK) against the model's positions, before
+        anything is built."""
+        check_names("--engines", self.engines, ENGINES)
+        check_distinct("--batch", self.batches)
         for name, v in (("--isl", self.isl), ("--osl", self.osl)):
             if v < 1:
                 raise DeepInferError(f"{name} must be at least 1, got {v}")
         check_device(self.device)
         parse_dtype(self.dtype)
+        check_positions(self.model, model_limits(self.model), [Term("--isl", self.isl), Term("--osl", self.osl)],
+                        reserved=POSITION_SLACK)
 
 
 def transformers_twin(model, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
@@ -160,7 +166,7 @@ def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
         raise DeepInferError(f"deepinfer-bench versus compares with transformers 5.23, which runs deepseek_v4 only; "
                              f"{cfg.model} is {model.cfg.model_type!r}")
     vocab = model.cfg.vocab_size
-    max_len = cfg.isl + cfg.osl + 8
+    max_len = cfg.isl + cfg.osl + POSITION_SLACK
     with run_dir_guard(run_dir):
         store, env = RowStore(run_dir), environment()
         atomic_write_text(run_dir / "versus.json", json.dumps(asdict(cfg), indent=1) + "\n")
@@ -198,7 +204,7 @@ def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
             if not on_cpu:
                 torch.cuda.empty_cache()
                 model.to(cfg.device)
-        for engine, backend in (("deepinfer", None), ("reference", "reference")):
+        for engine, backend in (("deepinfer", None), ("reference", bench_backend("reference"))):
             if engine not in cfg.engines:
                 continue
             args = {"kernel_backend": backend} if backend else {}

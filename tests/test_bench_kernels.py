@@ -88,7 +88,8 @@ def test_traffic_counts_stored_bytes():
     (["--contexts", "0"], r"--contexts"),
     (["--storage", "int4"], r"--storage int4: use one or more of fp4, fp8, bf16"),
     (["--tokens", "0"], r"--tokens"),
-    (["--experts-limit", "0"], r"--experts-limit must be >= 1"),
+    (["--experts-limit", "0"], r"--experts-limit must be at least 1, got 0"),
+    (["--op", "experts,experts"], r"--op 'experts,experts' lists experts twice"),
     (["--resume", "--backend", "reference"], r"--resume: no kernel run"),
     (["--backend", "triton"], r"--backend triton runs Triton kernels on CUDA only; on cpu use --backend reference"),
 ])

@@ -29,4 +29,4 @@ def test_census_files_every_op_by_source():
 def test_bad_options_are_one_line():
     result = CliRunner().invoke(cli, ["ops", "--top", "0"])       # main() prints a DeepInferError as one line
     assert result.exit_code != 0 and isinstance(result.exception, DeepInferError)
-    assert "--top 0" in str(result.exception) and "\n" not in str(result.exception)
+    assert "--top must be at least 1, got 0" in str(result.exception) and "\n" not in str(result.exception)

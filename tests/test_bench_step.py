@@ -12,9 +12,9 @@ from deepinfer.errors import DeepInferError
 from deepinfer.harness import step_bench
 from deepinfer.harness.ceilings import measure_ceilings, roofline
 from deepinfer.harness.cli import cli
+from deepinfer.harness.options import parse_int_list
 from deepinfer.harness.step_bench import (Routing, StepConfig, StepPoint, attention_flops, busy_union,
-                                          idle_from_trace, inventory, top_kernels, parse_int_list, routing_from_calls,
-                                          step_traffic)
+                                          idle_from_trace, inventory, top_kernels, routing_from_calls, step_traffic)
 from tests.helpers import assert_traffic
 
 try:
@@ -93,7 +93,7 @@ def test_top_kernels():
 def test_parse_lists():
     assert parse_int_list("1,16, 64", "--batch") == (1, 16, 64)
     assert parse_int_list("0,1024", "--context", minimum=0) == (0, 1024)
-    for bad in ("1,x", "0", "1,,2", "-3", "2,2"):
+    for bad in ("1,x", "0", "1,,2", "-3", "2,2", "²", "1,٣", "1_0"):
         with pytest.raises(DeepInferError, match="--batch"):
             parse_int_list(bad, "--batch")
 
@@ -231,6 +231,7 @@ def test_failure_rows_and_continue(tmp_path, monkeypatch):
     (["--model", "random:deepseek_v9:tiny:4"], "deepseek_v9"),
     (["--model", "random:deepseek_v4:tiny"], "random:ARCH:PRESET:LAYERS"),
     (["--iters", "0"], "--iters must be at least 1"),
+    (["--query-len", "²"], "--query-len '²'"),
     (["--expert-storage", "fp4"], "dense"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path, monkeypatch, capsys):
