@@ -129,7 +129,7 @@ def run_cmd(model, arch, prompt, max_tokens, device, dtype, no_qat, expert_stora
     from .llm import LLM
     from .sampling import SamplingParams
     from .validate import check_checkpoint_arch, check_model_spec
-    check_text("--prompt", prompt)
+    check_text("--prompt", prompt, from_bytes=True)
     model = check_model_spec(model)
     if model is None or model == EMBEDDED:
         from .checkpoint.make import embedded_tiny_dir
@@ -218,16 +218,16 @@ def generate_cmd(model, prompts, max_tokens, temperature, top_p, top_k, n, seed,
                  so_regex, so_ebnf) -> None:
     import json
 
-    from .llm import LLM
+    from .llm import ENGINE_DEFAULTS, LLM
     from .sampling import SamplingParams
     from .validate import check_model_spec
     for i, p in enumerate(prompts):
-        check_text("--prompt" if len(prompts) == 1 else f"--prompt {i + 1}", p)
+        check_text("--prompt" if len(prompts) == 1 else f"--prompt {i + 1}", p, from_bytes=True)
     so_args = _so_args_option(so_json, so_regex, so_ebnf)
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed,
                         so_args=so_args)
     model = check_model_spec(model)
-    sized = {"max_num_seqs": len(prompts) * sp.n}
+    sized = {"max_num_seqs": min(len(prompts) * sp.n, ENGINE_DEFAULTS["max_num_seqs"])}   # beyond it: queued
     if not (isinstance(model, str) and model.startswith("random:")):
         sized |= _sized_to(_check_prompt_first(resolve_model(model, "cpu", "float32") if model in (None, EMBEDDED)
                                                else model, None, list(prompts)), max_tokens)

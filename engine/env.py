@@ -70,7 +70,7 @@ def read(name: str):
         return v in _TRUE
     if var.kind == "int":
         span = f"in {var.minimum}..{var.maximum}" if var.maximum is not None else f">= {var.minimum}"
-        if not (raw.isascii() and raw.lstrip("+-").isdigit()):
+        if not (raw.isascii() and raw.isdigit()):       # ASCII digits only: no sign, '²', '1_000' (int() takes them)
             raise DeepInferError(f"{name}={raw!r} is not an integer; use an integer {span}")
         value = int(raw)
         if value < var.minimum or (var.maximum is not None and value > var.maximum):

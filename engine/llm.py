@@ -44,12 +44,12 @@ from .cache.pools import check_kv_cache_dtype
 log = logging.getLogger("deepinfer")
 INVARIANT_CONTEXT_HINT = 1 << 16    # above this, invariant mode's fixed-width entry lists get costly (docs/runtime.md)
 
-_ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
-                "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
-                "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
-                "projection_storage": "dense", "kv_cache_dtype": "auto",
-                "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
-                "expert_act_quant": False, "speculative": None, "expert_traffic": False}
+ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": None,
+                   "state_memory_bytes": None, "gpu_memory_utilization": 0.9, "enforce_eager": False,
+                   "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
+                   "projection_storage": "dense", "kv_cache_dtype": "auto",
+                   "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
+                   "expert_act_quant": False, "speculative": None, "expert_traffic": False}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -64,11 +64,11 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
 class LLM:
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str | torch.dtype = "float32",
                  seed: int = 0, qat_fake_quant: bool = True, **engine_args):
-        unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
+        unknown = sorted(set(engine_args) - set(ENGINE_DEFAULTS))
         if unknown:
             raise DeepInferError(f"LLM() got unknown arguments {unknown}; known engine arguments: "
-                                 f"{sorted(_ENGINE_ARGS)}")
-        args = {**_ENGINE_ARGS, **engine_args}
+                                 f"{sorted(ENGINE_DEFAULTS)}")
+        args = {**ENGINE_DEFAULTS, **engine_args}
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "state_memory_bytes",
                      "max_graph_batch", "block_size"):
             _positive_int(name, args[name], optional=name in ("max_model_len", "state_memory_bytes", "block_size"))

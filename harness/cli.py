@@ -15,7 +15,7 @@ from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE, PROJECTION_STORAGE
 
 from .checks import CHECK_MODES
 from .kernel_bench import OPS as KOPS   # noqa: E402  deepinfer-bench kernels --op
-from .options import Count, parse_int_list, parse_names, split_items
+from .options import SEED, Count, parse_int_list, parse_names, split_items
 from .versus_bench import ENGINES as VERSUS_ENGINES   # noqa: E402
 
 DEVICE_HELP = "cpu | cuda | cuda:N (GPU N)"
@@ -203,7 +203,7 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
               help="fp8: the release's FP8 projections stay FP8 and run fp8_linear (W8A8)")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="fp8: the release's FP8 / FP4 KV cache records (docs/kernels.md)")
-@click.option("--seed", type=Count(0), default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: step-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -261,7 +261,7 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
 @click.option("--experts-limit", type=Count(1), default=None, help="build only this many experts (small devices)")
 @click.option("--iters", type=Count(1), default=20, show_default=True)
 @click.option("--warmup", type=Count(0), default=3, show_default=True)
-@click.option("--seed", type=Count(0), default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: kernels-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -311,7 +311,7 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
 @click.option("--isl", type=Count(1), default=64, show_default=True, help="prompt tokens")
 @click.option("--osl", type=Count(1), default=64, show_default=True, help="most output tokens")
 @click.option("--rounds", type=Count(1), default=2, show_default=True, help="timed requests per point = batch x rounds")
-@click.option("--seed", type=Count(0), default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: structured-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -361,7 +361,7 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
               help="new tokens per request (exactly; with --prompts from the set: at most, ending at EOS)")
 @click.option("--rounds", type=Count(1), default=2, show_default=True,
               help="timed requests per point = concurrency x rounds")
-@click.option("--seed", type=Count(0), default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--prompts", type=click.Choice(["random", "all", "code", "math", "chat"]), default="random",
               show_default=True, help="random tokens, or a category of the project-owned prompt set (a real "
               "checkpoint's acceptance: chat template, cut to --isl, up to --osl new tokens ending at EOS)")
@@ -408,7 +408,7 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
 @click.option("--osl", type=Count(1), default=32, show_default=True, help="new tokens per prompt (exactly)")
 @click.option("--engines", default=",".join(VERSUS_ENGINES), show_default=True, callback=not_blank,
               help="which of transformers, deepinfer (default kernels), reference (torch backend)")
-@click.option("--seed", type=Count(0), default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: versus-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
@@ -462,7 +462,7 @@ def _check_options(f):
         click.option("--mode", "modes", type=click.Choice(list(CHECK_MODES)), default=None,
                      help="batch-invariant mode off, on, or both [default: both; on only under "
                           "DEEPINFER_BATCH_INVARIANT=1]"),
-        click.option("--seed", type=Count(0), default=0, show_default=True),
+        click.option("--seed", type=SEED, default=0, show_default=True),
         click.option("--report-dir", default="reports", show_default=True, callback=not_blank),
         click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: time + check]")]):
         f = opt(f)
@@ -499,21 +499,21 @@ def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: 
     from deepinfer.validate import check_device
 
     from .checks import check_modes, run_checks
-    from .limits import Term, check_positions, model_limits
+    from .limits import POSITION_SLACK, Term, check_positions, model_limits
     from .rows import SCHEMA_VERSION, refuse_existing_rows, run_id_for
     from .sweep import build_llm
     from .sweep_config import parse_sweep
     from .workload import random_workload
     check_device(kw["device"])                # the counts are >= 1 already (their option type, Count(1))
     modes = check_modes(kw["modes"])
-    slack = 8
-    max_len = kw["prompt_len"] * 2 + kw["max_tokens"] + slack     # batch-invariance's fill prompts may be longer
+    max_len = kw["prompt_len"] * 2 + kw["max_tokens"] + POSITION_SLACK   # batch-invariance's fill prompts: longer
     cfg = parse_sweep({"name": kind, "model": kw["model"], "device": kw["device"], "dtype": kw["dtype"],
                        "engine_args": {"max_model_len": max_len, "max_num_seqs": 32},
                        "scenarios": [{"isl": kw["prompt_len"], "osl": kw["max_tokens"]}], "concurrency": [1],
                        "seed": kw["seed"]}, f"deepinfer-bench {kind}")
-    check_positions(kw["model"], model_limits(kw["model"]), [Term("--prompt-len", kw["prompt_len"], per=2),
-                                                             Term("--max-tokens", kw["max_tokens"])], reserved=slack)
+    check_positions(kw["model"], model_limits(kw["model"]),
+                    [Term("--prompt-len", kw["prompt_len"], per=2), Term("--max-tokens", kw["max_tokens"])],
+                    reserved=POSITION_SLACK)
     run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id_for(kw["run_id"], kind)
     refuse_existing_rows(run_dir, resumable=False)
     llm = build_llm(cfg)                      # a bad model fails here, before the run directory is made

@@ -39,7 +39,8 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .limits import Term, check_concurrency, check_positions, default_step_budget, model_limits
+from .limits import (POSITION_SLACK, Term, check_concurrency, check_positions, default_step_budget,
+                     model_limits)
 from .metrics import compute_metrics
 from .options import check_distinct, check_names, parse_decimal_list
 from .traffic import traffic_cell, traffic_fields
@@ -50,7 +51,6 @@ from .workload import random_workload, run_requests
 DSPARK_METHOD_VERSION = "2"
 PROMPT_SETS = ("random", "all", "code", "math", "chat")
 PROMPT_FILE = Path(__file__).parent / "data" / "dspark_prompts.jsonl"
-POSITION_SLACK = 8                     # positions max_model_len keeps beyond isl + osl + drafts
 TIMED_ATTEMPTS = 4                     # a timed pass that captured a CUDA graph is run again, at most this often
 MODES = ("off", "fixed", "confidence", "budget")
 # Published acceptance as per-position survival s_k (the chance drafts 1..k all pass; 5-token AL = 1 + sum).

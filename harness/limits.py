@@ -14,6 +14,7 @@ from pathlib import Path
 from deepinfer.errors import DeepInferError
 
 INVARIANT_VAR = "DEEPINFER_BATCH_INVARIANT"
+POSITION_SLACK = 8        # positions the benches' max_model_len keeps beyond isl + osl (+ drafts)
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ def check_positions(model: str, limits: ModelLimits | None, terms: list[Term], r
 def default_step_budget() -> int:
     """The engine's default max_num_batched_tokens (a step's token budget), which the benches that do not size it
     build with."""
-    from deepinfer.llm import _ENGINE_ARGS
-    return _ENGINE_ARGS["max_num_batched_tokens"]
+    from deepinfer.llm import ENGINE_DEFAULTS
+    return ENGINE_DEFAULTS["max_num_batched_tokens"]
 
 
 def check_concurrency(option: str, values, budget: int) -> None:

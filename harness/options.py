@@ -22,13 +22,18 @@ DIGITS = re.compile(r"[0-9]+")
 DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")       # 0.5, .5, 1, 1.: no sign, exponent, nan or inf
 
 
-def parse_count(text, option: str, minimum: int = 0) -> int:
-    """A whole number >= minimum written in ASCII digits; anything else is one line naming the option."""
+SEED_MAX = 2 ** 31 - 1     # seeds feed torch generators after the benches' own arithmetic (seed x 1_000_003 + i)
+
+
+def parse_count(text, option: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """A whole number in minimum..maximum written in ASCII digits; anything else is one line naming the option."""
     item = str(text).strip()
     if not DIGITS.fullmatch(item):
         raise DeepInferError(f"{option} {text!r}: give a whole number >= {minimum} in ASCII digits (0-9)")
     if int(item) < minimum:                   # the wording of the benches' own range checks (their Python API)
         raise DeepInferError(f"{option} must be at least {minimum}, got {int(item)}")
+    if maximum is not None and int(item) > maximum:
+        raise DeepInferError(f"{option} must be at most {maximum}, got {int(item)}")
     return int(item)
 
 
@@ -107,10 +112,14 @@ class Count(click.ParamType):
     """A click type for one whole number >= minimum, through parse_count (click's INT takes what int() takes)."""
     name = "integer"
 
-    def __init__(self, minimum: int = 0):
-        self.minimum = minimum
+    def __init__(self, minimum: int = 0, maximum: int | None = None):
+        self.minimum, self.maximum = minimum, maximum
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum and \
+                (self.maximum is None or value <= self.maximum):
             return value                                          # a default, already a number
-        return parse_count(value, option_name(param), self.minimum)
+        return parse_count(value, option_name(param), self.minimum, self.maximum)
+
+
+SEED = Count(0, SEED_MAX)

@@ -27,7 +27,8 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .limits import Term, check_concurrency, check_positions, default_step_budget, model_limits
+from .limits import (POSITION_SLACK, Term, check_concurrency, check_positions, default_step_budget,
+                     model_limits)
 from .metrics import compute_metrics
 from .options import check_distinct, check_names, parse_decimal_list
 from .traffic import traffic_cell, traffic_fields
@@ -36,7 +37,6 @@ from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, rea
 from .workload import random_workload, run_requests
 
 STRUCTURED_METHOD_VERSION = "1"
-POSITION_SLACK = 8                 # positions max_model_len keeps beyond isl + osl
 # The bench's grammars: open-ended ones (a random model rarely completes them early), with the large legal
 # token sets of free text inside JSON strings / the regex's words: the expensive case for the mask.
 SCHEMAS = {

@@ -229,7 +229,7 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
 def _check_engine_fits(v, model: str, engine_args: dict, concurrency: dict, topology) -> None:
     """What the file alone decides: every point's concurrency per replica fits the engine's max_num_seqs and step
     budget, and fp4 expert storage is asked of a model that has it (a random V4 does not)."""
-    from deepinfer.llm import _ENGINE_ARGS
+    from deepinfer.llm import ENGINE_DEFAULTS
     from deepinfer.validate import check_expert_storage, random_spec_arch
     arch = random_spec_arch(model)
     if arch is not None and "expert_storage" in engine_args:
@@ -237,8 +237,8 @@ def _check_engine_fits(v, model: str, engine_args: dict, concurrency: dict, topo
             check_expert_storage(engine_args["expert_storage"], arch)
         except DeepInferError as e:
             raise v.error("engine_args.expert_storage", str(e)) from None
-    seats = min(engine_args.get("max_num_seqs", _ENGINE_ARGS["max_num_seqs"]),
-                engine_args.get("max_num_batched_tokens", _ENGINE_ARGS["max_num_batched_tokens"]))
+    seats = min(engine_args.get("max_num_seqs", ENGINE_DEFAULTS["max_num_seqs"]),
+                engine_args.get("max_num_batched_tokens", ENGINE_DEFAULTS["max_num_batched_tokens"]))
     for mode, ladder in concurrency.items():
         ranks = topology.ranks(mode)
         worst = max(-(-c // ranks) for c in ladder)

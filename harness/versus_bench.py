@@ -27,14 +27,13 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .limits import Term, bench_backend, check_positions, model_limits
+from .limits import POSITION_SLACK, Term, bench_backend, check_positions, model_limits
 from .options import check_distinct, check_names
 from .traffic import traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 
 VERSUS_METHOD_VERSION = "1"
-POSITION_SLACK = 8                 # positions max_model_len keeps beyond isl + osl
 ENGINES = ("transformers", "deepinfer", "reference")
 
 

@@ -119,7 +119,7 @@ GENERATE = [
     ("prompts-empty-list", [], None, "non-empty list"),
     ("lone-surrogate", "ab\ud800", None,
      r"prompt 0 is not valid Unicode text: a lone surrogate U\+D800 at character 2"),
-    ("raw-byte", "caf\udce9", None, "prompt 0 is not valid UTF-8: byte 0xe9 at character 3"),
+    ("escaped-byte", "caf\udce9", None, r"prompt 0 is not valid Unicode text: a lone surrogate U\+DCE9 at character 3"),
     ("stray-in-ids", [1, "a", 3], None, "prompts mixes token ids with a str at position 1"),
 ]
 
@@ -134,12 +134,13 @@ def test_generate_refuses(llm, prompts, params, match):
 def test_text_is_checked_wherever_it_enters(llm, tmp_path):
     """One rule (engine/text.py) for every text input: stop strings, schemas, chat messages."""
     from deepinfer.errors import DeepInferError as E
-    refuse_api(lambda: SamplingParams(stop=["ok", "x\udcff"]), E, "stop string 1 is not valid UTF-8: byte 0xff")
+    refuse_api(lambda: SamplingParams(stop=["ok", "x\udcff"]), E,
+               r"stop string 1 is not valid Unicode text: a lone surrogate U\+DCFF at character 1")
     refuse_api(lambda: SamplingParams(so_args={"regex": "a\ud800"}), E,
                r"so_args regex schema is not valid Unicode text: a lone surrogate U\+D800")
     steps = llm.stats.steps
     refuse_api(lambda: llm.chat([{"role": "user", "content": "\udce9t\u00e9"}], use_tqdm=False), E,
-               r"chat message 0 \('user'\) content is not valid UTF-8: byte 0xe9 at character 0")
+               r"chat message 0 \('user'\) content is not valid Unicode text: a lone surrogate U\+DCE9 at character 0")
     assert llm.stats.steps == steps
 
 
@@ -336,3 +337,19 @@ def test_examples_take_the_error_path(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_integer_env_values_are_ascii_digits(monkeypatch, tmp_path):
+    for raw in ("--3", "+3", "-0", "1_0"):
+        monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_MIN_TOKENS", raw)
+        refuse_cli(deepinfer_cli, ["run", "--max-tokens", "1"], "is not an integer; use an integer >= 1",
+                   watch=[tmp_path], env={"DEEPINFER_YOCO_PREFILL_MIN_TOKENS": raw})
+
+
+def test_generate_sizes_its_engine_no_larger_than_the_default(monkeypatch):
+    """Many samples of one prompt: up to the engine's default seats at once, the rest queued (not refused)."""
+    from click.testing import CliRunner
+    res = CliRunner().invoke(deepinfer_cli, ["generate", "--prompt", "a", "--n", "300", "--temperature", "1",
+                                             "--max-tokens", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert len(__import__("json").loads(res.output.splitlines()[-1])["outputs"]) == 300

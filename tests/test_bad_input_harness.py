@@ -436,3 +436,10 @@ def test_speculation_switches_against_benches_that_set_it(env, tmp_path, no_buil
     refuse_cli(bench_cli, ["sweep", str(sweep), "--report-dir", str(tmp_path / "r")],
                r"speculative\[0\].*speculative=False turns speculative decoding off, but DEEPINFER_USE_NEXTN_DECODE=3",
                watch=[tmp_path / "r"], env=env)
+
+
+def test_seeds_are_bounded_before_any_work(tmp_path, no_build):
+    """A seed past what the generators take (after the benches' own seed arithmetic) is one line, not an overflow
+    after the ceilings were measured."""
+    refuse_cli(bench_cli, _bench_args(["kernels", "--device", "cpu", "--seed", "99999999999999999999"], tmp_path),
+               "--seed must be at most 2147483647, got 99999999999999999999", watch=[tmp_path])

@@ -274,9 +274,9 @@ def test_constants_match_the_engine():
     from deepinfer import validate
     from deepinfer.config.presets import PRESETS
     from deepinfer.harness import sweep_config as sc
-    from deepinfer.llm import _ENGINE_ARGS
+    from deepinfer.llm import ENGINE_DEFAULTS
     assert {(a, p) for a in validate.ARCHS for p in validate.PRESETS} == set(PRESETS)
-    assert set(sc.ENGINE_ARG_KINDS) <= set(_ENGINE_ARGS)
+    assert set(sc.ENGINE_ARG_KINDS) <= set(ENGINE_DEFAULTS)
 
 
 # ------------------------------------------------------------------------------------- speculative axis

@@ -392,14 +392,17 @@ class CheckpointLoader:
     def _report_off_dtype(self) -> None:
         """One line for every tensor stored in another float dtype than the release's (values are loaded either
         way, into the model's dtype): whether they are the release dtype's values exactly, or were rounded."""
-        first, stored, release, _ = self.off_dtype[0]
-        inexact = sum(not exact for *_, exact in self.off_dtype)
         name = lambda d: str(d).removeprefix("torch.")                     # noqa: E731
-        values = (f"all hold {name(release)} values exactly" if not inexact else
-                  f"{inexact} hold values {name(release)} cannot represent (the release would have rounded them)")
-        log.warning("checkpoint %s: %d tensor(s) are stored as %s where the release stores %s (config.json's "
-                    "dtype, or F32 for its F32 tensors), e.g. %s; %s; loaded into the model's %s", self.ckpt_dir,
-                    len(self.off_dtype), name(stored), name(release), first, values, name(self.dtype))
+        kinds: dict[tuple, int] = {}
+        for _, stored, release, _ in self.off_dtype:
+            kinds[stored, release] = kinds.get((stored, release), 0) + 1
+        how = ", ".join(f"{n} stored as {name(s)} where the release stores {name(r)}" for (s, r), n in kinds.items())
+        inexact = sum(not exact for *_, exact in self.off_dtype)
+        values = ("all hold values of the release dtype exactly" if not inexact else
+                  f"{inexact} hold values the release dtype cannot represent (the release would have rounded them)")
+        log.warning("checkpoint %s: %d tensor(s) in another float dtype than the release's (config.json's dtype, or "
+                    "F32 for its F32 tensors): %s, e.g. %s; %s; loaded into the model's %s", self.ckpt_dir,
+                    len(self.off_dtype), how, self.off_dtype[0][0], values, name(self.dtype))
 
     def _check_tid2eid(self, value: torch.Tensor, key: str, path: Path) -> None:
         """Hash routing indexes experts with these ids: out-of-range ids would only fail (or read garbage)

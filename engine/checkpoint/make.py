@@ -59,16 +59,18 @@ def _random_model(cfg, tokenizer, seed: int, device: str, dtype: torch.dtype, qa
                   router_skew: float = 0.0, **options):
     """Weights drawn from `seed`, then the routers' selection biases calibrated (balanced, or to `router_skew`):
     docs/bench.md, routing of random models. The biases must be a property of (config, seed, skew) like every
-    other weight, so a model's bf16 / fp32 / FP8-projection / CUDA builds and its checkpoint are one model: up to
-    TWIN_MAX_PARAMETERS they are fitted on a float32, dense, QAT CPU twin drawn from the same seed (the drawn
-    values are bf16-representable, so the twin holds the same weights) and copied in. Larger models (flash
-    widths, too big for a float32 twin) are fitted on their own forward, in their own dtype and device."""
+    other weight, so a model's bf16 / fp32 / FP8-projection builds on one device and its checkpoint (built on the
+    CPU) are one model: up to TWIN_MAX_PARAMETERS they are fitted on a float32, dense, QAT twin drawn from the same
+    seed on the same device (the drawn values are bf16-representable, so the twin holds the same weights; draws
+    differ between devices, so a CUDA build is its own model, as its weights are) and copied in. Larger models
+    (flash widths, too big for a float32 twin) are fitted on their own forward, in their own dtype."""
     model = _drawn_model(cfg, tokenizer, seed, device, dtype, qat_fake_quant, **options)
-    canonical = dtype == torch.float32 and str(device) == "cpu" and qat_fake_quant and not options
-    if canonical or sum(p.numel() for p in model.parameters()) > TWIN_MAX_PARAMETERS:
+    canonical = dtype == torch.float32 and qat_fake_quant and not options
+    size = sum(t.numel() for t in (*model.parameters(), *model.buffers()))   # FP4-resident experts are buffers
+    if canonical or size > TWIN_MAX_PARAMETERS:
         calibrate_routers(model, seed, router_skew)
         return model
-    twin = _drawn_model(cfg, tokenizer, seed, "cpu", torch.float32, True)
+    twin = _drawn_model(cfg, tokenizer, seed, device, torch.float32, True)
     calibrate_routers(twin, seed, router_skew)
     fitted = dict(routed_gates(twin))
     with torch.no_grad():
