@@ -170,7 +170,8 @@ class LLM:
                          shapes, contexts, seats)
                 t0 = time.perf_counter()
                 with use(kernels):
-                    tables = profile_step_rates(runner, self._config.max_num_batched_tokens, seats, contexts)
+                    tables = profile_step_rates(runner, self._config.max_num_batched_tokens, seats, contexts,
+                                                pad=pad)
                 top = {c: max(by_r.items()) for c, by_r in tables.items()}
                 log.info("speculative step rate profiled in %.1f s at contexts %s; ms per step at the most segments: "
                          "%s", time.perf_counter() - t0, list(tables), "; ".join(

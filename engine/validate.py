@@ -222,8 +222,7 @@ def prompt_list(prompts) -> list:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise DeepInferError(f"prompts must be {PROMPT_FORMS}, or a non-empty list of these; got "
                              f"{type(prompts).__name__}" + (" (empty)" if isinstance(prompts, (list, tuple)) else ""))
-    ids = [j for j, p in enumerate(prompts) if _is_id(p)]
-    if ids:          # a token-id prompt with a stray item: blame the stray, not the valid ids around it
+    if any(_is_id(p) for p in prompts):     # a token-id prompt with a stray item: blame the stray, not the ids
         j = next(j for j, p in enumerate(prompts) if not _is_id(p))
         raise DeepInferError(f"prompts mixes token ids with a {type(prompts[j]).__name__} at position {j}: a prompt "
                              f"of token ids holds integers only; a list of prompts holds {PROMPT_FORMS} only")

@@ -43,7 +43,7 @@ from .limits import (POSITION_SLACK, Term, check_concurrency, check_positions, d
                      model_limits)
 from .metrics import compute_metrics
 from .options import check_distinct, check_names, parse_decimal_list
-from .traffic import traffic_cell, traffic_fields
+from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
@@ -334,7 +334,7 @@ def table(rows: list[dict]) -> list[str]:
               for k, g in groups.items() if len(g) > 1}
     lines = [f"{'conc':>5} {'mode':<10} {'tok/s':>9} {'tok/s/u':>8} {'AL':>6} {'verif/row':>9} "
              f"{'u vs off':>8} {'verif vs fix':>12} {'AL vs fix':>9} {'tput vs fix':>11} {'verif vs fix@AL':>15} "
-             f"{'touched/uniform max/mean':<24}"
+             f"{TRAFFIC_HEADER}"
              + ("  tok/s range; tok/s/u range" if spread else "")]
     fmt = lambda v, f: "-" if v is None else format(v, f)                 # noqa: E731
     ratio = lambda a, b: a / b if a is not None and b else None           # noqa: E731

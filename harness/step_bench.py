@@ -45,7 +45,7 @@ from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device,
 from .ceilings import measure_ceilings, roofline
 from .limits import Term, check_kernel_backend, check_positions, model_limits
 from .options import check_distinct
-from .traffic import layer_summary, traffic_cell, traffic_summary
+from .traffic import TRAFFIC_HEADER, layer_summary, traffic_cell, traffic_summary
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
                    refuse_existing_rows, run_dir_for, run_dir_guard, utc_now)
 
@@ -728,7 +728,7 @@ def table(rows: list[dict]) -> list[str]:
         if r.get("status") == "ok":
             latest[r["key"]] = r
     head = f"{'point':<24} {'graph':>5} {'median ms':>10} {'p90 ms':>9} {'roofline':>9} {'bound':>7} " \
-           f"{'ratio':>7} {'experts':>9} {'GB':>8} {'idle':>6}  {'touched/uniform max/mean':<24}"
+           f"{'ratio':>7} {'experts':>9} {'GB':>8} {'idle':>6}  {TRAFFIC_HEADER}"
     lines = [head]
     for r in latest.values():
         idle = "n/a" if r.get("gpu_idle_fraction") is None else f"{100 * r['gpu_idle_fraction']:.0f}%"

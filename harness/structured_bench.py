@@ -31,7 +31,7 @@ from .limits import (POSITION_SLACK, Term, check_concurrency, check_positions, d
                      model_limits)
 from .metrics import compute_metrics
 from .options import check_distinct, check_names, parse_decimal_list
-from .traffic import traffic_cell, traffic_fields
+from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 from .workload import random_workload, run_requests
@@ -212,7 +212,7 @@ def table(rows: list[dict]) -> list[str]:
     ok = {r["key"]: r for r in rows if r.get("status") == "ok"}
     base = {r["batch"]: r for r in ok.values() if r["schema"] == "none"}
     lines = [f"{'schema':<7} {'batch':>5} {'fraction':>8} {'p50 TPOT':>9} {'vs f0':>7} {'mean TPOT':>9} "
-             f"{'tok/s':>9} {'out/req':>8} {'parse':>7}  {'touched/uniform max/mean':<24}"]
+             f"{'tok/s':>9} {'out/req':>8} {'parse':>7}  {TRAFFIC_HEADER}"]
     for r in sorted(ok.values(), key=lambda r: (r["batch"], r["schema"] != "none", r["schema"], r["fraction"])):
         b = base.get(r["batch"])
         ratio = r["median_tpot"] / b["median_tpot"] if b and b["median_tpot"] and \

@@ -142,6 +142,9 @@ def routing_verdict(rows: list[dict]) -> str:
     return f"{bad} of {len(seen)} rows unbalanced" if bad else "balanced"
 
 
+TRAFFIC_HEADER = f"{'touched/uniform max/mean':<24}"     # the bench tables' column of traffic_cell
+
+
 def traffic_cell(row: dict) -> str:
     """`touched/uniform max/mean` for report tables ('-' without traffic)."""
     t = row.get("expert_traffic")

@@ -29,7 +29,7 @@ from deepinfer.validate import check_device, parse_dtype
 
 from .limits import POSITION_SLACK, Term, bench_backend, check_positions, model_limits
 from .options import check_distinct, check_names
-from .traffic import traffic_cell, traffic_fields
+from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_fields
 from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
                    run_dir_guard, utc_now)
 
@@ -225,7 +225,7 @@ def table(rows: list[dict]) -> list[str]:
     """Per batch: each engine's time, tok/s, ms per step, and its speed against transformers and the reference."""
     ok = {(r["engine"], r["batch"]): r for r in rows if r.get("status") == "ok"}
     lines = [f"{'engine':<13} {'batch':>5} {'seconds':>9} {'tok/s':>9} {'ms/step':>8} {'vs hf':>7} {'vs ref':>7} "
-             f"{'agree':>6}  {'touched/uniform max/mean':<24}"]
+             f"{'agree':>6}  {TRAFFIC_HEADER}"]
     for (engine, b), r in sorted(ok.items(), key=lambda kv: (kv[0][1], ENGINES.index(kv[0][0]))):
         hf, ref = ok.get(("transformers", b)), ok.get(("reference", b))
         vs_hf = f"{hf['seconds'] / r['seconds']:.2f}x" if hf else "-"

@@ -114,7 +114,7 @@ class CheckpointLoader:
         self._finite_checked: list[tuple[str, torch.Tensor, str]] = []   # (key, loaded tensor, kind)
         # unquantized floats stored in another dtype than the release's (F32 for its F32 tensors, else
         # config.json's dtype): (key, stored dtype, release dtype, values exact in the release dtype)
-        self.stored_dtype = getattr(torch, str(getattr(model.cfg, "torch_dtype", "bfloat16")), torch.bfloat16)
+        self.release_dtype = getattr(torch, str(getattr(model.cfg, "torch_dtype", "bfloat16")), torch.bfloat16)
         self.off_dtype: list[tuple[str, torch.dtype, torch.dtype, bool]] = []
 
     def _expected_names(self) -> set[str]:
@@ -375,7 +375,7 @@ class CheckpointLoader:
         if name in self.seen:
             raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
         if value.dtype.is_floating_point and not tensor_was_quantized:
-            release = torch.float32 if is_fp32_tensor(name, self.family) else self.stored_dtype
+            release = torch.float32 if is_fp32_tensor(name, self.family) else self.release_dtype
             if value.dtype != release:
                 exact = bool(torch.equal(value.to(release).to(value.dtype), value))
                 self.off_dtype.append((key, value.dtype, release, exact))
