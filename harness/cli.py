@@ -367,13 +367,15 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
               "checkpoint's acceptance: chat template, cut to --isl, up to --osl new tokens ending at EOS)")
 @click.option("--repeats", type=Count(1), default=1, show_default=True,
               help="run the study this many times, engines built afresh (the table: medians and ranges)")
+@click.option("--one-engine", is_flag=True, help="hold one mode's engine at a time and run its points (a deep "
+              "model's large points fit; the modes of a point are then minutes apart, not back to back)")
 @click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--no-png", is_flag=True, help="chart as HTML only (no browser for kaleido)")
 @click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: dspark-<time>]")
 @click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
               help="run directory (overrides --report-dir / --run-id)")
 def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, acceptance, num_speculative_tokens, isl,
-               osl, rounds, seed, prompts, repeats, report_dir, no_png, run_id, out) -> None:
+               osl, rounds, seed, prompts, repeats, one_engine, report_dir, no_png, run_id, out) -> None:
     """DSpark speculative decoding against none, and confidence-scheduled verification against fixed-length:
     throughput, tok/s/user, accepted length and verified tokens per (mode, concurrency), acceptance pinned to a
     published curve by default (random weights accept almost nothing)."""
@@ -383,7 +385,7 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
                        modes=parse_names(modes, "--modes", MODES),
                        concurrency=parse_int_list(concurrency, "--concurrency"), acceptance=acceptance,
                        num_speculative_tokens=num_speculative_tokens, isl=isl, osl=osl, rounds=rounds, seed=seed,
-                       prompts=prompts, repeats=repeats)
+                       prompts=prompts, repeats=repeats, one_engine=one_engine)
     cfg.check()
     run_dir = run_dir_for(report_dir, run_id, out, "dspark")
     rows = run_dspark_bench(cfg, run_dir, echo=click.echo, png=not no_png)

@@ -80,6 +80,7 @@ class DSparkConfig:
     seed: int = 0
     prompts: str = "random"                # PROMPT_SETS: random tokens, or a category of the prompt set
     repeats: int = 1
+    one_engine: bool = False               # one mode's engine held at a time (a deep model's large points fit)
 
     def survival(self) -> tuple[float, ...] | None:
         """The pinned survival curve (None: measured acceptance)."""
@@ -232,7 +233,7 @@ def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index:
     except torch.OutOfMemoryError as e:        # every mode's engine is held at once: a large point can run out
         first = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
         row.update(status="failed", error=f"out of device memory at concurrency {c} ({first[:120]}); every mode's "
-                   f"engine is held at once: run fewer --modes or a lower --concurrency", finished=utc_now())
+                   f"engine is held at once: --one-engine, fewer --modes or a lower --concurrency", finished=utc_now())
     if row["status"] == "failed":
         free_device_memory()                   # outside the handler: its traceback no longer holds the tensors
     if row["status"] == "ok":
@@ -274,19 +275,24 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = Tr
                     "pinned_survival": None if survival is None else list(survival),
                     "num_speculative_tokens": cfg.num_speculative_tokens, "is_projected": False,
                     "rounds": cfg.rounds, "seed": cfg.seed, "acceptance": cfg.acceptance, "prompts": cfg.prompts,
-                    "repeats": cfg.repeats}
-        for rep in range(cfg.repeats):          # every mode's engine afresh each repeat; the modes of a point
-            engines = {}                         # are measured back to back (drift between them stays small)
-            for mode in cfg.modes:
-                t1 = time.perf_counter()
-                engines[mode] = _engine(model, cfg, mode)
-                echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
-            for index, c in enumerate(cfg.concurrency):          # every mode and repeat: the same workloads
-                for mode, llm in engines.items():
-                    store.append(_point_row(llm, cfg, identity, mode, c, index, rep, echo))
-            llm = None
-            engines.clear()                      # their pools and graphs go back before the next repeat's
-            free_device_memory()
+                    "repeats": cfg.repeats, "engines_held": 1 if cfg.one_engine else len(cfg.modes)}
+        # Every mode's engine afresh each repeat. By default all of them are held and the modes of a point run
+        # back to back (drift between them stays small); --one-engine runs one mode's points at a time, so a deep
+        # model's largest points fit beside one engine's pools and graphs instead of every mode's.
+        groups = [[m] for m in cfg.modes] if cfg.one_engine else [list(cfg.modes)]
+        for rep in range(cfg.repeats):
+            for group in groups:
+                engines = {}
+                for mode in group:
+                    t1 = time.perf_counter()
+                    engines[mode] = _engine(model, cfg, mode)
+                    echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
+                for index, c in enumerate(cfg.concurrency):      # every mode and repeat: the same workloads
+                    for mode, llm in engines.items():
+                        store.append(_point_row(llm, cfg, identity, mode, c, index, rep, echo))
+                llm = None
+                engines.clear()                  # their pools and graphs go back before the next engines'
+                free_device_memory()
     from .report import report_run
     report_run(run_dir, png=png)               # summary.csv, decode_pareto: a frontier per spec_mode
     return read_rows(run_dir)

@@ -87,6 +87,30 @@ def test_a_point_out_of_device_memory_is_a_failed_row_and_the_run_goes_on(tmp_pa
     assert all(r["status"] == "ok" for k, r in rows.items() if k != "fixed/c2")
 
 
+def test_one_engine_holds_one_modes_engine_at_a_time(tmp_path, monkeypatch):
+    """--one-engine builds a mode's engine, runs its points and lets it go before the next mode's is built (a deep
+    model's largest points then fit beside one engine); the rows are the same points, mode by mode, and say so."""
+    import gc
+    import weakref
+
+    from deepinfer.harness import dspark_bench
+    real, live = dspark_bench._engine, []
+
+    def engine(model, cfg, mode):
+        gc.collect()
+        held = [m for m, ref in live if ref() is not None]
+        assert held == [], f"{mode}'s engine built while {held} still held"
+        llm = real(model, cfg, mode)
+        live.append((mode, weakref.ref(llm)))
+        return llm
+    monkeypatch.setattr(dspark_bench, "_engine", engine)
+    cfg = DSparkConfig(modes=("off", "fixed"), concurrency=(1, 2), isl=8, osl=8, rounds=1, one_engine=True)
+    rows = run_dspark_bench(cfg, tmp_path / "run", png=False)
+    assert [r["key"] for r in rows] == ["off/c1", "off/c2", "fixed/c1", "fixed/c2"]
+    assert all(r["status"] == "ok" and r["engines_held"] == 1 for r in rows)
+    assert [m for m, _ in live] == ["off", "fixed"]
+
+
 def test_v4_mtp_on_the_prompt_set_with_repeats(tmp_path):
     """A V4 model drafts with its MTP layer (spec_mode mtp-...); --prompts takes the project-owned set through the
     chat template, cut to --isl, ending at EOS or --osl; --repeats builds the engines again and keys rows per
