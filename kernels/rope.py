@@ -4,7 +4,7 @@ Elementwise per row, so one implementation serves every backend set."""
 import torch
 
 from .precision import upcast
-from .registry import call, implements
+from .registry import call
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -12,7 +12,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return call("rope")(x, cos, sin, inverse)
 
 
-@implements("rope", "reference")
 def _rope(x, cos, sin, inverse):
     half = cos.shape[-1]
     rd = 2 * half
