@@ -1,4 +1,5 @@
-"""Triton sparse sink attention: `sparse_sink_attention` for both Triton sets, with every row's keys read by index straight from the key stores, no gathered key tensor, no score tensor in memory.
+"""Triton sparse sink attention: `sparse_sink_attention` for both Triton sets, with every row's keys read by index
+straight from the key stores, no gathered key tensor, no score tensor in memory.
 
 Contract (kernels/attention.py): q [N, H, d]; one or two sources (store [M_i, d], index [N, K_i] int64, -1 = no
 key); row n attends to the rows its indices name, in source order, and to the per-head sink (a logit in the

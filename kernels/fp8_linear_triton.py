@@ -135,7 +135,8 @@ if triton is not None:
         return q, s
 
     def _act_quant_triton(x, block=BLOCK):
-        if not on_kernel_device(_INTERPRET, x) or block & (block - 1) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if (not on_kernel_device(_INTERPRET, x) or block & (block - 1)
+                or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
             return _act_quant_ref(x, block)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[-1] and x2.stride(-1) != 1:

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 
 from .kv_formats import KVFormat, PackedStore
-from .quant_triton import pack_kernel, supported
+from .quant_triton import pack_kernel
+from .quant_triton import supported as pack_supported
 
 try:
     import triton
@@ -67,7 +68,7 @@ def readable(part, width: int) -> bool:
 def kv_pack_triton(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    if not supported(fmt, flat):
+    if not pack_supported(fmt, flat):
         return fmt.pack(x)
     return pack_kernel(fmt, flat).view(*lead, fmt.record_bytes)
 

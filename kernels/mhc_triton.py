@@ -313,7 +313,8 @@ def hc_collapse_kernel(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     n, hc, d = h.shape
     h, pre = h.contiguous(), pre.to(torch.float32).contiguous()
     out = torch.empty((n, d), dtype=h.dtype, device=h.device)
-    _collapse_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](h, pre, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D, num_warps=ROWS_WARPS)
+    _collapse_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](h, pre, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D,
+                                                        num_warps=ROWS_WARPS)
     return out
 
 
@@ -322,7 +323,8 @@ def hc_post_kernel(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: t
     f, h = f.reshape(n, d).contiguous(), h.contiguous()
     post, comb = post.to(torch.float32).contiguous(), comb.to(torch.float32).contiguous()
     out = torch.empty_like(h)
-    _post_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](f, h, post, comb, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D, num_warps=ROWS_WARPS)
+    _post_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](f, h, post, comb, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D,
+                                                    num_warps=ROWS_WARPS)
     return out
 
 

@@ -41,58 +41,58 @@ DEFAULT_OF = {"reference": "reference", "invariant": "reference", "triton": "tri
               "triton_invariant": "triton"}                         # and back
 
 
-def _torch(module: str, reference: str, invariant: str | None = None) -> dict[str, str]:
+def _torch_paths(module: str, reference: str, invariant: str | None = None) -> dict[str, str]:
     paths = {"reference": f"{module}:{reference}"}
     if invariant is not None:
         paths["invariant"] = f"{module}:{invariant}"
     return paths
 
 
-def _triton(module: str, default: str, invariant: str | None = None) -> dict[str, str]:
+def _triton_paths(module: str, default: str, invariant: str | None = None) -> dict[str, str]:
     """Both Triton sets; one function serves both where its result is batch-invariant as it is."""
     return {"triton": f"{module}:{default}", "triton_invariant": f"{module}:{invariant or default}"}
 
 
 OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
-    "sink_attention": _torch("attention", "_sink_attention"),
-    "sparse_sink_attention": {**_torch("attention", "_sparse_sink_attention", "_sparse_sink_attention_tiles"),
-                              **_triton("attention_triton", "sparse_sink_attention_triton",
+    "sink_attention": _torch_paths("attention", "_sink_attention"),
+    "sparse_sink_attention": {**_torch_paths("attention", "_sparse_sink_attention", "_sparse_sink_attention_tiles"),
+                              **_triton_paths("attention_triton", "sparse_sink_attention_triton",
                                         "sparse_sink_attention_triton_invariant")},
-    "grouped_experts": {**_torch("experts", "_reference", "_invariant"),
-                        **_triton("experts_triton", "_triton", "_triton_invariant")},
-    "qat_fp8": {**_torch("fake_quant", "_qat_fp8"), **_triton("fake_quant_triton", "qat_fp8_triton")},
-    "qat_fp4": {**_torch("fake_quant", "_qat_fp4"), **_triton("fake_quant_triton", "qat_fp4_triton")},
-    "qat_index": {**_torch("fake_quant", "_qat_index"), **_triton("fake_quant_triton", "qat_index_triton")},
-    "act_quant_fp8": {**_torch("fp8_linear", "_act_quant_ref"), **_triton("fp8_linear_triton", "_act_quant_triton")},
-    "fp8_linear": {**_torch("fp8_linear", "_fp8_linear_ref", "_fp8_linear_tiles"),
-                   **_triton("fp8_linear_triton", "_fp8_linear_triton", "_fp8_linear_triton_invariant")},
-    "index_scores": _torch("indexer", "_index_scores"),
-    "sparse_index_scores": {**_torch("indexer", "_sparse_index_scores", "_sparse_index_scores_tiles"),
-                            **_triton("indexer_triton", "sparse_index_scores_triton",
+    "grouped_experts": {**_torch_paths("experts", "_reference", "_invariant"),
+                        **_triton_paths("experts_triton", "_triton", "_triton_invariant")},
+    "qat_fp8": {**_torch_paths("fake_quant", "_qat_fp8"), **_triton_paths("fake_quant_triton", "qat_fp8_triton")},
+    "qat_fp4": {**_torch_paths("fake_quant", "_qat_fp4"), **_triton_paths("fake_quant_triton", "qat_fp4_triton")},
+    "qat_index": {**_torch_paths("fake_quant", "_qat_index"), **_triton_paths("fake_quant_triton", "qat_index_triton")},
+    "act_quant_fp8": {**_torch_paths("fp8_linear", "_act_quant_ref"), **_triton_paths("fp8_linear_triton", "_act_quant_triton")},
+    "fp8_linear": {**_torch_paths("fp8_linear", "_fp8_linear_ref", "_fp8_linear_tiles"),
+                   **_triton_paths("fp8_linear_triton", "_fp8_linear_triton", "_fp8_linear_triton_invariant")},
+    "index_scores": _torch_paths("indexer", "_index_scores"),
+    "sparse_index_scores": {**_torch_paths("indexer", "_sparse_index_scores", "_sparse_index_scores_tiles"),
+                            **_triton_paths("indexer_triton", "sparse_index_scores_triton",
                                       "sparse_index_scores_triton_invariant")},
-    "top_k_indices": {**_torch("indexer", "_top_k_indices"), **_triton("indexer_triton", "top_k_indices_triton")},
-    "kv_pack": {**_torch("kv_formats", "_kv_pack"), **_triton("kv_formats_triton", "kv_pack_triton")},
-    "linear": _torch("matmul", "_linear", "_linear_tiles"),
-    "linear_f32": {**_torch("matmul", "_linear_f32", "_linear_f32_tiles"),
+    "top_k_indices": {**_torch_paths("indexer", "_top_k_indices"), **_triton_paths("indexer_triton", "top_k_indices_triton")},
+    "kv_pack": {**_torch_paths("kv_formats", "_kv_pack"), **_triton_paths("kv_formats_triton", "kv_pack_triton")},
+    "linear": _torch_paths("matmul", "_linear", "_linear_tiles"),
+    "linear_f32": {**_torch_paths("matmul", "_linear_f32", "_linear_f32_tiles"),
                    "triton": "matmul:_linear_f32_mixed"},           # cuBLAS with an fp32 output, no Triton
-    "grouped_linear": _torch("matmul", "_grouped", "_grouped_tiles"),
-    "hc_mixes": {**_torch("mhc", "_hc_mixes", "_hc_mixes_tiles"),
-                 **_triton("mhc_triton", "hc_mixes_triton", "hc_mixes_triton_invariant")},
-    "hc_collapse": {**_torch("mhc", "_hc_collapse", "_hc_collapse_tiles"),
-                    **_triton("mhc_triton", "hc_collapse_triton", "hc_collapse_triton_invariant")},
-    "hc_post": {**_torch("mhc", "_hc_post", "_hc_post_tiles"),
-                **_triton("mhc_triton", "hc_post_triton", "hc_post_triton_invariant")},
-    "hc_head": _torch("mhc", "_hc_head", "_hc_head_tiles"),
-    "moe_combine": {**_torch("moe_combine", "_reference"), **_triton("moe_combine_triton", "_triton")},
-    "rms_norm": {**_torch("norm", "_rms_norm", "_rms_norm_tiles"),
-                 **_triton("norm_triton", "rms_norm_triton", "rms_norm_triton_invariant")},
-    "rope": {**_torch("rope", "_rope"), **_triton("rope_triton", "rope_triton")},
-    "route": {**_torch("routing", "_route_reference", "_route_tiles"),
-              **_triton("routing_triton", "_route_triton_default", "_route_triton_invariant")},
-    "permute": {**_torch("routing", "_permute_reference"), **_triton("routing_triton", "_permute_triton")},
-    "rowwise": _torch("rowwise", "_plain", "_tiles"),
-    "gumbel_argmax": {**_torch("sampling", "_reference"), **_triton("sampling_triton", "_triton")},
-    "softmax_pool": _torch("softmax_pool", "_softmax_pool", "_softmax_pool_tiles"),
+    "grouped_linear": _torch_paths("matmul", "_grouped", "_grouped_tiles"),
+    "hc_mixes": {**_torch_paths("mhc", "_hc_mixes", "_hc_mixes_tiles"),
+                 **_triton_paths("mhc_triton", "hc_mixes_triton", "hc_mixes_triton_invariant")},
+    "hc_collapse": {**_torch_paths("mhc", "_hc_collapse", "_hc_collapse_tiles"),
+                    **_triton_paths("mhc_triton", "hc_collapse_triton", "hc_collapse_triton_invariant")},
+    "hc_post": {**_torch_paths("mhc", "_hc_post", "_hc_post_tiles"),
+                **_triton_paths("mhc_triton", "hc_post_triton", "hc_post_triton_invariant")},
+    "hc_head": _torch_paths("mhc", "_hc_head", "_hc_head_tiles"),
+    "moe_combine": {**_torch_paths("moe_combine", "_reference"), **_triton_paths("moe_combine_triton", "_triton")},
+    "rms_norm": {**_torch_paths("norm", "_rms_norm", "_rms_norm_tiles"),
+                 **_triton_paths("norm_triton", "rms_norm_triton", "rms_norm_triton_invariant")},
+    "rope": {**_torch_paths("rope", "_rope"), **_triton_paths("rope_triton", "rope_triton")},
+    "route": {**_torch_paths("routing", "_route_reference", "_route_tiles"),
+              **_triton_paths("routing_triton", "_route_triton_default", "_route_triton_invariant")},
+    "permute": {**_torch_paths("routing", "_permute_reference"), **_triton_paths("routing_triton", "_permute_triton")},
+    "rowwise": _torch_paths("rowwise", "_plain", "_tiles"),
+    "gumbel_argmax": {**_torch_paths("sampling", "_reference"), **_triton_paths("sampling_triton", "_triton")},
+    "softmax_pool": _torch_paths("softmax_pool", "_softmax_pool", "_softmax_pool_tiles"),
 }
 
 # Built and tested in the interpreter, but kept out of the sets until their `-m gpu` test passes whole on the H200

@@ -1,5 +1,5 @@
-"""kernels/mhc_triton.py's row kernels on a CUDA device (`-m gpu`): hc_collapse and hc_post with bf16 and fp32 streams at
-the released widths (hc 4 x 4096 / 5120) against the reference (bound ROWS_BOUND of max; bf16 outputs one
+"""kernels/mhc_triton.py's row kernels on a CUDA device (`-m gpu`): hc_collapse and hc_post with bf16 and fp32
+streams at the released widths (hc 4 x 4096 / 5120) against the reference (bound ROWS_BOUND of max; bf16 outputs one
 rounding apart), a row's bits alone and inside batches of 7 and 300, CUDA-graph capture. Passing it is what
 keeps them in the Triton sets (kernels/registry.py OPS)."""
 

@@ -1,6 +1,6 @@
 """kernels/quant_triton.py's row quantizer (the kv_pack and qat backends) on a CUDA device (`-m gpu`): the
-packer's records equal the reference's KVFormat.pack byte for byte for the released records (V4 584 B, V4.1 528 / 288 B, index keys 68 B), and the QAT fake-quant
-equals quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, bf16 and fp32 rows at every scale range, one row and
+packer's records equal the reference's KVFormat.pack byte for byte for the released records (V4 584 B, V4.1
+528 / 288 B, index keys 68 B), and the QAT fake-quant equals quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, bf16 and fp32 rows at every scale range, one row and
 4096, and under CUDA-graph capture. Passing it keeps kv_pack and the qat ops in the Triton sets
 (kernels/registry.py OPS). CPU: tests/interpreted/test_quant_triton.py."""
 

@@ -215,7 +215,8 @@ def test_tables_name_the_routing_backends():
         if name.startswith("triton") and routing_triton.triton is not None:
             want = name
         assert table.backends["route"] == want
-        assert table.backends["permute"] == (name if name.startswith("triton") and routing_triton.triton is not None else "reference")
+        triton_set = name.startswith("triton") and routing_triton.triton is not None
+        assert table.backends["permute"] == (name if triton_set else "reference")
 
 
 # --------------------------------------------------------------------------- 2. Triton in the interpreter

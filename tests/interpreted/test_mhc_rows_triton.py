@@ -1,5 +1,5 @@
-"""kernels/mhc_triton.py's row kernels in Triton's interpreter against the reference hc_collapse / hc_post on fresh random
-inputs: the tiny width (hc 4 x 64), a released width (hc 4 x 5120: several column blocks), hc 2 and 8, rows of
+"""kernels/mhc_triton.py's row kernels in Triton's interpreter against the reference hc_collapse / hc_post on fresh
+random inputs: the tiny width (hc 4 x 64), a released width (hc 4 x 5120: several column blocks), hc 2 and 8, rows of
 any count; a row's bits the same alone and inside a batch."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """kernels/quant_triton.py's row quantizer (the kv_pack and qat backends) in Triton's interpreter: the packer's
-records equal the reference's KVFormat.pack byte for byte, and the QAT fake-quant ops equal quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, every format
-(V4's FP8 latent with its bf16 tail, V4.1's FP8 window and FP4 / e4m3-scale entries, FP4 /
-ue8m0 keys), rows from 1e-8 to 1e3 (every scale range, e4m3 subnormal scales and the exact-scale search
+records equal the reference's KVFormat.pack byte for byte, and the QAT fake-quant ops equal
+quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, every format (V4's FP8 latent with its bf16 tail, V4.1's FP8
+window and FP4 / e4m3-scale entries, FP4 / ue8m0 keys), rows from 1e-8 to 1e3 (every scale range, e4m3 subnormal scales and the exact-scale search
 included), QAT-rounded rows, zeros and negative zeros, one row and many."""
 
 from __future__ import annotations
