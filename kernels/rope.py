@@ -1,5 +1,6 @@
 """Interleaved partial RoPE on the trailing channels: pairs (2i, 2i+1) rotate as one complex number.
-Elementwise per row, so one implementation serves every backend set."""
+Elementwise per row, so the reference serves the invariant set too, and one Triton kernel (kernels/rope_triton.py)
+both Triton sets."""
 
 import torch
 
