@@ -131,7 +131,7 @@ def default_backend(device: str) -> str:
     """`triton` on a CUDA device of compute capability >= 8.9 (FP8 MMA) where Triton imports, else `reference`."""
     if not str(device).startswith("cuda"):
         return "reference"
-    from deepinfer.kernels.registry import triton_available
+    from deepinfer.kernels.gpu import triton_available
     import torch
     if not triton_available() or not torch.cuda.is_available():
         return "reference"

@@ -372,6 +372,7 @@ def attention_inputs(kind: str, rows: int, context: int, device, gen, heads: int
 def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
     from deepinfer.kernels import attention as ka
     from deepinfer.kernels import attention_triton as kat
+    from deepinfer.kernels import registry
     impls = {"reference": ka._sparse_sink_attention, "triton": kat.sparse_sink_attention_triton,
              "triton_invariant": kat.sparse_sink_attention_triton_invariant}
     device, heads, dim = cfg.device, 64, 512
@@ -401,7 +402,7 @@ def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo
                     row = {"key": key, "op": "attention", "kind": kind, "context": context, "tokens": tokens,
                            "keys_per_row": k, "heads": heads, "dim": dim, "backend": backend,
                            "ran": "kernel" if backend != "reference" and kat.supported(q, sources) else "reference",
-                           "in_backend_sets": kat.IN_TRITON_SETS,
+                           "in_backend_sets": "triton" in registry.OPS["sparse_sink_attention"],
                            **_rates(ms, nbytes, flops, ceilings, ceilings["gemm_bf16_flops_per_s"]),
                            "timing": TIMING["last"], **_against(ms, backend, times, out, ref_ms, ref_out)}
                     if key not in done:
@@ -472,13 +473,13 @@ def mhc_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> N
 
 def route_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
     """route (scores sqrt(softplus), bias, top-6) at the released router widths: the `triton` set's logits on
-    cuBLAS from routing.ROUTE_GEMM_ROWS rows, `triton_invariant` always the chunk kernel."""
-    from deepinfer.kernels import routing
+    cuBLAS from routing_triton.ROUTE_GEMM_ROWS rows, `triton_invariant` always the chunk kernel."""
+    from deepinfer.kernels import routing, routing_triton
     kw = dict(top_k=6, score_func="sqrtsoftplus", route_scale=1.5, temp=1.0, normalize=True)
     impls = {"reference": lambda x, w, b: routing._route_reference(x, w, b, **kw)}
     if any(b.startswith("triton") for b in cfg.backends):
-        impls.update(triton=lambda x, w, b: routing._route_triton_default(x, w, b, **kw),
-                     triton_invariant=lambda x, w, b: routing._route_triton_invariant(x, w, b, **kw))
+        impls.update(triton=lambda x, w, b: routing_triton._route_triton_default(x, w, b, **kw),
+                     triton_invariant=lambda x, w, b: routing_triton._route_triton_invariant(x, w, b, **kw))
 
     def build(model, tokens, gen):
         e, d = MODEL_SHAPES[model]["experts"][:2]

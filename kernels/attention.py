@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .precision import upcast
-from .registry import call, implements
+from .registry import call
 from .tiles import row_tiles
 
 # fp32 scores per row block: queries go through in blocks of about this many scores (512 MiB; the softmax
@@ -68,7 +68,6 @@ def _sink_math(q, kv32, bias, sink, scale, kv_dims: str = "kd"):
     return torch.einsum(f"shk,{kv_dims}->shd", probs, kv32).to(q.dtype)
 
 
-@implements("sink_attention", "reference")
 def _sink_attention(q, kv, bias, sink, scale):
     """Rows are independent: blocks hold a row count fixed by H and K (the batch never changes it)."""
     kv32 = upcast(kv)
@@ -96,7 +95,6 @@ def _sparse_rows(q, sources, sink, scale):
     return _sink_math(q, keys, bias, sink, scale, kv_dims="skd")
 
 
-@implements("sparse_sink_attention", "reference")
 def _sparse_sink_attention(q, sources, sink, scale):
     n, h, d = q.shape
     k = sum(index.shape[1] for _, index in sources)
@@ -107,7 +105,6 @@ def _sparse_sink_attention(q, sources, sink, scale):
                       for a in range(0, n, rows)])
 
 
-@implements("sparse_sink_attention", "invariant")
 def _sparse_sink_attention_tiles(q, sources, sink, scale):
     stores = [s for s, _ in sources]
     return row_tiles(lambda q, *idx: _sparse_rows(q, list(zip(stores, idx)), sink, scale), q,

@@ -1,5 +1,5 @@
-"""Triton sparse sink attention (issue 15, step 1-2 of docs/attention-plan.md): `sparse_sink_attention` with every
-row's keys read by index straight from the key stores, no gathered key tensor, no score tensor in memory.
+"""Triton sparse sink attention: `sparse_sink_attention` for both Triton sets, with every row's keys read by index
+straight from the key stores, no gathered key tensor, no score tensor in memory.
 
 Contract (kernels/attention.py): q [N, H, d]; one or two sources (store [M_i, d], index [N, K_i] int64, -1 = no
 key); row n attends to the rows its indices name, in source order, and to the per-head sink (a logit in the
@@ -26,9 +26,7 @@ on a GPU (a new keys-per-row compiles nothing), compile-time ones under the inte
 Numerics against the fp32 reference (`_sparse_sink_attention`): fp32 inputs in the interpreter <= 2e-6 of max |out|
 (tests/interpreted/test_attention_triton.py); bf16 on an H200 at released widths, P rounded to bf16: 2.5e-3 to
 6.5e-3 of max |out| (kernel bench rows, swa / csa / hca at 1-64 rows; the GPU test's bound is 1e-2).
-
-GPU status: `pytest -m gpu tests/test_kernels_attention_triton.py` passed on an H200 (17 tests), so the kernels
-are in the Triton sets (IN_TRITON_SETS). Speed against the reference: docs/results.md.
+Speed against the reference: docs/results.md.
 """
 
 from __future__ import annotations
@@ -37,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import SplitStore
+from .attention import SplitStore, _sparse_sink_attention, _sparse_sink_attention_tiles
 from .kv_formats import PackedStore, raw
 from .kv_formats_triton import readable, record_args
-from .registry import implements, is_interpreted, on_kernel_device, pow2, sm_count
+from .gpu import is_interpreted, on_kernel_device, pow2, sm_count
 
 try:
     import triton
@@ -50,7 +48,6 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = True        # passed `pytest -m gpu tests/test_kernels_attention_triton.py` on an H200
 LOG2E = 1.4426950408889634
 
 
@@ -326,23 +323,13 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
     return out
 
 
-def _fallback(invariant: bool):
-    from . import attention
-    return attention._sparse_sink_attention_tiles if invariant else attention._sparse_sink_attention
-
-
 def sparse_sink_attention_triton(q, sources, sink, scale):
     if not supported(q, sources):
-        return _fallback(False)(q, sources, sink, scale)
+        return _sparse_sink_attention(q, sources, sink, scale)
     return sparse_attention(q, sources, sink, scale, DECODE, invariant=False)
 
 
 def sparse_sink_attention_triton_invariant(q, sources, sink, scale):
     if not supported(q, sources):
-        return _fallback(True)(q, sources, sink, scale)
+        return _sparse_sink_attention_tiles(q, sources, sink, scale)
     return sparse_attention(q, sources, sink, scale, INVARIANT, invariant=True)
-
-
-if triton is not None and IN_TRITON_SETS:
-    implements("sparse_sink_attention", "triton")(sparse_sink_attention_triton)
-    implements("sparse_sink_attention", "triton_invariant")(sparse_sink_attention_triton_invariant)

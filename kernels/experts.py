@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from .precision import upcast
 from .quant import e2m1_decode, e8m0_to_float, fake_quant_fp8
-from .registry import call, implements
+from .registry import call
 from .tiles import TILE, row_tiles
 
 FP4_BLOCK = 32                 # e2m1 values per e8m0 scale, along K
@@ -319,7 +319,6 @@ def _empty(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------------ backends
 
-@implements("grouped_experts", "reference")
 def _reference(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
     if x.shape[0] == 0:
@@ -335,7 +334,6 @@ def _reference(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     return _tiled(x, expert_ids, offsets, route_weights, weights, REFERENCE_TILE)
 
 
-@implements("grouped_experts", "invariant")
 def _invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
     if x.shape[0] == 0:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .experts import FP8_ACT_BLOCK, ExpertWeights, _reference, expert_tiles
-from .registry import implements, is_interpreted, sm_count
+from .experts import FP8_ACT_BLOCK, ExpertWeights, _invariant, _reference, expert_tiles
+from .gpu import is_interpreted, sm_count
 
 try:
     import triton
@@ -48,7 +48,7 @@ try:
 except ImportError:       # CPU machines without Triton: the reference backend serves these sets
     triton = None
 else:
-    from .e4m3_triton import e2m1_over_2p14, quant_tile, to_e4m3
+    from .quant_triton import e2m1_over_2p14, quant_tile, to_e4m3
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,12 @@ class Tiles:
                                  # the in-kernel decode + fold (never in the interpreter: it cannot run dot_scaled)
 
 
-# lut_fp4: the byte-table FP4 decode, measured on the H200 (session 25) 19-30% faster than the nibble arithmetic at
+# lut_fp4: the byte-table FP4 decode, measured on the H200 19-30% faster than the nibble arithmetic at
 # 1-256 tokens (V4.1 shapes; the same outputs); the interpreter runs the arithmetic one
 DECODE = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4, native_fp4_a8=True, lut_fp4=True)   # docs/kernels.md
 PREFILL = Tiles(bm=64, bn=128, bk=128, warps=8, stages=3, lut_fp4=True)
 # Batch-invariant: one configuration per weight format whatever the rows (BN never narrows). FP4: DECODE's BM 16
-# tiles, so decode-sized batches run as fast as the default (session 26: BM 64 took 1.4-2.0x at 1-256 tokens) and
+# tiles, so decode-sized batches run as fast as the default (BM 64 took 1.4-2.0x at 1-256 tokens) and
 # an 8k prefill's experts take 1.6x PREFILL's; bf16 / FP8 weights keep BM 64 (within 1.06x of DECODE at decode).
 INVARIANT = Tiles(bm=64, bn=64, bk=128, warps=4, stages=4, min_bn=64, lut_fp4=True)
 INVARIANT_FP4 = Tiles(bm=16, bn=64, bk=128, warps=4, stages=4, min_bn=64, lut_fp4=True)
@@ -325,7 +325,6 @@ def choose_tiles(m: int, ew: ExpertWeights) -> Tiles:
     return DECODE if m <= DECODE_ROWS_PER_EXPERT * ew.n_experts else PREFILL
 
 
-@implements("grouped_experts", "triton")
 def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
     if x.shape[0] == 0 or not supported(x, weights):
@@ -333,9 +332,7 @@ def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     return run(x, offsets, route_weights, weights, choose_tiles(x.shape[0], weights))
 
 
-@implements("grouped_experts", "triton_invariant")
 def _triton_invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
-    from .experts import _invariant
     x = x.to(weights.dtype)
     if x.shape[0] == 0 or not supported(x, weights):
         return _invariant(x, expert_ids, offsets, route_weights, weights)

@@ -2,14 +2,14 @@
 can run them as one kernel: `qat_fp8` = quant.fake_quant_fp8 (ue8m0 scale per `block`), `qat_fp4` =
 quant.fake_quant_fp4 (e2m1 per `block`, ue8m0 or e4m3 scales), `qat_index` = fake_quant_fp4 of
 quant.hadamard_rotate (V4's indexer q and k). The reference is kernels/quant.py's math; the
-Triton set's is kernels/quant_triton.py, bit for bit the same."""
+Triton sets' are kernels/fake_quant_triton.py, bit for bit the same."""
 
 from __future__ import annotations
 
 import torch
 
 from .quant import fake_quant_fp4, fake_quant_fp8, hadamard_rotate
-from .registry import call, implements
+from .registry import call
 
 
 def qat_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -27,16 +27,13 @@ def qat_index(x: torch.Tensor, block: int) -> torch.Tensor:
     return call("qat_index")(x, block)
 
 
-@implements("qat_index", "reference")
 def _qat_index(x, block):
     return fake_quant_fp4(hadamard_rotate(x), block)
 
 
-@implements("qat_fp8", "reference")
 def _qat_fp8(x, block):
     return fake_quant_fp8(x, block)
 
 
-@implements("qat_fp4", "reference")
 def _qat_fp4(x, block, scale_fmt):
     return fake_quant_fp4(x, block, scale_fmt)

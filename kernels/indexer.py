@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .precision import upcast
-from .registry import call, implements
+from .registry import call
 from .tiles import row_tiles
 
 SCORE_BLOCK_ELEMENTS = 1 << 26      # gathered key elements per row block of sparse_index_scores
@@ -42,7 +42,6 @@ def _score_math(q, weights, keys, scale):
     return (s * weights.unsqueeze(-1)).sum(dim=-2)
 
 
-@implements("index_scores", "reference")
 def _index_scores(q, weights, keys, scale):
     return _score_math(q, weights, keys, scale)
 
@@ -52,7 +51,6 @@ def _sparse_rows(q, weights, store, index, scale):
     return _score_math(q, weights, keys, scale).masked_fill(index < 0, float("-inf"))
 
 
-@implements("sparse_index_scores", "reference")
 def _sparse_index_scores(q, weights, store, index, scale):
     n, k = index.shape
     rows = max(1, SCORE_BLOCK_ELEMENTS // max(k * max(store.shape[-1], q.shape[1]), 1))
@@ -62,12 +60,10 @@ def _sparse_index_scores(q, weights, store, index, scale):
                       for a in range(0, n, rows)])
 
 
-@implements("sparse_index_scores", "invariant")
 def _sparse_index_scores_tiles(q, weights, store, index, scale):
     return row_tiles(lambda q, w, i: _sparse_rows(q, w, store, i, scale), q, weights, index)
 
 
-@implements("top_k_indices", "reference")
 def _top_k_indices(scores, k):
     k = min(k, scores.shape[-1])
     order = scores.sort(dim=-1, descending=True, stable=True)

@@ -1,4 +1,4 @@
-"""Triton lightning-indexer scores (issue 15, step 5 of docs/attention-plan.md): `sparse_index_scores` with each
+"""Triton lightning-indexer ops for both Triton sets: `sparse_index_scores` with each
 row's candidate keys read by index straight from the key store, no gathered [rows, K, dI] copy and no per-head
 [rows, h, K] score tensor.
 
@@ -10,30 +10,28 @@ keys^T on tensor cores (fp32 accumulate; fp32 inputs at ieee precision), ReLU, t
 over h in fp32. A score depends only on its row's q and its key, whatever the tiling or the batch, so the kernel is
 batch-invariant as it is and serves both Triton sets.
 
-Top-k (`top_k_indices`, plan step 6): program n maps its scores to an ordered 32-bit key (-inf -> 0), finds the
+Top-k (`top_k_indices`): program n maps its scores to an ordered 32-bit key (-inf -> 0), finds the
 k-th best key t by a radix select (4 passes from the top byte, each a 256-bin histogram of the keys that share the
 bits chosen so far), takes every key > t and the first k - count(> t) keys == t in index order (a running cumsum),
 and sorts the k taken (key, -position) pairs: exactly the stable sort's selection and order (integer outputs; equal
 to the reference in the interpreter on FP4-like tied scores and signed zeros). A row of up to TOPK_BLOCK keys is
 kept in registers for the select's passes; a row with at most k finite keys takes them all without the select. On
-the H200 (session 26) the bisection it replaced (34 counting passes) took 217 us for 2048 of 32768 keys of one row,
+the H200 the bisection it replaced (34 counting passes) took 217 us for 2048 of 32768 keys of one row,
 torch's stable sort 56 us.
 
 Numerics: the head sum runs in a different order than the reference's, so scores differ in the last bits; near
 ties can then select differently (GPU tests compare scores, not selections). Interpreter, fp32: <= 1e-6 of the
 row's max |score| (tests/interpreted/test_indexer_triton.py).
-
-GPU status: `pytest -m gpu tests/test_kernels_indexer_triton.py` passed on an H200 (13 tests: released shapes,
-top-k = a stable sort's first k, batch invariance, graph capture), so both kernels are in the Triton sets.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .indexer import _sparse_index_scores, _sparse_index_scores_tiles, _top_k_indices
 from .kv_formats import PackedStore, raw
 from .kv_formats_triton import readable, record_args
-from .registry import implements, is_interpreted, on_kernel_device, pow2
+from .gpu import is_interpreted, on_kernel_device, pow2
 
 try:
     import triton
@@ -43,7 +41,6 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = True     # passed `pytest -m gpu` on an H200 (docs/results.md)
 BLOCK_K = 64                 # candidates per program
 WARPS = 4
 
@@ -241,7 +238,7 @@ SORT_WIDTH = 2 * TOPK_BLOCK
 
 def sort_is_faster(scores: torch.Tensor) -> bool:
     """Few long rows: one program a row walks a wide row tile by tile, a latency chain the GPU cannot spread; the
-    stable sort spreads it. H200, session 26: one row of 32768 took 217 us in the bisection kernel (about 168 us a
+    stable sort spreads it. H200: one row of 32768 took 217 us in the bisection kernel (about 168 us a
     call in the radix select, the 32k decode step's trace) against the sort's 56 us; 8192 keys 52 against 56; 64 rows
     of 16384 97 against 141. Both give the same integers, so the choice never changes a result."""
     return scores.shape[0] < SORT_ROWS and scores.shape[1] > SORT_WIDTH
@@ -249,27 +246,17 @@ def sort_is_faster(scores: torch.Tensor) -> bool:
 
 def top_k_indices_triton(scores, k):
     if not top_k_supported(scores, k) or sort_is_faster(scores):
-        from .indexer import _top_k_indices
         return _top_k_indices(scores, k)
     return top_k_kernel(scores, k)          # integer outputs of a row's own scores: invariant as it is
 
 
 def sparse_index_scores_triton(q, weights, store, index, scale):
     if not supported(q, weights, store, index):
-        from .indexer import _sparse_index_scores
         return _sparse_index_scores(q, weights, store, index, scale)
     return index_scores_kernel(q, weights, store, index, scale)
 
 
 def sparse_index_scores_triton_invariant(q, weights, store, index, scale):
     if not supported(q, weights, store, index):
-        from .indexer import _sparse_index_scores_tiles
         return _sparse_index_scores_tiles(q, weights, store, index, scale)
     return index_scores_kernel(q, weights, store, index, scale)      # row-independent: invariant as it is
-
-
-if triton is not None and IN_TRITON_SETS:
-    implements("sparse_index_scores", "triton")(sparse_index_scores_triton)
-    implements("sparse_index_scores", "triton_invariant")(sparse_index_scores_triton_invariant)
-    implements("top_k_indices", "triton")(top_k_indices_triton)
-    implements("top_k_indices", "triton_invariant")(top_k_indices_triton)

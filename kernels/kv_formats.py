@@ -1,4 +1,4 @@
-"""Packed KV-cache records: the release's FP8 / FP4 cache layouts (issue 15, the FP8 KV option).
+"""Packed KV-cache records: the release's FP8 / FP4 cache layouts (the FP8 KV option).
 
 One record of `record_bytes` per stored row (a window latent, a compressed entry, an indexer key):
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import call, implements
+from .registry import call
 from .quant import (FP4_E2M1_MAX, _blocks, _fp4_scaled, _fp8_scaled, e2m1_decode, e2m1_encode, e8m0_to_float,
                     float_to_e8m0, pack_fp4, unpack_fp4)
 
@@ -191,7 +191,6 @@ def kv_pack(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     return call("kv_pack")(fmt, x)
 
 
-@implements("kv_pack", "reference")
 def _kv_pack(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     return fmt.pack(x)
 

@@ -1,5 +1,7 @@
-"""Reading packed KV records (kernels/kv_formats.py) inside Triton kernels: the attention and indexer kernels
-decode the rows they gather in registers, so an FP8 cache is read at its own bytes (no unpacked copy).
+"""The Triton side of packed KV records (kernels/kv_formats.py): the `kv_pack` backend of both Triton sets (the
+row quantizer of kernels/quant_triton.py, one launch, the reference's records byte for byte; row-local, so
+invariant as it is), and reading records inside the attention and indexer kernels, which decode the rows they
+gather in registers, so an FP8 cache is read at its own bytes (no unpacked copy).
 
 `record_args(store)` gives a kernel what it needs of one store part: the records as uint8 (and as bf16, for V4's
 bf16 RoPE slice), the row stride in bytes, and the format's constants (kind, quantized channels, scale offset,
@@ -12,13 +14,15 @@ from typing import NamedTuple
 
 import torch
 
-from .kv_formats import PackedStore
+from .kv_formats import KVFormat, PackedStore
+from .quant_triton import pack_kernel
+from .quant_triton import supported as pack_supported
 
 try:
     import triton
     import triton.language as tl
 
-    from .e4m3_triton import e2m1_over_2p14
+    from .quant_triton import e2m1_over_2p14
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -59,6 +63,14 @@ def readable(part, width: int) -> bool:
     key dtype, and an FP4 scale times the decode's 2^14 can pass fp16's 65504."""
     return isinstance(part, PackedStore) and part.fmt.width == width and part.fmt.record_bytes % 2 == 0 and \
         part.dtype in (torch.bfloat16, torch.float32)
+
+
+def kv_pack_triton(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if not pack_supported(fmt, flat):
+        return fmt.pack(x)
+    return pack_kernel(fmt, flat).view(*lead, fmt.record_bytes)
 
 
 if triton is not None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .precision import upcast
-from .registry import call, implements
+from .registry import call
 from .tiles import row_tiles
 
 MIXED_TILE = 64   # rows per fp32-output GEMM call of the invariant linear_f32 on CUDA
@@ -28,23 +28,19 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return call("grouped_linear")(x, w)
 
 
-@implements("linear", "reference")
 def _linear(x, w):
     return F.linear(x, w)
 
 
-@implements("linear", "invariant")
 def _linear_tiles(x, w):
     flat = x.reshape(-1, x.shape[-1])
     return row_tiles(lambda t: F.linear(t, w), flat).view(*x.shape[:-1], w.shape[0])
 
 
-@implements("linear_f32", "reference")
 def _linear_f32(x, w):
     return F.linear(upcast(x), upcast(w))
 
 
-@implements("linear_f32", "invariant")
 def _linear_f32_tiles(x, w):
     """Fixed row tiles. 16-bit x and w of one dtype on CUDA: the triton backend's fp32-output cuBLAS GEMM per
     tile of MIXED_TILE rows (the weight is read once per tile: 64 rows keep a 1 GB LM head's GEMM memory-bound,
@@ -68,7 +64,6 @@ def _mm_f32(x2d, w):
     return torch.mm(x2d, w.t(), out_dtype=torch.float32)
 
 
-@implements("linear_f32", "triton")
 def _linear_f32_mixed(x, w):
     """16-bit x and w of one dtype on CUDA: one cuBLAS GEMM accumulating in fp32 with an fp32 output
     (torch.mm's out_dtype), so no step makes an fp32 copy of w (the LM head's 1 GB bf16 weight became 2 GB each
@@ -79,11 +74,9 @@ def _linear_f32_mixed(x, w):
     return _mm_f32(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
 
-@implements("grouped_linear", "reference")
 def _grouped(x, w):
     return torch.einsum("ngi,gri->ngr", x, w)
 
 
-@implements("grouped_linear", "invariant")
 def _grouped_tiles(x, w):
     return row_tiles(lambda t: torch.einsum("ngi,gri->ngr", t, w), x)

@@ -1,7 +1,7 @@
 """Batch-invariant dense GEMMs on the Triton expert kernel: `linear` and `grouped_linear` for `triton_invariant`.
 
 The `invariant` implementations cut the rows into tiles of 16 and call cuBLAS once per tile (kernels/tiles.py),
-so a 256-row decode step reads every projection's weights 16 times: on the H200 (session 26) the invariant V4.1
+so a 256-row decode step reads every projection's weights 16 times: on the H200 the invariant V4.1
 step at b256 made 1685 launches against the default's 590 and took 1.80x its time, most of the difference in
 those per-tile GEMMs. The expert kernel (kernels/experts_triton.py) with its one fixed configuration is
 batch-invariant by construction: a row's products are summed over K in the same order whatever rows share its
@@ -10,9 +10,7 @@ tile, and nothing in the launch depends on the row count but the grid. So:
     grouped_linear(x [R, G, I], w [G, O, I]) = one expert per group (rows grouped by g), out [R, G, O]
 Both read the weights once per BM = 64 rows (dense weights keep INVARIANT's BM 64 tiles).
 
-GPU status: its first H200 run (session 26) passed 16 tests and then ran out of its time limit, so it stays out of
-the sets (IN_TRITON_SETS False) until `pytest -m gpu tests/test_kernels_matmul_triton.py tests/test_batch_invariant.py`
-passes whole.
+Not in the Triton sets yet: kernels/registry.py lists these under OUT_OF_SETS until their `-m gpu` test passes.
 """
 
 from __future__ import annotations
@@ -21,9 +19,7 @@ import torch
 
 from . import experts_triton as et
 from .experts import ExpertWeights
-from .registry import implements
-
-IN_TRITON_SETS = False
+from .matmul import _grouped_tiles, _linear_tiles
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -60,7 +56,6 @@ def uniform_tiles(groups: int, rows: int, bm: int, device) -> tuple[torch.Tensor
 
 def linear_invariant(x, w):
     if not supported(x, w):
-        from .matmul import _linear_tiles
         return _linear_tiles(x, w)
     flat = x.reshape(-1, x.shape[-1])
     return grouped_gemm(flat, w.unsqueeze(0), flat.shape[0]).view(*x.shape[:-1], w.shape[0])
@@ -68,13 +63,7 @@ def linear_invariant(x, w):
 
 def grouped_linear_invariant(x, w):
     if not supported(x, w):
-        from .matmul import _grouped_tiles
         return _grouped_tiles(x, w)
     r, g, i = x.shape
     grouped = x.transpose(0, 1).reshape(g * r, i)                            # [G * R, I], group-major
     return grouped_gemm(grouped, w, r).view(g, r, w.shape[1]).transpose(0, 1)
-
-
-if et.triton is not None and IN_TRITON_SETS:
-    implements("linear", "triton_invariant")(linear_invariant)
-    implements("grouped_linear", "triton_invariant")(grouped_linear_invariant)

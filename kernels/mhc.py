@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .precision import upcast
-from .registry import call, implements
+from .registry import call
 from .tiles import WIDE_TILE, row_tiles
 
 
@@ -53,46 +53,38 @@ def _mix_weights(m, base, scale, hc, hc_eps, sinkhorn_iters):
     return pre, post, comb
 
 
-@implements("hc_mixes", "reference")
 def _hc_mixes(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     return _mix_weights(_projections(streams, fn, norm_eps), base, scale, streams.shape[1], hc_eps, sinkhorn_iters)
 
 
-@implements("hc_collapse", "reference")
 def _hc_collapse(streams, pre):
     return (pre.unsqueeze(-1) * upcast(streams)).sum(dim=1).to(streams.dtype)
 
 
-@implements("hc_post", "reference")
 def _hc_post(out, streams, post, comb):
     mixed = comb.to(upcast(streams).dtype).transpose(1, 2) @ upcast(streams)
     return (post.unsqueeze(-1) * upcast(out).unsqueeze(1) + mixed).to(streams.dtype)
 
 
-@implements("hc_head", "reference")
 def _hc_head(streams, fn, base, scale, hc_eps, norm_eps):
     pre = torch.sigmoid(_projections(streams, fn, norm_eps) * upcast(scale) + upcast(base)) + hc_eps
     return _hc_collapse(streams, pre)
 
 
 # ---- invariant: fixed row tiles ----
-@implements("hc_mixes", "invariant")
 def _hc_mixes_tiles(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     m = row_tiles(lambda s: _projections(s, fn, norm_eps), streams)
     hc = streams.shape[1]    # the Sinkhorn loop is elementwise work only: wide tiles, fewer calls
     return row_tiles(lambda m: _mix_weights(m, base, scale, hc, hc_eps, sinkhorn_iters), m, tile=WIDE_TILE)
 
 
-@implements("hc_collapse", "invariant")
 def _hc_collapse_tiles(streams, pre):
     return row_tiles(_hc_collapse, streams, pre)
 
 
-@implements("hc_post", "invariant")
 def _hc_post_tiles(out, streams, post, comb):
     return row_tiles(_hc_post, out, streams, post, comb)
 
 
-@implements("hc_head", "invariant")
 def _hc_head_tiles(streams, fn, base, scale, hc_eps, norm_eps):
     return row_tiles(lambda s: _hc_head(s, fn, base, scale, hc_eps, norm_eps), streams)

@@ -1,6 +1,8 @@
-"""Triton fused `hc_mixes` (issue 15, plan step 8): the mHC mixing weights of BLOCK_R rows in one launch instead of
-about 45 torch kernels per site (RMS, the projection, three sigmoid / softmax pieces, 2 * iters Sinkhorn
-normalizations).
+"""Triton mHC ops (the contracts: kernels/mhc.py): `hc_mixes` fused, and the per-row stream sums `hc_collapse` and
+`hc_post`, for `triton` and `triton_invariant` (`hc_head` runs its fallback).
+
+hc_mixes: the mHC mixing weights of BLOCK_R rows in one launch instead of about 45 torch kernels per site (RMS, the
+projection, three sigmoid / softmax pieces, 2 * iters Sinkhorn normalizations).
 
 Contract (kernels/mhc.py): streams [N, hc, D] -> (pre [N, hc], post [N, hc], comb [N, hc, hc]) in fp32, with
 fn [(2 + hc) * hc, hc * D], base [(2 + hc) * hc], scale [3] fp32:
@@ -26,15 +28,24 @@ Numerics: the reference normalizes before the projection, the kernel after (one 
 another order: interpreter <= 1e-6 of max for pre / post / comb (tests/interpreted/test_mhc_triton.py); H200, bf16
 streams at the released widths, 1-8192 rows: 1.6e-7 to 2.1e-6 of max for comb (TF32x3 and ieee alike).
 
-GPU status: `pytest -m gpu tests/test_kernels_mhc_triton.py` passed on an H200 (8 tests), so the kernel is in
-the Triton sets (IN_TRITON_SETS).
+hc_collapse / hc_post: one launch each, where the invariant backend runs the torch reference once per 16-row tile
+(at batch 256 these row-tiled pieces were among the step's hundreds of small kernels on the H200: docs/results.md).
+Streams h [N, hc, D], math in fp32, outputs in h's dtype:
+    hc_collapse(h, pre [N, hc])                 -> [N, D]:      sum_j pre[n, j] * h[n, j, :]
+    hc_post(f [N, D], h, post [N, hc], comb [N, hc, hc]) -> [N, hc, D]:
+                                                 post[n, k] * f[n, :] + sum_j comb[n, j, k] * h[n, j, :]
+Program (n, d-block): row n's hc streams over ROWS_BLOCK_D columns, the j-sums in order j = 0..hc-1. Row-local with
+a fixed order, so a row's bits never depend on its batch: one kernel serves both sets. Numerics: the reference sums
+j with torch's reduction / a batched matmul, the kernel in order: interpreter (fp32) <= 1e-6 of max
+(tests/interpreted/test_mhc_rows_triton.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .registry import chunks_first, implements, is_interpreted, on_kernel_device, pow2
+from .gpu import chunks_first, is_interpreted, on_kernel_device, pow2
+from .mhc import _hc_collapse, _hc_collapse_tiles, _hc_mixes, _hc_mixes_tiles, _hc_post, _hc_post_tiles
 
 try:
     import triton
@@ -42,20 +53,22 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = True     # passed `pytest -m gpu` on an H200 (docs/results.md)
 BLOCK_R, WARPS = 16, 4
 # `triton` rows from which the projection runs on cuBLAS (gemm_parts): measured faster than the chunk kernel from
-# 256 rows on the H200 (session 25, docs/results.md). Decode batches below it keep the chunk kernel (a 512-row
+# 256 rows on the H200 (docs/results.md). Decode batches below it keep the chunk kernel (a 512-row
 # decode graph takes the GEMM: capturable, no host sync); `triton_invariant` never takes the GEMM (cuBLAS's
 # reduction order may change with N).
 GEMM_ROWS = 512
 # the projection's dots: "tf32x3" (three TF32 tensor-core products per term, about 2^-21 relative per product) or
-# "ieee" (fp32 FMA units). H200, session 25 (docs/results.md): one decode row 20 us against 32 us (V4 and V4.1),
+# "ieee" (fp32 FMA units). H200 (docs/results.md): one decode row 20 us against 32 us (V4 and V4.1),
 # 256 rows 70 / 134 us, 8192 rows 1.7 / 3.8 ms; error against the reference 1.7e-7 to 2.1e-6 of max either way
 PRECISION = "tf32x3"
 CHUNK = 1024          # hc * d columns per chunk: the fixed unit of the projection's fp32 sum (V4 16, V4.1 20)
 # sm_90 (ptxas on CPU): 16-bit streams at 128 no spills; fp32 at 128 spills 300 bytes, at 64 4 bytes
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 64}
+ROWS_BLOCK_D, ROWS_WARPS = 1024, 4      # hc_collapse / hc_post: columns per program
+MAX_HC = 8
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def supported(streams: torch.Tensor, fn: torch.Tensor) -> bool:
@@ -67,6 +80,13 @@ def supported(streams: torch.Tensor, fn: torch.Tensor) -> bool:
     if hc & (hc - 1) or hc * hc > 64 or fn.shape != ((2 + hc) * hc, hc * streams.shape[2]) or fn.dtype != torch.float32:
         return False
     return on_kernel_device(INTERPRETED, streams, fn)
+
+
+def rows_supported(h: torch.Tensor, *others: torch.Tensor) -> bool:
+    """h [N, hc, D] of a kernel dtype with hc <= MAX_HC, the others on its device."""
+    if triton is None or h.dim() != 3 or h.dtype not in DTYPES or h.shape[1] > MAX_HC or h.numel() == 0:
+        return False
+    return on_kernel_device(INTERPRETED, h, *others)
 
 
 if triton is not None:
@@ -251,7 +271,6 @@ def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, 
 
 def hc_mixes_triton(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     if not supported(streams, fn) or sinkhorn_iters < 1:
-        from .mhc import _hc_mixes
         return _hc_mixes(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters,
                            gemm=streams.shape[0] >= GEMM_ROWS)
@@ -259,11 +278,67 @@ def hc_mixes_triton(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
 
 def hc_mixes_triton_invariant(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     if not supported(streams, fn) or sinkhorn_iters < 1:
-        from .mhc import _hc_mixes_tiles
         return _hc_mixes_tiles(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, split=True)  # any N: same bits
 
+if triton is not None:
 
-if triton is not None and IN_TRITON_SETS:
-    implements("hc_mixes", "triton")(hc_mixes_triton)
-    implements("hc_mixes", "triton_invariant")(hc_mixes_triton_invariant)
+    @triton.jit
+    def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = d < D
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in tl.static_range(HC):
+            w = tl.load(pre_ptr + n * HC + j).to(tl.float32)
+            acc += w * tl.load(h_ptr + (n * HC + j) * D + d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _post_kernel(f_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = d < D
+        f = tl.load(f_ptr + n * D + d, mask=mask, other=0.0).to(tl.float32)
+        for k in tl.static_range(HC):
+            mixed = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for j in tl.static_range(HC):
+                c = tl.load(comb_ptr + (n * HC + j) * HC + k).to(tl.float32)
+                mixed += c * tl.load(h_ptr + (n * HC + j) * D + d, mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(post_ptr + n * HC + k).to(tl.float32)
+            tl.store(out_ptr + (n * HC + k) * D + d, (p * f + mixed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def hc_collapse_kernel(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    n, hc, d = h.shape
+    h, pre = h.contiguous(), pre.to(torch.float32).contiguous()
+    out = torch.empty((n, d), dtype=h.dtype, device=h.device)
+    _collapse_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](h, pre, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D,
+                                                        num_warps=ROWS_WARPS)
+    return out
+
+
+def hc_post_kernel(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    n, hc, d = h.shape
+    f, h = f.reshape(n, d).contiguous(), h.contiguous()
+    post, comb = post.to(torch.float32).contiguous(), comb.to(torch.float32).contiguous()
+    out = torch.empty_like(h)
+    _post_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](f, h, post, comb, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D,
+                                                    num_warps=ROWS_WARPS)
+    return out
+
+
+def hc_collapse_triton(h, pre):
+    return hc_collapse_kernel(h, pre) if rows_supported(h, pre) else _hc_collapse(h, pre)
+
+
+def hc_post_triton(f, h, post, comb):
+    return hc_post_kernel(f, h, post, comb) if rows_supported(h, f, post, comb) else _hc_post(f, h, post, comb)
+
+
+def hc_collapse_triton_invariant(h, pre):          # row-local: the same kernel; the fallback on row tiles
+    return hc_collapse_kernel(h, pre) if rows_supported(h, pre) else _hc_collapse_tiles(h, pre)
+
+
+def hc_post_triton_invariant(f, h, post, comb):
+    return hc_post_kernel(f, h, post, comb) if rows_supported(h, f, post, comb) else _hc_post_tiles(f, h, post, comb)

@@ -3,7 +3,7 @@
 import torch
 
 from .precision import upcast
-from .registry import call, implements
+from .registry import call
 from .tiles import row_tiles
 
 
@@ -12,7 +12,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return call("rms_norm")(x, weight, eps)
 
 
-@implements("rms_norm", "reference")
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = upcast(x)
     out = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
@@ -21,7 +20,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
     return out.to(x.dtype)
 
 
-@implements("rms_norm", "invariant")
 def _rms_norm_tiles(x, weight, eps):
     if x.dim() < 2:
         return _rms_norm(x, weight, eps)

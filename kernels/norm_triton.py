@@ -1,6 +1,6 @@
-"""Triton RMSNorm (issue 15, plan step 5): one launch for every row, where the invariant backend runs the torch
+"""Triton RMSNorm for both Triton sets: one launch for every row, where the invariant backend runs the torch
 reference once per 16-row tile (at batch 256 the row-tiled norms were hundreds of the step's kernels on the H200:
-docs/results.md, session 23).
+docs/results.md).
 
 Contract (kernels/norm.py): x [..., n], weight [n] or None -> x's dtype; math in fp32: x * rsqrt(mean(x^2) + eps)
 (* weight). Program r normalises rows [r*BLOCK_R, +BLOCK_R): each row loaded whole (BLOCK_N = n rounded up to a
@@ -9,16 +9,14 @@ depend on its batch or its position in it: one kernel serves `triton` and `trito
 
 Numerics: the reference's mean is torch's reduction order, the kernel's tl.sum's; interpreter (fp32) <= 1e-6 of
 max (tests/interpreted/test_norm_triton.py).
-
-GPU status: `pytest -m gpu tests/test_kernels_norm_triton.py`
-passed on an H200 (session 24), so it is in the Triton sets (IN_TRITON_SETS).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .registry import implements, is_interpreted, on_kernel_device, pow2
+from .gpu import is_interpreted, on_kernel_device, pow2
+from .norm import _rms_norm, _rms_norm_tiles
 
 try:
     import triton
@@ -26,7 +24,6 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = True     # passed `pytest -m gpu tests/test_kernels_norm_triton.py` on an H200 (docs/results.md)
 MAX_N = 16384             # widest row held in registers (hidden 4096 / 5120, head dim 512 of q-norms)
 WARPS = 4
 
@@ -79,18 +76,11 @@ def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
 
 def rms_norm_triton(x, weight, eps):
     if not supported(x, weight):
-        from .norm import _rms_norm
         return _rms_norm(x, weight, eps)
     return rms_norm_kernel(x, weight, eps)
 
 
 def rms_norm_triton_invariant(x, weight, eps):
     if not supported(x, weight):
-        from .norm import _rms_norm_tiles
         return _rms_norm_tiles(x, weight, eps)
     return rms_norm_kernel(x, weight, eps)             # row-independent: the same kernel
-
-
-if triton is not None and IN_TRITON_SETS:
-    implements("rms_norm", "triton")(rms_norm_triton)
-    implements("rms_norm", "triton_invariant")(rms_norm_triton_invariant)

@@ -1,39 +1,82 @@
-"""Triton row quantizers, one launch each: `kv_pack` (values [M, width] -> the KV records of kernels/kv_formats.py,
-instead of the reference's ~20 torch ops per write: session 24 counted about 910 extra launches a V4.1 decode step
-with kv_cache_dtype="fp8") and the models' QAT fake-quant, `qat_fp8` / `qat_fp4` (kernels/fake_quant.py; 20-40
-torch ops each in the reference, several a layer).
+"""Triton quantization numerics, the kernels' side of kernels/quant.py: the helpers the FP8 / FP4 kernels share
+(kernels/fp8_linear_triton.py, experts_triton.py, kv_formats_triton.py) and the row quantizer behind the
+`kv_pack` (kernels/kv_formats_triton.py) and QAT fake-quant (kernels/fake_quant_triton.py) backends.
 
-Program m quantizes row m, its quantized channels as a [blocks, block] tile: amax per block, the scale by
-kernels/quant.py's rule (fp8: pow2_ceil(max(amax, 1e-4) * f32(1/448)), ue8m0; fp4 ue8m0: pow2_ceil(max(amax,
+Helpers: the activation quantizer per block (quant.fake_quant_fp8's rule, ue8m0 scale), the power-of-two ceiling it
+uses, a round-to-nearest-even fp32 -> e4m3 conversion in integer arithmetic for Triton's interpreter, whose own cast
+does not round (SOFT_CVT), and the e2m1 decode built as fp16 bits.
+
+The row quantizer: program m quantizes row m, its quantized channels as a [blocks, block] tile: amax per block, the
+scale by kernels/quant.py's rule (fp8: pow2_ceil(max(amax, 1e-4) * f32(1/448)), ue8m0; fp4 ue8m0: pow2_ceil(max(amax,
 6 * 2^-126) * f32(1/6)); fp4 e4m3: e4m3(max(amax, 6 * 2^-9) / 6), correctly rounded division; packing also runs
 the reference's search of the next four e4m3 values for one that reproduces the block), the values rounded to
 nearest even (e4m3 by the GPU's cvt or e4m3_soft under the interpreter; e2m1 by the reference's thresholds). Then
 either the record (two nibbles a byte, low = even channel; V4's tail rounded to bf16 from the float's bits; pad
 bytes zero) or the dequantized values in the input's dtype (VALUES). Both equal the reference byte for byte /
-bit for bit (tests/interpreted/test_quant_triton.py).
-
-GPU status: `pytest -m gpu tests/test_kernels_quant_triton.py` passed on an H200 (26 tests, session 25), so the
-kernels are in the Triton sets (IN_TRITON_SETS).
+bit for bit (tests/interpreted/test_quant_triton.py). One launch per call, where the reference takes about 20 torch
+ops per KV write and 20-40 per fake-quant.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .gpu import is_interpreted, on_kernel_device, pow2
 from .kv_formats import KVFormat
-from .registry import implements, is_interpreted, on_kernel_device, pow2
 
 try:
     import triton
     import triton.language as tl
-
-    from .e4m3_triton import e2m1_over_2p14, pow2_ceil_exponent, quant_tile, to_e4m3
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = True     # passed `pytest -m gpu` on an H200 (docs/results.md)
-
 if triton is not None:
+
+    FLOOR_BITS = tl.constexpr(0x38D1B717)     # float32(1e-4) == FP8_AMAX_FLOOR
+    INV448_BITS = tl.constexpr(0x3B124925)    # float32(1/448)
+
+    @triton.jit
+    def e4m3_soft(v):
+        """fp32 in [-448, 448] -> e4m3fn bytes (int32 0..255), round to nearest even (the interpreter's cast
+        is not): |v| >= 2^-6 drops 20 mantissa bits of the float with the carry into the exponent; below, the
+        subnormal m * 2^-9 with m = rne(|v| * 2^9) from fp32's own rounding at 2^23."""
+        bits = v.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+        sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        return ((bits >> 24) & 0x80) | tl.where(a >= 0x3C800000, normal, sub)
+
+    @triton.jit
+    def pow2_ceil_exponent(v):
+        """Positive fp32 (>= 2^-126) -> the biased exponent of 2^ceil(log2 v) (quant.pow2_ceil's bits)."""
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+    @triton.jit
+    def e2m1_over_2p14(codes):
+        """e2m1 codes (int32, 0..15) -> fp32 value * 2^-14, exactly (built as fp16 bits: the sign to bit 15, the
+        exponent and mantissa to bits 11..9; 0.5 is an fp16 subnormal)."""
+        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def quant_tile(xf, SOFT_CVT: tl.constexpr):
+        """fp32 tile [R, B] (one scale block per row) -> (fp8e4nv [R, B], scale fp32 [R]): act_quant, ue8m0."""
+        amax = tl.max(tl.abs(xf), axis=1)
+        floor = tl.full(amax.shape, FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
+        inv448 = tl.full(amax.shape, INV448_BITS, tl.int32).to(tl.float32, bitcast=True)
+        k = pow2_ceil_exponent(tl.maximum(amax, floor) * inv448)             # biased exponent of the scale
+        scale = (k << 23).to(tl.float32, bitcast=True)
+        inv = ((254 - k) << 23).to(tl.float32, bitcast=True)                 # 1/scale, exact
+        v = tl.minimum(tl.maximum(xf * inv[:, None], -448.0), 448.0)
+        return to_e4m3(v, SOFT_CVT), scale
+
+    @triton.jit
+    def to_e4m3(v, SOFT_CVT: tl.constexpr):
+        """fp32 in [-448, 448] -> fp8e4nv, round to nearest even: the GPU's cvt, or e4m3_soft (SOFT_CVT)."""
+        if SOFT_CVT:
+            return e4m3_soft(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        return v.to(tl.float8e4nv)                                           # cvt.rn.satfinite
 
     @triton.jit
     def _e2m1_code(q):
@@ -180,46 +223,3 @@ def fake_quant_supported(x: torch.Tensor, block: int) -> bool:
     if triton is None or x.dim() != 2 or x.dtype == torch.float64 or block & (block - 1) or x.shape[-1] % block:
         return False
     return on_kernel_device(INTERPRETED, x)
-
-
-def kv_pack_triton(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    if not supported(fmt, flat):
-        return fmt.pack(x)
-    return pack_kernel(fmt, flat).view(*lead, fmt.record_bytes)
-
-
-def _on_rows(x: torch.Tensor, block: int, kernel, fallback, extra_ok: bool = True) -> torch.Tensor:
-    """x [..., n] as rows [M, n] through kernel (a fake-quant launch), or fallback(x) where the kernel does not run."""
-    flat = x.reshape(-1, x.shape[-1])
-    if not (extra_ok and fake_quant_supported(flat, block)):
-        return fallback(x)
-    return kernel(flat).view(x.shape)
-
-
-def qat_fp8_triton(x: torch.Tensor, block: int) -> torch.Tensor:
-    from .quant import fake_quant_fp8
-    return _on_rows(x, block, lambda f: fake_quant_kernel(f, "fp8", block), lambda t: fake_quant_fp8(t, block))
-
-
-def qat_fp4_triton(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
-    from .quant import fake_quant_fp4
-    return _on_rows(x, block, lambda f: fake_quant_kernel(f, "fp4", block, scale_fmt),
-                    lambda t: fake_quant_fp4(t, block, scale_fmt))
-
-
-def qat_index_triton(x: torch.Tensor, block: int) -> torch.Tensor:
-    """The butterfly needs n and n / block powers of two."""
-    from .fake_quant import _qat_index
-    n = x.shape[-1]
-    return _on_rows(x, block, lambda f: fake_quant_kernel(f, "fp4", block, hadamard=True),
-                    lambda t: _qat_index(t, block), extra_ok=not (n & (n - 1) or n // block & (n // block - 1)))
-
-
-if triton is not None and IN_TRITON_SETS:
-    for _backend in ("triton", "triton_invariant"):       # row-local: invariant as they are
-        implements("kv_pack", _backend)(kv_pack_triton)
-        implements("qat_fp8", _backend)(qat_fp8_triton)
-        implements("qat_fp4", _backend)(qat_fp4_triton)
-        implements("qat_index", _backend)(qat_index_triton)

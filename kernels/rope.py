@@ -1,10 +1,11 @@
 """Interleaved partial RoPE on the trailing channels: pairs (2i, 2i+1) rotate as one complex number.
-Elementwise per row, so one implementation serves every backend set."""
+Elementwise per row, so the reference serves the invariant set too, and one Triton kernel (kernels/rope_triton.py)
+both Triton sets."""
 
 import torch
 
 from .precision import upcast
-from .registry import call, implements
+from .registry import call
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -12,7 +13,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return call("rope")(x, cos, sin, inverse)
 
 
-@implements("rope", "reference")
 def _rope(x, cos, sin, inverse):
     half = cos.shape[-1]
     rd = 2 * half

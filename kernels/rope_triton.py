@@ -1,4 +1,4 @@
-"""Triton interleaved partial RoPE (issue 15, plan step 5): one launch per call, where the reference is about ten
+"""Triton interleaved partial RoPE for both Triton sets: one launch per call, where the reference is about ten
 torch kernels (slice, upcast, strided even / odd views, four products, stack, cast, cat), several calls a layer.
 
 Contract (kernels/rope.py): x [N, ..., d] with the rotary slice last (rd = 2 * half channels), cos / sin [N, half]
@@ -9,16 +9,14 @@ per row, so one kernel serves every Triton set.
 
 Numerics: the reference's x_e * cos - x_o * sin against the kernel's (a fused multiply-add may round once less):
 interpreter (fp32) <= 1e-6 of max; the copied channels are bitwise (tests/interpreted/test_rope_triton.py).
-
-GPU status: `pytest -m gpu tests/test_kernels_rope_triton.py`
-passed on an H200 (session 24), so it is in the Triton sets (IN_TRITON_SETS).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .registry import implements, is_interpreted, on_kernel_device, pow2
+from .gpu import is_interpreted, on_kernel_device, pow2
+from .rope import _rope
 
 try:
     import triton
@@ -26,7 +24,6 @@ try:
 except ImportError:          # CPU-only installs
     triton = None
 
-IN_TRITON_SETS = True     # passed `pytest -m gpu tests/test_kernels_rope_triton.py` on an H200 (docs/results.md)
 MAX_D, WARPS = 1024, 4
 
 
@@ -84,11 +81,5 @@ def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
 
 def rope_triton(x, cos, sin, inverse):
     if not supported(x, cos, sin):
-        from .rope import _rope
         return _rope(x, cos, sin, inverse)
     return rope_kernel(x, cos, sin, inverse)
-
-
-if triton is not None and IN_TRITON_SETS:
-    implements("rope", "triton")(rope_triton)
-    implements("rope", "triton_invariant")(rope_triton)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .registry import call, implements
+from .registry import call
 from .tiles import WIDE_TILE, row_tiles
 
 
@@ -15,11 +15,9 @@ def rowwise(fn: Callable, *rows, wide: bool = False):
     return call("rowwise")(fn, *rows, wide=wide)
 
 
-@implements("rowwise", "reference")
 def _plain(fn, *rows, wide=False):
     return fn(*rows)
 
 
-@implements("rowwise", "invariant")
 def _tiles(fn, *rows, wide=False):
     return row_tiles(fn, *rows, tile=WIDE_TILE) if wide else row_tiles(fn, *rows)

@@ -3,6 +3,9 @@
     table = KernelTable("invariant")      # every op's invariant implementation, else its reference one
     with use(table):                      # ops dispatch through it inside
         model.forward(...)
+
+Building a table only chooses a path per op (kernels/registry.py OPS); each function is imported when the op is
+first called through the table.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from .registry import BACKEND_SETS, KernelBackendError
 __all__ = ["BACKEND_SETS", "KernelBackendError", "KernelTable", "active", "use"]
 
 
-def _load_ops() -> None:
-    """Import every op module so each has registered its backends."""
-    from . import (attention, attention_triton, compress, experts, experts_triton, fp8_linear,  # noqa: F401
-                   fake_quant, indexer, indexer_triton, kv_formats, matmul, mhc, mhc_rows_triton, mhc_triton,
-                   matmul_triton, moe_combine, norm, norm_triton, quant_triton, rope, rope_triton, routing, rowwise,
-                   sampling)
+class _LazyFunctions(dict):
+    """op -> function, each loaded from its path on first lookup, then a plain dict entry."""
+
+    def __init__(self, paths: dict[str, str]):
+        super().__init__()
+        self.paths = paths
+
+    def __missing__(self, op: str) -> Callable:
+        fn = self[op] = registry.load(self.paths[op])
+        return fn
 
 
 class KernelTable:
@@ -33,13 +40,14 @@ class KernelTable:
             near = difflib.get_close_matches(str(name), BACKEND_SETS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise KernelBackendError(f"kernel backend {name!r} is not known{hint}; use one of {list(BACKEND_SETS)}")
-        _load_ops()
         self.name = name
-        self.fns: dict[str, Callable] = {}
-        self.backends: dict[str, str] = {}
-        for op, impls in sorted(registry._IMPLS.items()):
+        self.backends: dict[str, str] = {}       # op -> the backend set whose implementation it runs
+        paths: dict[str, str] = {}
+        for op in sorted(registry.OPS):
+            impls = registry.implemented(op)
             chosen = next(b for b in (name,) + registry.FALLBACK[name] if b in impls)
-            self.fns[op], self.backends[op] = impls[chosen], chosen
+            paths[op], self.backends[op] = impls[chosen], chosen
+        self.fns: dict[str, Callable] = _LazyFunctions(paths)
 
     @property
     def invariant(self) -> bool:

@@ -3,7 +3,7 @@ widths (64 heads x 512) against the fp32 reference on fresh random inputs; windo
 with no key, one pass and split-KV, batch invariance (a row alone = the row in a batch, bitwise, both modes) and
 CUDA-graph capture. Bound: max |kernel - reference| / max |reference| <= GPU_BOUND (P is rounded to bf16 before
 P.V, as FlashAttention does; the output is bf16). Passing this is what moves the kernel into the Triton backend
-sets (kernels/attention_triton.IN_TRITON_SETS). CPU checks: tests/interpreted/test_attention_triton.py."""
+sets (kernels/registry.py OPS). CPU checks: tests/interpreted/test_attention_triton.py."""
 
 from __future__ import annotations
 

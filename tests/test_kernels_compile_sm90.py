@@ -63,9 +63,9 @@ def test_expert_kernel_compiles_for_sm90(wfmt, a8, native, lut, config):
 @pytest.mark.parametrize("config,fuse", [("DECODE_CONFIG", True), ("PREFILL_CONFIG", False),
                                          ("PREFILL_WIDE_CONFIG", False), ("INVARIANT_CONFIG", False)])
 def test_fp8_gemm_compiles_for_sm90(block, config, fuse):
-    """The FP8 block-scaled GEMM (kernels/fp8_linear.py) at V4's 128 and V4.1's 32 scale blocks, every tile
+    """The FP8 block-scaled GEMM (kernels/fp8_linear_triton.py) at V4's 128 and V4.1's 32 scale blocks, every tile
     configuration: a BLOCK_N wider than the scale block reads one weight scale per column block."""
-    from deepinfer.kernels import fp8_linear as fl
+    from deepinfer.kernels import fp8_linear_triton as fl
     cfg = getattr(fl, config)
     runtime = {"x_ptr": "*bf16" if fuse else "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8",
                "y_ptr": "*fp32", **{a: "i32" for a in ("M", "N", "K", "NKB", "stride_x", "stride_sx", "stride_w",
@@ -222,13 +222,13 @@ def test_rms_norm_compiles_for_sm90(dtype, block_n):
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_mhc_row_kernels_compile_for_sm90(dtype):
-    """hc_collapse / hc_post (kernels/mhc_rows_triton.py) at hc 4: compile, fit an SM, no spills."""
-    from deepinfer.kernels import mhc_rows_triton as kr
-    consts = dict(HC=4, BLOCK_D=kr.BLOCK_D)
+    """hc_collapse / hc_post (kernels/mhc_triton.py) at hc 4: compile, fit an SM, no spills."""
+    from deepinfer.kernels import mhc_triton as kr
+    consts = dict(HC=4, BLOCK_D=kr.ROWS_BLOCK_D)
     collapse = compile_sm90(kr._collapse_kernel, {"h_ptr": dtype, "pre_ptr": "*fp32", "out_ptr": dtype, "D": "i32"},
-                            consts, num_warps=kr.WARPS)
+                            consts, num_warps=kr.ROWS_WARPS)
     post = compile_sm90(kr._post_kernel, {"f_ptr": dtype, "h_ptr": dtype, "post_ptr": "*fp32", "comb_ptr": "*fp32",
-                                          "out_ptr": dtype, "D": "i32"}, consts, num_warps=kr.WARPS)
+                                          "out_ptr": dtype, "D": "i32"}, consts, num_warps=kr.ROWS_WARPS)
     assert _ptxas_spill_bytes(collapse.asm["ptx"]) == 0 and _ptxas_spill_bytes(post.asm["ptx"]) == 0
 
 
@@ -278,9 +278,9 @@ def test_index_qat_compiles_for_sm90():
 
 @pytest.mark.parametrize("noise", [False, True])
 def test_sampling_draw_compiles_for_sm90(noise):
-    """The sampler's draw (kernels/sampling.py: int64 SplitMix64 in registers, float64 log) over fp32 logits:
+    """The sampler's draw (kernels/sampling_triton.py: int64 SplitMix64 in registers, float64 log) over fp32 logits:
     compiles, fits an SM, no spills."""
-    from deepinfer.kernels import sampling as ks
+    from deepinfer.kernels import sampling_triton as ks
     runtime = {"x_ptr": "*fp32", "noise_ptr": "*i8", "seed_ptr": "*i64", "pos_ptr": "*i64",
                "val_ptr": "*fp64" if noise else "*fp32",
                "idx_ptr": "*i64", "V": "i32", "stride_x": "i32", "salt": "i64"}

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import fp8_linear as fl
+from deepinfer.kernels import fp8_linear_triton as flt
 from deepinfer.kernels import registry
 from deepinfer.kernels.quant import dequantize_fp8_blocks, fake_quant_fp8, quantize_fp8_blocks
 from deepinfer.kernels.table import KernelTable, use
@@ -185,7 +186,7 @@ def test_invariant_backend_is_batch_invariant(backend, one_thread):
 
 def test_tables_and_bad_shapes():
     names = KernelTable("triton_invariant").backends
-    impls = registry._IMPLS["fp8_linear"]
+    impls = registry.implemented("fp8_linear")
     assert names["fp8_linear"] == ("triton_invariant" if "triton" in impls else "invariant")
     assert KernelTable("invariant").backends["fp8_linear"] == "invariant"
     x, (w8, ws) = acts(2, 256), weights(128, 256, "e8m0")
@@ -197,9 +198,9 @@ def test_tables_and_bad_shapes():
 
 def test_module_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "from deepinfer.kernels import fp8_linear as fl, registry\n"
+            "from deepinfer.kernels import fp8_linear_triton as flt, registry\n"
             "from deepinfer.kernels.table import KernelTable\n"
-            "assert fl.triton is None and set(registry._IMPLS['fp8_linear']) == {'reference', 'invariant'}\n"
+            "assert flt.triton is None and set(registry.implemented('fp8_linear')) == {'reference', 'invariant'}\n"
             "t = KernelTable('triton'); assert t.backends['fp8_linear'] == 'reference'\n"
             "assert KernelTable('triton_invariant').backends['fp8_linear'] == 'invariant'\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -218,7 +219,7 @@ BLOCK32_SHAPES = [(1, 64, 96), (5, 200, 300), (70, 96, 160)]
 
 def _interpreter_main():
     """Runs under TRITON_INTERPRET=1 (a subprocess of the tests below); prints one JSON object of results."""
-    assert fl._INTERPRET and fl.triton is not None
+    assert flt._INTERPRET and flt.triton is not None
     from tests.interpreter_dot import install
     install()                          # tl.dot in an order the code fixes, not the host BLAS's (docs/testing.md)
     torch.set_num_threads(1)
@@ -227,7 +228,7 @@ def _interpreter_main():
     for dtype in (torch.float32, torch.float16):
         for m, k in ((70, 384), (5, 300), (1, 128)):
             x = acts(m, k, dtype=dtype)
-            (q0, s0), (q1, s1) = fl._act_quant_ref(x), fl._act_quant_triton(x)
+            (q0, s0), (q1, s1) = fl._act_quant_ref(x), flt._act_quant_triton(x)
             out[f"aq-{m}-{k}-{dtype}"] = bool(torch.equal(q0.view(torch.uint8), q1.view(torch.uint8))
                                               and torch.equal(s0, s1))
     # the kernel's e4m3 rounding: every e4m3 magnitude, the midpoints between neighbours and one ulp either side
@@ -238,7 +239,7 @@ def _interpreter_main():
     blocks = math.ceil(vals.numel() / 127)
     x = torch.cat([torch.full((blocks, 1), 448.0),                          # scale 1: the values convert as they are
                    torch.nn.functional.pad(vals, (0, blocks * 127 - vals.numel())).view(blocks, 127)], dim=1)
-    (q0, s0), (q1, s1) = fl._act_quant_ref(x.view(1, -1)), fl._act_quant_triton(x.view(1, -1))
+    (q0, s0), (q1, s1) = fl._act_quant_ref(x.view(1, -1)), flt._act_quant_triton(x.view(1, -1))
     out["aq-e4m3-rounding"] = bool(torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and bool((s0 == 1).all()))
     # GEMM: the op through the table (the path from M), the other path forced, the invariant variant
     for i, (m, n, k) in enumerate(SHAPES):
@@ -249,8 +250,8 @@ def _interpreter_main():
         with use("triton"):
             errs["auto"] = rel_err(fl.fp8_linear(x, w8, ws), ref, norm)
         if n == 200:                                                        # (interpreter time: ragged N only)
-            other = "prefill" if m <= fl.DECODE_MAX_M else "decode"
-            errs[other] = rel_err(fl._fp8_linear_triton_any(x, w8, ws, None, False, other), ref, norm)
+            other = "prefill" if m <= flt.DECODE_MAX_M else "decode"
+            errs[other] = rel_err(flt._fp8_linear_triton_any(x, w8, ws, None, False, other), ref, norm)
             with use("triton_invariant"):
                 errs["invariant"] = rel_err(fl.fp8_linear(x, w8, ws), ref, norm)
         out[_case_name(m, n, k, i)] = errs
@@ -259,13 +260,13 @@ def _interpreter_main():
         x, (w8, ws) = acts(m, k, seed=50 + i), weights(n, k, SCALE_FMTS[i % 3], seed=150 + i, block=32)
         ref = fl._fp8_linear_ref(x, w8, ws, block=32)
         _, norm, _, _ = formula64(x, w8, ws, block=32)
-        errs = {path: rel_err(fl._fp8_linear_triton_any(x, w8, ws, None, path == "invariant", path, block=32), ref,
+        errs = {path: rel_err(flt._fp8_linear_triton_any(x, w8, ws, None, path == "invariant", path, block=32), ref,
                               norm) for path in ("decode", "prefill", "invariant")}
         with use("triton"):
             errs["auto"] = rel_err(fl.fp8_linear(x, w8, ws, block=32), ref, norm)
         out[f"b32-{m}-{n}-{k}"] = errs
     # split-K: the decode path splits these (the interpreter counts 16 SMs), the last split running past K
-    out["splits"] = {f"{m}-{n}-{k}": fl._split_k(m, n, -(-k // 128), fl.DECODE_CONFIG, torch.device("cpu"))
+    out["splits"] = {f"{m}-{n}-{k}": flt._split_k(m, n, -(-k // 128), flt.DECODE_CONFIG, torch.device("cpu"))
                      for m, n, k in ((1, 128, 384), (3, 200, 600))}
     # fp16 activations and output, 3-D x
     x, (w8, ws) = acts(6, 300, seed=7, dtype=torch.float16).view(2, 3, 300), weights(200, 300, "e8m0")
@@ -307,7 +308,7 @@ def test_interpreter_act_quant_is_bitwise(interp):
 def test_interpreter_gemm_matches_reference(interp, case):
     errs = interp[case]
     m, n = (int(part[1:]) for part in case.split("-")[:2])
-    other = "prefill" if m <= fl.DECODE_MAX_M else "decode"
+    other = "prefill" if m <= flt.DECODE_MAX_M else "decode"
     assert set(errs) == ({"auto", "invariant", other} if n == 200 else {"auto"})
     assert max(errs.values()) <= KERNEL_BOUND, errs
 
@@ -346,7 +347,7 @@ def _gpu_cases(n, k, block, rows):
             for m in rows:
                 x = big[:m]
                 q0, s0 = fl._act_quant_ref(x, block)
-                q1, s1 = fl._act_quant_triton(x, block)
+                q1, s1 = flt._act_quant_triton(x, block)
                 assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1), m
                 norm = (q0.float() * s0.repeat_interleave(block, -1)[:, :k]).abs() @ w_abs
                 yield m, x, fl._fp8_linear_ref(x, w8, ws, torch.float32, block), norm
@@ -360,7 +361,7 @@ def _gpu_cases(n, k, block, rows):
 @pytest.mark.parametrize("n,k", V4_FLASH_SHAPES)
 def test_gpu_kernels_at_model_shapes(n, k):
     pytest.importorskip("triton")
-    assert fl.triton is not None and not fl._INTERPRET
+    assert flt.triton is not None and not flt._INTERPRET
     w8, ws, big, cases = _gpu_cases(n, k, 128, (1, 16, 64, 256, 8192))
     ws32 = ws.view(torch.uint8).to(torch.int32).sub(127).float().exp2()
     for m, x, ref, norm in cases:
@@ -389,12 +390,12 @@ def test_gpu_block32_kernels_at_model_shapes(n, k):
     """V4.1's 32x32 blocks through the Triton GEMM (passed on the H200, so the op runs them there), every path,
     against the reference of the same recipe; the invariant path's row bits."""
     pytest.importorskip("triton")
-    assert fl.triton is not None and not fl._INTERPRET
+    assert flt.triton is not None and not flt._INTERPRET
     w8, ws, big, cases = _gpu_cases(n, k, 32, (1, 16, 64, 256, 4096))
     for m, x, ref, norm in cases:
         for path in (None, "decode", "prefill", "invariant"):
-            y = fl._fp8_linear_triton_any(x, w8, ws, torch.float32, path == "invariant", path, block=32)
+            y = flt._fp8_linear_triton_any(x, w8, ws, torch.float32, path == "invariant", path, block=32)
             assert rel_err(y, ref, norm) <= GPU_BOUND, (m, path)
-    full = fl._fp8_linear_triton_any(big, w8, ws, None, True, block=32)
+    full = flt._fp8_linear_triton_any(big, w8, ws, None, True, block=32)
     for m in (1, 16, 64, 256):
-        assert torch.equal(fl._fp8_linear_triton_any(big[:m], w8, ws, None, True, block=32), full[:m]), m
+        assert torch.equal(flt._fp8_linear_triton_any(big[:m], w8, ws, None, True, block=32), full[:m]), m

@@ -2,7 +2,7 @@
 128) and V4.1 (32 x 128) index shapes against the fp32 reference on random inputs, -1 candidates, K tails, batch
 invariance bitwise, CUDA-graph capture. Bound: per row, max |kernel - reference| / max |reference| <= GPU_BOUND
 (bf16 inputs are exact in both; only the fp32 summation order differs). Passing this moves the kernel into the
-Triton backend sets (kernels/indexer_triton.IN_TRITON_SETS). CPU: tests/interpreted/test_indexer_triton.py."""
+Triton backend sets (kernels/registry.py OPS). CPU: tests/interpreted/test_indexer_triton.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """kernels/matmul_triton.py on a CUDA device (`-m gpu`): the invariant `linear` / `grouped_linear` on the expert
 kernel at projection shapes (bf16) against the fp32 reference within the bf16 GEMM bound, a row's bits alone = in
-a batch of 300, CUDA-graph capture. Passing it is what flips IN_TRITON_SETS."""
+a batch of 300, CUDA-graph capture. Passing it is what puts the kernel in the Triton sets
+(kernels/registry.py OPS)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""kernels/mhc_rows_triton.py on a CUDA device (`-m gpu`): hc_collapse and hc_post with bf16 and fp32 streams at
-the released widths (hc 4 x 4096 / 5120) against the reference (bound ROWS_BOUND of max; bf16 outputs one
+"""kernels/mhc_triton.py's row kernels on a CUDA device (`-m gpu`): hc_collapse and hc_post with bf16 and fp32
+streams at the released widths (hc 4 x 4096 / 5120) against the reference (bound ROWS_BOUND of max; bf16 outputs one
 rounding apart), a row's bits alone and inside batches of 7 and 300, CUDA-graph capture. Passing it is what
-flips IN_TRITON_SETS."""
+keeps them in the Triton sets (kernels/registry.py OPS)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def _inputs(n, d, dtype, g):
 @pytest.mark.parametrize("n,d", [(1, 4096), (256, 5120)])
 def test_matches_reference_and_rows_keep_their_bits(dtype, n, d):
     from deepinfer.kernels import mhc as km
-    from deepinfer.kernels import mhc_rows_triton as kr
+    from deepinfer.kernels import mhc_triton as kr
     g = torch.Generator(device="cuda").manual_seed(n + d)
     h, f, pre, post, comb = _inputs(n, d, dtype, g)
-    assert kr.supported(h, f, pre, post, comb)
+    assert kr.rows_supported(h, f, pre, post, comb)
     got = (kr.hc_collapse_kernel(h, pre), kr.hc_post_kernel(f, h, post, comb))
     want = (km._hc_collapse(h, pre), km._hc_post(f, h, post, comb))
     for a, b in zip(got, want):

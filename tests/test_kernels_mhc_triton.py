@@ -4,7 +4,7 @@ kernel first or not) and, from GEMM_ROWS rows (n = 2048 here), the `triton` set'
 alone = the row in a batch (bitwise, triton_invariant), CUDA-graph capture.
 Bound: max |kernel - reference| / max |reference| <= GPU_BOUND for pre, post, comb (fp32 throughout; the
 reference's F.linear runs without TF32 here). Passing this keeps the kernel in the Triton sets
-(kernels/mhc_triton.IN_TRITON_SETS). CPU: tests/interpreted/test_mhc_triton.py."""
+(kernels/registry.py OPS). CPU: tests/interpreted/test_mhc_triton.py."""
 
 from __future__ import annotations
 

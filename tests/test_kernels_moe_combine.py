@@ -1,6 +1,7 @@
-"""kernels/moe_combine.py on a CUDA device (`-m gpu`): bit for bit the reference combine at the released widths
+"""kernels/moe_combine_triton.py on a CUDA device (`-m gpu`): bit for bit the reference combine at the released widths
 (V4 4096, V4.1 5120; k = 6; 1..2048 rows; bf16 out with the shared expert, fp32 without), and under CUDA-graph
-capture. Passing it is what flips IN_TRITON_SETS."""
+capture. Passing it is what puts the kernel in the Triton sets
+(kernels/registry.py OPS)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("n", [1, 64, 2048])
 @pytest.mark.parametrize("with_shared", [True, False])
 def test_bit_for_bit_on_cuda(d, n, with_shared):
-    from deepinfer.kernels import moe_combine as kc
+    from deepinfer.kernels import moe_combine_triton as kc
     k = 6
     g = torch.Generator(device="cuda").manual_seed(n + d)
     y = torch.randn(n * k, d, device="cuda", generator=g)

@@ -1,6 +1,7 @@
 """kernels/norm_triton.py on a CUDA device (`-m gpu`): bf16 and fp32 rows at the released widths against the
 reference RMSNorm (bound NORM_BOUND of max; bf16 outputs one rounding apart), a row's bits alone and inside
-batches of 7 and 300, CUDA-graph capture. Passing it is what flips IN_TRITON_SETS."""
+batches of 7 and 300, CUDA-graph capture. Passing it is what puts the kernel in the Triton sets
+(kernels/registry.py OPS)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Tolerances: float64 inputs, so 1e-12 absorbs only reduction-order differences (t
 import pytest
 import torch
 
-from deepinfer.kernels import attention, compress, indexer, matmul, mhc, norm, rope, rowwise
+from deepinfer.kernels import attention, indexer, matmul, mhc, norm, rope, rowwise, softmax_pool
 from deepinfer.kernels.table import BACKEND_SETS, KernelBackendError, KernelTable, active, use
 
 G = torch.Generator().manual_seed(0)
@@ -37,7 +37,7 @@ CASES = {
     "sink_attention": (lambda q, kv, b, s: attention.sink_attention(q, kv, b, s, 0.3),
                        lambda n: (r(n, 4, 16), r(23, 16), torch.where(r(n, 23) > 0, 0.0, float("-inf")), r(4))),
     "index_scores": (lambda q, w, k: indexer.index_scores(q, w, k, 0.5), lambda n: (r(n, 4, 8), r(n, 4), r(19, 8))),
-    "softmax_pool": (lambda kv, s: compress.softmax_pool(kv, s), lambda n: (r(n, 6, 10), r(n, 6, 10))),
+    "softmax_pool": (lambda kv, s: softmax_pool.softmax_pool(kv, s), lambda n: (r(n, 6, 10), r(n, 6, 10))),
     "hc_collapse": (lambda h, p: mhc.hc_collapse(h, p), lambda n: (r(n, 4, 12), r(n, 4))),
     "hc_post": (lambda o, h, p, c: mhc.hc_post(o, h, p, c), lambda n: (r(n, 12), r(n, 4, 12), r(n, 4), r(n, 4, 4))),
     "hc_mixes": (lambda h, f, b, s: mhc.hc_mixes(h, f, b, s, 1e-6, 1e-6, 3),

@@ -1,8 +1,8 @@
-"""kernels/quant_triton.py on a CUDA device (`-m gpu`): the packer's records equal the reference's KVFormat.pack
-byte for byte for the released records (V4 584 B, V4.1 528 / 288 B, index keys 68 B), and the QAT fake-quant
-equals quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, bf16 and fp32 rows at every scale range, one row and
-4096, and under CUDA-graph capture. Passing it flips kernels/quant_triton.IN_TRITON_SETS.
-CPU: tests/interpreted/test_quant_triton.py."""
+"""kernels/quant_triton.py's row quantizer (the kv_pack and qat backends) on a CUDA device (`-m gpu`): the
+packer's records equal the reference's KVFormat.pack byte for byte for the released records (V4 584 B, V4.1
+528 / 288 B, index keys 68 B), and the QAT fake-quant equals quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, bf16 and fp32 rows at every scale range, one row and
+4096, and under CUDA-graph capture. Passing it keeps kv_pack and the qat ops in the Triton sets
+(kernels/registry.py OPS). CPU: tests/interpreted/test_quant_triton.py."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_records_equal_the_reference(fmt, dtype, n):
                                                         ("fp4", 16, "e4m3", 512), ("fp4", 32, "ue8m0", 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fake_quant_equals_the_reference(kind, block, scale_fmt, width, dtype):
-    from deepinfer.kernels import quant_triton as kpt
+    from deepinfer.kernels import fake_quant_triton as kpt
     from deepinfer.kernels.quant import fake_quant_fp4, fake_quant_fp8
     g = torch.Generator(device="cuda").manual_seed(width)
     x = (torch.randn(4096, width, device="cuda", generator=g)
@@ -50,7 +50,7 @@ def test_fake_quant_equals_the_reference(kind, block, scale_fmt, width, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_index_qat_equals_the_reference(dtype):
     """V4's indexer QAT in one launch (the Hadamard butterfly, then FP4 per 32) = hadamard_rotate + fake_quant_fp4."""
-    from deepinfer.kernels import quant_triton as kpt
+    from deepinfer.kernels import fake_quant_triton as kpt
     from deepinfer.kernels.fake_quant import _qat_index
     g = torch.Generator(device="cuda").manual_seed(11)
     x = (torch.randn(4096, 128, device="cuda", generator=g) * 3).to(dtype)

@@ -1,6 +1,7 @@
 """kernels/rope_triton.py on a CUDA device (`-m gpu`): bf16 and fp32 query heads [N, 64, 512] and keys [N, 512]
 with the 64-channel slice, forward and inverse, against the reference (bound ROPE_BOUND of max; the copied
-channels bitwise), CUDA-graph capture. Passing it is what flips IN_TRITON_SETS."""
+channels bitwise), CUDA-graph capture. Passing it is what puts the kernel in the Triton sets
+(kernels/registry.py OPS)."""
 
 from __future__ import annotations
 

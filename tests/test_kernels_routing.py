@@ -24,7 +24,7 @@ import torch
 from tests.helpers import capture_graph
 import torch.nn.functional as F
 
-from deepinfer.kernels import routing
+from deepinfer.kernels import routing, routing_triton
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 from deepinfer.kernels.tiles import row_tiles
 from deepinfer.models.moe import Gate
@@ -212,10 +212,11 @@ def test_tables_name_the_routing_backends():
     for name in BACKEND_SETS:
         table = KernelTable(name)
         want = "reference" if name in ("reference", "triton") else "invariant"   # the FALLBACK chains
-        if name.startswith("triton") and routing.triton is not None:
+        if name.startswith("triton") and routing_triton.triton is not None:
             want = name
         assert table.backends["route"] == want
-        assert table.backends["permute"] == (name if name.startswith("triton") and routing.triton is not None else "reference")
+        triton_set = name.startswith("triton") and routing_triton.triton is not None
+        assert table.backends["permute"] == (name if triton_set else "reference")
 
 
 # --------------------------------------------------------------------------- 2. Triton in the interpreter
@@ -241,18 +242,18 @@ def test_permute_kernels_compile_for_sm90_without_a_masked_histogram():
     pointers and E). The histogram must take no mask: its data arrives in the load's vectorized layout, the mask
     in another, and Triton lets each reshape into the histogram reorder on its own, so a mask is applied to
     other elements than its own (the H200's miscount; the interpreter tests model it, this checks the IR)."""
-    if INTERPRETER or routing.triton is None:
+    if INTERPRETER or routing_triton.triton is None:
         pytest.skip("needs triton, compiled (not interpreted)")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     div16 = [["tt.divisibility", 16]]
-    common = dict(K=6, HAS_MAP=False, BLOCK_ROWS=routing.PERMUTE_BLOCK_ROWS, K_PAD=8)
+    common = dict(K=6, HAS_MAP=False, BLOCK_ROWS=routing_triton.PERMUTE_BLOCK_ROWS, K_PAD=8)
     kernels = {
-        routing._expert_histogram_kernel: ({"ids_ptr": "*i64", "l2p_ptr": "*i64", "counts_ptr": "*i32", "N": "i32",
+        routing_triton._expert_histogram_kernel: ({"ids_ptr": "*i64", "l2p_ptr": "*i64", "counts_ptr": "*i32", "N": "i32",
                                             "E": "i32"}, dict(common, BINS=512)),
-        routing._permute_scatter_kernel: ({"ids_ptr": "*i64", "w_ptr": "*fp32", "l2p_ptr": "*i64", "delta_ptr": "*i64",
+        routing_triton._permute_scatter_kernel: ({"ids_ptr": "*i64", "w_ptr": "*fp32", "l2p_ptr": "*i64", "delta_ptr": "*i64",
                                            "expert_ids_ptr": "*i64", "order_ptr": "*i64", "inverse_ptr": "*i64",
                                            "sorted_w_ptr": "*fp32", "N": "i32", "E": "i32"}, common),
     }
@@ -271,7 +272,7 @@ if INTERPRETER:
 
     from tests.interpreter_dot import install as _install_order_fixed_dot
 
-    assert routing._INTERPRETED, "triton was imported before TRITON_INTERPRET=1 took effect"
+    assert routing_triton._INTERPRETED, "triton was imported before TRITON_INTERPRET=1 took effect"
     _install_order_fixed_dot()        # tl.dot summed in an order the code fixes, not the BLAS (the split = whole bits)
 
     def _check_route(got, want):
@@ -287,7 +288,7 @@ if INTERPRETER:
     def test_interp_route(n, score_func, normalize):
         x, w, bias, tid2eid, tok = router_inputs(n, 48, 16, 2, seed=100 + n)
         kw = _route_kw(score_func, normalize, 2, False, tid2eid, tok, temp=1.0 if n % 2 else 1.3)
-        _check_route(routing._route_triton_default(x, w, bias, **kw), routing._route_reference(x, w, bias, **kw))
+        _check_route(routing_triton._route_triton_default(x, w, bias, **kw), routing._route_reference(x, w, bias, **kw))
 
     @pytest.mark.parametrize("e,d,k,dtype,bias", [(8, 32, 2, torch.float32, True), (12, 64, 3, torch.float32, False),
                                                   (16, 40, 2, torch.float16, True), (10, 33, 6, torch.float32, True)])
@@ -297,29 +298,29 @@ if INTERPRETER:
         x, w, b, tid2eid, tok = router_inputs(19, d, e, k, seed=e * d, dtype=dtype)
         kw = _route_kw(score_func, True, k, False, tid2eid, tok, temp=0.8)
         b = b if bias else None
-        _check_route(routing._route_triton_default(x, w, b, **kw), routing._route_reference(x, w, b, **kw))
+        _check_route(routing_triton._route_triton_default(x, w, b, **kw), routing._route_reference(x, w, b, **kw))
 
     @pytest.mark.parametrize("d", [200, 130])
     def test_interp_route_chunks_split_or_not_same_bits(d, monkeypatch):
         """The logits in 64-column chunks (2-4 of them, a ragged last one): one program per (row block, chunk)
         then the epilogue, or one program walking its chunks, give the same bits, both = the reference."""
-        monkeypatch.setattr(routing, "ROUTE_CHUNK", 64)
+        monkeypatch.setattr(routing_triton, "ROUTE_CHUNK", 64)
         x, w, bias, tid2eid, tok = router_inputs(21, d, 16, 3, seed=d)
         kw = _route_kw("sqrtsoftplus", True, 3, False, tid2eid, tok)
-        split = routing._route_triton(x, w, bias, split=True, **kw)
-        whole = routing._route_triton(x, w, bias, split=False, **kw)
+        split = routing_triton._route_triton(x, w, bias, split=True, **kw)
+        whole = routing_triton._route_triton(x, w, bias, split=False, **kw)
         assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
         _check_route(split, routing._route_reference(x, w, bias, **kw))
 
     def test_interp_route_expert_column_blocks(monkeypatch):
         """The chunk programs over several expert column blocks (E 40 in blocks of 16: the last one ragged) give
         the bits of one walking program over all columns, both = the reference."""
-        monkeypatch.setattr(routing, "ROUTE_CHUNK", 64)
-        monkeypatch.setattr(routing, "ROUTE_E_BLOCK", 16)
+        monkeypatch.setattr(routing_triton, "ROUTE_CHUNK", 64)
+        monkeypatch.setattr(routing_triton, "ROUTE_E_BLOCK", 16)
         x, w, bias, tid2eid, tok = router_inputs(9, 200, 40, 4, seed=11)
         kw = _route_kw("sigmoid", True, 4, False, tid2eid, tok)
-        split = routing._route_triton(x, w, bias, split=True, **kw)
-        whole = routing._route_triton(x, w, bias, split=False, **kw)
+        split = routing_triton._route_triton(x, w, bias, split=True, **kw)
+        whole = routing_triton._route_triton(x, w, bias, split=False, **kw)
         assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
         _check_route(split, routing._route_reference(x, w, bias, **kw))
 
@@ -328,9 +329,9 @@ if INTERPRETER:
     def test_interp_route_gemm_logits_from_gemm_rows(score_func, hashed, monkeypatch):
         """`triton` from ROUTE_GEMM_ROWS rows: the logits on torch's fp32 GEMM into one part, the kernel's epilogue
         (= the reference); below it and in `triton_invariant` the chunk path."""
-        monkeypatch.setattr(routing, "ROUTE_GEMM_ROWS", 20)
+        monkeypatch.setattr(routing_triton, "ROUTE_GEMM_ROWS", 20)
         launched = []
-        real = routing._route_kernel
+        real = routing_triton._route_kernel
 
         class Spy:                                    # records whether each launch read one GEMM part
             def __getitem__(self, grid):
@@ -338,14 +339,14 @@ if INTERPRETER:
                     launched.append((args[0].shape[0], kw["CHUNKS"] == 1 and kw["FROM_PARTS"]))
                     return real[grid](*args, **kw)
                 return run
-        monkeypatch.setattr(routing, "_route_kernel", Spy())
+        monkeypatch.setattr(routing_triton, "_route_kernel", Spy())
         x, w, bias, tid2eid, tok = router_inputs(33, 40, 12, 3, seed=3)
         kw = _route_kw(score_func, True, 3, hashed, tid2eid, tok)
         b = None if hashed else bias
         for n in (19, 20, 33):
             k = {**kw, "input_ids": kw["input_ids"][:n]} if hashed else kw
-            _check_route(routing._route_triton_default(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
-            _check_route(routing._route_triton_invariant(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
+            _check_route(routing_triton._route_triton_default(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
+            _check_route(routing_triton._route_triton_invariant(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
         assert launched == [(19, False), (19, False), (20, True), (20, False), (33, True), (33, False)]
 
     @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
@@ -354,7 +355,7 @@ if INTERPRETER:
     def test_interp_route_hash(n, score_func, normalize):
         x, w, bias, tid2eid, tok = router_inputs(n, 32, 16, 3, seed=7 + n)
         kw = _route_kw(score_func, normalize, 3, True, tid2eid, tok)
-        _check_route(routing._route_triton_default(x, w, None, **kw), routing._route_reference(x, w, None, **kw))
+        _check_route(routing_triton._route_triton_default(x, w, None, **kw), routing._route_reference(x, w, None, **kw))
 
     def test_interp_route_ties_take_the_lowest_id():
         """Equal biased scores: the kernel's choice, lowest expert id first (torch.topk's order is unspecified)."""
@@ -362,7 +363,7 @@ if INTERPRETER:
         bias = torch.zeros(16)
         bias[[3, 9, 12]] = torch.tensor([1.0, 1.0, 0.5])
         kw = _route_kw("sigmoid", True, 4, False, None, None)
-        weights, ids = routing._route_triton_default(x, w, bias, **kw)
+        weights, ids = routing_triton._route_triton_default(x, w, bias, **kw)
         assert ids.tolist() == [[3, 9, 12, 0]] * 3
         assert torch.allclose(weights, torch.full((3, 4), 2.5 / 4))
 
@@ -380,14 +381,14 @@ if INTERPRETER:
 
     @pytest.mark.parametrize("case", sorted(PERMUTE_CASES))
     def test_interp_permute(case, monkeypatch):
-        monkeypatch.setattr(routing, "PERMUTE_BLOCK_ROWS", 4)      # several blocks, a short sort per block
+        monkeypatch.setattr(routing_triton, "PERMUTE_BLOCK_ROWS", 4)      # several blocks, a short sort per block
         ids, weights, e, l2p = _permute_case(case, seed=11)
-        assert _equal(routing._permute_triton(ids, weights, e, l2p), old_dispatch(ids, weights, e, l2p))
+        assert _equal(routing_triton._permute_triton(ids, weights, e, l2p), old_dispatch(ids, weights, e, l2p))
 
     def test_interp_permute_default_block():
         ids, weights, e, l2p = _permute_case("rows33", seed=2)
         ids = torch.cat([ids, ids.flip(0)])[:40]
-        assert _equal(routing._permute_triton(ids, weights.repeat(2, 1)[:40], e, l2p),
+        assert _equal(routing_triton._permute_triton(ids, weights.repeat(2, 1)[:40], e, l2p),
                       old_dispatch(ids, weights.repeat(2, 1)[:40], e, l2p))
 
     def _reorder_histogram_inputs(monkeypatch):
@@ -422,12 +423,12 @@ if INTERPRETER:
 
     @pytest.mark.parametrize("case", sorted(PERMUTE_CASES))
     def test_interp_permute_histogram_inputs_reordered(case, monkeypatch):
-        monkeypatch.setattr(routing, "PERMUTE_BLOCK_ROWS", 4)
+        monkeypatch.setattr(routing_triton, "PERMUTE_BLOCK_ROWS", 4)
         ids, weights, e, l2p = _permute_case(case, seed=5)
         want = old_dispatch(ids, weights, e, l2p)
         _reorder_histogram_inputs(monkeypatch)
         _garbage_empty(monkeypatch)
-        assert _equal(routing._permute_triton(ids, weights, e, l2p), want)
+        assert _equal(routing_triton._permute_triton(ids, weights, e, l2p), want)
 
     @pytest.mark.parametrize("n,e", [(1, 256), (1, 255), (37, 384), (130, 12)])
     def test_interp_permute_h200_shapes(n, e, monkeypatch):
@@ -444,12 +445,12 @@ if INTERPRETER:
         _reorder_histogram_inputs(monkeypatch)
         _garbage_empty(monkeypatch)
         for mapping, w in zip((None, l2p), want):
-            assert _equal(routing._permute_triton(ids, weights, e, mapping), w)
+            assert _equal(routing_triton._permute_triton(ids, weights, e, mapping), w)
 
     def test_interp_moe_forward_through_triton_tables(monkeypatch):
         """A MoE layer end to end with the Triton route and permute (experts: their reference on CPU)."""
         from deepinfer.models.moe import MoE
-        monkeypatch.setattr(routing, "PERMUTE_BLOCK_ROWS", 8)
+        monkeypatch.setattr(routing_triton, "PERMUTE_BLOCK_ROWS", 8)
         gen = torch.Generator().manual_seed(1)
         gate = Gate(32, 16, 2, "sqrtsoftplus", 1.5, torch.float32)
         moe = MoE(gate, 32, 16, 1, 10.0, torch.float32)
@@ -494,15 +495,15 @@ def test_cuda_route_and_permute(family, n, hashed):
     x, w, bias, tid2eid, tok = router_inputs(n, d, e, 6, seed=n, dtype=torch.bfloat16, vocab=1000, device="cuda")
     for score_func in SCORE_FUNCS:
         kw = _route_kw(score_func, True, 6, hashed, tid2eid, tok)
-        got = routing._route_triton_default(x, w, None if hashed else bias, **kw)
+        got = routing_triton._route_triton_default(x, w, None if hashed else bias, **kw)
         _check_route_cuda(got, x, w, None if hashed else bias, kw)
     ids, weights = got[1], got[0]
     l2p = torch.randperm(e, device="cuda")
     for mapping in (None, l2p):
-        assert _equal(routing._permute_triton(ids, weights, e, mapping),
+        assert _equal(routing_triton._permute_triton(ids, weights, e, mapping),
                       routing._permute_reference(ids, weights, e, mapping))
     one = torch.full_like(ids, 3)                                  # every pair on one expert
-    assert _equal(routing._permute_triton(one, weights, e), routing._permute_reference(one, weights, e))
+    assert _equal(routing_triton._permute_triton(one, weights, e), routing._permute_reference(one, weights, e))
 
 
 @pytest.mark.gpu
@@ -517,9 +518,9 @@ def test_cuda_triton_invariant_route_is_batch_invariant(family):
         for rows in (slice(21, 22), slice(5, 40), slice(3, 70)):
             part = routing.route(x[rows], w, bias, **kw)
             assert torch.equal(part[0], full[0][rows]) and torch.equal(part[1], full[1][rows])
-    got = routing._route_triton(x, w, bias, split=True, **kw)          # the invariant set's path: the same bits
+    got = routing_triton._route_triton(x, w, bias, split=True, **kw)          # the invariant set's path: the same bits
     assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
-    walked = routing._route_triton(x, w, bias, split=False, **kw)      # one program per row block: last bits only
+    walked = routing_triton._route_triton(x, w, bias, split=False, **kw)      # one program per row block: last bits only
     assert float((walked[0] - full[0]).abs().max()) <= 1e-5 and float((walked[1] != full[1]).float().mean()) <= 0.02
 
 
@@ -535,8 +536,8 @@ def test_cuda_graph_capture(family, n):
     kw = _route_kw("sqrtsoftplus", True, 6, False, tid2eid, tok)
 
     def step(x):
-        weights, ids = routing._route_triton_default(x, w, bias, **kw)
-        return (weights, ids) + routing._permute_triton(ids, weights, e)
+        weights, ids = routing_triton._route_triton_default(x, w, bias, **kw)
+        return (weights, ids) + routing_triton._permute_triton(ids, weights, e)
 
     graph, out = capture_graph(step, x)
     for seed in (1, 2):

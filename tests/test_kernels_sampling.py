@@ -1,7 +1,7 @@
 """kernels/sampling.py on a CUDA device (`-m gpu`): the one-pass draw against the reference at the released vocabulary
 (129280) for 1..256 rows, greedy, noisy and mixed rows; a row's id alone = in a batch; CUDA-graph capture; a
-seeded engine request through the Triton set draws as through the reference set. Passing it is what flips
-IN_TRITON_SETS."""
+seeded engine request through the Triton set draws as through the reference set. Passing it is what puts the
+kernel in the Triton sets (kernels/registry.py OPS)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _case(b, seed):
 
 @pytest.mark.parametrize("b", [1, 7, 64, 256])
 def test_draw_equals_reference_on_cuda(b):
-    from deepinfer.kernels import sampling as ks
+    from deepinfer.kernels import sampling_triton as ks
     x, seeds, pos = _case(b, b)
     rows = torch.arange(b, device="cuda") % 3 != 0
     for noise in (None, rows):
@@ -37,7 +37,7 @@ def test_draw_equals_reference_on_cuda(b):
 
 
 def test_graph_capture():
-    from deepinfer.kernels import sampling as ks
+    from deepinfer.kernels import sampling_triton as ks
     x, seeds, pos = _case(16, 3)
     rows = torch.ones(16, dtype=torch.bool, device="cuda")
     want = ks.draw_kernel(x, rows, seeds, pos, 1)

@@ -10,7 +10,7 @@ pools 2m slots: the A halves of window w-1 and the B halves of window w.
 from __future__ import annotations
 
 import torch
-from deepinfer.kernels.compress import softmax_pool
+from deepinfer.kernels.softmax_pool import softmax_pool
 from deepinfer.kernels.indexer import index_scores
 from deepinfer.kernels.precision import upcast
 from torch import nn

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels.compress import softmax_pool
+from deepinfer.kernels.softmax_pool import softmax_pool
 from deepinfer.kernels.indexer import index_scores
 from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.matmul import linear_f32

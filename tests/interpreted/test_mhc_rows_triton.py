@@ -1,5 +1,5 @@
-"""kernels/mhc_rows_triton.py in Triton's interpreter against the reference hc_collapse / hc_post on fresh random
-inputs: the tiny width (hc 4 x 64), a released width (hc 4 x 5120: several column blocks), hc 2 and 8, rows of
+"""kernels/mhc_triton.py's row kernels in Triton's interpreter against the reference hc_collapse / hc_post on fresh
+random inputs: the tiny width (hc 4 x 64), a released width (hc 4 x 5120: several column blocks), hc 2 and 8, rows of
 any count; a row's bits the same alone and inside a batch."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import mhc as km
-from deepinfer.kernels import mhc_rows_triton as kr
+from deepinfer.kernels import mhc_triton as kr
 
 BOUND = 1e-6     # max |kernel - reference| / max |reference|
 
@@ -26,7 +26,7 @@ def inputs(n, hc, d, seed):
 @pytest.mark.parametrize("n,hc,d", [(5, 4, 64), (3, 4, 5120), (7, 2, 48), (2, 8, 96)])
 def test_matches_reference(n, hc, d):
     h, f, pre, post, comb = inputs(n, hc, d, seed=n * hc + d)
-    assert kr.supported(h, pre)
+    assert kr.rows_supported(h, pre)
     for got, want in ((kr.hc_collapse_triton(h, pre), km._hc_collapse(h, pre)),
                       (kr.hc_post_triton(f, h, post, comb), km._hc_post(f, h, post, comb))):
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -43,5 +43,5 @@ def test_a_row_keeps_its_bits_in_any_batch():
 
 def test_unsupported_falls_back():
     h, f, pre, post, comb = (t.double() for t in inputs(3, 4, 32, seed=2))
-    assert not kr.supported(h, pre)
+    assert not kr.rows_supported(h, pre)
     assert torch.equal(kr.hc_post_triton(f, h, post, comb), km._hc_post(f, h, post, comb))

@@ -34,11 +34,12 @@ def _counted(name, fn):
 
 @pytest.fixture
 def attention_in_the_triton_set(monkeypatch):
-    """The Triton set as IN_TRITON_SETS = True registers it, the kernels' launches counted."""
-    monkeypatch.setitem(registry._IMPLS["sparse_sink_attention"], "triton", kat.sparse_sink_attention_triton)
-    monkeypatch.setitem(registry._IMPLS["sparse_index_scores"], "triton", kit.sparse_index_scores_triton)
-    monkeypatch.setitem(registry._IMPLS["hc_mixes"], "triton", kmt.hc_mixes_triton)
-    monkeypatch.delitem(registry._IMPLS["top_k_indices"], "triton", raising=False)   # left out (the docstring)
+    """The Triton set as the op table lists these kernels, the kernels' launches counted."""
+    monkeypatch.setitem(registry.OPS["sparse_sink_attention"], "triton",
+                        "attention_triton:sparse_sink_attention_triton")
+    monkeypatch.setitem(registry.OPS["sparse_index_scores"], "triton", "indexer_triton:sparse_index_scores_triton")
+    monkeypatch.setitem(registry.OPS["hc_mixes"], "triton", "mhc_triton:hc_mixes_triton")
+    monkeypatch.delitem(registry.OPS["top_k_indices"], "triton", raising=False)   # left out (the docstring)
     for name, mod, kernel in (("attention", kat, "sparse_attention"), ("index", kit, "index_scores_kernel"),
                               ("mhc", kmt, "hc_mixes_kernel")):
         monkeypatch.setattr(mod, kernel, _counted(name, getattr(mod, kernel)))

@@ -1,5 +1,5 @@
-"""kernels/moe_combine.py in Triton's interpreter against the reference combine on fresh random inputs: bit for bit
-(the same fp32 additions in the same order), with and without the shared expert, bf16 and fp32 outputs, widths not
+"""kernels/moe_combine_triton.py in Triton's interpreter against the reference combine on fresh random inputs: bit
+for bit (the same fp32 additions in the same order), with and without the shared expert, bf16 and fp32 outputs, widths not
 a multiple of the column block, one row, k = 1 and 6, and a random dispatch permutation."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.kernels import moe_combine as kc
+from deepinfer.kernels import moe_combine_triton as kc
 
 
 def _case(n, k, d, seed):

@@ -1,7 +1,7 @@
-"""kernels/quant_triton.py in Triton's interpreter: the packer's records equal the reference's KVFormat.pack byte
-for byte, and the QAT fake-quant ops equal quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, every format
-(V4's FP8 latent with its bf16 tail, V4.1's FP8 window and FP4 / e4m3-scale entries, FP4 /
-ue8m0 keys), rows from 1e-8 to 1e3 (every scale range, e4m3 subnormal scales and the exact-scale search
+"""kernels/quant_triton.py's row quantizer (the kv_pack and qat backends) in Triton's interpreter: the packer's
+records equal the reference's KVFormat.pack byte for byte, and the QAT fake-quant ops equal
+quant.fake_quant_fp8 / fake_quant_fp4 bit for bit, every format (V4's FP8 latent with its bf16 tail, V4.1's FP8
+window and FP4 / e4m3-scale entries, FP4 / ue8m0 keys), rows from 1e-8 to 1e3 (every scale range, e4m3 subnormal scales and the exact-scale search
 included), QAT-rounded rows, zeros and negative zeros, one row and many."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.kernels import fake_quant_triton as kft
 from deepinfer.kernels import quant_triton as kpt
 from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.quant import fake_quant_fp4, fake_quant_fp8
@@ -48,10 +49,10 @@ def test_fake_quant_equals_the_reference_bit_for_bit(kind, block, scale_fmt, wid
     for n, seed in ((1, 4), (50, 5)):
         x = rows(n, width, seed)
         want = fake_quant_fp8(x, block) if kind == "fp8" else fake_quant_fp4(x, block, scale_fmt)
-        got = kpt.qat_fp8_triton(x, block) if kind == "fp8" else kpt.qat_fp4_triton(x, block, scale_fmt)
+        got = kft.qat_fp8_triton(x, block) if kind == "fp8" else kft.qat_fp4_triton(x, block, scale_fmt)
         assert got.dtype == x.dtype and torch.equal(got, want)
     x3 = rows(12, width, 6).view(3, 4, width)                                   # leading dims kept
-    got = kpt.qat_fp8_triton(x3, block) if kind == "fp8" else kpt.qat_fp4_triton(x3, block, scale_fmt)
+    got = kft.qat_fp8_triton(x3, block) if kind == "fp8" else kft.qat_fp4_triton(x3, block, scale_fmt)
     want = fake_quant_fp8(x3, block) if kind == "fp8" else fake_quant_fp4(x3, block, scale_fmt)
     assert got.shape == x3.shape and torch.equal(got, want)
 
@@ -62,6 +63,6 @@ def test_index_qat_equals_hadamard_then_fp4_bit_for_bit(width):
     from deepinfer.kernels.fake_quant import _qat_index
     for n, seed in ((1, 7), (40, 8)):
         x = rows(n, width, seed)
-        assert torch.equal(kpt.qat_index_triton(x, 32), _qat_index(x, 32))
+        assert torch.equal(kft.qat_index_triton(x, 32), _qat_index(x, 32))
     x3 = rows(12, width, 9).view(2, 6, width)
-    assert torch.equal(kpt.qat_index_triton(x3, 32), _qat_index(x3, 32))
+    assert torch.equal(kft.qat_index_triton(x3, 32), _qat_index(x3, 32))

@@ -1,4 +1,4 @@
-"""kernels/sampling.py's draw kernel in Triton's interpreter against the reference on fresh random logits: the
+"""kernels/sampling_triton.py's draw kernel in Triton's interpreter against the reference on fresh random logits: the
 same ids for greedy rows (argmax, ties to the lowest id, across chunk and block boundaries) and for noisy rows
 (argmax of logits + counter-based Gumbel noise), mixed rows, -inf ids, all -inf rows, vocabularies that are not a
 multiple of the chunk, float64 logits; the in-kernel hash equals the torch one."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.kernels import sampling as ks
+from deepinfer.kernels import sampling_triton as ks
+from deepinfer.kernels.sampling import gumbel_noise
 
 
 def _logits(b, v, seed, dtype=torch.float32):
@@ -52,7 +53,7 @@ def test_noise_is_the_counter_hash():
     seeds, pos = torch.tensor([1, 1, 2, 3, 4, 5]), torch.tensor([0, 1, 0, 9, 9, 9])
     rows = torch.ones(b, dtype=torch.bool)
     got = ks.draw_kernel(x, rows, seeds, pos, 1)
-    want = ks.gumbel_noise(seeds, pos, v, 1).argmax(dim=-1)
+    want = gumbel_noise(seeds, pos, v, 1).argmax(dim=-1)
     assert torch.equal(got, want)
     assert len(set(got.tolist())) == b
     assert not torch.equal(ks.draw_kernel(x, rows, seeds, pos, 0), got)

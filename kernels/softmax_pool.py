@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import call, implements
+from .registry import call
 from .tiles import row_tiles
 
 
@@ -14,11 +14,9 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return call("softmax_pool")(kv, score)
 
 
-@implements("softmax_pool", "reference")
 def _softmax_pool(kv, score):
     return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
-@implements("softmax_pool", "invariant")
 def _softmax_pool_tiles(kv, score):
     return row_tiles(_softmax_pool, kv, score)
