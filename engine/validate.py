@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, DeepInferError
+from .models.common.layers import PROJECTION_STORAGE
 from .text import check_text
 
 # dtype names every entry point takes, in the order messages and --help list them
@@ -23,7 +24,6 @@ DTYPE_NAMES = tuple(DTYPES)
 ARCHS = ("deepseek_v41", "deepseek_v4")
 PRESETS = ("tiny", "flash")
 EXPERT_STORAGE = ("dense", "fp4")
-PROJECTION_STORAGE = ("dense", "fp8")      # models.check_projection_storage: what a config allows
 EMBEDDED = "tiny"                     # the embedded tiny checkpoint (built once into the user cache)
 MODEL_FORMS = (f"a checkpoint directory, a hub id (org/name), '{EMBEDDED}' (the embedded tiny model) or "
                f"random:ARCH:PRESET:LAYERS[:skew=S] (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")
@@ -149,7 +149,8 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
     if model is None:
         return None
     if isinstance(model, torch.nn.Module):
-        if not hasattr(model, "checkpoint_dir"):
+        from .models.base import CausalLM
+        if not isinstance(model, CausalLM) or model.checkpoint_dir is None:
             raise DeepInferError("a model object passed to LLM needs .checkpoint_dir (a directory holding its "
                                  "tokenizer.json); load it with deepinfer.load_model")
         return model
@@ -168,22 +169,6 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
 def _located(model):
     from .checkpoint.hub import locate_model
     locate_model(model)
-    return model
-
-
-def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat: bool = True,
-                  projection_storage: str = "dense"):
-    """A checked model spec -> what load_model / LLM build from: None or 'tiny' -> the embedded checkpoint dir
-    (built once), random:ARCH:PRESET:LAYERS -> a model built on `device`, a model object or a directory / hub id
-    unchanged."""
-    model = check_model_spec(model)
-    if model is None or (isinstance(model, str) and model == EMBEDDED):
-        from .checkpoint.make import embedded_tiny_dir
-        return embedded_tiny_dir()
-    if isinstance(model, str) and model.startswith("random:"):
-        from .checkpoint.make import random_preset_model
-        check_expert_storage(expert_storage, random_spec_arch(model))
-        return random_preset_model(model, device, dtype, expert_storage, qat, projection_storage)
     return model
 
 
