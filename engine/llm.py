@@ -118,9 +118,9 @@ class LLM:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self._args = args
         self.rng = np.random.default_rng(seed)
-        drafting = self.model.drafting
-        self.speculative = spec_config(args["speculative"], None if drafting is None else drafting.block_size,
-                                       "dspark" if drafting is None else drafting.method)
+        drafting = self.model.drafting          # None: the model cannot draft
+        self.speculative = spec_config(args["speculative"], None) if drafting is None else \
+            spec_config(args["speculative"], drafting.block_size, drafting.method)
         if self.speculative is not None and args["async_scheduling"]:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
                                  "loop (each step's commits are read before the next is planned; docs/"

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from deepinfer.config.deepseek_v41 import engram_prime_layout
+from deepinfer.config.engram_layout import engram_prime_layout
 from deepinfer.kernels.rowwise import rowwise
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import dequantize_fp8_blocks
@@ -117,7 +117,7 @@ def hash_multipliers(layer_ids: Sequence[int], max_ngram: int, compressed_vocab_
 
 
 def engram_layout(cfg) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Bucket sizes ``[layer][order][head]`` (config.deepseek_v41.engram_prime_layout), checked against
+    """Bucket sizes ``[layer][order][head]`` (config.engram_layout.engram_prime_layout), checked against
     ``cfg.engram_num_embeddings`` when that is given."""
     primes = tuple(tuple(tuple(o) for o in layer) for layer in engram_prime_layout(
         cfg.engram_vocab_size, len(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads))
