@@ -15,11 +15,10 @@ import time
 
 import torch
 
-from deepinfer.reference import packed_kv_bytes_per_token
 from deepinfer.checkpoint.make import random_model
 from deepinfer.config.presets import preset_config
 from deepinfer.cli import run_cli
-from deepinfer.reference import compute_logits, extend, extend_and_draft, new_state
+from deepinfer.reference import compute_logits, extend, extend_and_draft, new_state, packed_kv_bytes_per_token
 
 
 def sync() -> None:
