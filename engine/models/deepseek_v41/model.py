@@ -37,7 +37,7 @@ from .engram import BLOCKED, EngramHasher
 class DeepseekV41ForCausalLM(FlatBatchLM):
     def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True,
                  expert_storage: str = "dense"):
-        """expert_storage="fp4": routed experts stay FP4-packed and dequantize per use (moe.Experts)."""
+        """expert_storage="fp4": routed experts stay FP4-packed and dequantize per use (common/moe.Experts)."""
         super().__init__()
         self.init_common(cfg, dtype, qat_fake_quant)
         self.layers = nn.ModuleList(
