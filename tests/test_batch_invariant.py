@@ -146,13 +146,13 @@ def _prompts(vocab: int):
         [torch.randint(0, vocab, (n,), generator=g) for n in OTHER_LENGTHS]
 
 
-def _run(model, target, others, slot: int, **extend) -> list[torch.Tensor]:
+def _run(model, target, others, slot: int, **options) -> list[torch.Tensor]:
     """Prefill the target (at batch position `slot`) with the others, then decode it while the others keep
     extending by 1..5 tokens a step. Returns the target's logits: prefill, then each decode step."""
     vocab = model.cfg.vocab_size
     seqs = others[:slot] + [target] + others[slot:]
     states = [new_state(model) for _ in seqs]
-    got = [extend(model, seqs, states, **extend)[slot]]
+    got = [extend(model, seqs, states, **options)[slot]]
     for step in range(DECODE_STEPS):
         g = _gen(100 + step)
         chunks = [torch.randint(0, vocab, (1 if i == slot else int(torch.randint(1, 6, (1,), generator=g)),),
@@ -165,13 +165,13 @@ def _run(model, target, others, slot: int, **extend) -> list[torch.Tensor]:
 BATCHES = [(n_others, slot) for n_others in (2, 5, 9) for slot in sorted({0, n_others // 2, n_others})]
 
 
-def _differences(model, batches=BATCHES, **extend) -> list[tuple[int, int, int]]:
+def _differences(model, batches=BATCHES, **options) -> list[tuple[int, int, int]]:
     """(others, slot, step) of every target logit that is not bitwise its value alone."""
     target, others = _prompts(model.cfg.vocab_size)
-    alone = _run(model, target, [], 0, **extend)
+    alone = _run(model, target, [], 0, **options)
     bad = []
     for n_others, slot in batches:
-        got = _run(model, target, others[:n_others], slot, **extend)
+        got = _run(model, target, others[:n_others], slot, **options)
         bad += [(n_others, slot, step) for step, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
     return bad
 
