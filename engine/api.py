@@ -1,4 +1,5 @@
-"""deepinfer.load_model: checkpoint directory or hub id -> a model on the requested device."""
+"""deepinfer.load_model: checkpoint directory or hub id -> a model on the requested device; resolve_model: any model
+spec an entry point takes -> what load_model / LLM build from."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .checkpoint.loader import load_checkpoint, shard_map
 from .config import load_model_config
 from .errors import CheckpointError, DeepInferError
 from .models import build_model, check_projection_storage
-from .validate import check_expert_storage, parse_dtype
+from .validate import EMBEDDED, check_expert_storage, check_model_spec, parse_dtype, random_spec_arch
 
 log = logging.getLogger("deepinfer")
 
@@ -36,7 +37,7 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     as transformers does.
     """
     from .env import check_environment
-    from .validate import EMBEDDED, check_device, check_flag, check_model_spec, refuse_unsupported
+    from .validate import check_device, check_flag, refuse_unsupported
     check_environment()
     refuse_unsupported("load_model", unsupported, "path_or_id, device, dtype, qat_fake_quant, keep_quantized, "
                                                   "expert_storage, projection_storage")
@@ -57,10 +58,26 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     if check_expert_storage(expert_storage, cfg.model_type) != "dense":
         options["expert_storage"] = expert_storage
     model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant, **options)
-    if getattr(cfg, "engram_layer_ids", ()):
+    if cfg.model_type == "deepseek_v41" and cfg.engram_layer_ids:
         _bind_tokenizer(model, ckpt_dir)
     load_checkpoint(model, ckpt_dir, keep_quantized=keep_quantized)
     model.checkpoint_dir = ckpt_dir
+    return model
+
+
+def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat: bool = True,
+                  projection_storage: str = "dense"):
+    """A checked model spec -> what load_model / LLM build from: None or 'tiny' -> the embedded checkpoint dir
+    (built once), random:ARCH:PRESET:LAYERS -> a model built on `device`, a model object or a directory / hub id
+    unchanged."""
+    model = check_model_spec(model)
+    if model is None or (isinstance(model, str) and model == EMBEDDED):
+        from .checkpoint.make import embedded_tiny_dir
+        return embedded_tiny_dir()
+    if isinstance(model, str) and model.startswith("random:"):
+        from .checkpoint.make import random_preset_model
+        check_expert_storage(expert_storage, random_spec_arch(model))
+        return random_preset_model(model, device, dtype, expert_storage, qat, projection_storage)
     return model
 
 
@@ -79,7 +96,7 @@ def _bind_tokenizer(model, ckpt_dir) -> None:
 def _without_absent_mtp(cfg, ckpt_dir):
     """transformers drops mtp.* when it saves: such a checkpoint loads with its MTP layers disabled
     (V4.1: without its DSpark draft stages, num_nextn_predict_layers=0)."""
-    if getattr(cfg, "num_nextn_predict_layers", 0) == 0:
+    if cfg.num_nextn_predict_layers == 0:
         return cfg
     for shard, names in shard_map(ckpt_dir).items():
         if names is None:

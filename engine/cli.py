@@ -9,7 +9,8 @@ import click
 
 from .errors import DeepInferError
 from .text import check_text, read_text_file
-from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, MAX_ROUTER_SKEW, PRESETS, PROJECTION_STORAGE, resolve_model
+from .api import resolve_model
+from .validate import ARCHS, DTYPE_NAMES, EMBEDDED, EXPERT_STORAGE, MAX_ROUTER_SKEW, PRESETS, PROJECTION_STORAGE
 
 
 def run_cli(entry) -> None:

@@ -33,11 +33,12 @@ from .text import check_text
 from .spec.policy import VerifyPolicy
 from .spec.step_rate import StepRate, StepRateTable
 from .stats import EngineStats
+from .api import resolve_model
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
-                       refuse_unsupported, resolve_model, sampling_params_list)
+                       refuse_unsupported, sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
-from .models.moe import set_expert_act_quant
+from .models.common.moe import set_expert_act_quant
 from .parallel.traffic import ExpertTraffic
 from .cache.pools import check_kv_cache_dtype
 
@@ -117,8 +118,9 @@ class LLM:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self._args = args
         self.rng = np.random.default_rng(seed)
-        self.speculative = spec_config(args["speculative"], getattr(self.model, "draft_block_size", None),
-                                       getattr(self.model, "draft_method", "dspark"))
+        drafting = self.model.drafting          # None: the model cannot draft
+        self.speculative = spec_config(args["speculative"], None) if drafting is None else \
+            spec_config(args["speculative"], drafting.block_size, drafting.method)
         if self.speculative is not None and args["async_scheduling"]:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
                                  "loop (each step's commits are read before the next is planned; docs/"

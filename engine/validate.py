@@ -13,24 +13,25 @@ from pathlib import Path
 
 import torch
 
+from .config import CONFIG_CLASSES
 from .errors import ConfigError, DeepInferError
+from .models.common.layers import PROJECTION_STORAGE
 from .text import check_text
 
 # dtype names every entry point takes, in the order messages and --help list them
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
 DTYPE_NAMES = tuple(DTYPES)
-ARCHS = ("deepseek_v41", "deepseek_v4")
+ARCHS = tuple(CONFIG_CLASSES)         # model families, the default first
 PRESETS = ("tiny", "flash")
 EXPERT_STORAGE = ("dense", "fp4")
-PROJECTION_STORAGE = ("dense", "fp8")      # models.check_projection_storage: what a config allows
 EMBEDDED = "tiny"                     # the embedded tiny checkpoint (built once into the user cache)
 MODEL_FORMS = (f"a checkpoint directory, a hub id (org/name), '{EMBEDDED}' (the embedded tiny model) or "
                f"random:ARCH:PRESET:LAYERS[:skew=S] (ARCH {'|'.join(ARCHS)}, PRESET {'|'.join(PRESETS)})")
 MAX_ROUTER_SKEW = 4.0
 RANDOM_FORM = ("random:ARCH:PRESET:LAYERS[:skew=S] with ARCH in " + "|".join(ARCHS) + ", PRESET in " + "|".join(PRESETS)
                + ", LAYERS an integer >= 1 and S the routers' hot-expert skew in [0, 4] (default 0: balanced), "
-                 "e.g. random:deepseek_v41:flash:4 or random:deepseek_v41:flash:4:skew=0.8")
+                 f"e.g. random:{ARCHS[0]}:flash:4 or random:{ARCHS[0]}:flash:4:skew=0.8")
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,11 @@ def check_flag(name: str, value, none_ok: bool = False) -> None:
         raise DeepInferError(f"{name}={value!r} must be True or False" + (" (or None)" if none_ok else ""))
 
 
-def check_expert_storage(expert_storage, model_type: str) -> str:
-    """'dense' for every model; 'fp4' (experts kept packed as stored) for deepseek_v41 only."""
-    allowed = ("dense", "fp4") if model_type == "deepseek_v41" else ("dense",)
+def check_expert_storage(expert_storage, arch: str) -> str:
+    """'dense' for every model; 'fp4' (experts kept packed as stored) where the family's config allows it."""
+    allowed = CONFIG_CLASSES[arch].EXPERT_STORAGES
     if expert_storage not in allowed:
-        raise DeepInferError(f"expert_storage={expert_storage!r} is not supported for {model_type}; use "
+        raise DeepInferError(f"expert_storage={expert_storage!r} is not supported for {arch}; use "
                              f"{' or '.join(repr(a) for a in allowed)}")
     return expert_storage
 
@@ -94,16 +95,16 @@ def random_spec_arch(spec: str) -> str | None:
 
 
 def drafter_of_spec(spec) -> str:
-    """The draft method a checked model spec's model speculates with: mtp for V4, dspark for V4.1 (the embedded
-    tiny model, a hub id: the default checkpoint is V4.1; a directory: its config.json's model_type)."""
+    """The draft method a checked model spec's model speculates with, as its family's config declares it (the
+    embedded tiny model, a hub id: the default family's; a directory: its config.json's family)."""
     arch = random_spec_arch(spec)
     if arch is None and isinstance(spec, str) and Path(spec).is_dir():
         from .config import load_model_config
         try:
-            arch = load_model_config(spec).model_type
+            return load_model_config(spec).DRAFT_METHOD
         except ConfigError:                       # loading the model says what is wrong with it
-            arch = None
-    return "mtp" if arch == "deepseek_v4" else "dspark"
+            pass
+    return CONFIG_CLASSES[arch or ARCHS[0]].DRAFT_METHOD
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -149,7 +150,8 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
     if model is None:
         return None
     if isinstance(model, torch.nn.Module):
-        if not hasattr(model, "checkpoint_dir"):
+        from .models.base import CausalLM
+        if not isinstance(model, CausalLM) or model.checkpoint_dir is None:
             raise DeepInferError("a model object passed to LLM needs .checkpoint_dir (a directory holding its "
                                  "tokenizer.json); load it with deepinfer.load_model")
         return model
@@ -168,22 +170,6 @@ def check_model_spec(model) -> str | os.PathLike | torch.nn.Module | None:
 def _located(model):
     from .checkpoint.hub import locate_model
     locate_model(model)
-    return model
-
-
-def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat: bool = True,
-                  projection_storage: str = "dense"):
-    """A checked model spec -> what load_model / LLM build from: None or 'tiny' -> the embedded checkpoint dir
-    (built once), random:ARCH:PRESET:LAYERS -> a model built on `device`, a model object or a directory / hub id
-    unchanged."""
-    model = check_model_spec(model)
-    if model is None or (isinstance(model, str) and model == EMBEDDED):
-        from .checkpoint.make import embedded_tiny_dir
-        return embedded_tiny_dir()
-    if isinstance(model, str) and model.startswith("random:"):
-        from .checkpoint.make import random_preset_model
-        check_expert_storage(expert_storage, random_spec_arch(model))
-        return random_preset_model(model, device, dtype, expert_storage, qat, projection_storage)
     return model
 
 
@@ -285,11 +271,11 @@ def sampling_params_list(sp, n: int) -> list:
     return list(sp)
 
 
-def check_checkpoint_arch(arch: str | None, ckpt_dir: Path, model_type: str) -> None:
-    """--arch given with --model: it must name the checkpoint's own model_type (config.json decides the model)."""
-    if arch is not None and arch != model_type and random_spec_arch(str(ckpt_dir)):
-        raise DeepInferError(f"--arch {arch} but --model {ckpt_dir} builds a {model_type} model; drop --arch, or "
-                             f"name random:{arch}:... ")
-    if arch is not None and arch != model_type:
-        raise DeepInferError(f"--arch {arch} but {ckpt_dir} holds a {model_type} checkpoint (its config.json decides "
-                             f"the model); drop --arch, or point --model at a {arch} checkpoint")
+def check_checkpoint_arch(arch: str | None, ckpt_dir: Path, checkpoint_arch: str) -> None:
+    """--arch given with --model: it must name the checkpoint's own family (config.json decides the model)."""
+    if arch is not None and arch != checkpoint_arch and random_spec_arch(str(ckpt_dir)):
+        raise DeepInferError(f"--arch {arch} but --model {ckpt_dir} builds a {checkpoint_arch} model; drop --arch, "
+                             f"or name random:{arch}:... ")
+    if arch is not None and arch != checkpoint_arch:
+        raise DeepInferError(f"--arch {arch} but {ckpt_dir} holds a {checkpoint_arch} checkpoint (its config.json "
+                             f"decides the model); drop --arch, or point --model at a {arch} checkpoint")

@@ -197,7 +197,7 @@ class DeepInferLM(TemplateLM):
 def build_engine(model: str, device: str | None, dtype: str, seed: int, qat_fake_quant: bool, engine_args: dict):
     """LLM for a model name: a checkpoint dir, a hub id, `tiny` (the embedded model) or random:ARCH:PRESET:N."""
     from deepinfer import LLM
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
     from deepinfer.env import accelerator
     device = device or accelerator()
     model = resolve_model(str(model), device, dtype, engine_args.get("expert_storage", "dense"),

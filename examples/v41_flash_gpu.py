@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from deepinfer.cache.sequence_state import packed_kv_bytes_per_token
 from deepinfer.checkpoint.make import random_model
 from deepinfer.config.presets import preset_config
 from deepinfer.cli import run_cli
+from deepinfer.reference import compute_logits, extend, extend_and_draft, new_state, packed_kv_bytes_per_token
 
 
 def sync() -> None:
@@ -56,33 +56,33 @@ def main() -> None:
     ids = torch.randint(10, cfg.vocab_size, (args.prompt + args.decode,), generator=gen)
     p = args.prompt
 
-    full, t_full = timed(lambda: model.compute_logits(ids[None, :p].to(args.device))[0, -1])
-    st = model.new_state()
-    last, t_trunc = timed(lambda: model.extend([ids[:p]], [st], last_only=True)[0][0])
+    full, t_full = timed(lambda: compute_logits(model, ids[None, :p].to(args.device))[0, -1])
+    st = new_state(model)
+    last, t_trunc = timed(lambda: extend(model, [ids[:p]], [st], last_only=True)[0][0])
     trunc_err = (last - full).abs().max().item()
     steps = []
     sync()
     t = time.perf_counter()
     for i in range(args.decode):
-        steps.append(model.extend([ids[p + i:p + i + 1]], [st])[0][0])
+        steps.append(extend(model, [ids[p + i:p + i + 1]], [st])[0][0])
     sync()
     t_decode = (time.perf_counter() - t) / args.decode
-    ref = model.compute_logits(ids[None, :p + args.decode].to(args.device))[0, p:]
+    ref = compute_logits(model, ids[None, :p + args.decode].to(args.device))[0, p:]
     dec = torch.stack(steps)
     decode_err = (dec - ref).abs().max().item()
     greedy_agree = (dec.argmax(-1) == ref.argmax(-1)).float().mean().item()
 
-    half = model.new_state()
-    model.extend([ids[:p // 2]], [half], last_only=True)
-    grown = model.new_state()
-    model.extend([ids[:p]], [grown], last_only=True)
+    half = new_state(model)
+    extend(model, [ids[:p // 2]], [half], last_only=True)
+    grown = new_state(model)
+    extend(model, [ids[:p]], [grown], last_only=True)
     per_token = (grown.nbytes() - half.nbytes()) / (p - p // 2)
 
-    dst = model.new_state()
-    (y, _, drafts), t_draft_prefill = timed(lambda: model.extend_and_draft([ids[:p]], [dst]))
+    dst = new_state(model)
+    (y, _, drafts), t_draft_prefill = timed(lambda: extend_and_draft(model, [ids[:p]], [dst]))
     t = time.perf_counter()
     for i in range(args.decode):
-        y, _, drafts = model.extend_and_draft([y.cpu()], [dst])
+        y, _, drafts = extend_and_draft(model, [y.cpu()], [dst])
     sync()
     t_draft_step = (time.perf_counter() - t) / args.decode
 

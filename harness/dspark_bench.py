@@ -247,7 +247,7 @@ def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index:
 def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = True) -> list[dict]:
     """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused), then the run's report
     (summary.csv and the decode Pareto chart, as `deepinfer-bench report` regenerates them); returns the rows."""
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
 
     from .step_bench import check_model
     from .sweep import free_device_memory
@@ -259,7 +259,7 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = Tr
     refuse_existing_rows(run_dir, resumable=False)
     t0 = time.perf_counter()
     model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage)
-    if getattr(model, "draft_block_size", None) is None:
+    if model.drafting is None:
         raise DeepInferError(f"--model {cfg.model} cannot draft (no DSpark stages or NextN layer: "
                              f"num_nextn_predict_layers = 0): docs/speculative.md")
     echo(f"model built in {time.perf_counter() - t0:.1f} s; {len(cfg.modes) * len(cfg.concurrency)} points")

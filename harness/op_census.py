@@ -110,7 +110,7 @@ def build_census_engine(model: str, kernel_backend: str | None, batch: int):
     per step does not depend on either: the tiny V4.1 gives 311 at batch 4 with 256 seats x 4096 positions and
     with 4 x 39). Refused in one line when the state memory seats fewer than --batch."""
     from deepinfer import LLM
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
     llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu", kernel_backend=kernel_backend,
               enforce_eager=True, async_scheduling=False, max_num_seqs=batch,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 1)

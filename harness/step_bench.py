@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.errors import DeepInferError
-from deepinfer.models.layers import Fp8Linear
+from deepinfer.models.common.layers import Fp8Linear
 from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device, check_expert_storage, check_model_spec, parse_dtype
 
@@ -224,7 +224,7 @@ def _experts_info(module) -> ExpertsInfo:
 def inventory(model, excluded: tuple[str, ...] = EXCLUDED_PREFIXES) -> Inventory:
     """Walk the model once: dense tensors, lookup tables, stacked experts (by their MoE's module name)."""
     inv, seen = Inventory(), set()
-    cfg = getattr(model, "cfg", None)
+    cfg = model.cfg
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if any(f"{name}.".startswith(p) for p in excluded):
@@ -546,7 +546,7 @@ def check_model(spec: str, expert_storage: str = "dense") -> None:
 
 def build_engine(cfg: StepConfig):
     from deepinfer import LLM
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
     model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage,
                           projection_storage=cfg.projection_storage)
     return LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, **cfg.engine_args())

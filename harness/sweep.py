@@ -89,7 +89,7 @@ def build_llm(cfg: SweepConfig, device: str | None = None, spec: str = "", model
     for the points of one `speculative` setting (spec: its label; "" the engine_args' own); model: one already
     built (the settings of a sweep share it)."""
     from deepinfer import LLM
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
     args, device = dict(cfg.engine_args), device or cfg.device
     if model is None:
         model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"),

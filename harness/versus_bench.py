@@ -150,7 +150,7 @@ def agreement(tokens: list[list[int]], against: list[list[int]] | None) -> dict 
 def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
     """Every (engine, batch) into run_dir/rows.jsonl (a new run); returns the rows."""
     from deepinfer import LLM
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
     from .step_bench import check_model, kernel_info
     echo = echo or (lambda s: None)
     cfg.check()

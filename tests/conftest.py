@@ -58,10 +58,11 @@ def warm_cpu_kernels():
     from deepinfer.config.presets import TINY_V4
     from deepinfer.checkpoint.random_init import init_random_weights
     from deepinfer.models import build_model
+    from deepinfer.reference import compute_logits
 
     model = build_model(TINY_V4, "cpu", torch.float32, qat_fake_quant=True)
     init_random_weights(model, 0)
-    model.compute_logits(torch.arange(40).view(1, 40))
+    compute_logits(model, torch.arange(40).view(1, 40))
 
 
 @pytest.fixture

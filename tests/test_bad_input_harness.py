@@ -271,12 +271,12 @@ def no_build(monkeypatch):
     """Fails the test if a model, an engine or the device ceilings get built: these refusals come first."""
     import deepinfer.checkpoint.make as make
     import deepinfer.llm as llm_mod
-    import deepinfer.validate as validate
+    import deepinfer.api as api
     from deepinfer.harness import kernel_bench, step_bench
 
     def built(*args, **kwargs):
         raise AssertionError("built a model / engine / ceilings before refusing")
-    for owner, name in ((validate, "resolve_model"), (make, "embedded_tiny_dir"), (llm_mod.LLM, "__init__"),
+    for owner, name in ((api, "resolve_model"), (make, "embedded_tiny_dir"), (llm_mod.LLM, "__init__"),
                         (step_bench, "measure_ceilings"), (kernel_bench, "measure_ceilings")):
         monkeypatch.setattr(owner, name, built)
 

@@ -21,7 +21,8 @@ from deepinfer.kernels.attention import sparse_sink_attention
 from deepinfer.kernels.matmul import grouped_linear, linear
 from deepinfer.kernels.table import use
 from deepinfer.kernels.tiles import TILE, row_tiles
-from deepinfer.models.moe import MoE
+from deepinfer.models.common.moe import MoE
+from deepinfer.reference import extend, extend_and_draft, new_state
 
 from .helpers import our_model
 from .helpers_v41 import tiny_v41_model
@@ -145,32 +146,32 @@ def _prompts(vocab: int):
         [torch.randint(0, vocab, (n,), generator=g) for n in OTHER_LENGTHS]
 
 
-def _run(model, target, others, slot: int, **extend) -> list[torch.Tensor]:
+def _run(model, target, others, slot: int, **options) -> list[torch.Tensor]:
     """Prefill the target (at batch position `slot`) with the others, then decode it while the others keep
     extending by 1..5 tokens a step. Returns the target's logits: prefill, then each decode step."""
     vocab = model.cfg.vocab_size
     seqs = others[:slot] + [target] + others[slot:]
-    states = [model.new_state() for _ in seqs]
-    got = [model.extend(seqs, states, **extend)[slot]]
+    states = [new_state(model) for _ in seqs]
+    got = [extend(model, seqs, states, **options)[slot]]
     for step in range(DECODE_STEPS):
         g = _gen(100 + step)
         chunks = [torch.randint(0, vocab, (1 if i == slot else int(torch.randint(1, 6, (1,), generator=g)),),
                                 generator=g) for i in range(len(seqs))]
         chunks[slot] = torch.randint(0, vocab, (1,), generator=_gen(200 + step))   # the target's own tokens
-        got.append(model.extend(chunks, states)[slot])
+        got.append(extend(model, chunks, states)[slot])
     return got
 
 
 BATCHES = [(n_others, slot) for n_others in (2, 5, 9) for slot in sorted({0, n_others // 2, n_others})]
 
 
-def _differences(model, batches=BATCHES, **extend) -> list[tuple[int, int, int]]:
+def _differences(model, batches=BATCHES, **options) -> list[tuple[int, int, int]]:
     """(others, slot, step) of every target logit that is not bitwise its value alone."""
     target, others = _prompts(model.cfg.vocab_size)
-    alone = _run(model, target, [], 0, **extend)
+    alone = _run(model, target, [], 0, **options)
     bad = []
     for n_others, slot in batches:
-        got = _run(model, target, others[:n_others], slot, **extend)
+        got = _run(model, target, others[:n_others], slot, **options)
         bad += [(n_others, slot, step) for step, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
     return bad
 
@@ -256,9 +257,9 @@ def test_v41_drafts_independent_of_batch():
     model = tiny_v41_model(dtype=torch.float32)
     target, others = _prompts(model.cfg.vocab_size)
     with use("invariant"):
-        _, logits, drafts = model.extend_and_draft([target], [model.new_state()])
+        _, logits, drafts = extend_and_draft(model, [target], [new_state(model)])
         seqs = others[:3] + [target] + others[3:6]
-        _, logits_b, drafts_b = model.extend_and_draft(seqs, [model.new_state() for _ in seqs])
+        _, logits_b, drafts_b = extend_and_draft(model, seqs, [new_state(model) for _ in seqs])
     assert torch.equal(logits[0], logits_b[3])
     assert torch.equal(drafts.logits[0], drafts_b.logits[3])
     assert torch.equal(drafts.confidence[0], drafts_b.confidence[3])

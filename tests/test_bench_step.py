@@ -99,7 +99,7 @@ def test_parse_lists():
 
 
 def test_traffic_on_tiny_model():
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
     model = resolve_model("random:deepseek_v4:tiny:4", "cpu", "float32")
     inv = inventory(model)
     cfg = model.cfg
@@ -131,7 +131,7 @@ def test_traffic_on_tiny_model():
 
 @pytest.mark.parametrize("with_dispatcher", [True, False])
 def test_routing_recorder_both_ways(with_dispatcher, monkeypatch):
-    from deepinfer.validate import resolve_model
+    from deepinfer.api import resolve_model
     if not with_dispatcher:
         monkeypatch.setattr(step_bench, "record_routing", lambda: None)
     model = resolve_model("random:deepseek_v4:tiny:4", "cpu", "float32")

@@ -29,6 +29,7 @@ from deepinfer.checkpoint.make import embedded_tiny_dir, make_checkpoint, preset
 from deepinfer.errors import CheckpointError, ConfigError, DeepInferError
 from deepinfer.kernels.quant import (dequantize_fp4, dequantize_fp8_blocks, e8m0_to_float, quantize_fp4,
                                      quantize_fp8_blocks)
+from deepinfer.reference import compute_logits
 from tests.helpers import deepinfer_exe
 
 SEED = 0
@@ -48,7 +49,7 @@ def v41(tmp_path_factory):
     hf = make_checkpoint("deepseek_v41", "tiny", "hf", SEED, root / "hf")
     model = random_model("deepseek_v41", "tiny", SEED, dtype=torch.float32)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-    return {"deepseek": ds, "hf": hf, "cache": root / "cache", "ids": ids, "logits": model.compute_logits(ids)}
+    return {"deepseek": ds, "hf": hf, "cache": root / "cache", "ids": ids, "logits": compute_logits(model, ids)}
 
 
 @pytest.fixture
@@ -134,7 +135,7 @@ def param(model, name: str) -> torch.Tensor:
 def test_exports_load_to_the_in_memory_models_logits(v41, fmt):
     model = deepinfer.load_model(v41[fmt])
     assert model.cfg.model_type == "deepseek_v41" and model.hasher is not None
-    assert torch.equal(model.compute_logits(v41["ids"]), v41["logits"])
+    assert torch.equal(compute_logits(model, v41["ids"]), v41["logits"])
 
 
 def test_both_formats_hold_the_same_model(v41):
@@ -146,7 +147,7 @@ def test_both_formats_hold_the_same_model(v41):
 
 def test_config_carries_the_tokenizers_compressed_vocab(v41):
     from tokenizers import Tokenizer
-    from deepinfer.models.engram import compressed_token_map
+    from deepinfer.models.deepseek_v41.engram import compressed_token_map
     for fmt in ("deepseek", "hf"):
         _, size = compressed_token_map(Tokenizer.from_file(str(v41[fmt] / "tokenizer.json")))
         cfg = text_config(v41[fmt])
@@ -205,7 +206,7 @@ def test_hf_checkpoint_without_mtp_loads_without_draft_stages(v41, tmp_path):
     model = deepinfer.load_model(d)
     assert model.cfg.num_nextn_predict_layers == 0
     assert not any(k.startswith("mtp.") for k in model.state_dict())
-    assert torch.equal(model.compute_logits(v41["ids"]), v41["logits"])
+    assert torch.equal(compute_logits(model, v41["ids"]), v41["logits"])
 
 
 # ----------------------------------------------------------------------------- formats, exact
@@ -320,7 +321,7 @@ def test_wrong_shape_of_a_32x32_scale(ds_copy):
 # ----------------------------------------------------------------------------- make-checkpoint options, CLI
 
 def test_layers_and_engram_vocab_size_pass_through():
-    from deepinfer.models.engram import engram_layout
+    from deepinfer.models.deepseek_v41.engram import engram_layout
     cfg, tok = preset_model_config("deepseek_v41", "tiny", layers=6, engram_vocab_size=70)
     assert cfg.num_hidden_layers == 6 and cfg.engram_vocab_size == 70
     assert cfg.engram_num_embeddings == tuple(sum(map(sum, layer)) for layer in engram_layout(cfg))
@@ -379,7 +380,7 @@ def test_fp4_resident_experts_load_and_write_the_release_bytes(v41, tmp_path):
     """expert_storage="fp4": the packed e2m1 bytes and e8m0 scales go into the model as stored, give the
     dense model's logits, and write back byte for byte; a bf16 (HF) checkpoint is refused in one line."""
     resident = deepinfer.load_model(v41["deepseek"], expert_storage="fp4")
-    assert torch.equal(resident.compute_logits(v41["ids"]), v41["logits"])
+    assert torch.equal(compute_logits(resident, v41["ids"]), v41["logits"])
     write_checkpoint(resident, tmp_path / "again", "deepseek")
     before, after = tensors(v41["deepseek"]), tensors(tmp_path / "again")
     experts = [k for k in before if ".ffn.experts." in k]

@@ -11,7 +11,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from deepinfer.config.deepseek_v41 import DeepseekV41Config, engram_prime_layout
-from deepinfer.models.engram import (BLOCKED, Engram, EngramHasher, bucket_offsets, compressed_token_map,
+from deepinfer.models.deepseek_v41.engram import (BLOCKED, Engram, EngramHasher, bucket_offsets, compressed_token_map,
                                      dequantize_engram_rows, engram_layout, hash_multipliers)
 
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]

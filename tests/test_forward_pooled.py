@@ -11,6 +11,7 @@ import torch
 from .helpers import our_model
 from .helpers_v41 import tiny_v41_model
 from .pooled_helpers import PooledSequences
+from deepinfer.reference import extend, extend_and_draft, new_state
 
 TOL = 1e-9
 
@@ -32,7 +33,7 @@ def test_mixed_flat_batches_equal_reference(family, qat, select_block, monkeypat
     """select_block 64: the indexer's selection walks the step's rows in small blocks (models/pooled.top_entries,
     what a long prefill does), with the candidate blocks of V4.1 published block by block."""
     if select_block is not None:
-        from deepinfer.models import pooled
+        from deepinfer.models.common import pooled
         monkeypatch.setattr(pooled, "SELECT_BLOCK_ELEMENTS", select_block)
     model = _model(family, qat)
     # (slot -> tokens fed per step): prefill chunks, decode rows and verify rows in the same steps
@@ -45,13 +46,13 @@ def test_mixed_flat_batches_equal_reference(family, qat, select_block, monkeypat
     total = {s: sum(p.get(s, 0) for p in plan) for s in (1, 2, 3)}
     seqs = PooledSequences(model, 3, max(total.values()) + 8, block_tokens=16 if family == "v41" else None)
     ids = {s: _tokens(model, total[s], seed=s) for s in total}
-    ref = {s: model.new_state() for s in total}
+    ref = {s: new_state(model) for s in total}
     worst = 0.0
     for feeds in plan:
         chunks = {s: ids[s][seqs.done[s]:seqs.done[s] + n] for s, n in feeds.items()}
         got = seqs.step(chunks)
         for s, chunk in chunks.items():
-            want = model.extend([chunk], [ref[s]])[0]
+            want = extend(model, [chunk], [ref[s]])[0]
             worst = max(worst, (got[s] - want).abs().max().item())
     assert worst <= TOL, worst
     assert all(seqs.done[s] == total[s] for s in total)
@@ -159,7 +160,7 @@ def test_v41_last_only_segments_run_truncated_and_exact(qat, select_block, monke
     (select_block 64: the selection of the truncated layers' query rows in small row blocks)."""
     from deepinfer.cache.forward_batch import ForwardBatch
     if select_block is not None:
-        from deepinfer.models import pooled
+        from deepinfer.models.common import pooled
         monkeypatch.setattr(pooled, "SELECT_BLOCK_ELEMENTS", select_block)
 
     model = _model("v41", qat)
@@ -195,13 +196,13 @@ def test_v41_draft_rings_written_in_place_equal_reference():
     model = _model("v41", qat=True)
     seqs = PooledSequences(model, 2, 200, block_tokens=16)
     ids = {s: _tokens(model, 120, seed=10 + s) for s in (1, 2)}
-    ref = {s: model.new_state() for s in (1, 2)}
+    ref = {s: new_state(model) for s in (1, 2)}
     window = model.cfg.sliding_window
     for feeds in [{1: 40, 2: 5}, {1: 1, 2: 23}, {1: 3, 2: 1}, {1: 1, 2: 1}, {1: 17, 2: 2}]:
         chunks = {s: ids[s][seqs.done[s]:seqs.done[s] + n] for s, n in feeds.items()}
         seqs.step(chunks, last_only=True, draft_rings=True)
         for s, chunk in chunks.items():
-            model.extend_and_draft([chunk], [ref[s]])
+            extend_and_draft(model, [chunk], [ref[s]])
             end = ref[s].num_mtp_tokens
             positions = torch.arange(end - ref[s].mtp[0].window.shape[0], end)
             assert positions.numel() == min(window, end)
@@ -216,12 +217,12 @@ def test_v41_pooled_draft_equals_reference_draft():
     model = _model("v41", qat=True)
     seqs = PooledSequences(model, 2, 200, block_tokens=16)
     ids = {s: _tokens(model, 120, seed=20 + s) for s in (1, 2)}
-    ref = {s: model.new_state() for s in (1, 2)}
+    ref = {s: new_state(model) for s in (1, 2)}
     dev = model.device
     for feeds in [{1: 40, 2: 5}, {1: 1, 2: 23}, {1: 3, 2: 1}, {1: 1, 2: 1}, {1: 130 - 40 - 5, 2: 2}][:4]:
         chunks = {s: ids[s][seqs.done[s]:seqs.done[s] + n] for s, n in feeds.items()}
         seqs.step(chunks, last_only=True, draft_rings=True)
-        want = {s: model.extend_and_draft([chunk], [ref[s]]) for s, chunk in chunks.items()}
+        want = {s: extend_and_draft(model, [chunk], [ref[s]]) for s, chunk in chunks.items()}
         slots = list(chunks)
         anchor = torch.cat([want[s][0] for s in slots])
         with torch.inference_mode():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deepinfer.checkpoint.make import random_model
+from deepinfer.reference import compute_logits, extend, new_state
 
 from .helpers import SCHEDULES, our_model, transformers_twin
 
@@ -23,13 +24,13 @@ def test_bf16_parity_with_transformers(name, length):
     transformers' own bf16 (1.5x + slack). Measured numbers: docs/results.md."""
     exact = our_model(SCHEDULES[name], seed=1, device="cuda")
     ids = torch.randint(0, exact.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
-    truth = exact.compute_logits(ids)
+    truth = compute_logits(exact, ids)
     twin32 = transformers_twin(exact)
     with torch.no_grad():
         assert (twin32(ids).logits.float() - truth).abs().max().item() <= 1e-3  # fp32 on GPU (TF32 off)
     ours = our_model(SCHEDULES[name], seed=1, device="cuda", dtype=torch.bfloat16)
     twin = transformers_twin(ours, dtype=torch.bfloat16)
-    got = ours.compute_logits(ids)
+    got = compute_logits(ours, ids)
     with torch.no_grad():
         ref = twin(ids).logits.float()
     err_ours, err_ref = (got - truth).abs().max().item(), (ref - truth).abs().max().item()
@@ -53,17 +54,17 @@ def test_flash_preset_runs_on_one_gpu(layers):
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     ids = torch.randint(0, model.cfg.vocab_size, (1, 512), device="cuda")
-    state = model.new_state()
-    logits = model.extend([ids[0]], [state])[0]
+    state = new_state(model)
+    logits = extend(model, [ids[0]], [state])[0]
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     tok = logits[-1].argmax()
     for _ in range(32):
-        tok = model.extend([tok.view(1)], [state])[0][-1].argmax()
+        tok = extend(model, [tok.view(1)], [state])[0][-1].argmax()
     torch.cuda.synchronize()
     t3 = time.perf_counter()
     assert torch.isfinite(logits).all() and logits.std() > 0
-    full = model.compute_logits(ids[:, :300])
+    full = compute_logits(model, ids[:, :300])
     assert torch.isfinite(full).all()
     params = sum(p.numel() for p in model.parameters())
     print(f"\n[flash {layers}L] params {params / 1e9:.2f}B, build+init {t1 - t0:.1f}s, prefill 512 "

@@ -8,6 +8,7 @@ import torch
 
 from tests.helpers_v41 import tiny_v41_model, tiny_v41_tokenizer
 from tests.test_parity_v41 import hf_twin, reference_or_skip
+from deepinfer.reference import compute_logits, extend, extend_and_draft, new_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -19,7 +20,7 @@ def test_bf16_parity_with_reference(length):
     ref = reference_or_skip()
     exact = tiny_v41_model(torch.float32, seed=1, device="cuda")
     ids = torch.randint(3, exact.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
-    truth = exact.compute_logits(ids)
+    truth = compute_logits(exact, ids)
     with torch.no_grad():
         twin32 = hf_twin(ref, exact, tiny_v41_tokenizer())(input_ids=ids, use_cache=True).logits.float()
     # fp32 on the GPU: the two sides' GEMMs round differently, and the FP4/FP8 QAT steps and the top-k can turn
@@ -29,7 +30,7 @@ def test_bf16_parity_with_reference(length):
     assert diff.mean().item() <= 5e-3
     assert (twin32.argmax(-1) == truth.argmax(-1)).float().mean().item() >= 0.98
     ours = tiny_v41_model(torch.bfloat16, seed=1, device="cuda")
-    got = ours.compute_logits(ids)
+    got = compute_logits(ours, ids)
     with torch.no_grad():
         theirs = hf_twin(ref, ours, tiny_v41_tokenizer(), dtype=torch.bfloat16)(input_ids=ids, use_cache=True)
     theirs = theirs.logits.float()
@@ -57,15 +58,15 @@ def test_flash_stack_runs_on_one_gpu():
     kinds = {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}
     assert kinds == {"sliding", "kv_source", "index_source", "reuse"} and len(cfg.engram_layer_ids) == 2
     ids = torch.randint(10, cfg.vocab_size, (512 + 32,), generator=torch.Generator().manual_seed(0))
-    state = model.new_state()
-    last = model.extend([ids[:512]], [state], last_only=True)[0]
-    steps = torch.cat([model.extend([ids[t:t + 1]], [state])[0] for t in range(512, 544)])
-    full = model.compute_logits(ids[None].cuda())[0]
+    state = new_state(model)
+    last = extend(model, [ids[:512]], [state], last_only=True)[0]
+    steps = torch.cat([extend(model, [ids[t:t + 1]], [state])[0] for t in range(512, 544)])
+    full = compute_logits(model, ids[None].cuda())[0]
     assert torch.isfinite(steps).all() and steps.std() > 0
     assert (last[0] - full[511]).abs().max().item() < 0.5
     agree = (steps.argmax(-1) == full[512:].argmax(-1)).float().mean().item()
     per_token = state.nbytes()
-    y, _, drafts = model.extend_and_draft([ids[:512]], [model.new_state()])
+    y, _, drafts = extend_and_draft(model, [ids[:512]], [new_state(model)])
     assert drafts.tokens.shape == (1, 5) and torch.isfinite(drafts.confidence).all()
     print(f"\n[v41 flash 9L] decode greedy agreement with one full forward {agree:.3f}; state {per_token / 2**20:.2f} "
           f"MiB after 544 tokens; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")

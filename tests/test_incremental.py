@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deepinfer.config.presets import TINY_V4
+from deepinfer.reference import compute_logits, extend, forward_reference, mtp_forward, new_state
 
 from .helpers import SCHEDULES, our_model
 
@@ -37,29 +38,29 @@ def test_chunked_prefill_random_splits(model, seed):
     rng = random.Random(seed)
     length = rng.choice([129, 300, 517])
     ids = _ids(length, seed)
-    full = model.compute_logits(ids.unsqueeze(0))[0]
+    full = compute_logits(model, ids.unsqueeze(0))[0]
     cuts = sorted(rng.sample(range(1, length), rng.randint(1, 6)))
-    state, pieces = model.new_state(), []
+    state, pieces = new_state(model), []
     for a, b in zip([0] + cuts, cuts + [length]):
-        pieces.append(model.extend([ids[a:b]], [state])[0])
+        pieces.append(extend(model, [ids[a:b]], [state])[0])
     assert_matches(torch.cat(pieces), full, model.qat_fake_quant)
     assert state.num_tokens == length
 
 
 def test_token_by_token_decode(model):
     ids = _ids(150, 11)
-    full = model.compute_logits(ids.unsqueeze(0))[0]
-    state = model.new_state()
-    prefill = model.extend([ids[:40]], [state])[0]
-    steps = [model.extend([ids[t:t + 1]], [state])[0] for t in range(40, 150)]
+    full = compute_logits(model, ids.unsqueeze(0))[0]
+    state = new_state(model)
+    prefill = extend(model, [ids[:40]], [state])[0]
+    steps = [extend(model, [ids[t:t + 1]], [state])[0] for t in range(40, 150)]
     assert_matches(torch.cat([prefill] + steps), full, model.qat_fake_quant)
 
 
 def test_flat_batch_of_different_sequences(model):
     """Sequences at different positions share one forward; each equals its own full forward."""
     seqs = [_ids(n, 20 + n) for n in (37, 130, 65)]
-    fulls = [model.compute_logits(s.unsqueeze(0))[0] for s in seqs]
-    states = [model.new_state() for _ in seqs]
+    fulls = [compute_logits(model, s.unsqueeze(0))[0] for s in seqs]
+    states = [new_state(model) for _ in seqs]
     outs = [[] for _ in seqs]
     offsets = [0, 0, 0]
     rng = random.Random(3)
@@ -69,7 +70,7 @@ def test_flat_batch_of_different_sequences(model):
         for i in live:
             step = rng.randint(1, 40)
             chunks.append(seqs[i][offsets[i]:offsets[i] + step])
-        res = model.extend(chunks, [states[i] for i in live])
+        res = extend(model, chunks, [states[i] for i in live])
         for i, r in zip(live, res):
             outs[i].append(r)
             offsets[i] += r.shape[0]
@@ -78,8 +79,8 @@ def test_flat_batch_of_different_sequences(model):
 
 
 def test_state_holds_only_bounded_window(model):
-    state = model.new_state()
-    model.extend([_ids(300, 1)], [state])
+    state = new_state(model)
+    extend(model, [_ids(300, 1)], [state])
     w = model.cfg.sliding_window
     for layer in state.layers:
         assert layer.window.shape[0] == w - 1
@@ -91,11 +92,11 @@ def test_state_holds_only_bounded_window(model):
 def test_mtp_layer_runs_and_is_deterministic():
     model = our_model(TINY_V4, seed=6, qat=True)
     ids = _ids(50, 2)
-    state = model.new_state()
-    streams = model.forward_reference(ids, [(0, 50)], [state])
+    state = new_state(model)
+    streams = forward_reference(model, ids, [(0, 50)], [state])
     next_ids = torch.cat([ids[1:], torch.tensor([3])])
-    logits, out = model.mtp_forward(streams, next_ids, [(0, 50)], [state])
-    again, _ = model.mtp_forward(streams, next_ids, [(0, 50)], [model.new_state()])
+    logits, out = mtp_forward(model, streams, next_ids, [(0, 50)], [state])
+    again, _ = mtp_forward(model, streams, next_ids, [(0, 50)], [new_state(model)])
     assert logits.shape == (50, TINY_V4.vocab_size) and out.shape == streams.shape
     assert torch.equal(logits, again)
-    assert not torch.allclose(logits, model.logits(streams))  # the MTP layer changes the prediction
+    assert not torch.allclose(logits, model.logits(model.collapse(streams)))  # the MTP layer changes the prediction

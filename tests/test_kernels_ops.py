@@ -140,7 +140,7 @@ def test_sparse_index_scores_and_top_k(backend, monkeypatch):
         got = indexer.sparse_index_scores(q, w, store, index, 0.7)
         top = indexer.top_k_indices(got, 5)
     assert torch.allclose(got, want, atol=1e-12) and torch.equal(torch.isinf(got), index < 0)
-    from deepinfer.models.selection import top_k_mask
+    from deepinfer.models.common.selection import top_k_mask
     mask = torch.zeros_like(got, dtype=torch.bool)
     for n in range(33):
         mask[n, top[n][top[n] >= 0]] = True

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from deepinfer.kernels import routing, routing_triton
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 from deepinfer.kernels.tiles import row_tiles
-from deepinfer.models.moe import Gate
+from deepinfer.models.common.moe import Gate
 from deepinfer.parallel.dispatch import LocalDispatch
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -449,7 +449,7 @@ if INTERPRETER:
 
     def test_interp_moe_forward_through_triton_tables(monkeypatch):
         """A MoE layer end to end with the Triton route and permute (experts: their reference on CPU)."""
-        from deepinfer.models.moe import MoE
+        from deepinfer.models.common.moe import MoE
         monkeypatch.setattr(routing_triton, "PERMUTE_BLOCK_ROWS", 8)
         gen = torch.Generator().manual_seed(1)
         gate = Gate(32, 16, 2, "sqrtsoftplus", 1.5, torch.float32)

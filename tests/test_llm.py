@@ -12,6 +12,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.errors import DeepInferError
+from deepinfer.reference import extend, new_state
 
 PROMPTS = ["The quick brown fox", "a", "Once upon a time in a land far away, there lived", "12 + 30 =",
            "Hello", "What is the capital of France? It is", "z z z z z z z z z z z z z z", "In 1905, Einstein",
@@ -36,11 +37,11 @@ def one_at_a_time(llm, ids: list[int], n: int) -> list[int]:
 
 
 def _decode_alone(llm, ids: list[int], n: int) -> list[int]:
-    m, st, out = llm.model, llm.model.new_state(), []
-    logits = m.extend([torch.tensor(ids)], [st])[0][-1]
+    m, st, out = llm.model, new_state(llm.model), []
+    logits = extend(m, [torch.tensor(ids)], [st])[0][-1]
     for _ in range(n):
         out.append(int(logits.argmax()))
-        logits = m.extend([torch.tensor([out[-1]])], [st])[0][-1]
+        logits = extend(m, [torch.tensor([out[-1]])], [st])[0][-1]
     return out
 
 

@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import LLM
-from deepinfer.models import pooled
+from deepinfer.models.common import pooled
 from deepinfer.runner.probe import StepProbe
-from deepinfer.validate import resolve_model
+from deepinfer.api import resolve_model
 
 T = 4000                    # prompt rows: the tiny V4.1 has T entries in ratio-1 layers, widths of at most 1024
 

@@ -108,7 +108,7 @@ def test_record_routing():
 
 
 def test_label_dispatchers():
-    from deepinfer.models.moe import Gate, MoE
+    from deepinfer.models.common.moe import Gate, MoE
     gate = Gate(8, 4, 2, "sqrtsoftplus", 1.0, torch.float32)
     net = torch.nn.ModuleDict({"a": MoE(gate, 8, 4, 1, 0.0, torch.float32)})
     label_dispatchers(net)

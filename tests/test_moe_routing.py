@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from deepinfer.kernels.quant import dequantize_fp4
 from deepinfer.kernels.table import use
-from deepinfer.models.moe import Gate, MoE
+from deepinfer.models.common.moe import Gate, MoE
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from deepinfer.checkpoint.writer import hf_tensors
+from deepinfer.reference import compute_logits, extend, new_state
 from tests.helpers_v41 import tiny_v41_config, tiny_v41_model, tiny_v41_tokenizer
 
 
@@ -81,7 +82,7 @@ def test_logits_match_reference_fp32(length):
     model = tiny_v41_model(torch.float32)
     hf = hf_twin(ref, model, tiny_v41_tokenizer())
     ids = torch.randint(3, model.cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(length))
-    ours = model.compute_logits(ids)
+    ours = compute_logits(model, ids)
     with torch.no_grad():
         theirs = torch.stack([hf(input_ids=row[None], use_cache=True).logits[0] for row in ids])
     assert (ours - theirs).abs().max().item() < 1e-4, tiny_v41_config()
@@ -93,9 +94,9 @@ def test_decode_matches_reference_cached_path():
     model = tiny_v41_model(torch.float32)
     hf = hf_twin(ref, model, tiny_v41_tokenizer())
     ids = torch.randint(3, model.cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(7))
-    state = model.new_state()
-    ours = [model.extend([ids[:40]], [state])[0]]
-    ours += [model.extend([ids[t:t + 1]], [state])[0] for t in range(40, 60)]
+    state = new_state(model)
+    ours = [extend(model, [ids[:40]], [state])[0]]
+    ours += [extend(model, [ids[t:t + 1]], [state])[0] for t in range(40, 60)]
     with torch.no_grad():
         out = hf(input_ids=ids[None, :40], use_cache=True)
         theirs, cache = [out.logits[0]], out.past_key_values

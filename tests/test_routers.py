@@ -14,9 +14,10 @@ from deepinfer.checkpoint.routers import (calibrate_routers, calibration_ids, fi
 from deepinfer.config.deepseek_v4 import HASH_MOE, MOE
 from deepinfer.errors import DeepInferError
 from deepinfer.models import build_model
-from deepinfer.models.moe import Gate
+from deepinfer.models.common.moe import Gate
 from deepinfer.parallel.traffic import uniform_touched
 from deepinfer.validate import check_router_skew, parse_random_spec
+from deepinfer.reference import batch_chunks, forward_reference, new_state
 
 
 def flash_shaped(arch: str) -> tuple:
@@ -52,8 +53,8 @@ def routed_ids(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         hooks.append(g.register_forward_hook(keep(name)))
     try:
         with torch.inference_mode():
-            flat, chunks = model.batch_chunks(ids)
-            model.forward_reference(flat, chunks, [model.new_state() for _ in chunks])
+            flat, chunks = batch_chunks(model, ids)
+            forward_reference(model, flat, chunks, [new_state(model) for _ in chunks])
     finally:
         for h in hooks:
             h.remove()

@@ -14,6 +14,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.errors import DeepInferError
+from deepinfer.reference import forward_reference, mtp_forward, new_state
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "12 + 30 =", "x",
            "hello world again and again", "a b c d e f g", "DeepSeek", "what is the answer to 6 times 7?"]
@@ -233,14 +234,14 @@ def test_v4_pooled_mtp_drafts_are_the_reference_layers_k_step_chain():
         for r, (p, y) in enumerate(zip(positions, tokens)):
             stream = stream_of[r]
             assert stream[p + 1] == y                     # the anchor token is the committed one
-            ids, state = torch.tensor(stream[:p + 1]), model.new_state()
+            ids, state = torch.tensor(stream[:p + 1]), new_state(model)
             with torch.inference_mode():
-                streams = model.forward_reference(ids, [(0, p + 1)], [state])
+                streams = forward_reference(model, ids, [(0, p + 1)], [state])
                 if p:
-                    model.mtp_forward(streams[:p], ids[1:], [(0, p)], [state])
+                    mtp_forward(model, streams[:p], ids[1:], [(0, p)], [state])
                 h, tok = streams[p:], torch.tensor([y])
                 for k in range(drafts.shape[1]):
-                    logits, h = model.mtp_forward(h, tok, [(0, 1)], [state])
+                    logits, h = mtp_forward(model, h, tok, [(0, 1)], [state])
                     tok = logits.argmax(dim=-1)
                     assert int(tok) == int(drafts[r, k]), (p, k)
                     want = torch.softmax(logits, dim=-1)[0, tok].item()

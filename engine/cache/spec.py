@@ -2,7 +2,7 @@
 
 Two kinds, which are all the cache needs to size, allocate, snapshot and restore a sequence's state:
   Ring     per sequence slot, fixed size: the last `span` positions, position p at row p % span
-           (sliding-window latents, compressors' open-window buffers, the engram look-back, DSpark rings)
+           (sliding-window latents, compressors' open-window buffers, token look-backs, draft rings)
   Entries  per block of positions, growing with the sequence: one entry per `ratio` positions
            (compressed KV entries, indexer keys)
 A kind's dtype is "compute" (the model's dtype), "accum" (>= fp32: buffers the reference keeps in fp32) or

@@ -23,8 +23,8 @@ from safetensors import SafetensorError, safe_open
 from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, scale_to_float
 
 from ..errors import CheckpointError
-from ..models.engram import dequantize_engram_rows
-from ..models.layers import Fp8Linear, Linear, QuantizedWeight
+from ..models.deepseek_v41.engram import dequantize_engram_rows
+from ..models.common.layers import Fp8Linear, Linear, QuantizedWeight
 from .names import V41, EXPERTS_HF, checkpoint_tensors, ds_to_hf, hf_to_ds, is_vision_tensor, split_expert_name
 from .random_init import ENGRAM_ROW_BLOCK, is_engram_table, is_fp32_tensor
 
@@ -114,7 +114,7 @@ class CheckpointLoader:
         self._finite_checked: list[tuple[str, torch.Tensor, str]] = []   # (key, loaded tensor, kind)
         # unquantized floats stored in another dtype than the release's (F32 for its F32 tensors, else
         # config.json's dtype): (key, stored dtype, release dtype, values exact in the release dtype)
-        self.release_dtype = getattr(torch, str(getattr(model.cfg, "torch_dtype", "bfloat16")), torch.bfloat16)
+        self.release_dtype = getattr(torch, str(model.cfg.torch_dtype), torch.bfloat16)
         self.off_dtype: list[tuple[str, torch.dtype, torch.dtype, bool]] = []
 
     def _expected_names(self) -> set[str]:

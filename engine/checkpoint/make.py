@@ -27,7 +27,7 @@ LARGE_SHARD_BYTES = 4 << 30
 
 def bind_config_to_tokenizer(cfg, tokenizer):
     """A V4.1 config with engram_compressed_vocab_size (and engram_num_embeddings) taken from `tokenizer`."""
-    from ..models.engram import compressed_token_map, engram_num_embeddings
+    from ..models.deepseek_v41.engram import compressed_token_map, engram_num_embeddings
 
     _, size = compressed_token_map(tokenizer)
     cfg = dataclasses.replace(cfg, engram_compressed_vocab_size=size)

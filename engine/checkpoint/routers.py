@@ -29,7 +29,8 @@ import math
 import time
 import torch
 
-from ..models.moe import Gate
+from .. import reference
+from ..models.common.moe import Gate
 from ..validate import check_router_skew
 
 log = logging.getLogger("deepinfer")
@@ -137,13 +138,13 @@ def _sample_forwards(model, ids: torch.Tensor) -> None:
     """The forwards that reach every gate: the main stack on the whole sample, then the draft layers (V4.1's
     DSpark stages, V4's MTP layer) on drafts from every position of it."""
     with torch.inference_mode():
-        flat, chunks = model.batch_chunks(ids)
-        states = [model.new_state() for _ in chunks]
-        out = model.forward_reference(flat, chunks, states)
-        if hasattr(model, "mtp") and model.cfg.model_type == "deepseek_v4":
+        flat, chunks = reference.batch_chunks(model, ids)
+        out = reference.forward_reference(model, flat, chunks, [reference.new_state(model) for _ in chunks])
+        method = None if model.drafting is None else model.drafting.method
+        if method == "mtp":
             next_ids = torch.roll(flat, -1)
-            model.mtp_forward(out, next_ids, chunks, [model.new_state() for _ in chunks])
-        elif hasattr(model, "dspark"):
+            reference.mtp_forward(model, out, next_ids, chunks, [reference.new_state(model) for _ in chunks])
+        elif method == "dspark":
             _dspark_sample(model, ids)
 
 
@@ -151,4 +152,4 @@ def _dspark_sample(model, ids: torch.Tensor, prompt: int = 16, blocks: int = 256
     """DSpark stages see one draft block after each sequence's last token: `blocks` sequences of `prompt` tokens
     cut from the sample give each stage blocks x block-size rows in one call (1280 rows at V4.1's 5)."""
     rows = ids.reshape(-1, prompt)[:blocks]
-    model.extend_and_draft(list(rows), [model.new_state() for _ in range(rows.shape[0])])
+    reference.extend_and_draft(model, list(rows), [reference.new_state(model) for _ in range(rows.shape[0])])

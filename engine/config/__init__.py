@@ -9,6 +9,9 @@ from ..errors import ConfigError
 from .deepseek_v4 import DeepseekV4Config, parse_deepseek_v4
 from .deepseek_v41 import DeepseekV41Config, parse_deepseek_v41
 
+# model_type -> config class, the default (the embedded tiny model's and the default hub checkpoint's) first
+CONFIG_CLASSES = {"deepseek_v41": DeepseekV41Config, "deepseek_v4": DeepseekV4Config}
+
 # model_type -> parser. deepseek_v41 is transformers' composite config, deepseek_v41_text its bare text config.
 CONFIG_PARSERS = {"deepseek_v4": parse_deepseek_v4, "deepseek_v41": parse_deepseek_v41,
                   "deepseek_v41_text": parse_deepseek_v41}
@@ -43,4 +46,5 @@ def load_model_config(path: str | Path):
         raise ConfigError(f"{path}: {err}") from None
 
 
-__all__ = ["DeepseekV4Config", "DeepseekV41Config", "parse_model_config", "load_model_config", "CONFIG_PARSERS"]
+__all__ = ["DeepseekV4Config", "DeepseekV41Config", "parse_model_config", "load_model_config", "CONFIG_CLASSES",
+           "CONFIG_PARSERS"]

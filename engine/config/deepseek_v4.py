@@ -15,63 +15,20 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import ConfigError
+from .common import (IGNORED_KEYS, INFERENCE_ALIASES, INFERENCE_YARN_KEYS, WeightQuant, YarnScaling, as_int,
+                     check_types, parse_quant, parse_rope)
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"
-
-# DeepSeek inference ModelArgs key -> canonical key
-_INFERENCE_ALIASES = {
-    "dim": "hidden_size",
-    "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads",
-    "rope_head_dim": "qk_rope_head_dim",
-    "moe_inter_dim": "moe_intermediate_size",
-    "n_activated_experts": "num_experts_per_tok",
-    "score_func": "scoring_func",
-    "route_scale": "routed_scaling_factor",
-    "window_size": "sliding_window",
-    "norm_eps": "rms_norm_eps",
-    "n_mtp_layers": "num_nextn_predict_layers",
-    "n_hash_layers": "num_hash_layers",
-}
-_INFERENCE_YARN_KEYS = {"rope_factor": "factor", "original_seq_len": "original_max_position_embeddings",
-                        "beta_fast": "beta_fast", "beta_slow": "beta_slow"}
-# Keys that carry no model math (training, HF bookkeeping) and are accepted silently.
-_IGNORED_KEYS = {
-    "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range",
-    "hidden_act", "attention_bias", "mlp_bias", "attention_dropout", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "pad_token_id", "keys_to_ignore_at_inference",
-    "topk_method", "n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq", "aux_loss_alpha",
-    "seq_aux", "ep_size", "kv_lora_rank", "num_key_value_heads", "max_batch_size", "max_seq_len",
-    "scale_fmt", "scale_dtype", "expert_dtype", "quantization_config", "model_type", "text_config",
-    "_name_or_path", "return_dict", "tie_word_embeddings", "chunk_size_feed_forward", "is_encoder_decoder",
-    "index_topk_method", "n_routed_experts_per_rank", "id2label", "label2id", "problem_type",
-    "output_attentions", "output_hidden_states",
-}
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
-
-@dataclass(frozen=True)
-class WeightQuant:
-    """How weights are stored on disk (None on the config means plain bf16/fp32)."""
-    dense_fmt: str = "fp8"                 # FP8 e4m3 dense weights
-    weight_block_size: tuple[int, int] = (128, 128)
-    scale_fmt: str = "ue8m0"               # "ue8m0" (e8m0 bytes) or "float32"
-    expert_dtype: str = "fp4"              # "fp4" (e2m1 packed, e8m0 per 32 along K) or "fp8"
 
 
 @dataclass(frozen=True)
 class DeepseekV4Config:
     # the released transformers class that runs this family (transformers==5.23.0): the harness's side-by-side
     TRANSFORMERS_CLASS: ClassVar[str | None] = "DeepseekV4ForCausalLM"
+    DRAFT_METHOD: ClassVar[str] = "mtp"                        # the NextN layer drafts one token per pass
+    EXPERT_STORAGES: ClassVar[tuple[str, ...]] = ("dense",)    # build_model's expert_storage choices
     vocab_size: int = 129280
     hidden_size: int = 4096
     num_hidden_layers: int = 43
@@ -201,54 +158,22 @@ def parse_deepseek_v4(raw: dict) -> DeepseekV4Config:
                           f"check the deepseek_v4 keys and their types") from None
 
 
-def _as_int(raw: dict, key: str, default=None) -> int:
-    v = raw.get(key, default)
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"config.json: {key} must be an integer, got {v!r}")
-    return v
-
-
-def _check_types(kw: dict, cls=DeepseekV4Config) -> None:
-    """Scalar fields of `cls` must hold JSON values of their declared kind (int, float, bool, str)."""
-    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-    for key, v in kw.items():
-        kind = kinds.get(key)
-        if kind == "int":
-            if isinstance(v, float) and v.is_integer():
-                kw[key] = v = int(v)
-            ok, what = isinstance(v, int) and not isinstance(v, bool), "an integer"
-        elif kind == "float":
-            ok, what = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
-            if ok:
-                kw[key] = float(v)
-        elif kind == "bool":
-            ok, what = isinstance(v, bool), "true or false"
-        elif kind == "str":
-            ok, what = isinstance(v, str), "a string"
-        else:
-            continue
-        if not ok:
-            raise ConfigError(f"config.json: {key} must be {what}, got {v!r}")
-
-
 def _parse(raw: dict) -> DeepseekV4Config:
     if not isinstance(raw, dict):
         raise ConfigError("config.json must hold a JSON object")
     raw = dict(raw)
-    for old, new in _INFERENCE_ALIASES.items():
+    for old, new in INFERENCE_ALIASES.items():
         if old in raw:
             value = raw.pop(old)
             if new in raw and raw[new] != value:
                 raise ConfigError(f"config.json gives both {old}={value!r} and {new}={raw[new]!r}; keep one")
             raw.setdefault(new, value)
-    yarn_inference = {new: raw.pop(old) for old, new in _INFERENCE_YARN_KEYS.items() if old in raw}
+    yarn_inference = {new: raw.pop(old) for old, new in INFERENCE_YARN_KEYS.items() if old in raw}
 
     known = {f.name for f in dataclasses.fields(DeepseekV4Config)}
     legacy = {"compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling", "rope_parameters",
               "partial_rotary_factor", "compress_rate_csa", "compress_rate_hca"}
-    unknown = sorted(k for k in raw if k not in known | legacy | _IGNORED_KEYS)
+    unknown = sorted(k for k in raw if k not in known | legacy | IGNORED_KEYS)
     if unknown:
         raise ConfigError(f"config.json has keys deepinfer does not know for deepseek_v4: {unknown}; "
                           f"remove them or check the model_type")
@@ -258,13 +183,31 @@ def _parse(raw: dict) -> DeepseekV4Config:
     if isinstance(kw.get("eos_token_id"), list) and kw["eos_token_id"]:
         kw["eos_token_id"] = kw["eos_token_id"][0]
     kw = {k: v for k, v in kw.items() if v is not None}   # null means "the default"
-    _check_types(kw)
-    n = _as_int(raw, "num_hidden_layers", DeepseekV4Config.num_hidden_layers)
-    n_mtp = _as_int(raw, "num_nextn_predict_layers", DeepseekV4Config.num_nextn_predict_layers)
+    check_types(kw, DeepseekV4Config)
+    n = as_int(raw, "num_hidden_layers", DeepseekV4Config.num_hidden_layers)
+    n_mtp = as_int(raw, "num_nextn_predict_layers", DeepseekV4Config.num_nextn_predict_layers)
     if n < 1 or n_mtp < 0:
         raise ConfigError(f"config.json: num_hidden_layers={n} must be >= 1 and "
                           f"num_nextn_predict_layers={n_mtp} >= 0")
 
+    layer_types, mlp_types, rates = _schedule(raw, n, n_mtp)
+    rope_dim = _rope_dim(raw)
+    rope_scaling, kw_rope = parse_rope(raw, yarn_inference)
+    kw.update(kw_rope)
+    quant = parse_quant(raw)
+    try:
+        cfg = DeepseekV4Config(**kw, layer_types=tuple(layer_types), mlp_layer_types=tuple(mlp_types),
+                               compress_rates=tuple(sorted(rates.items())), qk_rope_head_dim=rope_dim,
+                               rope_scaling=rope_scaling, quant=quant)
+    except TypeError as err:
+        raise ConfigError(f"config.json is malformed: {err}") from None
+    validate(cfg)
+    return cfg
+
+
+def _schedule(raw: dict, n: int, n_mtp: int) -> tuple[list, list, dict]:
+    """(layer_types [n], mlp_layer_types [n], compress_rates {CSA: r, HCA: r}) from whichever spellings are given
+    (layer_types / compress_ratios, mlp_layer_types / num_hash_layers, compress_rates / compress_rate_*)."""
     given_rates = raw.get("compress_rates")
     if given_rates is not None and not isinstance(given_rates, dict):
         raise ConfigError(f"config.json: compress_rates must be an object {{layer type: rate}}, got {given_rates!r}")
@@ -311,7 +254,7 @@ def _parse(raw: dict) -> DeepseekV4Config:
         raise ConfigError(f"layer_types has unknown entries {bad}; allowed: {list(LAYER_TYPES)}")
 
     if raw.get("num_hash_layers") is not None:
-        n_hash = _as_int(raw, "num_hash_layers")
+        n_hash = as_int(raw, "num_hash_layers")
         if not 0 <= n_hash <= n:
             raise ConfigError(f"num_hash_layers={n_hash} is outside 0..num_hidden_layers ({n})")
     if raw.get("mlp_layer_types") is not None:
@@ -322,10 +265,14 @@ def _parse(raw: dict) -> DeepseekV4Config:
         if raw.get("num_hash_layers") is not None and mlp_types != [HASH_MOE] * n_hash + [MOE] * (n - n_hash):
             raise ConfigError("config.json gives both mlp_layer_types and num_hash_layers and they disagree; keep one")
     else:
-        n_hash = _as_int(raw, "num_hash_layers", 3) if raw.get("num_hash_layers") is not None else min(3, n)
+        n_hash = as_int(raw, "num_hash_layers", 3) if raw.get("num_hash_layers") is not None else min(3, n)
         mlp_types = [HASH_MOE] * n_hash + [MOE] * (n - n_hash)
+    return layer_types, mlp_types, rates
 
-    head_dim = _as_int(raw, "head_dim", DeepseekV4Config.head_dim)
+
+def _rope_dim(raw: dict) -> int:
+    """qk_rope_head_dim, given or as partial_rotary_factor x head_dim (default head_dim / 8)."""
+    head_dim = as_int(raw, "head_dim", DeepseekV4Config.head_dim)
     from_factor = None
     if raw.get("partial_rotary_factor") is not None:
         factor = raw["partial_rotary_factor"]
@@ -333,7 +280,7 @@ def _parse(raw: dict) -> DeepseekV4Config:
             raise ConfigError(f"config.json: partial_rotary_factor must be a number, got {factor!r}")
         from_factor = int(round(head_dim * float(factor)))
     if raw.get("qk_rope_head_dim") is not None:
-        rope_dim = _as_int(raw, "qk_rope_head_dim")
+        rope_dim = as_int(raw, "qk_rope_head_dim")
         if from_factor is not None and from_factor != rope_dim:
             raise ConfigError(f"config.json: qk_rope_head_dim={rope_dim} disagrees with partial_rotary_factor="
                               f"{raw['partial_rotary_factor']} x head_dim={head_dim}; keep one")
@@ -341,93 +288,7 @@ def _parse(raw: dict) -> DeepseekV4Config:
         rope_dim = from_factor
     else:
         rope_dim = head_dim // 8
-
-    rope_scaling, kw_rope = _parse_rope(raw, yarn_inference)
-    kw.update(kw_rope)
-    quant = _parse_quant(raw)
-    try:
-        cfg = DeepseekV4Config(**kw, layer_types=tuple(layer_types), mlp_layer_types=tuple(mlp_types),
-                               compress_rates=tuple(sorted(rates.items())), qk_rope_head_dim=rope_dim,
-                               rope_scaling=rope_scaling, quant=quant)
-    except TypeError as err:
-        raise ConfigError(f"config.json is malformed: {err}") from None
-    validate(cfg)
-    return cfg
-
-
-def _parse_rope(raw: dict, yarn_inference: dict) -> tuple[YarnScaling | None, dict]:
-    kw = {}
-    params = raw.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"config.json: rope_parameters must be an object, got {params!r}")
-    yarn, source = None, None
-    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
-        main, comp = params.get("main") or {}, params["compress"]
-        if not isinstance(main, dict):
-            raise ConfigError(f"config.json: rope_parameters.main must be an object, got {main!r}")
-        for sub, key, entry in (("main", "rope_theta", main), ("compress", "compress_rope_theta", comp)):
-            if "rope_theta" in entry:
-                theta = entry["rope_theta"]
-                if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-                    raise ConfigError(f"config.json: rope_parameters.{sub}.rope_theta must be a positive number, "
-                                      f"got {theta!r}")
-                kw[key] = float(theta)
-        if comp.get("rope_type", comp.get("type", "default")) != "default":
-            yarn, source = comp, "rope_parameters.compress"
-    elif isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default":
-        yarn, source = params, "rope_parameters"
-    if raw.get("rope_scaling") is not None:
-        yarn, source = raw["rope_scaling"], "rope_scaling"
-    if yarn_inference.get("factor", 1) not in (None, 1, 1.0) and yarn is None:
-        yarn, source = {"type": "yarn", **yarn_inference}, "rope_factor/original_seq_len"
-    if yarn is None:
-        return None, kw
-    if not isinstance(yarn, dict):
-        raise ConfigError(f"config.json: {source} must be an object like {{\"type\": \"yarn\", \"factor\": ..., "
-                          f"\"original_max_position_embeddings\": ...}}, got {yarn!r}")
-    kind = yarn.get("rope_type", yarn.get("type", "yarn"))
-    if kind != "yarn":
-        raise ConfigError(f"config.json: {source} has type {kind!r}; deepseek_v4 supports only 'yarn' scaling")
-    try:
-        scaling = YarnScaling(factor=_number(yarn, "factor"),
-                              original_max_position_embeddings=int(_number(yarn, "original_max_position_embeddings")),
-                              beta_fast=_number(yarn, "beta_fast", 32.0), beta_slow=_number(yarn, "beta_slow", 1.0))
-    except KeyError as err:
-        raise ConfigError(f"config.json: {source} (YaRN) is malformed: {err.args[0]}") from None
-    if scaling.factor < 1 or scaling.original_max_position_embeddings < 1:
-        raise ConfigError(f"config.json: {source} (YaRN) needs factor >= 1 and original_max_position_embeddings "
-                          f">= 1, got {scaling.factor} and {scaling.original_max_position_embeddings}")
-    return scaling, kw
-
-
-def _number(d: dict, key: str, default: float | None = None) -> float:
-    v = d.get(key)
-    if v is None:
-        if default is None:
-            raise KeyError(f"{key} is missing")
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise KeyError(f"{key} must be a number, got {v!r}")
-    return float(v)
-
-
-def _parse_quant(raw: dict) -> WeightQuant | None:
-    qc = raw.get("quantization_config")
-    if not qc:
-        # DeepSeek's inference ModelArgs spell quantized weights as dtype="fp8" (+ scale_fmt, expert_dtype).
-        if raw.get("dtype") != "fp8":
-            return None
-        qc = {}
-    if not isinstance(qc, dict):
-        raise ConfigError(f"config.json: quantization_config must be an object, got {qc!r}")
-    block = qc.get("weight_block_size", (128, 128))
-    scale_fmt = qc.get("scale_fmt") or raw.get("scale_fmt") or "float32"
-    expert = qc.get("expert_dtype") or raw.get("expert_dtype") or "fp8"
-    if (scale_fmt not in ("ue8m0", "float32") or expert not in ("fp4", "fp8") or not isinstance(block, (list, tuple))
-            or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ConfigError(f"quantization_config is not supported: scale_fmt={scale_fmt!r}, "
-                          f"expert_dtype={expert!r}, weight_block_size={block!r}")
-    return WeightQuant(weight_block_size=(int(block[0]), int(block[1])), scale_fmt=scale_fmt, expert_dtype=expert)
+    return rope_dim
 
 
 def validate(cfg: DeepseekV4Config) -> None:

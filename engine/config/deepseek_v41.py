@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import ConfigError
-from .deepseek_v4 import _IGNORED_KEYS, _INFERENCE_ALIASES, _INFERENCE_YARN_KEYS, WeightQuant, YarnScaling
-from .deepseek_v4 import _as_int, _check_types, _parse_quant, _parse_rope
+from .engram_layout import engram_prime_layout, engram_table_rows
+from .common import (IGNORED_KEYS, INFERENCE_ALIASES, INFERENCE_YARN_KEYS, WeightQuant, YarnScaling, as_int,
+                     check_types, parse_quant, parse_rope)
 
 # Per-layer attention kinds derived from the schedule (see DeepseekV41Config.layer_kind).
 SLIDING_ONLY = "sliding"            # ratio 0: own window only
@@ -27,6 +28,8 @@ REUSE = "reuse"                     # reads the group's compressed KV and the la
 @dataclass(frozen=True)
 class DeepseekV41Config:
     TRANSFORMERS_CLASS: ClassVar[str | None] = None    # only transformers main has deepseek_v41 (no release)
+    DRAFT_METHOD: ClassVar[str] = "dspark"                     # the DSpark stages draft one block per pass
+    EXPERT_STORAGES: ClassVar[tuple[str, ...]] = ("dense", "fp4")   # fp4: experts kept packed as stored
     vocab_size: int = 129280
     hidden_size: int = 5120
     num_hidden_layers: int = 40
@@ -174,39 +177,12 @@ def default_dspark_targets(n: int, kv_sources: tuple[int, ...]) -> tuple[int, ..
     return tuple(sorted(i for i in range(n) if i not in kv_sources)[-3:])
 
 
-def engram_prime_layout(vocab_size: int, n_layers: int, max_ngram: int, n_heads: int) -> list[list[list[int]]]:
-    """Bucket sizes [layer][n-gram order 2..max_ngram][head] of the Engram tables: for every layer and order, restart
-    at `vocab_size - 1` and take the next `n_heads` primes that no earlier (layer, order, head) has taken."""
-    from sympy import nextprime   # a torch dependency; imported here so config parsing never needs it otherwise
-
-    taken: set[int] = set()
-    layout = []
-    for _ in range(n_layers):
-        orders = []
-        for _ in range(max_ngram - 1):
-            heads, p = [], vocab_size - 1
-            for _ in range(n_heads):
-                p = nextprime(p)
-                while p in taken:
-                    p = nextprime(p)
-                taken.add(p)
-                heads.append(int(p))
-            orders.append(heads)
-        layout.append(orders)
-    return layout
-
-
-def engram_table_rows(vocab_size: int, n_layers: int, max_ngram: int, n_heads: int) -> tuple[int, ...]:
-    """Rows of each Engram layer's table: the sum of that layer's bucket primes."""
-    return tuple(sum(map(sum, layer)) for layer in engram_prime_layout(vocab_size, n_layers, max_ngram, n_heads))
-
-
 # ============================================================================ parsing
 
 # DeepSeek's spellings (release config.json, inference/config.json ModelArgs) and transformers' attribute_map,
 # each mapped to the canonical (transformers class) name. docs/model-v41-config.md says where each was seen.
 _ALIASES = {
-    **_INFERENCE_ALIASES,
+    **INFERENCE_ALIASES,
     "kv_source_layers": "kv_source_layer_ids",
     "index_source_layers": "index_source_layer_ids",
     "candidate_source_layer": "candidate_source_layer_id",
@@ -223,7 +199,7 @@ _SCHEDULE = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
 _NOT_JSON = {"quant", "has_vision", "model_type"}
 _FIELDS = {f.name for f in dataclasses.fields(DeepseekV41Config)} - _NOT_JSON
 _SCALARS = _FIELDS - set(_SCHEDULE) - {"rope_scaling"}
-_ACCEPTED = (_FIELDS | set(_FIXED) | _IGNORED_KEYS
+_ACCEPTED = (_FIELDS | set(_FIXED) | IGNORED_KEYS
              | {"rope_parameters", "layer_types", "quantization_config", "scale_fmt", "expert_dtype"})
 _MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text", None)
 
@@ -250,10 +226,10 @@ def _parse(raw: dict) -> DeepseekV41Config:
     for old, new in _ALIASES.items():
         if old in flat:
             _merge(flat, old, new, flat.pop(old))
-    yarn_inference = {new: flat.pop(old) for old, new in _INFERENCE_YARN_KEYS.items() if old in flat}
+    yarn_inference = {new: flat.pop(old) for old, new in INFERENCE_YARN_KEYS.items() if old in flat}
     _check_keys(flat)
     kw = {k: v for k, v in flat.items() if k in _SCALARS and v is not None}   # null means "the default"
-    _check_types(kw, DeepseekV41Config)
+    check_types(kw, DeepseekV41Config)
     n = kw.get("num_hidden_layers", DeepseekV41Config.num_hidden_layers)
     n_nextn = kw.get("num_nextn_predict_layers", DeepseekV41Config.num_nextn_predict_layers)
     if n < 1 or n_nextn < 0:
@@ -369,7 +345,7 @@ def _schedule(flat: dict, n: int, n_nextn: int) -> dict:
     if flat.get("candidate_source_layer_id") is None:
         candidate = kv[-1] if kv else -1
     else:
-        candidate = max(_as_int(flat, "candidate_source_layer_id"), -1)   # any negative id disables it
+        candidate = max(as_int(flat, "candidate_source_layer_id"), -1)   # any negative id disables it
     layer_types = flat.get("layer_types")
     if layer_types is not None and list(layer_types) != [SHARED_COMPRESSED if i in kv else SLIDING_ATTENTION
                                                          for i in range(n)]:
@@ -402,7 +378,7 @@ def _rope(flat: dict, yarn_inference: dict, kw: dict) -> YarnScaling | None:
     found = {}
     params = flat.get("rope_parameters")
     if params is not None:
-        found["rope_parameters"], thetas = _parse_rope({"rope_parameters": params}, {})
+        found["rope_parameters"], thetas = parse_rope({"rope_parameters": params}, {})
         _check_rope_parameters(params, kw)
         for key, theta in thetas.items():
             if key in kw and kw[key] != theta:
@@ -413,11 +389,11 @@ def _rope(flat: dict, yarn_inference: dict, kw: dict) -> YarnScaling | None:
     if isinstance(scaling, dict) and _rope_type(scaling, "yarn") == "default":
         found["rope_scaling"] = None
     elif scaling is not None:
-        found["rope_scaling"] = _parse_rope({"rope_scaling": scaling}, {})[0]
+        found["rope_scaling"] = parse_rope({"rope_scaling": scaling}, {})[0]
         _check_attention_factor(scaling, "rope_scaling")
     if "factor" in yarn_inference:
         off = yarn_inference.get("original_max_position_embeddings") == 0   # ModelArgs: YaRN only when > 0
-        found["rope_factor/original_seq_len"] = None if off else _parse_rope({}, yarn_inference)[0]
+        found["rope_factor/original_seq_len"] = None if off else parse_rope({}, yarn_inference)[0]
     values = list(found.values())
     if any(v != values[0] for v in values):
         raise ConfigError(f"config.json gives the compress rope's YaRN scaling in {sorted(found)} and they "
@@ -465,7 +441,7 @@ def _quant(flat: dict, fp8_marker: bool) -> WeightQuant | None:
                               f"keep one")
     defaults = {"weight_block_size": [32, 32], "scale_fmt": flat.get("scale_fmt") or "ue8m0",
                 "expert_dtype": flat.get("expert_dtype") or "fp8"}
-    return _parse_quant({"quantization_config": defaults | qc})
+    return parse_quant({"quantization_config": defaults | qc})
 
 
 # ============================================================================ validation

@@ -1,4 +1,5 @@
-"""Model families by HF model_type, and construction straight onto a device."""
+"""Model families by HF model_type, and construction straight onto a device. Every family keeps the contract of
+base.py (CausalLM)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import torch
 from deepinfer.kernels.fp8_linear import BLOCKS as FP8_BLOCKS
 
 from ..errors import DeepInferError
-from ..validate import PROJECTION_STORAGE
+from .base import CausalLM, Drafting
+from .common.layers import PROJECTION_STORAGE, Fp8Linear, fp8_projections
+from .common.rope import RotaryEmbedding
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .deepseek_v41 import DeepseekV41ForCausalLM
-from .layers import Fp8Linear, fp8_projections
-from .rope import RotaryEmbedding
 
 MODEL_CLASSES = {"deepseek_v4": DeepseekV4ForCausalLM, "deepseek_v41": DeepseekV41ForCausalLM}
 
@@ -60,5 +61,5 @@ def projection_storage_of(model: torch.nn.Module) -> str:
     return "fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else "dense"
 
 
-__all__ = ["MODEL_CLASSES", "PROJECTION_STORAGE", "build_model", "check_projection_storage", "projection_storage_of",
-           "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"]
+__all__ = ["MODEL_CLASSES", "PROJECTION_STORAGE", "CausalLM", "Drafting", "build_model", "check_projection_storage",
+           "projection_storage_of", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"]

@@ -54,7 +54,7 @@ class ExpertTraffic:
     @classmethod
     def install(cls, model: torch.nn.Module) -> "ExpertTraffic":
         """Wrap the dispatcher of every module of `model` that has one (MoE layers, draft stages included). The
-        counters belong to the model: engines built on one model (the DSpark bench's modes) share them, each
+        counters belong to the model: engines built on one model (the draft bench's modes) share them, each
         zeroing them at its reset_stats, and a graph captured by any of them adds into the same tensors."""
         moes = [(n, m) for n, m in model.named_modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
         counted = {id(m.dispatch.traffic) for _, m in moes if isinstance(m.dispatch, CountingDispatch)}

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..config.deepseek_v4 import YarnScaling
+from ...config.deepseek_v4 import YarnScaling
 
 
 def rope_inv_freq(rope_dim: int, base: float, yarn: YarnScaling | None) -> torch.Tensor:

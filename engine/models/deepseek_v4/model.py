@@ -3,9 +3,9 @@
 Top level: embed -> copy into hc_mult streams -> blocks -> hc_head -> norm -> head. A block is
   pre, post, comb = mixes(h);  h = hc_post(attn(attn_norm(collapse(h, pre))), h, post, comb)
   pre, post, comb = mixes(h);  h = hc_post(ffn(ffn_norm(collapse(h, pre))), h, post, comb)
-`forward` is the runtime's: a flat batch of new tokens [N] of any number of sequences (prefill chunks, decode
-and verify rows alike) over the state pools (cache/forward_batch.py). `forward_reference` is the oracle tests
-compare against: the same blocks over one SequenceState per sequence (compute_logits, extend).
+`forward` takes a flat batch of new tokens [N] of any number of sequences (prefill chunks, decode and verify rows
+alike) over the state pools (cache/forward_batch.py) and returns the final hidden [N, D]. The oracle tests compare
+it with runs the same blocks over one state per sequence (engine/reference/v4.py).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache.forward_batch import ForwardBatch
-from ..cache.sequence_state import SequenceState
-from ..cache.spec import StateSpec
-from ..config.deepseek_v4 import MOE, SLIDING, DeepseekV4Config
-from .attention import Attention, SeqSlice
-from .flat_batch import FlatBatchLM
-from .layers import Linear, RMSNorm, fp32_param
+from ...cache.forward_batch import ForwardBatch
+from ...cache.spec import StateSpec
+from ...config.deepseek_v4 import MOE, SLIDING, DeepseekV4Config
+from ..base import Drafting
+from ..common.flat_batch import FlatBatchLM
+from ..common.layers import Linear, RMSNorm, fp32_param
+from ..common.mhc import HyperConnectionSites, hc_collapse, hc_head, hc_post
+from ..common.moe import MoE
+from ..common.rope import RotaryEmbedding
 from . import mtp
-from .mhc import HyperConnectionSites, hc_collapse, hc_head, hc_post
-from .moe import MoE
-from .rope import RotaryEmbedding
+from .attention import Attention
 
 
 class Block(HyperConnectionSites):
@@ -42,14 +42,9 @@ class Block(HyperConnectionSites):
         pre, post, comb = self.mixes(h, site)
         return hc_collapse(h, pre), post, comb
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlice],
-                state_index: int) -> torch.Tensor:
-        """h: [N, hc, D] streams -> [N, hc, D]."""
-        return self.forward_with(h, input_ids, lambda x: self.attn.forward_reference(x, positions, seqs, state_index))
-
-    def forward_with(self, h: torch.Tensor, input_ids: torch.Tensor, attend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, attend) -> torch.Tensor:
         """The block around its attention: h [N, hc, D] -> [N, hc, D]; attend maps the normed attention
-        input [N, D] to the attention output [N, D] (the reference per-sequence path or the runtime forward over the pools)."""
+        input [N, D] to the attention output [N, D] (over the state pools, or the oracle's per-sequence states)."""
         x, post, comb = self._pre(h, "attn")
         h = hc_post(attend(self.attn_norm(x)), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
@@ -103,33 +98,22 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.mtp = nn.ModuleList(MTPLayer(cfg, self.rope_main, dtype, qat_fake_quant)
                                  for _ in range(cfg.num_nextn_predict_layers))
-
-    def new_state(self) -> SequenceState:
-        return SequenceState(layers=[b.attn.new_state() for b in self.layers],
-                             mtp=[m.attn.new_state() for m in self.mtp])
+        self.drafting = Drafting(cfg.DRAFT_METHOD, mtp.MAX_STEPS, mtp.RINGS) if len(self.mtp) else None
 
     def state_spec(self) -> StateSpec:
-        """Every layer's per-sequence state, and the NextN drafter's (models/mtp.py) when the checkpoint has one."""
+        """Every layer's per-sequence state, and the NextN drafter's (mtp.py) when the checkpoint has one."""
         kinds = [k for i, b in enumerate(self.layers) for k in b.attn.state_kinds(i)]
-        return StateSpec.of(kinds + (mtp.state_kinds(self) if len(self.mtp) else []))
+        return StateSpec.of(kinds + (mtp.state_kinds(self) if self.drafting is not None else []))
 
-    # ---- the runtime forward ----
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [N]: the step's rows (batch says whose and where). Returns the last streams [N, hc, D]."""
+        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]. The NextN drafter
+        reads the last streams [N, hc, D] before they collapse (mtp.observe)."""
         h = self.embed_streams(input_ids)
         for i, block in enumerate(self.layers):
-            h = block.forward_with(h, input_ids, lambda x, attn=block.attn, i=i: attn(x, batch, i))
-        if batch.draft_rings and len(self.mtp):
+            h = block(h, input_ids, lambda x, attn=block.attn, i=i: attn(x, batch, i))
+        if batch.draft_rings and self.drafting is not None:
             mtp.observe(self, h, input_ids, batch)
-        return h
-
-    # ---- NextN drafting over the pools (models/mtp.py) ----
-    draft_method = "mtp"
-
-    @property
-    def draft_block_size(self) -> int | None:
-        """Drafts one block proposes at most (None: no NextN layer)."""
-        return mtp.MAX_STEPS if len(self.mtp) else None
+        return self.collapse(h)
 
     def draft(self, pools, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, sample,
               steps: int) -> mtp.MTPDrafts:
@@ -137,54 +121,10 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         is the target's token for p+1; sample(i, logits [R, V]) draws draft i (position p+2+i)."""
         return mtp.draft(self, pools, slots, positions, tokens, sample, steps)
 
-    # ---- the reference forward (the oracle) ----
-    def forward_reference(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]], states: list[SequenceState]):
-        """input_ids: [N] new tokens of len(states) sequences, sequence i owning rows chunks[i] = (start, end).
-        Advances each state; returns the last streams [N, hc, D] (before hc_head)."""
-        positions, seqs = self._claim_positions(chunks, states, "layers", "num_tokens")
-        h = self.embed_streams(input_ids)
-        for i, block in enumerate(self.layers):
-            h = block(h, input_ids, positions, seqs, i)
-        return h
-
     def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[N] token ids -> [N, hc, D]: the embedding copied into every residual stream."""
         return self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """[N, hc, D] streams -> [N, vocab] fp32 logits."""
-        return self.head.fp32(self.collapse(streams)).float()
-
-    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, chunks: list[tuple[int, int]],
-                    states: list[SequenceState], depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft step of mtp.{depth}: streams at positions t (rows as in forward) and the tokens at t+1.
-        Returns (logits [N, vocab] for t+2, the layer's output streams)."""
-        layer = self.mtp[depth]
-        positions, seqs = self._claim_positions(chunks, states, "mtp", "num_mtp_tokens")
-        h = layer(layer.combine(self.embed(next_ids), streams), next_ids, positions, seqs, depth)
-        return self.head.fp32(layer.collapse(h)).float(), h
-
-    def _claim_positions(self, chunks, states, layer_attr: str, count_attr: str):
-        """Positions [N] of the new rows, one SeqSlice per sequence; advances each state's token count."""
-        pos, seqs = [], []
-        for (start, end), st in zip(chunks, states):
-            first = getattr(st, count_attr)
-            setattr(st, count_attr, first + end - start)
-            pos.append(torch.arange(first, first + end - start))
-            seqs.append(SeqSlice(start, end, getattr(st, layer_attr), first))
-        return torch.cat(pos).to(self.device), seqs
-
-    # ---- conveniences on top ----
-    @torch.inference_mode()
-    def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Stateless full forward: input_ids [B, T] -> logits [B, T, vocab] fp32 (the parity hook)."""
-        ids, chunks = self.batch_chunks(input_ids)
-        streams = self.forward_reference(ids, chunks, [self.new_state() for _ in chunks])
-        return self.logits(streams).view(*input_ids.shape, -1)
-
-    @torch.inference_mode()
-    def extend(self, token_chunks: list[torch.Tensor], states: list[SequenceState]) -> list[torch.Tensor]:
-        """Incremental forward: append token_chunks[i] ([T_i]) to sequence i; return each chunk's logits [T_i, V]."""
-        ids, chunks = self.flat_chunks(token_chunks, states)
-        logits = self.logits(self.forward_reference(ids, chunks, states))
-        return [logits[s:e] for s, e in chunks]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, D] final hidden -> [M, vocab] fp32 logits."""
+        return self.head.fp32(hidden).float()

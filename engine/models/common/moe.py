@@ -15,9 +15,9 @@ from torch import nn
 from deepinfer.kernels.experts import FP4_BLOCK, ExpertWeights, grouped_experts, swiglu
 from deepinfer.kernels.routing import SCORE_FUNCS, route
 
-from ..config.deepseek_v4 import HASH_MOE, DeepseekV4Config
-from ..errors import DeepInferError
-from ..parallel.dispatch import Dispatched, LocalDispatch
+from ...config.deepseek_v4 import HASH_MOE, DeepseekV4Config
+from ...errors import DeepInferError
+from ...parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
 __all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "set_expert_act_quant", "swiglu"]
@@ -96,13 +96,6 @@ class Experts(nn.Module):
     def compute(self, d: Dispatched) -> torch.Tensor:
         """The dispatched rows through their experts -> [N*k, D] >= fp32, in sorted order."""
         return grouped_experts(d.x, d.expert_ids, d.offsets, d.weights, self.stacked())
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                dispatch: LocalDispatch | None = None) -> torch.Tensor:
-        """x [N, D], routing weights / ids [N, k] -> [N, D] >= fp32 (dispatch, compute, combine)."""
-        dispatch = dispatch or LocalDispatch(self.n_experts)
-        d = dispatch.dispatch(x.to(self.dtype), weights, ids)
-        return dispatch.combine(self.compute(d), d)
 
 
 class SharedExpert(nn.Module):

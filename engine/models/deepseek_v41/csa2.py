@@ -16,18 +16,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels.softmax_pool import softmax_pool
-from deepinfer.kernels.indexer import index_scores
+from deepinfer.kernels.fake_quant import qat_fp4
 from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.matmul import linear_f32
 from deepinfer.kernels.precision import upcast
-from deepinfer.kernels.fake_quant import qat_fp4
 from deepinfer.kernels.rope import apply_rope
 
-from ..cache.sequence_state import CompressorState
-from .layers import Linear, RMSNorm
-from .rope import RotaryEmbedding
-from .selection import top_k_mask, visible_entries
+from ..common.layers import Linear, RMSNorm
+from ..common.rope import RotaryEmbedding
+from ..common.selection import top_k_mask
 
 ENTRY_FP4_BLOCK = 16    # compressed KV: e2m1, one e4m3 scale per 16 channels
 INDEX_FP4_BLOCK = 32    # indexer q and k: e2m1, one ue8m0 scale per 32 channels
@@ -55,20 +52,6 @@ class Compressor(nn.Module):
         self.wkv = Linear(dim, head_dim, dtype)
         self.wgate = Linear(dim, head_dim, dtype) if ratio > 1 else None
         self.norm = RMSNorm(head_dim, eps)
-
-    def latents(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """One sequence's new tokens x [T, D] (continuing `state`) -> latents of the groups they
-        close, [n_closed, d] pre-RoPE in x's dtype. Leftover tokens wait in state.pending_*."""
-        if self.wgate is None:
-            return self.norm(self.wkv(x))
-        kv, gate = self.project(x)                                           # [T, d] each, >= fp32
-        if state.pending_kv is not None:
-            kv, gate = torch.cat([state.pending_kv, kv]), torch.cat([state.pending_score, gate])
-        r = self.ratio
-        n = kv.shape[0] // r
-        state.pending_kv, state.pending_score = kv[n * r:], gate[n * r:]
-        kv, gate = kv[: n * r].view(n, r, kv.shape[-1]), gate[: n * r].view(n, r, gate.shape[-1])
-        return self.pool(kv, gate, x.dtype)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio > 1: x [T, D] -> (kv, gate) [T, d] each in >= fp32, what the open window buffers."""
@@ -108,21 +91,6 @@ class Indexer(nn.Module):
             q = quantize_index(q)
         return q, upcast(self.weights_proj(x)) * self.n_heads ** -0.5
 
-    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-               ratio: int) -> torch.Tensor:
-        """One sequence: q [T, H_I, dI], weights [T, H_I], keys [n, dI], positions [T] -> [T, n], -inf where not
-        yet visible."""
-        s = index_scores(q, weights, keys, self.index_dim ** -0.5)
-        return s.masked_fill(~visible_entries(positions, keys.shape[-2], ratio), float("-inf"))
-
-
-def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,
-                     block: int) -> torch.Tensor:
-    """Level one of the two-level top-k. scores [T, n] (-inf = not visible) -> [T, n] bool mask of
-    the entries in each query's `n_blocks` best blocks of `block` entries (block score = its max).
-    The block holding the query's newest visible entry is always kept."""
-    return block_entries(candidate_block_mask(scores, positions, ratio, n_blocks, block), block, scores.shape[1])
-
 
 def block_entries(keep: torch.Tensor, block: int, n: int) -> torch.Tensor:
     """[T, nb] bool per block of `block` entries -> [T, n] bool per entry."""
@@ -131,8 +99,10 @@ def block_entries(keep: torch.Tensor, block: int, n: int) -> torch.Tensor:
 
 def candidate_block_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,
                          block: int) -> torch.Tensor:
-    """candidate_blocks per block: [T, ceil(n / block)] bool (`block` times smaller than the entry mask, which is
-    what a long prefill keeps between layers)."""
+    """Level one of the two-level top-k, per block. scores [T, n] (-inf = not visible) -> [T, ceil(n / block)] bool:
+    each query's `n_blocks` best blocks of `block` entries (block score = its max), the block holding the query's
+    newest visible entry always kept (`block` times smaller than the entry mask, which is what a long prefill keeps
+    between layers)."""
     t, n = scores.shape
     padded = torch.nn.functional.pad(scores, (0, -n % block), value=float("-inf"))
     block_scores = padded.view(t, -1, block).amax(dim=-1)                       # [T, nb]

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from deepinfer.config.deepseek_v41 import engram_prime_layout
+from deepinfer.config.engram_layout import engram_prime_layout
 from deepinfer.kernels.rowwise import rowwise
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import dequantize_fp8_blocks
 
-from .layers import Linear
+from ..common.layers import Linear
 
 # A compressed-id marker: "no token here" (before the sequence start, or a DEAD position such as an
 # image-span token). The slot holding it and every farther look-back slot hash as map[pad_id].
@@ -117,7 +117,7 @@ def hash_multipliers(layer_ids: Sequence[int], max_ngram: int, compressed_vocab_
 
 
 def engram_layout(cfg) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Bucket sizes ``[layer][order][head]`` (config.deepseek_v41.engram_prime_layout), checked against
+    """Bucket sizes ``[layer][order][head]`` (config.engram_layout.engram_prime_layout), checked against
     ``cfg.engram_num_embeddings`` when that is given."""
     primes = tuple(tuple(tuple(o) for o in layer) for layer in engram_prime_layout(
         cfg.engram_vocab_size, len(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads))
@@ -246,12 +246,6 @@ class EngramHasher:
         new_states = [ext[end - k:end].clone() for end in new_ends]
         window = ext[where.to(device).unsqueeze(1) - torch.arange(m, device=device)]          # [N, M]: t, t-1, ...
         return self.hash_window(window), new_states
-
-    def hash_next(self, token_ids: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new token per row: token_ids [B] after states [B, max_ngram-1] (oldest first) -> (hash ids
-        [B, L, C], the new states [B, max_ngram-1]). Text only, fixed shapes, no host synchronisation."""
-        ext = torch.cat([states, self.compressed(token_ids).unsqueeze(1)], dim=1)               # [B, M] oldest first
-        return self.hash_window(ext.flip(1)), ext[:, 1:]
 
     def compressed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> compressed ids [...] (int64; BLOCKED past the tokenizer's ids)."""

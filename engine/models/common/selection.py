@@ -1,17 +1,10 @@
-"""Which compressed entries a query may see and keeps: shared by the V4 and V4.1 indexers."""
+"""Which compressed entries a query keeps: shared by the V4 and V4.1 indexers."""
 
 from __future__ import annotations
 
 import torch
 
 from deepinfer.kernels.indexer import top_k_indices
-
-
-def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
-    """[T, n] bool: entry w (pooling positions w*ratio .. w*ratio+ratio-1) is visible to the query at
-    position p once its window closed, w < (p+1)//ratio."""
-    entry = torch.arange(num_entries, device=positions.device)
-    return entry.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1)
 
 
 def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Per-sequence decode state of the reference model: what each layer must remember between steps.
+"""Per-sequence decode state of the reference forwards: what each layer must remember between steps.
 
 Tensors grow by concatenation here; the runtime's pooled allocator keeps the same fields in
 preallocated pools. Everything is per sequence (no batch dimension).

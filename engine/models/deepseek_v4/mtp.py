@@ -1,6 +1,6 @@
 """DeepSeek-V4's NextN (MTP) layer as a drafter over the state pools: k draft steps reusing `mtp.0`.
 
-The layer (deepseek_v4.MTPLayer) maps (the target's last streams at position t, the token at t+1) to a prediction
+The layer (model.MTPLayer) maps (the target's last streams at position t, the token at t+1) to a prediction
 for t+2, through one sliding-window block whose window ring holds one K=V latent per position t. Two state kinds:
   mtp.0.window   [S, W, d]      the layer's window: the latent of the row (streams at t, token t+1) at position t
   mtp.streams    [S, 1, hc*D]   the target's last streams at the newest position (what a chunk's first row pairs
@@ -25,13 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.forward_batch import ForwardBatch
-from ..cache.pools import SCRATCH
-from ..cache.spec import Ring
+from ...cache.forward_batch import ForwardBatch
+from ...cache.pools import SCRATCH
+from ...cache.spec import Ring
 
 MAX_STEPS = 5              # drafts a block proposes at most (the upstream draft cap's default)
 LAYER = "mtp.0"
 STREAMS = "mtp.streams"
+RINGS = (f"{LAYER}.window", STREAMS)   # the drafter's rings (state_kinds), written by target steps with draft_rings
 
 
 @dataclass
@@ -77,8 +78,8 @@ def draft(model, pools, slots: torch.Tensor, positions: torch.Tensor, tokens: to
     tok, drafts, conf = tokens, [], []
     for i in range(steps):
         batch = ForwardBatch.uniform(pools, slots, positions + i, 1, 1)
-        h = layer.forward_with(layer.combine(model.embed(tok), h), tok,
-                               lambda x, batch=batch: layer.attn(x, batch, LAYER))
+        h = layer(layer.combine(model.embed(tok), h), tok,
+                  lambda x, batch=batch: layer.attn(x, batch, LAYER))
         logits = model.head.fp32(layer.collapse(h)).float()                       # [R, V]
         tok = sample(i, logits)
         drafts.append(tok)

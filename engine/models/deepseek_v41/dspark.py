@@ -1,4 +1,5 @@
-"""DSpark draft stages of DeepSeek-V4.1 (`mtp.0` .. `mtp.{n-1}`), after DeepSeek's inference code.
+"""DSpark draft stages of DeepSeek-V4.1 (`mtp.0` .. `mtp.{n-1}`), after DeepSeek's inference code, over the state
+pools (the per-sequence oracle of the same procedure is engine/reference/dspark.py).
 
 Target features: the streams entering each target layer (after any engram), averaged over the hc
 streams, concatenated: [S, n_targets*D]. `mtp.0` maps them to main_x = main_norm(main_proj(f)).
@@ -23,16 +24,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from deepinfer.kernels.attention import SplitStore, sink_attention, sparse_sink_attention
+from deepinfer.kernels.attention import SplitStore, sparse_sink_attention
 from deepinfer.kernels.matmul import linear, linear_f32
 from deepinfer.kernels.precision import upcast
 
-from ..cache.sequence_state import SequenceState
-from ..config.deepseek_v41 import DeepseekV41Config
-from ..errors import DeepInferError
-from .layers import Linear, RMSNorm
-from .mhc import hc_collapse
-from .rope import RotaryEmbedding
+from ...config.deepseek_v41 import DeepseekV41Config
+from ...errors import DeepInferError
+from ..common.layers import Linear, RMSNorm
+from ..common.mhc import hc_collapse
+from ..common.rope import RotaryEmbedding
+from .block import BlockV41
 
 
 @dataclass
@@ -78,12 +79,7 @@ class ConfidenceHead(nn.Module):
         return linear(both, upcast(self.proj.weight)).squeeze(-1)
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
 def _stage_block(cfg: DeepseekV41Config, stage: int, rope: RotaryEmbedding, dtype, qat: bool, expert_storage: str):
-    from .deepseek_v41 import BlockV41   # the stages are backbone blocks; import late to avoid a cycle
     return BlockV41(cfg, cfg.num_hidden_layers + stage, rope, rope, dtype, qat, cfg.dspark_n_routed_experts,
                     cfg.dspark_num_experts_per_tok, expert_storage)
 
@@ -91,9 +87,11 @@ def _stage_block(cfg: DeepseekV41Config, stage: int, rope: RotaryEmbedding, dtyp
 def build_stages(cfg: DeepseekV41Config, rope_main: RotaryEmbedding, dtype: torch.dtype, qat: bool,
                  expert_storage: str = "dense") -> nn.ModuleList:
     """The checkpoint's `mtp.{i}` modules: backbone blocks, plus main_proj/main_norm on the first and
-    norm, markov_head, confidence_head on the last."""
+    norm, markov_head, confidence_head on the last (none without num_nextn_predict_layers)."""
     stages = nn.ModuleList(_stage_block(cfg, i, rope_main, dtype, qat, expert_storage)
                            for i in range(cfg.num_nextn_predict_layers))
+    if not len(stages):
+        return stages
     first, last = stages[0], stages[-1]
     first.main_proj = Linear(len(cfg.dspark_target_layer_ids) * cfg.hidden_size, cfg.hidden_size, dtype)
     first.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -113,65 +111,15 @@ class DSpark:
         """[S, n_targets*D] target features -> [S, D]."""
         return self.stages[0].main_norm(self.stages[0].main_proj(features))
 
-    # ---- the rings ----
-    def observe(self, features: torch.Tensor, positions: torch.Tensor, owners: list[int],
-                states: list[SequenceState]) -> None:
-        """Write the rings from target features at `positions` [S] (rows of sequence states[owners[i]],
-        contiguous and ascending per sequence). Writing a position again replaces it (idempotent)."""
-        main_x = self.main_x(features)
-        rope = self.stages[0].attn.rope
-        cos, sin = rope(positions)
-        kv = [stage.attn.window_kv(main_x, cos, sin) for stage in self.stages]      # n x [S, d]
-        for seq in sorted(set(owners)):
-            rows = [i for i, o in enumerate(owners) if o == seq]
-            self._write(states[seq], [k[rows] for k in kv], int(positions[rows[0]]))
-
-    def check_write(self, st: SequenceState, first: int, n: int) -> None:
-        """Rings must stay contiguous: a write starts inside or right after what they hold, or refills a whole
-        window. Checked before the target forward runs, so a refused call leaves the state untouched."""
-        end = st.num_mtp_tokens
-        held = 0 if st.mtp[0].window is None else st.mtp[0].window.shape[0]
-        if (first > end and n < self.window) or first < end - held:
-            have = "are empty" if not held else f"hold positions {end - held}..{end - 1}"
-            raise DeepInferError(f"the DSpark rings of this sequence {have}; cannot write {n} rows from position "
-                                 f"{first}: send every token of a sequence through extend_and_draft (the rings "
-                                 f"are filled from the target's features)")
-
-    def _write(self, st: SequenceState, kv: list[torch.Tensor], first: int) -> None:
-        """Rows kv[i] [n, d] of positions first..first+n-1 go into stage i's ring (the last `window`)."""
-        n = kv[0].shape[0]
-        self.check_write(st, first, n)
-        end, held = st.num_mtp_tokens, 0 if st.mtp[0].window is None else st.mtp[0].window.shape[0]
-        for layer, new in zip(st.mtp, kv):
-            old = layer.window[: held - max(end - first, 0)] if held and first <= end else new[:0]
-            layer.window = torch.cat([old, new])[-self.window:]
-        st.num_mtp_tokens = first + n
-
-    # ---- drafting ----
-    def draft(self, embed: nn.Embedding, head: Linear, features: torch.Tensor, positions: torch.Tensor,
-              tokens: torch.Tensor, states: list[SequenceState],
-              sample: Callable[[torch.Tensor], torch.Tensor] = greedy, write: bool = True) -> DraftOutput:
-        """One draft block per sequence. features [B, n_targets*D] at target positions [B] (= p),
-        tokens [B] the target's sample for p+1. `sample` maps [B, V] fp32 logits to [B] tokens.
-        write=False: the rings already hold position p (observe ran on the target's features)."""
-        bsz, blk = tokens.shape[0], self.cfg.dspark_block_size
-        if write:
-            self.observe(features, positions, list(range(bsz)), states)
-        h, pre, qpos = self._block_inputs(embed, tokens, positions)
-        for i, stage in enumerate(self.stages):
-            rings = [s.mtp[i] for s in states]
-            h, pre = stage(h, pre, lambda x: self._attend(stage.attn, x, qpos, rings, bsz, blk))
-        return self._head(head, h, pre, tokens, bsz, blk, lambda i, lg: sample(lg))
-
-    def draft_pooled(self, embed: nn.Embedding, head: Linear, rings: list[torch.Tensor], window: int,
+    def draft(self, embed: nn.Embedding, head: Linear, rings: list[torch.Tensor], window: int,
                      slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
                      sample: Callable[[int, torch.Tensor], torch.Tensor]) -> DraftOutput:
-        """draft() over the state pools: one block per row r of sequence slot slots[r] [R], whose rings
+        """One draft block per row r of sequence slot slots[r] [R], whose rings
         (rings[i]: stage i's pool [S, span', d], position t at row t % span') hold the target's positions up to
         positions[r] (= p); tokens [R] the target's sample for p+1. sample(i, logits [R, V] fp32) -> the drafts
         [R] for positions p+2+i. Static shapes throughout (a CUDA graph can hold it)."""
         bsz, blk = tokens.shape[0], self.cfg.dspark_block_size
-        h, pre, qpos = self._block_inputs(embed, tokens, positions)
+        h, pre, qpos = self.block_inputs(embed, tokens, positions)
         span = rings[0].shape[1]
         tp = positions.unsqueeze(1) - (window - 1) + torch.arange(window, device=positions.device)   # [R, W]
         ring_idx = torch.where(tp >= 0, slots.unsqueeze(1) * span + tp % span, -1)
@@ -180,10 +128,10 @@ class DSpark:
             flat = rings[i].flatten(0, 1)
             index = torch.cat([ring_idx, flat.shape[0] + block_idx], dim=1).repeat_interleave(blk, dim=0)
             h, pre = stage(h, pre, lambda x, attn=stage.attn, flat=flat, index=index:
-                           self._attend_pooled(attn, x, qpos, flat, index))
-        return self._head(head, h, pre, tokens, bsz, blk, sample)
+                           self._attend(attn, x, qpos, flat, index))
+        return self.head_drafts(head, h, pre, tokens, bsz, blk, sample)
 
-    def _block_inputs(self, embed: nn.Embedding, tokens: torch.Tensor, positions: torch.Tensor):
+    def block_inputs(self, embed: nn.Embedding, tokens: torch.Tensor, positions: torch.Tensor):
         """The draft block's inputs for rows anchored at positions p [B] with the target's token for p+1 [B]:
         (streams [B*blk, hc, D] of that token then noise tokens, the stream pre-weights [B*blk, hc] (all on
         stream 0), the block rows' positions p+1 .. p+blk [B*blk])."""
@@ -197,8 +145,8 @@ class DSpark:
         qpos = (positions.unsqueeze(1) + 1 + torch.arange(blk, device=positions.device)).reshape(-1)
         return h, pre, qpos
 
-    def _head(self, head: Linear, h: torch.Tensor, pre: torch.Tensor, tokens: torch.Tensor, bsz: int, blk: int,
-              sample: Callable[[int, torch.Tensor], torch.Tensor]) -> DraftOutput:
+    def head_drafts(self, head: Linear, h: torch.Tensor, pre: torch.Tensor, tokens: torch.Tensor, bsz: int,
+                    blk: int, sample: Callable[[int, torch.Tensor], torch.Tensor]) -> DraftOutput:
         """The last stage's streams -> logits with the Markov bias, drafts left to right, confidences."""
         last = self.stages[-1]
         x = hc_collapse(h, pre)                                                        # [B*blk, D]
@@ -214,7 +162,7 @@ class DSpark:
         return DraftOutput(torch.stack(drafts, 1), logits, torch.stack(conf, 1))
 
     @staticmethod
-    def _attend_pooled(attn, x: torch.Tensor, qpos: torch.Tensor, flat: torch.Tensor, index: torch.Tensor
+    def _attend(attn, x: torch.Tensor, qpos: torch.Tensor, flat: torch.Tensor, index: torch.Tensor
                        ) -> torch.Tensor:
         """x [R*blk, D]: each block row attends to its sequence's ring window (read in place) and its whole block."""
         cos, sin = attn.rope(qpos)
@@ -222,18 +170,4 @@ class DSpark:
         kv = attn.window_kv(x, cos, sin)                                              # [R*blk, d]
         out = sparse_sink_attention(q, [(SplitStore(flat, kv.to(flat.dtype)), index)], attn.attn_sink,
                                     attn.head_dim ** -0.5)
-        return attn.output(out, cos, sin)
-
-    @staticmethod
-    def _attend(attn, x: torch.Tensor, qpos: torch.Tensor, rings, bsz: int, blk: int) -> torch.Tensor:
-        """x [B*blk, D]: each sequence's block attends to its ring and to the whole block."""
-        cos, sin = attn.rope(qpos)
-        q, _ = attn.queries(x, cos, sin)                                              # [B*blk, H, d]
-        kv = attn.window_kv(x, cos, sin)                                              # [B*blk, d]
-        out = torch.empty_like(q)
-        for b in range(bsz):
-            rows = slice(b * blk, (b + 1) * blk)
-            keys = torch.cat([rings[b].window, kv[rows]])
-            bias = torch.zeros(blk, keys.shape[0], dtype=torch.float32, device=x.device)
-            out[rows] = sink_attention(q[rows], keys, bias, attn.attn_sink, attn.head_dim ** -0.5)
         return attn.output(out, cos, sin)

@@ -3,52 +3,36 @@ attend to their source group's shared compressed entries, masked to the latest i
 
 Differences from V4: no per-head q RMSNorm; the window latent is FP8 (ue8m0 per 32) over all
 channels, RoPE slice included; the compressed branch is produced by the group's KV source only
-(see csa2.py) and handed to the later layers of the group through `SeqRows.shared`.
+(see csa2.py) and handed to the later layers of the group through `ForwardBatch.shared`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels.attention import sink_attention, sparse_sink_attention
+from deepinfer.kernels.attention import sparse_sink_attention
+from deepinfer.kernels.fake_quant import qat_fp8
 from deepinfer.kernels.indexer import sparse_index_scores
 from deepinfer.kernels.kv_formats import KVFormat
-from deepinfer.kernels.fake_quant import qat_fp8
 from deepinfer.kernels.rope import apply_rope
 
-from ..cache.forward_batch import ForwardBatch
-from ..cache.sequence_state import CompressorState, LayerState, SequenceState
-from ..cache.spec import Entries, Ring
-from ..config.deepseek_v41 import DeepseekV41Config
-from .attention import LatentAttention, visibility_bias
-from .csa2 import (Compressor, Indexer, block_entries, candidate_block_mask, candidate_blocks, entry_record,
-                   quantize_entry, top_k_mask)
-from .pooled import open_windows, top_entries, window_source
-from .qat import index_record
-from .rope import RotaryEmbedding
+from ...cache.forward_batch import ForwardBatch
+from ...cache.spec import Entries, Ring
+from ...config.deepseek_v41 import DeepseekV41Config
+from ..common.attention import LatentAttention
+from ..common.pooled import open_windows, top_entries, window_source
+from ..common.qat import index_record
+from ..common.rope import RotaryEmbedding
+from .csa2 import Compressor, Indexer, block_entries, candidate_block_mask, entry_record, quantize_entry
 
 WINDOW_FP8_BLOCK = 32
-QUERY_BLOCK = 1024   # indexer queries scored at a time
 
 
 def window_record(head_dim: int) -> KVFormat | None:
     """The release's cache record of a window latent: every channel e4m3 per 32, ue8m0 scales (528 B at 512)."""
     return KVFormat.fitting("fp8", head_dim, WINDOW_FP8_BLOCK)
-
-
-@dataclass
-class SeqRows:
-    """One sequence's rows [start, end) of a layer's input; rows [q_start, end) need outputs.
-    Row i holds position pos0 + (i - start); the window state ends at position prev_tokens - 1."""
-    start: int
-    end: int
-    q_start: int
-    pos0: int
-    prev_tokens: int
-    state: SequenceState
-    shared: dict = field(default_factory=dict)   # CSA2 products of the current source group
 
 
 class AttentionV41(LatentAttention):
@@ -69,11 +53,6 @@ class AttentionV41(LatentAttention):
         self.is_candidate_source = layer == cfg.candidate_source_layer_id
         self.uses_candidates = 0 <= cfg.candidate_source_layer_id < layer
         self.candidate_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
-
-    def new_state(self) -> LayerState:
-        src = self.compressor is not None
-        return LayerState(compressor=CompressorState() if src else None,
-                          indexer=CompressorState() if src and self.indexer is not None else None)
 
     def state_kinds(self) -> list:
         """What this layer keeps per sequence (cache/spec.py): its window ring; a KV source also its group's
@@ -100,7 +79,6 @@ class AttentionV41(LatentAttention):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         return qat_fp8(kv, WINDOW_FP8_BLOCK) if self.qat_fake_quant else kv
 
-    # ---- the runtime forward: every row of a step over the state pools ----
     def forward(self, x: torch.Tensor, batch: ForwardBatch, qrows: torch.Tensor | None = None,
                 query_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, D] normed input rows -> [Q, D] for the query rows `qrows` (None: every row); reads and writes the
@@ -178,58 +156,6 @@ class AttentionV41(LatentAttention):
             sh["candidates"] = _Kept(torch.cat(published), at, False)
         sh["selected"] = _Kept(selected, at, -1)                                   # -1: no entry
 
-    # ---- the reference forward (the oracle): one SequenceState per sequence ----
-    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor:
-        """x [I, D] normed input rows, positions [I] -> outputs [Q, D] for each sequence's query rows."""
-        qrows = torch.cat([torch.arange(s.q_start, s.end) for s in seqs]).to(x.device)
-        xq, qpos = x[qrows], positions[qrows]
-        rope = self.rope            # the block passes the compress rope to layers with ratio > 0
-        cos_q, sin_q = rope(qpos)
-        q, qr = self.queries(xq, cos_q, sin_q)
-        kv = self.window_kv(x, *rope(positions))
-        index_q = self.indexer.queries(qr, xq, cos_q, sin_q, self.qat_fake_quant) if self.indexer else None
-        out = torch.empty_like(q)
-        done = 0
-        for s in seqs:
-            tq = s.end - s.q_start
-            rows = slice(done, done + tq)
-            iq = None if index_q is None else (index_q[0][rows], index_q[1][rows])
-            out[rows] = self._attend_one(s, q[rows], qpos[rows], x[s.start:s.end], kv[s.start:s.end],
-                                         positions[s.start:s.end], iq)
-            done += tq
-        return self.output(out, cos_q, sin_q)
-
-    def _attend_one(self, s: SeqRows, q, qpos, x, kv, kv_pos, index_q) -> torch.Tensor:
-        """One sequence: q [Tq, H, d] at qpos; kv [T, d] at kv_pos (its new rows)."""
-        st = s.state.layers[self.layer]
-        keys, visible = self.window_keys(st, kv, kv_pos, s.prev_tokens, qpos)          # [K, d], [Tq, K]
-        if self.ratio:
-            sh = s.shared
-            if self.compressor is not None:
-                self._publish(st, x, sh)
-            if self.indexer is not None and sh.get("keys") is not None:
-                self._select(sh, index_q, qpos)
-            entries = sh.get("entries")
-            if entries is not None and entries.shape[0]:
-                chosen = sh.get("selected")
-                chosen = torch.zeros(q.shape[0], entries.shape[0], dtype=torch.bool, device=q.device) \
-                    if chosen is None else chosen[-q.shape[0]:]
-                keys = torch.cat([keys, entries.to(keys.dtype)])
-                visible = torch.cat([visible, chosen], dim=1)
-        return sink_attention(q, keys, visibility_bias(visible), self.attn_sink, self.head_dim ** -0.5)
-
-    def _publish(self, st: LayerState, x: torch.Tensor, sh: dict) -> None:
-        """KV source: close the groups x completes, append entries (and index keys); the group's
-        products replace the previous group's."""
-        latents = self.compressor.latents(x, st.compressor)
-        n0 = st.compressor.num_entries()
-        entries, keys = self.compress(latents, n0 + torch.arange(latents.shape[0], device=x.device))
-        st.compressor.entries = _append(st.compressor.entries, entries)
-        if st.indexer is not None:
-            st.indexer.entries = _append(st.indexer.entries, keys)
-        sh.clear()
-        sh["entries"], sh["keys"] = st.compressor.entries, None if st.indexer is None else st.indexer.entries
-
     def compress(self, latents: torch.Tensor, entry_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KV source: pre-RoPE latents [n, d] of groups entry_ids [n] -> (cache entries [n, d], index keys
         [n, dI] or None without an indexer); group j is roped at position j*ratio."""
@@ -240,40 +166,6 @@ class AttentionV41(LatentAttention):
         keys = None if self.indexer is None else self.indexer.keys(latents, pos, self.rope_compress,
                                                                    self.qat_fake_quant)
         return entries, keys
-
-    def _select(self, sh: dict, index_q, qpos: torch.Tensor) -> None:
-        """Index source: top-k of the group's keys for these queries (inside the candidates, if any). Scored in
-        blocks of queries so the [queries, heads, entries] scores stay bounded on long prefills."""
-        t = qpos.shape[0]
-        inside = self.inside(sh, t)
-        chosen, candidates = [], []
-        for a in range(0, t, QUERY_BLOCK):
-            rows = slice(a, a + QUERY_BLOCK)
-            scores = self.indexer.scores(index_q[0][rows], index_q[1][rows], sh["keys"], qpos[rows], self.ratio)
-            keep, cand = self.pick(scores, qpos[rows], None if inside is None else inside[rows])
-            chosen.append(keep)
-            candidates.append(cand)
-        if self.is_candidate_source:
-            sh["candidates"] = torch.cat(candidates)
-        sh["selected"] = torch.cat(chosen)
-
-    def inside(self, sh: dict, t: int) -> torch.Tensor | None:
-        """The candidate mask [t, n] this index source selects inside, for the group's last t queries (None:
-        no candidates apply: the candidate source itself, an index source before it, or none published)."""
-        inside = sh.get("candidates") if self.uses_candidates and not self.is_candidate_source else None
-        return None if inside is None else inside[-t:]
-
-    def pick(self, scores: torch.Tensor, qpos: torch.Tensor, inside: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Index source: scores [T, n] (-inf: not visible) of queries at qpos [T] -> (top-k mask [T, n],
-        the candidate source's candidate mask [T, n], else None)."""
-        candidates = None
-        if self.is_candidate_source:
-            candidates = candidate_blocks(scores, qpos, self.ratio, self.candidate_blocks, self.candidate_block_size)
-        elif inside is not None:
-            scores = scores.masked_fill(~inside, float("-inf"))
-        return top_k_mask(scores, self.indexer.topk), candidates
-
 
 @dataclass
 class _Kept:
@@ -304,7 +196,3 @@ def _rows_of(kept: _Kept | None, query_rows: torch.Tensor | None) -> torch.Tenso
     at = kept.at if query_rows is None else kept.at[query_rows]
     got = kept.value[at.clamp(min=0)]
     return got.masked_fill((at < 0).view(-1, *[1] * (got.dim() - 1)), kept.fill)
-
-
-def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new])

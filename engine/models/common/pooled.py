@@ -8,7 +8,7 @@ import torch
 from deepinfer.kernels.attention import SplitStore
 from deepinfer.kernels.indexer import top_k_indices
 
-from ..cache.forward_batch import ForwardBatch
+from ...cache.forward_batch import ForwardBatch
 
 SELECT_BLOCK_ELEMENTS = 1 << 26      # [rows, J] elements of a selection's index and scores at once (12 B each)
 

@@ -13,6 +13,7 @@ from deepinfer.kernels.norm import rms_norm
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.quant import dequantize_fp8_blocks
 
+PROJECTION_STORAGE = ("dense", "fp8")      # how projections FP8 in the release are held (models.build_model)
 
 
 @dataclass
