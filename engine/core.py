@@ -15,7 +15,7 @@ the previous tokens before planning only when the plan needs them: a running req
 verify row commits 1..q+1 tokens, so the positions after it are not known before it is read), and always
 while a drafter is set (it proposes from the committed tokens).
 
-Each sampled row commits 0..q+1 tokens (engine/spec/verify.py); the output processor advances each request
+Each sampled row commits 0..q+1 tokens (engine/speculative/verify.py); the output processor advances each request
 from its committed tokens only. After a verify row rejects drafts, num_computed rolls back to the positions
 whose state stays valid and `on_rollback(request, num_tokens)` tells the cache (default: the runner's, else the
 state manager's `rollback(request_id, num_tokens)`, else nothing).
@@ -36,7 +36,7 @@ from deepinfer.kernels.table import KernelTable, use
 from .errors import DeepInferError
 from .output_processor import OutputProcessor
 from .scheduler import Request, Scheduled, Scheduler, Status
-from .spec.verify import committed_tokens
+from .speculative.verify import committed_tokens
 from .stats import Counters, EngineStats, graph_count, runner_fields, state_fields
 from .structured import trim_illegal_drafts
 
@@ -70,7 +70,7 @@ class EngineCore:
         """runner: `execute(batch, prev, before_sample) -> StepOutput` (before_sample: None or a call to make
         between launching the forward and sampling); manager: a scheduler.SeatManager; decode: output ids ->
         text (stop strings); drafter: proposes a request's next draft tokens after it commits (a host hook, for
-        tests); verify_policy: spec/policy.VerifyPolicy when the runner drafts on the device (DSpark): each step
+        tests); verify_policy: speculative/policy.VerifyPolicy when the runner drafts on the device (DSpark): each step
         commits what its verification accepted and takes the drafts it proposed; traffic: the model's
         parallel/traffic.ExpertTraffic counters, if it has them (reported in stats, zeroed by reset_stats)."""
         self.runner, self.manager, self.kernels, self.config = runner, manager, kernels, config

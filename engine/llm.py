@@ -28,10 +28,10 @@ from .runner.inputs import PROMPT_LOGPROB_ROWS
 from .runner.rate_profile import profile_contexts, profile_points, profile_step_rates
 from .sampling import SamplingParams
 from .scheduler import Request
-from .spec.config import spec_config
+from .speculative.config import speculative_config
 from .text import check_text
-from .spec.policy import VerifyPolicy
-from .spec.step_rate import StepRate, StepRateTable
+from .speculative.policy import VerifyPolicy
+from .speculative.step_rate import StepRate, StepRateTable
 from .stats import EngineStats
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
                        refuse_unsupported, resolve_model, sampling_params_list)
@@ -117,7 +117,7 @@ class LLM:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
         self._args = args
         self.rng = np.random.default_rng(seed)
-        self.speculative = spec_config(args["speculative"], getattr(self.model, "draft_block_size", None),
+        self.speculative = speculative_config(args["speculative"], getattr(self.model, "draft_block_size", None),
                                        getattr(self.model, "draft_method", "dspark"))
         if self.speculative is not None and args["async_scheduling"]:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "

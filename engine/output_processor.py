@@ -1,7 +1,7 @@
 """Per-request output state, advanced from committed tokens only: output ids, logprobs, finish reasons, stop
 strings, timings.
 
-A step commits 0..q+1 tokens per row (engine/spec/verify.py). They are appended one at a time with the finish
+A step commits 0..q+1 tokens per row (engine/speculative/verify.py). They are appended one at a time with the finish
 checks after each, so a multi-token commit ends exactly where one-at-a-time decoding would have: the token
 that reaches max_tokens / max_model_len, an EOS or stop id, or the token whose text completes a stop string
 is kept, every token after it (and its logprob) is dropped. Check order as vLLM: length limits, then (from

@@ -20,7 +20,7 @@ from deepinfer.kernels.table import KernelTable
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.sampling import SamplingParams
 from deepinfer.scheduler import Request, Scheduler, Status
-from deepinfer.spec.verify import committed_tokens
+from deepinfer.speculative.verify import committed_tokens
 
 V, EOS = 64, 63
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"

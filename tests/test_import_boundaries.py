@@ -1,5 +1,5 @@
 """The house's walls: kernels/ imports nothing of the engine; the runtime (cache/, runner/, scheduler/, parallel/,
-spec/, the engine core, the API) knows the model only through its state spec and forward (no model-type names),
+speculative/, the engine core, the API) knows the model only through its state spec and forward (no model-type names),
 and the harness and eval never branch on a model type."""
 
 import ast
@@ -39,7 +39,7 @@ def _lines(paths, pattern):
 def test_runtime_names_no_model_type():
     pattern = re.compile(r"deepseek_v4|deepseek_v41|model_type|DeepseekV4|V41|\bv41\b", re.IGNORECASE)
     engine = ROOT / "engine"
-    files = [f for room in ("cache", "runner", "scheduler", "parallel", "spec") for f in sorted((engine / room).glob("*.py"))]
+    files = [f for room in ("cache", "runner", "scheduler", "parallel", "speculative") for f in sorted((engine / room).glob("*.py"))]
     files += [engine / name for name in ("core.py", "llm.py", "output_processor.py", "stats.py")]
     bad = list(_lines(files, pattern))
     assert not bad, bad

@@ -105,7 +105,7 @@ class StepGraphs:
 
     def padded_rows(self, segments: int, rows: int) -> int:
         """What a variable-length verify step of that shape costs in rows: its graph's row count, or `rows` when
-        it runs eagerly (spec/policy.py fills the padding with drafts; the step-rate profile measures these)."""
+        it runs eagerly (speculative/policy.py fills the padding with drafts; the step-rate profile measures these)."""
         return self.varlen_rows(segments, rows) or rows
 
     def run(self, inputs, ctx_blocks: int, draft_rings: bool = False) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""The step-rate profile speculative decoding's verify schedules need (spec/step_rate.py): seconds per verify
+"""The step-rate profile speculative decoding's verify schedules need (speculative/step_rate.py): seconds per verify
 step by context, segment count and batch tokens, measured on the device when the engine starts.
 
     tables = profile_step_rates(runner, max_tokens=576, max_segments=96, contexts=profile_contexts(333, q=6))

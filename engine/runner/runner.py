@@ -24,7 +24,7 @@ from ..env import yoco_prefill, yoco_prefill_min_tokens
 from deepinfer.kernels.sampling import gumbel_argmax
 
 from ..sampling.sampler import SALT_TARGET, build_sampling_tensors, logprobs, processed_logits
-from ..spec.config import SpecConfig
+from ..speculative.config import SpeculativeConfig
 from ..scheduler.scheduler import Scheduled
 from ..structured import apply_grammar_masks
 from .graphs import StepGraphs
@@ -95,7 +95,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model, manager, cuda_graphs: bool, max_graph_batch: int, fixed_context: bool = False,
                  truncate_prefill: bool | None = None, truncate_min_tokens: int | None = None,
-                 speculative: SpecConfig | None = None):
+                 speculative: SpeculativeConfig | None = None):
         """truncate_prefill (default DEEPINFER_YOCO_PREFILL): mark pieces that need at most their last row's logits
         `last_only`, which a model that can (V4.1's exact YOCO truncation) runs on a shrinking suffix; pieces
         shorter than truncate_min_tokens (default DEEPINFER_YOCO_PREFILL_MIN_TOKENS) are not marked."""

@@ -1,13 +1,13 @@
 """The runner's speculative part, all on the device after the target forward: verify every verify row, then draft
 the next block for every sampled row from the position its accepted prefix ends at.
 
-Verification rules (engine/spec/): greedy rows take the target argmax (exact); random rows use
+Verification rules (engine/speculative/): greedy rows take the target argmax (exact); random rows use
   lossless  accept d with min(1, p_t(d) / p_d(d)), resample the residual at the first rejection, bonus from p_t
-            (spec/rejection.py); needs the draft distributions, kept per slot from the block that drew them
+            (speculative/rejection.py); needs the draft distributions, kept per slot from the block that drew them
   coupled   batch-invariant mode: drafts draw with the target's own noise at their position, and a draft is
             accepted iff it equals the target's sample there, so the committed tokens are exactly those of
             non-speculative decoding whatever the verify lengths (which depend on the batch)
-  pinned    benchmarks: acceptance from a pinned model (spec/pinned.py); the kernels still run every real shape
+  pinned    benchmarks: acceptance from a pinned model (speculative/pinned.py); the kernels still run every real shape
 The plain samples s_j (what one-at-a-time decoding draws at each slot) come from the sampler; the draft block of
 row r anchors at its last accepted input position p = p0 - 1 + a with the committed token there."""
 
@@ -21,9 +21,9 @@ from deepinfer.kernels.sampling import gumbel_argmax
 from deepinfer.kernels.table import active
 
 from ..sampling.sampler import MIN_TEMPERATURE, SALT_DRAFT, SALT_TARGET
-from ..spec.config import SpecConfig
-from ..spec.pinned import pinned_accepts, pinned_confidence
-from ..spec.rejection import verify as lossless_verify
+from ..speculative.config import SpeculativeConfig
+from ..speculative.pinned import pinned_accepts, pinned_confidence
+from ..speculative.rejection import verify as lossless_verify
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Rows:
 
 
 class Speculator:
-    def __init__(self, model, pools, config: SpecConfig, invariant: bool, graph_sizes: list[int] | None = None):
+    def __init__(self, model, pools, config: SpeculativeConfig, invariant: bool, graph_sizes: list[int] | None = None):
         """graph_sizes: the padded row counts whose draft blocks are CUDA graphs (None: always eager)."""
         self.model, self.pools, self.config = model, pools, config
         self.gamma = config.num_speculative_tokens

@@ -1,7 +1,7 @@
 """How many of its drafts each request verifies in the next step (the engine core asks before it plans a step).
 
     fixed       every draft (up to num_speculative_tokens): the comparison mode
-    confidence  Algorithm 1 (spec/schedule.py schedule_greedy): admit drafts by prefix survival while
+    confidence  Algorithm 1 (speculative/schedule.py schedule_greedy): admit drafts by prefix survival while
                 expected accepted tokens x steps per second improves, stop at the first non-improvement
     budget      the production variant: the step's draft budget K from the confidences of the block before
                 (known two steps back, so an asynchronous scheduler could fix the batch size early), then the
@@ -13,7 +13,7 @@ commits: a cost per step that does not grow with the verified tokens) is followe
 average of (seconds between two launches - table seconds of the first one's tokens; an interval in which a CUDA
 graph was captured is skipped), and added to every point.
 Without it the schedule sees extra tokens as dearer than they are and trims too much. A profiled table has one
-StepRate per profiled context and segment count (spec/step_rate.StepRateTable): each step is scheduled by the
+StepRate per profiled context and segment count (speculative/step_rate.StepRateTable): each step is scheduled by the
 table at the mean context of the requests it verifies (positions their state holds) and at their number, and
 calibrated against the table at the shape it ran at.
 
@@ -38,7 +38,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from .config import SpecConfig
+from .config import SpeculativeConfig
 from .schedule import (batch_tokens, budget_from, fill, ranked_drafts, schedule_budget, schedule_fixed,
                        schedule_greedy)
 from .step_rate import StepRate, StepRateTable
@@ -49,7 +49,7 @@ OBSERVED_PER_SHAPE = 512               # measured steps kept per (segments, rows
 
 
 class VerifyPolicy:
-    def __init__(self, config: SpecConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False,
+    def __init__(self, config: SpeculativeConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False,
                  pad: Callable[[int, int], int] | None = None, max_tokens: int | None = None):
         """rate: the step-rate table (one StepRate: at every context and segment count); calibrate: follow the per-step
         overhead beyond the table (for a profiled table); pad(segments, rows): the rows a verify step of that shape

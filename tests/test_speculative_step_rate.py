@@ -1,4 +1,4 @@
-"""Step rates by context (spec/step_rate.ContextStepRate), the verify policy scheduling each step at its requests'
+"""Step rates by context (speculative/step_rate.ContextStepRate), the verify policy scheduling each step at its requests'
 context, and the engine-start profile (runner/rate_profile.py) that measures them."""
 
 import logging
@@ -12,10 +12,10 @@ from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.errors import DeepInferError
 from deepinfer.runner.graphs import StepGraphs, ladder, row_ladder
 from deepinfer.runner.rate_profile import profile_contexts, profile_points, profile_step_rates
-from deepinfer.spec.schedule import batch_tokens, budget_from, fill, schedule_budget, schedule_greedy
-from deepinfer.spec.config import SpecConfig
-from deepinfer.spec.policy import VerifyPolicy
-from deepinfer.spec.step_rate import StepRate, StepRateTable
+from deepinfer.speculative.schedule import batch_tokens, budget_from, fill, schedule_budget, schedule_greedy
+from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.policy import VerifyPolicy
+from deepinfer.speculative.step_rate import StepRate, StepRateTable
 
 
 def linear(fixed_s: float, per_token_s: float, r: int, q: int = 6) -> StepRate:
@@ -81,7 +81,7 @@ def request(conf, computed):
 def test_policy_schedules_each_step_at_its_requests_context():
     """Context 0's table is nearly flat (every draft pays); context 1000's costs 1000x more a token, so
     the same drafts are cut shorter there; the policy takes the mean context of the requests it verifies."""
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), two_contexts())
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), two_contexts())
     conf = [0.9, 0.6, 0.4, 0.3, 0.2]
     near = [request(conf, 0) for _ in range(8)]
     policy.choose(near)
@@ -97,10 +97,10 @@ def test_policy_schedules_each_step_at_its_requests_context():
 
 
 def test_calibration_reads_the_table_at_the_context_each_step_ran_at(monkeypatch):
-    from deepinfer.spec import policy as policy_mod
+    from deepinfer.speculative import policy as policy_mod
     clock = iter([0.0, 0.010])
     monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), two_contexts(), calibrate=True)
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), two_contexts(), calibrate=True)
     policy.choose([request([0.9], 1000) for _ in range(8)])
     policy.launched(16)                   # t = 0, 8 segments at context 1000: its table says 3.6 ms for 16 tokens
     policy.launched(16)                   # 10 ms later
@@ -161,7 +161,7 @@ def test_policy_fills_the_graph_padding_with_the_next_drafts():
     pad = graphs_of(8, 48).padded_rows                       # rows: 8, 12, 16, 24, 32, 48
     greedy = schedule_greedy(CONF8, rate)
     assert greedy == [3, 3, 3, 3, 2, 2, 2, 2]                 # B = 28 rows: the graph runs 32
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, pad=pad)
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), rate, pad=pad)
     reqs = drafting(CONF8)
     policy.choose(reqs)
     lengths = [len(r.spec_token_ids) for r in reqs]
@@ -170,7 +170,7 @@ def test_policy_fills_the_graph_padding_with_the_next_drafts():
     plain = drafting(CONF8) + [request([], 100)]             # one request without drafts
     policy.choose(plain)
     assert [len(r.spec_token_ids) for r in plain[:8]] == greedy and policy.filled == 4
-    fixed = VerifyPolicy(SpecConfig(schedule="fixed", num_speculative_tokens=3), None, pad=pad)
+    fixed = VerifyPolicy(SpeculativeConfig(schedule="fixed", num_speculative_tokens=3), None, pad=pad)
     reqs = drafting(CONF8)
     fixed.choose(reqs)
     assert [len(r.spec_token_ids) for r in reqs] == [3] * 8 and fixed.filled == 0
@@ -183,7 +183,7 @@ def test_verify_lengths_stay_within_the_token_budget():
     rate = StepRate.linear(1.0, 0.05, 48)
     pad = graphs_of(8, 48).padded_rows
     for mode in ("confidence", "budget"):
-        policy = VerifyPolicy(SpecConfig(schedule=mode), rate, pad=pad, max_tokens=20)
+        policy = VerifyPolicy(SpeculativeConfig(schedule=mode), rate, pad=pad, max_tokens=20)
         reqs = drafting(CONF8)
         policy.choose(reqs)
         lengths = [len(r.spec_token_ids) for r in reqs]
@@ -193,7 +193,7 @@ def test_verify_lengths_stay_within_the_token_budget():
             assert lengths == schedule_budget(CONF8, 8) and policy.filled == 0, lengths
     assert schedule_greedy(CONF8, rate, max_extra=12) == schedule_budget(CONF8, 12)
     assert schedule_greedy(CONF8, rate, max_extra=0) == [0] * 8
-    roomy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, pad=pad, max_tokens=30)   # room for 22: fill 2
+    roomy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), rate, pad=pad, max_tokens=30)   # room for 22: fill 2
     reqs = drafting(CONF8)
     roomy.choose(reqs)
     assert batch_tokens([len(r.spec_token_ids) for r in reqs]) == 30 and roomy.filled == 2
@@ -206,7 +206,7 @@ def test_budget_takes_its_argmax_over_the_padded_cost():
     pad = graphs_of(8, 48).padded_rows
     assert 8 + budget_from(CONF8, rate) == 28                 # the smooth table's argmax: inside the rung 25 .. 32
     assert 8 + budget_from(CONF8, lambda t: rate(pad(8, t))) == 32
-    policy = VerifyPolicy(SpecConfig(schedule="budget"), rate, pad=pad)
+    policy = VerifyPolicy(SpeculativeConfig(schedule="budget"), rate, pad=pad)
     reqs = drafting(CONF8)
     policy.choose(reqs)
     assert [len(r.spec_token_ids) for r in reqs] == schedule_budget(CONF8, 24) == [3] * 8
@@ -216,11 +216,11 @@ def test_budget_takes_its_argmax_over_the_padded_cost():
 def test_measured_step_times_and_calibration_at_the_padded_rows(monkeypatch):
     """The policy measures each step launch to launch under its shape (segments, the rows its graph ran) and
     calibrates against the table there; steps that verified nothing are neither."""
-    from deepinfer.spec import policy as policy_mod
+    from deepinfer.speculative import policy as policy_mod
     clock = iter([0.0, 0.030, 0.060, 0.090, 0.100, 0.200])
     monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
     rate = StepRate([8, 12, 16], [0.010, 0.020, 0.025])
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, calibrate=True,
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), rate, calibrate=True,
                           pad=graphs_of(8, 16).padded_rows)
     policy.choose(drafting([[0.9]] * 8))
     for _ in range(4):
