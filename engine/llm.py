@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 
 import numpy as np
 import torch
@@ -25,13 +24,12 @@ from .models import check_projection_storage, projection_storage_of
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .runner.inputs import PROMPT_LOGPROB_ROWS
-from .runner.rate_profile import profile_contexts, profile_points, profile_step_rates
+from .runner.rate_profile import step_rate_table
 from .sampling import SamplingParams
 from .scheduler import Request
 from .speculative.config import speculative_config
 from .text import check_text
-from .speculative.policy import VerifyPolicy
-from .speculative.step_rate import StepRate, StepRateTable
+from .speculative.speculation import Speculation
 from .stats import EngineStats
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
                        refuse_unsupported, resolve_model, sampling_params_list)
@@ -118,7 +116,7 @@ class LLM:
         self._args = args
         self.rng = np.random.default_rng(seed)
         self.speculative = speculative_config(args["speculative"], getattr(self.model, "draft_block_size", None),
-                                       getattr(self.model, "draft_method", "dspark"))
+                                              getattr(self.model, "draft_method", "dspark"))
         if self.speculative is not None and args["async_scheduling"]:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
                                  "loop (each step's commits are read before the next is planned; docs/"
@@ -139,48 +137,20 @@ class LLM:
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
 
     def _build_engine(self, kernels: KernelTable, manager: StateManager) -> EngineCore:
-        """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant)."""
-        runner = ModelRunner(self.model, manager, cuda_graphs=not self._args["enforce_eager"],
+        """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant), and
+        speculation (its step-rate table given, else profiled on this runner now)."""
+        runner = ModelRunner(self.model, manager.pools, cuda_graphs=not self._args["enforce_eager"],
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
                              fixed_context=kernels.invariant, speculative=self.speculative)
         decode = (lambda ids: "") if self.tokenizer is None else \
             (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+        speculation = None
+        if self.speculative is not None:
+            rate = step_rate_table(runner, manager, self.speculative, self._config, kernels)
+            speculation = Speculation.build(self.speculative, rate, runner.graphs, self._config.max_num_batched_tokens,
+                                            self.max_model_len)
         return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id,
-                          verify_policy=self._verify_policy(runner, kernels), traffic=self.traffic)
-
-    def _verify_policy(self, runner: ModelRunner, kernels: KernelTable):
-        """Speculative decoding's verify-length rule, with the step-rate table it needs (given, else profiled on this
-        engine's runner now)."""
-        spec = self.speculative
-        if spec is None:
-            return None
-        rate = None
-        if spec.varlen:
-            if spec.step_seconds:
-                rate = StepRate.from_dict(dict(spec.step_seconds))
-            else:
-                q = spec.num_speculative_tokens + 1
-                seats = min(self._config.max_num_seqs, runner.manager.num_slots)
-                contexts = profile_contexts(self.max_model_len, q)
-                pad = runner.graphs.varlen_rows if runner.graphs is not None else None
-                shapes = sum(map(len, profile_points(self._config.max_num_batched_tokens, seats, q, pad).values()))
-                # start-up work of seconds to minutes: say what it is and what sizes it, before it starts
-                log.info("speculative step rate: profiling %d verify-step shapes at contexts %s on up to %d "
-                         "sequence(s) (max_num_seqs, max_model_len size it; speculative step_seconds skips it)",
-                         shapes, contexts, seats)
-                t0 = time.perf_counter()
-                with use(kernels):
-                    tables = profile_step_rates(runner, self._config.max_num_batched_tokens, seats, contexts,
-                                                pad=pad)
-                top = {c: max(by_r.items()) for c, by_r in tables.items()}
-                log.info("speculative step rate profiled in %.1f s at contexts %s; ms per step at the most segments: "
-                         "%s", time.perf_counter() - t0, list(tables), "; ".join(
-                             f"context {c}, {r} segments: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in row.items())
-                             for c, (r, row) in top.items()))
-                rate = StepRateTable.from_dict(tables)
-        pad = runner.graphs.padded_rows if runner.graphs is not None else None   # verify steps' graph row counts
-        return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds, pad=pad,
-                            max_tokens=self._config.max_num_batched_tokens)
+                          speculation=speculation, traffic=self.traffic)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

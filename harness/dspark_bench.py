@@ -198,7 +198,7 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
             break
     row = compute_metrics(timings, duration=duration, num_gpus=1).to_row()
     st = llm.stats
-    row.update(speculation_fields(st, llm.engine.verify_policy))
+    row.update(speculation_fields(st, llm.engine.speculation and llm.engine.speculation.policy))
     row.update(traffic_fields(st))
     row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
                      "graphs_captured_timed": len(st.graphs_captured) - captured,

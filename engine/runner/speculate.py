@@ -20,7 +20,7 @@ import torch
 from deepinfer.kernels.sampling import gumbel_argmax
 from deepinfer.kernels.table import active
 
-from ..sampling.sampler import MIN_TEMPERATURE, SALT_DRAFT, SALT_TARGET
+from ..sampling.sampler import SALT_DRAFT, SALT_TARGET, temperature_divisor
 from ..speculative.config import SpeculativeConfig
 from ..speculative.pinned import pinned_accepts, pinned_confidence
 from ..speculative.rejection import verify as lossless_verify
@@ -40,15 +40,16 @@ class Rows:
     width: int                # L
 
     @classmethod
-    def of(cls, sampled, offsets: list[int], slots: list[int], device) -> "Rows":
-        fed = [s.req.spec_token_ids[:s.num_logits - 1] for s in sampled]
+    def of(cls, sampled, offsets: list[int], device) -> "Rows":
+        """sampled: the step's sampled rows (scheduler/plan.ScheduledRow); offsets: each one's first logit row."""
+        fed = [s.draft_ids for s in sampled]
         width = max((len(d) for d in fed), default=0)
-        pad = [d + [-1] * (width - len(d)) for d in fed]
+        pad = [list(d) + [-1] * (width - len(d)) for d in fed]
         t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt).to(device, non_blocking=True)   # noqa: E731
-        temps = [s.req.params.temperature for s in sampled]
+        temps = [s.params.temperature for s in sampled]
         return cls(t(offsets), t(pad).view(len(sampled), width), t([len(d) for d in fed]),
-                   t([s.start + s.n - s.num_logits + 1 for s in sampled]), t(slots),
-                   t([s.req.seed for s in sampled]), t(temps, torch.float32), any(x > 0 for x in temps), width)
+                   t([s.start + s.n - s.num_logits + 1 for s in sampled]), t([s.slot for s in sampled]),
+                   t([s.seed for s in sampled]), t(temps, torch.float32), any(x > 0 for x in temps), width)
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(logit row of every (row, slot) [R, L+1] (clamped to the row's own), live slots [R, L+1])."""
@@ -118,8 +119,7 @@ class Speculator:
         """One draft block per row from device tensors [R] (static shapes): slots, p, the token for p + 1, seeds,
         temperatures; random: some row samples; keep: record the draft distributions (lossless rule)."""
         noise = temperature > 0 if random else None
-        temp = torch.where(temperature > 0, temperature.clamp(min=MIN_TEMPERATURE),
-                           torch.ones_like(temperature)).unsqueeze(1)
+        temp = temperature_divisor(temperature)
         salt = SALT_TARGET if self.rule == "coupled" else SALT_DRAFT
 
         def sample(i: int, logits: torch.Tensor) -> torch.Tensor:
