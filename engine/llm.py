@@ -27,7 +27,7 @@ from .runner.inputs import PROMPT_LOGPROB_ROWS
 from .runner.rate_profile import step_rate_table
 from .sampling import SamplingParams
 from .scheduler import Request
-from .speculative.config import speculative_config
+from .speculative.config import SpeculativeConfig, speculative_config
 from .text import check_text
 from .speculative.speculation import Speculation
 from .stats import EngineStats
@@ -209,9 +209,8 @@ class LLM:
         for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
             rid = str(self._next_id)
             self._next_id += 1
-            reqs = [self._request(rid, ids, sp, j) for j in range(sp.n)]
-            for r in reqs:
-                r.grammar = self._grammars.matcher(compiled[i]) if i in compiled else None
+            reqs = [self._request(rid, ids, sp, j, self._grammars.matcher(compiled[i]) if i in compiled else None)
+                    for j in range(sp.n)]
             groups.append((rid, text, ids, reqs))
         self._run([r for *_, reqs in groups for r in reqs], use_tqdm)
         return [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in groups]
@@ -274,7 +273,7 @@ class LLM:
         n = min(self._args["max_num_batched_tokens"], self.max_model_len - 1)
         ids = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         profile_prefill(self.model, ids.to(dev), self._args["block_size"], kernels, self.max_model_len,
-                        self._args["kv_cache_dtype"])
+                        self._args["kv_cache_dtype"], self.speculative)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         total = torch.cuda.get_device_properties(dev).total_memory
@@ -320,11 +319,11 @@ class LLM:
         futures = {i: self._grammars.submit(so) for i, so in wanted.items()}   # kept: none evicted mid-call
         return {i: self._grammars.compiled(f"request {i}", so, futures[i]) for i, so in wanted.items()}
 
-    def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int) -> Request:
+    def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int, grammar=None) -> Request:
         """Sample j of a prompt; its draws use seed + j (mod 2^63; seeded) or a seed drawn from the engine's
-        generator."""
+        generator; grammar: its own matcher (so_args)."""
         seed = (sp.seed + j) % 2**63 if sp.seed is not None else int(self.rng.integers(0, 2**62))
-        return Request(f"{rid}-{j}" if sp.n > 1 else rid, list(ids), sp, seed, index=j)
+        return Request(f"{rid}-{j}" if sp.n > 1 else rid, list(ids), sp, seed, index=j, grammar=grammar)
 
     def _output(self, rid: str, text, ids, reqs: list[Request]) -> RequestOutput:
         outs = [CompletionOutput(r.index, self._text(r), list(r.output_ids), self._decoded(r.logprobs),
@@ -393,22 +392,24 @@ class LLM:
                                                  eos_token=special(config.get("eos_token")))
 
 
-@torch.inference_mode()
 def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable, max_model_len: int,
-                    kv_cache_dtype: str = "auto") -> None:
-    """The largest step the budget allows, through the runtime forward on throw-away pools of one sequence: a
-    prefill of ids [n], untruncated, with the logits and log-softmax of one block of prompt-logprob rows (what a
-    prompt-logprob piece computes at once, runner/inputs.PROMPT_LOGPROB_ROWS), reading all block columns under the
-    invariant table (as its engine does). Decode activations at the largest batch are not profiled."""
-    from .cache.forward_batch import ForwardBatch
+                    kv_cache_dtype: str = "auto", speculative: SpeculativeConfig | None = None) -> None:
+    """The largest step the budget allows, run by a runner as the engine's would run it (ModelRunner.run_shape) on
+    throw-away pools of one sequence: a prefill piece of ids [n] that records prompt logprobs (so, by the
+    engine's rule, untruncated), with the logits and log-softmax of its first block of prompt-logprob rows (what
+    such a piece computes at once, runner/inputs.PROMPT_LOGPROB_ROWS), reading the block columns the engine's
+    step reads (all of them under the invariant table), the draft rings kept when speculating. Decode
+    activations at the largest batch are not profiled."""
     from .cache.pools import PoolLayout, StatePools
-    layout = PoolLayout.for_model(model, block_size, kv_cache_dtype)
+    from .runner.inputs import StepInputs
+    slack = speculative.num_speculative_tokens if speculative is not None else 0
+    layout = PoolLayout.for_model(model, block_size, kv_cache_dtype, ring_slack=slack)
     n = ids.shape[0]
     blocks = max(layout.blocks_for(n), 1)
     pools = StatePools(layout, 1, blocks, max_model_len, model.device)
     pools.block_table[1, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
-    ctx = pools.max_blocks if kernels.invariant else blocks
-    with use(kernels):
-        hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], ctx))
-        block = torch.arange(min(n, PROMPT_LOGPROB_ROWS), device=hidden.device)
-        torch.log_softmax(model.logits(hidden[block]), dim=-1)     # the runner's largest block (a gather, as there)
+    runner = ModelRunner(model, pools, cuda_graphs=False, max_graph_batch=1, fixed_context=kernels.invariant,
+                         speculative=speculative)
+    inputs = StepInputs.shaped([1], [0], [n], ids, list(range(min(n, PROMPT_LOGPROB_ROWS))))
+    with use(kernels), torch.inference_mode():
+        torch.log_softmax(runner.run_shape(inputs, graphed=False), dim=-1)   # the runner's largest block

@@ -51,11 +51,37 @@ class StepInputs:
         if patch:
             rows, src = (torch.tensor(v, dtype=torch.long).to(device, non_blocking=True) for v in zip(*patch))
             tokens[rows] = prev.tokens[src]
-        q = lens[0] if batch else None
         sampled = bool(batch) and all(s.num_logits == n and not s.wants_prompt_logprobs for s, n in zip(batch, lens))
-        uniform = sampled and all(n == q for n in lens)
-        return cls(batch, slots, starts, lens, tokens, logit_rows,
-                   max(a + n - 1 for a, n in zip(starts, lens)), q if uniform else None, sampled)
+        return cls(batch, slots, starts, lens, tokens, logit_rows, max(a + n - 1 for a, n in zip(starts, lens)),
+                   _uniform_q(lens) if sampled else None, sampled)
+
+    @classmethod
+    def shaped(cls, slots: list[int], starts: list[int], lens: list[int], tokens: torch.Tensor,
+               logit_rows: list[int] | None = None) -> "StepInputs":
+        """A step of a given shape with no plan behind it (ModelRunner.run_shape): segment g feeds lens[g] tokens
+        to slot slots[g] from position starts[g]; logit_rows None: every row is sampled (a decode / verify shape,
+        a CUDA graph where execute would replay one), else the rows that need logits (a prefill piece: its last
+        row; a prompt-logprob piece: its rows)."""
+        sampled = logit_rows is None
+        return cls((), list(slots), list(starts), list(lens), tokens,
+                   list(range(sum(lens))) if sampled else list(logit_rows),
+                   max(a + n - 1 for a, n in zip(starts, lens)), _uniform_q(lens) if sampled else None, sampled)
+
+    def needs(self) -> tuple[list[int], list[bool]]:
+        """Per segment: how many trailing rows need logits, and whether rows before those do too (a
+        prompt-logprob piece): what execute's truncation rule reads."""
+        if self.rows:
+            return ([s.num_logits for s in self.rows], [s.wants_prompt_logprobs for s in self.rows])
+        if self.all_sampled:
+            return list(self.lens), [False] * len(self.lens)
+        wanted, o, trailing, before = set(self.logit_rows), 0, [], []
+        for n in self.lens:
+            k = sum(1 for r in range(o, o + n) if r in wanted)
+            suffix = all(r in wanted for r in range(o + n - k, o + n))
+            trailing.append(k if suffix else n)
+            before.append(not suffix)
+            o += n
+        return trailing, before
 
     @property
     def sampled(self) -> list[ScheduledRow]:
@@ -80,6 +106,11 @@ class StepInputs:
         """Rows of the logits tensor that are sampled: each sampled segment's trailing num_logits rows."""
         rows = [o + k - s.num_logits + j for s, o, k in self._segments_in_logits() for j in range(s.num_logits)]
         return torch.tensor(rows, dtype=torch.long).to(self.tokens.device, non_blocking=True)
+
+
+def _uniform_q(lens: list[int]) -> int | None:
+    """q when every segment of an all-sampled step is q rows (a uniform graph shape), else None."""
+    return lens[0] if lens and all(n == lens[0] for n in lens) else None
 
 
 def prompt_logprob_entries(s: ScheduledRow, logits: torch.Tensor, row0: int = 0) -> list[dict]:

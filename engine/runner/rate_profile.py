@@ -27,7 +27,6 @@ import torch
 
 from deepinfer.kernels.table import use
 
-from ..cache.forward_batch import ForwardBatch
 from ..speculative.config import SpeculativeConfig
 from ..speculative.step_rate import StepRate, StepRateTable
 from .graphs import ladder
@@ -139,12 +138,11 @@ def _even_split(rows: int, segments: int) -> list[int]:
 
 def _time_step(runner, model, slots: list[int], context: int, lens: list[int], gen, iters: int) -> float:
     """Median seconds of one profiled step: a segment of lens[i] rows on slots[i], each at `context` (module
-    docstring)."""
+    docstring), run as the engine runs a verify step of that shape (runner.run_shape), then its draft block."""
     dev = model.device
     r, n = len(slots), sum(lens)
     tokens = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(dev)
-    inputs = StepInputs([], slots, [context] * r, lens, tokens, [], context + max(lens) - 1, None, True)  # varlen
-    ctx = runner._context_blocks(context + max(lens))
+    inputs = StepInputs.shaped(slots, [context] * r, lens, tokens)
     seg_slots = torch.tensor(slots, dtype=torch.long, device=dev)
     ends = torch.tensor(lens, dtype=torch.long).cumsum(0)
     last_row = (ends - 1).to(dev)
@@ -155,12 +153,7 @@ def _time_step(runner, model, slots: list[int], context: int, lens: list[int], g
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        logits = runner.graphs.run(inputs, ctx, runner.keep_draft_rings) if runner.graphs is not None else None
-        if logits is None:
-            fb = ForwardBatch.ragged(runner.pools, inputs.slots, inputs.starts, lens, ctx,
-                                     draft_rings=runner.keep_draft_rings)
-            logits = model.logits(model.forward(tokens, fb))
-        picks = logits.argmax(dim=-1)
+        picks = runner.run_shape(inputs).argmax(dim=-1)
         if runner.speculator is not None:          # and the step's draft block, one row per segment
             runner.speculator.draft_block(seg_slots, anchor_pos, picks[last_row], zeros, zeros.float())
         if dev.type == "cuda":

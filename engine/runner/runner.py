@@ -110,7 +110,7 @@ class ModelRunner:
         self.truncate_min_tokens = yoco_prefill_min_tokens() if truncate_min_tokens is None else truncate_min_tokens
         # speculation: variable-length verify steps of up to max_graph_batch rows of drafts + 1 tokens are graphs too
         max_rows = max_graph_batch * (speculative.num_speculative_tokens + 1) if speculative else None
-        self.graphs = StepGraphs(model, self.pools, max_graph_batch, max_rows) \
+        self.graphs = StepGraphs(self.static_logits, model.device, max_graph_batch, max_rows) \
             if cuda_graphs and model.device.type == "cuda" else None
         self.graph_replays = 0
         self.ran_rows = 0
@@ -136,19 +136,10 @@ class ModelRunner:
         """Launch the step's forward, call before_sample (host work that overlaps it; it returns the ids of the
         requests that ended meanwhile), then sample."""
         inputs = StepInputs.build(plan.rows, prev, self.model.device)
-        ctx = self._context_blocks(inputs.max_position + 1)
-        self.ran_rows = inputs.tokens.shape[0]              # rows the step runs (a graph's: padding included)
-        if self.graphs is not None and inputs.all_sampled:
-            logits = self.graphs.run(inputs, ctx, self.keep_draft_rings)
-            if logits is not None:
-                self.graph_replays += 1
-                self.ran_rows = self.graphs.last_rows
-                return self._sample(inputs, logits, before_sample)
-        last_only = [self.truncate and s.num_logits <= 1 and s.n >= self.truncate_min_tokens
-                     and not s.wants_prompt_logprobs for s in plan.rows] if self.truncate else None
-        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only,
-                                 draft_rings=self.keep_draft_rings)
-        hidden = self.model.forward(inputs.tokens, fb)
+        logits, hidden = self._forward(inputs)
+        if logits is not None:
+            self.graph_replays += 1
+            return self._sample(inputs, logits, before_sample)
         rows = inputs.logit_rows_tensor()                      # rows of hidden that need logits
         pieces = inputs.prompt_logprob_rows()
         recorded = []
@@ -160,9 +151,49 @@ class ModelRunner:
             recorded.append((s, entries))
         if pieces:
             rows = rows[inputs.sample_rows_in_logits()]
-        out = self._sample(inputs, self.model.logits(hidden[rows]), before_sample)
-        out.prompt_logprobs = recorded
-        return out
+        return self._sample(inputs, self.model.logits(hidden[rows]), before_sample, recorded)
+
+    @torch.inference_mode()
+    def run_shape(self, inputs: StepInputs, graphed: bool = True) -> torch.Tensor:
+        """One step of a synthetic shape (StepInputs.shaped) over the pools, run as execute runs a step of that
+        shape: a CUDA-graph replay where execute would replay one (graphed=False: eager regardless), else the
+        eager forward with execute's truncation rule, keeping the draft rings when the engine does. Returns the
+        logits [M, V] of inputs.logit_rows. The probe, the step-rate profile and the memory profile run this."""
+        logits, hidden = self._forward(inputs, graphed)
+        return logits if logits is not None else self.model.logits(hidden[inputs.logit_rows_tensor()])
+
+    def static_logits(self, seg_slots: torch.Tensor, seg_starts: torch.Tensor, seg_lens: torch.Tensor,
+                      q: int | None, rows: int, ctx_blocks: int, draft_rings: bool, tokens: torch.Tensor
+                      ) -> torch.Tensor:
+        """What a step graph captures (runner/graphs.py): logits [rows, V] of a step of static shape from device
+        tensors, G segments (seg_slots, seg_starts [G]) of q rows each, or of seg_lens [G] rows (q None)."""
+        if q is not None:
+            fb = ForwardBatch.uniform(self.pools, seg_slots, seg_starts, q, ctx_blocks, draft_rings)
+        else:
+            fb = ForwardBatch.varlen(self.pools, seg_slots, seg_starts, seg_lens, rows, ctx_blocks, draft_rings)
+        return self.model.logits(self.model.forward(tokens, fb))
+
+    def _forward(self, inputs: StepInputs, graphed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run a step's forward: (its logits, None) when a CUDA graph replayed it (every row sampled, a shape on the
+        graphs' ladders), else (None, hidden [N, D]) from the eager forward. Sets ran_rows."""
+        ctx = self._context_blocks(inputs.max_position + 1)
+        self.ran_rows = inputs.tokens.shape[0]              # rows the step runs (a graph's: padding included)
+        if graphed and self.graphs is not None and inputs.all_sampled:
+            logits = self.graphs.run(inputs, ctx, self.keep_draft_rings)
+            if logits is not None:
+                self.ran_rows = self.graphs.last_rows
+                return logits, None
+        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx,
+                                 self._last_only(inputs), draft_rings=self.keep_draft_rings)
+        return None, self.model.forward(inputs.tokens, fb)
+
+    def _last_only(self, inputs: StepInputs) -> list[bool] | None:
+        """Segments marked last_only (truncate_prefill): those that need at most their last row's logits, no
+        prompt logprobs, and are at least truncate_min_tokens long."""
+        if not self.truncate:
+            return None
+        trailing, before = inputs.needs()
+        return [k <= 1 and n >= self.truncate_min_tokens and not b for n, k, b in zip(inputs.lens, trailing, before)]
 
     def _context_blocks(self, num_tokens: int) -> int:
         """Block-table columns the step reads: the longest row's blocks rounded up to a power of two (few graph
@@ -173,12 +204,14 @@ class ModelRunner:
         return min(1 << (need - 1).bit_length(), self.pools.max_blocks)
 
     # ---- sampling ----
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, before_sample=None) -> StepOutput:
-        """logits [M, V]: the sampled rows' logit positions, row by row in position order."""
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, before_sample=None,
+                prompt_logprobs: list | None = None) -> StepOutput:
+        """logits [M, V]: the sampled rows' logit positions, row by row in position order; prompt_logprobs: the
+        step's prompt-logprob entries (StepOutput.prompt_logprobs)."""
         ended = before_sample() if before_sample is not None else None
         sampled = inputs.sampled
         if not sampled:
-            return StepOutput([], None)
+            return StepOutput([], None, prompt_logprobs=prompt_logprobs or [])
         rows, positions, outputs, n_out, before = [], [], [], [], []
         for s in sampled:
             for j in range(s.num_logits):
@@ -210,7 +243,8 @@ class ModelRunner:
         # index: each request's last sampled token, what an in-flight next step reads. A verify row's last
         # committed token is at off + accepted instead; speculation runs the synchronous loop, so nothing reads it
         out = StepOutput(sampled, tokens, offsets, {s.request_id: off + s.num_logits - 1
-                                                    for s, off in zip(sampled, offsets)}, verdicts=verdicts)
+                                                    for s, off in zip(sampled, offsets)}, verdicts=verdicts,
+                         prompt_logprobs=prompt_logprobs or [])
         want = [i for i, s in enumerate(rows) if s.params.logprobs is not None]
         if want:
             k = max(rows[i].params.logprobs for i in want)

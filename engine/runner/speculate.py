@@ -24,6 +24,7 @@ from ..sampling.sampler import SALT_DRAFT, SALT_TARGET, temperature_divisor
 from ..speculative.config import SpeculativeConfig
 from ..speculative.pinned import pinned_accepts, pinned_confidence
 from ..speculative.rejection import verify as lossless_verify
+from .graphs import capture
 
 
 @dataclass
@@ -154,7 +155,7 @@ class DraftGraphs:
     reads); captured on first use with every row on scratch."""
 
     def __init__(self, speculator: Speculator, sizes: list[int]):
-        self.spec, self.sizes = speculator, sizes
+        self.speculator, self.sizes = speculator, sizes
         self.graphs: dict[tuple, tuple] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
@@ -176,13 +177,5 @@ class DraftGraphs:
 
     def _capture(self, size: int, like: tuple, random: bool, keep: bool):
         inputs = [torch.zeros((size,), dtype=a.dtype, device=a.device) for a in like]   # all rows on scratch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.spec.block(*inputs, random, keep)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = self.spec.block(*inputs, random, keep)
+        graph, out = capture(lambda: self.speculator.block(*inputs, random, keep), self.mempool)
         return graph, inputs, out
