@@ -4,9 +4,9 @@ strings, timings.
 A step commits 0..q+1 tokens per row (a verify row: its accepted drafts and one more, engine/speculative/).
 They are appended one at a time with the finish checks after each, so a multi-token commit ends exactly where
 one-at-a-time decoding would have: the token that reaches max_tokens / max_model_len, an EOS or stop id, or the
-token whose text completes a stop string is kept, every token after it (and its logprob) is dropped. Check order as vLLM: length limits, then (from
-min_tokens on) EOS, stop token ids, stop strings; a stop string found on the token that also reaches
-max_tokens reports "stop" (as vLLM v1). A request with a grammar (so_args) advances its matcher with each token
+token whose text completes a stop string is kept, every token after it (and its logprob) is dropped. Check order
+as vLLM: length limits, then (from min_tokens on) EOS, stop token ids, stop strings; a stop string found on the
+token that also reaches max_tokens reports "stop" (as vLLM v1). A request with a grammar (so_args) advances its matcher with each token
 first; a token the grammar refuses (drawn only when no token was legal) is dropped and ends the request with
 "grammar_dead_end"."""
 

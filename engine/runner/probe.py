@@ -7,9 +7,9 @@
 Decode (query_len 1) and verify (query_len q+1) shapes run exactly as the engine runs them (the runner's
 run_shape): a CUDA-graph replay where the engine captures graphs, else the eager forward, the model's draft
 rings kept where the engine keeps them. A prefill shape is batch_size=1, context_len=0, query_len=T (eager,
-logits of the last row only, truncated where the engine would truncate it). The state is random (rings and owned entry blocks filled with
-normal noise of the compute dtype, look-back ids 0): timing does not depend on it, routing does only as any
-random input's would. run() does not synchronise the host; the caller times it."""
+logits of the last row only, truncated where the engine would truncate it). The state is random (rings and
+owned entry blocks filled with normal noise of the compute dtype, look-back ids 0): timing does not depend on it,
+routing does only as any random input's would. run() does not synchronise the host; the caller times it."""
 
 from __future__ import annotations
 

@@ -155,7 +155,8 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
 def temperature_divisor(temperature: torch.Tensor) -> torch.Tensor:
     """What each row's logits are divided by [B, 1]: its temperature raised to at least MIN_TEMPERATURE (as vLLM,
     so logits / T stays finite), 1 for greedy rows (temperature 0). The target's draw and the drafters' share it."""
-    return torch.where(temperature > 0, temperature.clamp(min=MIN_TEMPERATURE), torch.ones_like(temperature)).unsqueeze(1)
+    raised = temperature.clamp(min=MIN_TEMPERATURE)
+    return torch.where(temperature > 0, raised, torch.ones_like(temperature)).unsqueeze(1)
 
 
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0):
