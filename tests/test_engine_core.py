@@ -134,7 +134,7 @@ class FakeRunner:
                     cache.append(prev.tokens[prev.index[r.request_id]][-1])
                 else:
                     cache.append(s.token_ids[k])
-            if s.sample:
+            if s.num_logits:
                 first = s.start + s.n - s.num_logits
                 toks = [f(cache[p], p, r.prompt_ids[0]) for p in range(first, s.start + s.n)]
                 sampled.append(s)

@@ -42,10 +42,6 @@ class ScheduledRow:
                              f"positions, got {self.num_logits}")
 
     @property
-    def sample(self) -> bool:
-        return self.num_logits > 0
-
-    @property
     def num_in_flight(self) -> int:
         """Fed positions whose token is still in flight (0 or 1)."""
         return self.n - len(self.token_ids)
