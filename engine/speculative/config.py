@@ -38,9 +38,9 @@ class SpeculativeConfig:
         return self.schedule != "fixed"
 
 
-def speculation_label(spec: SpeculativeConfig) -> str:
+def speculation_label(config: SpeculativeConfig) -> str:
     """What rows call the setting (spec_mode): <method>-<schedule>-<drafts>, e.g. dspark-confidence-5."""
-    return f"{spec.method}-{spec.schedule}-{spec.num_speculative_tokens}"
+    return f"{config.method}-{config.schedule}-{config.num_speculative_tokens}"
 
 
 def _check_fraction_list(name: str, value) -> tuple[float, ...]:
