@@ -1,4 +1,4 @@
-"""How many of its drafts each request verifies in the next step (the engine core asks before it plans a step).
+"""How many of its drafts each request verifies in the next step (Speculation.plan asks before a step is planned).
 
     fixed       every draft (up to num_speculative_tokens): the comparison mode
     confidence  Algorithm 1 (speculative/schedule.py schedule_greedy): admit drafts by prefix survival while
