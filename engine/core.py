@@ -1,24 +1,24 @@
-"""EngineCore: the engine apart from the `LLM` API. One `step()` = schedule -> execute -> update from output.
+"""EngineCore: the engine apart from the `LLM` API. One `step()` = plan -> run -> apply.
 
     core = EngineCore(runner, manager, KernelTable("reference"), EngineConfig(...), decode, eos_token_id)
     core.add_request(req)
     while core.has_unfinished():
         finished = core.step()
 
+plan: speculation (when on) says which drafts each running request verifies, the scheduler freezes the step's
+plan (scheduler/plan.py); run: the runner launches it and returns plain results (runner/runner.StepOutput);
+apply: each sampled row commits its tokens (a verify row: its accepted drafts and one more), requests finish
+(their seats go back), rejected drafts roll back (the scheduler's rollback, through the state cache's restore).
+Only the scheduler and the output processor write a Request.
+
 Asynchronous scheduling (on by default): a step plans and launches step N+1 before it reads step N's tokens,
 so the host never waits for the device before a launch; a row whose input token is still in flight reads it
 on the device from the previous StepOutput (the runner's part; Request.num_inflight is the host's). Rows whose
 sampling needs the previous tokens on the host (a grammar's mask needs its matcher advanced by the last token;
 penalty counts are built from host output ids) do not stop that: the step's forward is launched first and the
-previous step is read while it runs, before this step samples (the runner's before_sample). A step waits for
-the previous tokens before planning only when the plan needs them: a running request has draft tokens (a
-verify row commits 1..q+1 tokens, so the positions after it are not known before it is read), and always
-while a drafter is set (it proposes from the committed tokens).
-
-Each sampled row commits 0..q+1 tokens (engine/spec/verify.py); the output processor advances each request
-from its committed tokens only. After a verify row rejects drafts, num_computed rolls back to the positions
-whose state stays valid and `on_rollback(request, num_tokens)` tells the cache (default: the runner's, else the
-state manager's `rollback(request_id, num_tokens)`, else nothing).
+previous step is read while it runs, before this step samples (the runner's before_sample). With speculation
+a step reads the previous one before planning: a verify row commits 1..q+1 tokens, so the positions after it
+are not known before it is read (engine/speculative/speculation.py).
 
 Every step runs under the engine's kernel table (`with use(table)`); an error or interrupt inside a step
 leaves the engine usable once `abort_all()` has given every seat back (LLM does it)."""
@@ -29,16 +29,37 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from deepinfer.kernels.table import KernelTable, use
 
 from .errors import DeepInferError
 from .output_processor import OutputProcessor
-from .scheduler import Request, Scheduled, Scheduler, Status
-from .spec.verify import committed_tokens
-from .stats import Counters, EngineStats, graph_count, runner_fields, state_fields
-from .structured import trim_illegal_drafts
+from .scheduler import Request, ScheduledRow, Scheduler, Status, StepPlan
+from .scheduler.scheduler import SeatManager
+from .speculative.speculation import Speculation
+from .stats import Counters, EngineStats, graph_count, runner_fields
+
+
+class Runner(Protocol):
+    """What the core needs of a runner (runner/runner.ModelRunner is one)."""
+    graph_replays: int               # CUDA-graph replays so far
+    ran_rows: int                    # rows the last launched step ran (a graph's padded count)
+    cuda_graphs: bool
+
+    def execute(self, plan: StepPlan, prev, before_sample: Callable[[], set[str]] | None):
+        """Launch the step; call before_sample between the forward and sampling. Returns its StepOutput."""
+
+    def graph_keys(self) -> list[tuple]:
+        """The CUDA graphs captured so far."""
+
+
+class StateCache(SeatManager, Protocol):
+    """The scheduler's seat manager, and what it holds for the statistics (cache/manager.StateManager is one)."""
+
+    def usage(self) -> dict:
+        """EngineStats' state fields: num_seats, free_seats, num_blocks, free_blocks, block_tokens, state_bytes,
+        state_summary (None where it keeps no such thing)."""
 
 
 @dataclass(frozen=True)
@@ -64,27 +85,21 @@ def invariant_chunk(budget: int) -> int:
 
 
 class EngineCore:
-    def __init__(self, runner, manager, kernels: KernelTable, config: EngineConfig,
-                 decode: Callable[[list[int]], str], eos_token_id: int | None,
-                 drafter: Callable[[Request], list[int]] | None = None, verify_policy=None, traffic=None):
-        """runner: `execute(batch, prev, before_sample) -> StepOutput` (before_sample: None or a call to make
-        between launching the forward and sampling); manager: a scheduler.SeatManager; decode: output ids ->
-        text (stop strings); drafter: proposes a request's next draft tokens after it commits (a host hook, for
-        tests); verify_policy: spec/policy.VerifyPolicy when the runner drafts on the device (DSpark): each step
-        commits what its verification accepted and takes the drafts it proposed; traffic: the model's
-        parallel/traffic.ExpertTraffic counters, if it has them (reported in stats, zeroed by reset_stats)."""
+    def __init__(self, runner: Runner, manager: StateCache, kernels: KernelTable, config: EngineConfig,
+                 decode: Callable[[list[int]], str], eos_token_id: int | None, speculation: Speculation | None = None,
+                 traffic=None):
+        """decode: output ids -> text (stop strings); speculation: speculative decoding's plan and apply (its
+        runner verifies and drafts on the device); traffic: the model's parallel/traffic.ExpertTraffic counters,
+        if it has them (reported in stats, zeroed by reset_stats)."""
         self.runner, self.manager, self.kernels, self.config = runner, manager, kernels, config
         self.traffic = traffic
         self.processor = OutputProcessor(decode, eos_token_id, config.max_model_len)
         align = invariant_chunk(config.max_num_batched_tokens) if kernels.invariant else None
         self.scheduler = Scheduler(min(config.max_num_seqs, manager.num_slots), config.max_num_batched_tokens,
                                    manager, config.max_model_len, align)
-        self.drafter = drafter
-        self.verify_policy = verify_policy
-        self.on_rollback: Callable[[Request, int], None] = self._rollback
-        self.step_observers: list[Callable[[list[Scheduled]], None]] = []   # called with each batch before launch
-        self._prev = None                         # the launched step not yet read (StepOutput)
-        self._prev_drafts: dict[int, list[int]] = {}   # id(Scheduled) -> the drafts its verify row fed
+        self.speculation = speculation
+        self.step_observers: list[Callable[[tuple[ScheduledRow, ...]], None]] = []   # each step's rows, pre-launch
+        self._in_flight: tuple[StepPlan, object] | None = None   # the launched step not yet read (plan, StepOutput)
         self._counters = Counters()
         self._base = {"preemptions": 0, "graph_replays": 0}
 
@@ -133,7 +148,7 @@ class EngineCore:
         if why is None and req.params.so_args is not None:
             if req.grammar is None:
                 why = "so_args needs the request's grammar matcher (LLM.generate compiles it: engine/structured.py)"
-            elif self.verify_policy is not None and self.verify_policy.config.acceptance is not None:
+            elif self.speculation is not None and self.speculation.pinned:
                 why = ("so_args with a pinned speculative acceptance model: pinned acceptance ignores the tokens, "
                        "so it would commit drafts the grammar refuses; drop acceptance or so_args")
         if why is not None:
@@ -151,13 +166,10 @@ class EngineCore:
     def abort_all(self) -> list[Request]:
         """Stop every unfinished request (finish_reason "abort"): every seat and block goes back, nothing stays
         in flight. Returns them."""
-        aborted = list(self.scheduler.running) + list(self.scheduler.waiting)
-        if self.verify_policy is not None:
-            self.verify_policy.idle()          # the time to the next launch is no step's
-        for r in aborted:
-            r.finish_reason = "abort"
-            self.scheduler.finish(r)
-        self._prev, self._prev_drafts = None, {}
+        if self.speculation is not None:
+            self.speculation.idle()            # the time to the next launch is no step's
+        aborted = self.scheduler.abort_all()
+        self._in_flight = None
         return aborted
 
     def output_text(self, req: Request) -> str:
@@ -169,89 +181,84 @@ class EngineCore:
         -> read the previous one. Returns the requests that finished in this turn."""
         finished: list[Request] = []
         with use(self.kernels):
-            if self._prev is not None and (not self.async_scheduling or self._needs_host_outputs()):
-                finished += self._update()
-            if self.drafter is not None or self.verify_policy is not None:
-                trim_illegal_drafts(self.scheduler.running)    # so_args requests verify legal drafts only
-            if self.verify_policy is not None:
-                self.verify_policy.choose(self.scheduler.running)
-            batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
-            captures = graph_count(self.runner) if self.verify_policy is not None else 0
-            launched = self._launch(batch, finished) if batch else None
-            if launched is not None and self.verify_policy is not None:
-                self.verify_policy.launched(self.runner.ran_rows, graph_count(self.runner) > captures)
-            if self._prev is not None:
-                finished += self._update()
+            if self._in_flight is not None and (not self.async_scheduling or self.speculation is not None):
+                finished += self._apply()
+            plan = self._plan()
+            launched = self._run(plan, finished) if plan.rows else None
+            if self._in_flight is not None:
+                finished += self._apply()
             elif launched is None and self.scheduler.has_unfinished():
                 raise DeepInferError("internal: the scheduler planned nothing with nothing in flight")
             if launched is not None:
-                self._prev, self._prev_drafts = launched
-            if not self.scheduler.has_unfinished() and self.verify_policy is not None:
-                self.verify_policy.idle()             # the time until the next request is not a step's
+                self._in_flight = launched
             if not self.scheduler.has_unfinished():   # what is still in flight belongs to finished requests: its
-                self._prev, self._prev_drafts = None, {}   # tokens would be dropped; the device finishes it alone
+                if self.speculation is not None:      # tokens would be dropped; the device finishes it alone
+                    self.speculation.idle()           # (and the time until the next request is not a step's)
+                self._in_flight = None
         return finished
 
-    def _needs_host_outputs(self) -> bool:
-        """Drafts (and the positions after a verify row) need the committed tokens, and a drafter proposes from
-        them: such requests are not planned while a row of them is in flight."""
-        return self.drafter is not None or self.verify_policy is not None or \
-            any(r.spec_token_ids for r in self.scheduler.running)
+    def _plan(self) -> StepPlan:
+        if not self.scheduler.has_unfinished():
+            return StepPlan(())
+        drafts = self.speculation.plan(self.scheduler.running) if self.speculation is not None else None
+        return self.scheduler.schedule(drafts)
 
     @staticmethod
-    def _samples_from_host(batch: list[Scheduled]) -> bool:
+    def _samples_from_host(plan: StepPlan) -> bool:
         """A sampled row whose last token is in flight needs it on the host before it samples: a grammar's mask
         (the matcher advanced by it) or penalties (counts from host output ids)."""
-        return any(s.num_logits and s.req.num_inflight and (s.req.grammar is not None or s.req.params.uses_penalties)
-                   for s in batch)
+        return any(s.num_logits and s.num_in_flight and (s.grammar is not None or s.params.uses_penalties)
+                   for s in plan.rows)
 
-    def _launch(self, batch: list[Scheduled], finished: list[Request]):
+    def _run(self, plan: StepPlan, finished: list[Request]) -> tuple[StepPlan, object]:
         """Launch the step; when its sampling needs the previous step's tokens on the host, the previous step is
         read (into `finished`) after the forward is launched and before sampling, overlapping the forward."""
         for fn in self.step_observers:
-            fn(batch)
-        now = time.perf_counter()
-        for s in batch:
-            s.req.metrics.first_scheduled_time = s.req.metrics.first_scheduled_time or now
-        drafts = {id(s): list(s.req.spec_token_ids) for s in batch if s.num_logits > 1}
-        read_prev = (lambda: finished.extend(self._update())) \
-            if self._prev is not None and self._samples_from_host(batch) else None
-        out = self.runner.execute(batch, self._prev, read_prev)
-        c, fed = self._counters, sum(s.n for s in batch)
+            fn(plan.rows)
+
+        def read_prev() -> set[str]:
+            done = self._apply()
+            finished.extend(done)
+            return {r.request_id for r in done}
+        prev = self._in_flight[1] if self._in_flight is not None else None
+        captures = graph_count(self.runner) if self.speculation is not None else 0
+        out = self.runner.execute(plan, prev, read_prev if prev is not None and self._samples_from_host(plan)
+                                  else None)
+        for row, entries in out.prompt_logprobs:
+            self.processor.record_prompt_logprobs(row.request, entries)
+        c, fed = self._counters, plan.num_tokens
         c.steps += 1
         c.fed_tokens += fed
-        c.draft_tokens += sum(len(d) for d in drafts.values())
-        c.max_step_rows, c.max_step_tokens = max(c.max_step_rows, len(batch)), max(c.max_step_tokens, fed)
-        for s in out.sampled:
-            s.req.num_inflight += 1
-        return out, drafts
+        c.draft_tokens += sum(len(s.draft_ids) for s in plan.rows)
+        c.max_step_rows, c.max_step_tokens = max(c.max_step_rows, len(plan.rows)), max(c.max_step_tokens, fed)
+        if self.speculation is not None:
+            self.speculation.launched(self.runner.ran_rows, graph_count(self.runner) > captures)
+        return plan, out
 
-    def _update(self) -> list[Request]:
-        """The host side of the previous step: commit each sampled row's tokens, finish requests (their seats go
+    def _apply(self) -> list[Request]:
+        """The host side of the step in flight: commit each sampled row's tokens, finish requests (their seats go
         back), roll back rejected drafts."""
-        out, drafts = self._prev, self._prev_drafts
-        self._prev, self._prev_drafts = None, {}
+        plan, out = self._in_flight
+        self._in_flight = None
         results = out.resolve()
-        spec = out.speculation()
+        accepted = self.speculation.apply(plan, out.speculation()) if self.speculation is not None else None
         now, c, finished = time.perf_counter(), self._counters, []
-        for i, (s, toks, lps) in enumerate(results):
-            r = s.req
-            r.num_inflight -= 1
+        for i, (row, toks, lps) in enumerate(results):
+            r = row.request
+            self.scheduler.row_read(r)
             c.generated_tokens += len(toks)
             if r.status is Status.FINISHED:           # planned once more before its end was seen: dropped
                 continue
-            fed_drafts = drafts.get(id(s), [])
-            keep = toks[:spec[i][0] + 1] if spec is not None else committed_tokens(toks, fed_drafts)
-            if fed_drafts:
-                r.spec_token_ids = []                 # consumed by this row
+            keep = toks[:accepted[i] + 1] if accepted is not None else toks
             kept = self.processor.commit(r, keep, lps[:len(keep)], now)
             c.committed_tokens += kept
-            if fed_drafts:                            # a finish inside the commit drops the drafts after it
+            fed = len(row.draft_ids)
+            if fed:                                   # a finish inside the commit drops the drafts after it
                 took = min(len(keep) - 1, kept)
                 c.accepted_draft_tokens += took
-                _count_positions(c.drafts_at, len(fed_drafts))
+                _count_positions(c.drafts_at, fed)
                 _count_positions(c.accepted_at, took)
-            if s.n == s.num_logits:
+            if row.n == row.num_logits:
                 c.decode_rows += 1
                 c.decode_row_tokens += kept
             if r.finish_reason is not None:
@@ -261,27 +268,10 @@ class EngineCore:
                 continue
             if r.status is not Status.RUNNING:        # preempted meanwhile: recomputed from scratch anyway
                 continue
-            if len(keep) <= len(fed_drafts):          # a draft was rejected: its position's state is stale
-                r.num_computed -= len(fed_drafts) + 1 - len(keep)
+            if len(keep) <= fed:                      # a draft was rejected: its position's state is stale
+                self.scheduler.rollback(r, fed + 1 - len(keep))
                 c.rollbacks += 1
-                self.on_rollback(r, r.num_computed)
-            if spec is not None and r.num_inflight == 0:
-                r.spec_confidence_before = r.spec_confidence
-                r.spec_token_ids, r.spec_confidence = list(spec[i][1]), list(spec[i][2])
-            elif self.drafter is not None and r.num_inflight == 0:
-                r.spec_token_ids = list(self.drafter(r))
         return finished
-
-    def _rollback(self, req: Request, num_tokens: int) -> None:
-        """The cache restores what it can; when its state holds fewer positions than num_tokens (a snapshot from
-        before the verify row), the positions after it are planned again."""
-        for owner in (self.runner, self.manager):
-            fn = getattr(owner, "rollback", None)
-            if fn is not None:
-                kept = fn(req.request_id, num_tokens)
-                if kept is not None and kept < req.num_computed:
-                    req.num_computed = kept
-                return
 
     # ---- statistics ----
     @property
@@ -292,14 +282,14 @@ class EngineCore:
         return EngineStats(**dataclasses.asdict(self._counters),
                            preemptions=self.scheduler.num_preemptions - self._base["preemptions"],
                            kernel_backend=self.kernels.name, kernel_backends=dict(self.kernels.backends),
-                           async_scheduling=self.async_scheduling, **runner, **state_fields(self.manager),
+                           async_scheduling=self.async_scheduling, **runner, **self.manager.usage(),
                            expert_traffic=self.traffic.summary() if self.traffic is not None else None)
 
     def reset_stats(self) -> None:
         """Start the counters again (e.g. after a warm-up run)."""
         self._counters = Counters()
-        if self.verify_policy is not None:
-            self.verify_policy.reset_counts()
+        if self.speculation is not None:
+            self.speculation.reset_counts()
         if self.traffic is not None:
             self.traffic.reset()
         self._base = {"preemptions": self.scheduler.num_preemptions,

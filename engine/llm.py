@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 
 import numpy as np
 import torch
@@ -25,13 +24,12 @@ from .models import check_projection_storage, projection_storage_of
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .runner.inputs import PROMPT_LOGPROB_ROWS
-from .runner.rate_profile import profile_contexts, profile_points, profile_step_rates
+from .runner.rate_profile import step_rate_table
 from .sampling import SamplingParams
 from .scheduler import Request
-from .spec.config import spec_config
+from .speculative.config import SpeculativeConfig, speculative_config
 from .text import check_text
-from .spec.policy import VerifyPolicy
-from .spec.step_rate import StepRate, StepRateTable
+from .speculative.speculation import Speculation
 from .stats import EngineStats
 from .api import resolve_model
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
@@ -119,8 +117,8 @@ class LLM:
         self._args = args
         self.rng = np.random.default_rng(seed)
         drafting = self.model.drafting          # None: the model cannot draft
-        self.speculative = spec_config(args["speculative"], None) if drafting is None else \
-            spec_config(args["speculative"], drafting.block_size, drafting.method)
+        self.speculative = speculative_config(args["speculative"], None) if drafting is None else \
+            speculative_config(args["speculative"], drafting.block_size, drafting.method)
         if self.speculative is not None and args["async_scheduling"]:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
                                  "loop (each step's commits are read before the next is planned; docs/"
@@ -141,48 +139,20 @@ class LLM:
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
 
     def _build_engine(self, kernels: KernelTable, manager: StateManager) -> EngineCore:
-        """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant)."""
-        runner = ModelRunner(self.model, manager, cuda_graphs=not self._args["enforce_eager"],
+        """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant), and
+        speculation (its step-rate table given, else profiled on this runner now)."""
+        runner = ModelRunner(self.model, manager.pools, cuda_graphs=not self._args["enforce_eager"],
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
                              fixed_context=kernels.invariant, speculative=self.speculative)
         decode = (lambda ids: "") if self.tokenizer is None else \
             (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+        speculation = None
+        if self.speculative is not None:
+            rate = step_rate_table(runner, manager, self.speculative, self._config, kernels)
+            speculation = Speculation.build(self.speculative, rate, runner.graphs, self._config.max_num_batched_tokens,
+                                            self.max_model_len)
         return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id,
-                          verify_policy=self._verify_policy(runner, kernels), traffic=self.traffic)
-
-    def _verify_policy(self, runner: ModelRunner, kernels: KernelTable):
-        """Speculative decoding's verify-length rule, with the step-rate table it needs (given, else profiled on this
-        engine's runner now)."""
-        spec = self.speculative
-        if spec is None:
-            return None
-        rate = None
-        if spec.varlen:
-            if spec.step_seconds:
-                rate = StepRate.from_dict(dict(spec.step_seconds))
-            else:
-                q = spec.num_speculative_tokens + 1
-                seats = min(self._config.max_num_seqs, runner.manager.num_slots)
-                contexts = profile_contexts(self.max_model_len, q)
-                pad = runner.graphs.varlen_rows if runner.graphs is not None else None
-                shapes = sum(map(len, profile_points(self._config.max_num_batched_tokens, seats, q, pad).values()))
-                # start-up work of seconds to minutes: say what it is and what sizes it, before it starts
-                log.info("speculative step rate: profiling %d verify-step shapes at contexts %s on up to %d "
-                         "sequence(s) (max_num_seqs, max_model_len size it; speculative step_seconds skips it)",
-                         shapes, contexts, seats)
-                t0 = time.perf_counter()
-                with use(kernels):
-                    tables = profile_step_rates(runner, self._config.max_num_batched_tokens, seats, contexts,
-                                                pad=pad)
-                top = {c: max(by_r.items()) for c, by_r in tables.items()}
-                log.info("speculative step rate profiled in %.1f s at contexts %s; ms per step at the most segments: "
-                         "%s", time.perf_counter() - t0, list(tables), "; ".join(
-                             f"context {c}, {r} segments: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in row.items())
-                             for c, (r, row) in top.items()))
-                rate = StepRateTable.from_dict(tables)
-        pad = runner.graphs.padded_rows if runner.graphs is not None else None   # verify steps' graph row counts
-        return VerifyPolicy(spec, rate, calibrate=spec.varlen and not spec.step_seconds, pad=pad,
-                            max_tokens=self._config.max_num_batched_tokens)
+                          speculation=speculation, traffic=self.traffic)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs
@@ -241,9 +211,8 @@ class LLM:
         for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
             rid = str(self._next_id)
             self._next_id += 1
-            reqs = [self._request(rid, ids, sp, j) for j in range(sp.n)]
-            for r in reqs:
-                r.grammar = self._grammars.matcher(compiled[i]) if i in compiled else None
+            reqs = [self._request(rid, ids, sp, j, self._grammars.matcher(compiled[i]) if i in compiled else None)
+                    for j in range(sp.n)]
             groups.append((rid, text, ids, reqs))
         self._run([r for *_, reqs in groups for r in reqs], use_tqdm)
         return [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in groups]
@@ -306,7 +275,7 @@ class LLM:
         n = min(self._args["max_num_batched_tokens"], self.max_model_len - 1)
         ids = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         profile_prefill(self.model, ids.to(dev), self._args["block_size"], kernels, self.max_model_len,
-                        self._args["kv_cache_dtype"])
+                        self._args["kv_cache_dtype"], self.speculative)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         total = torch.cuda.get_device_properties(dev).total_memory
@@ -352,11 +321,11 @@ class LLM:
         futures = {i: self._grammars.submit(so) for i, so in wanted.items()}   # kept: none evicted mid-call
         return {i: self._grammars.compiled(f"request {i}", so, futures[i]) for i, so in wanted.items()}
 
-    def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int) -> Request:
+    def _request(self, rid: str, ids: list[int], sp: SamplingParams, j: int, grammar=None) -> Request:
         """Sample j of a prompt; its draws use seed + j (mod 2^63; seeded) or a seed drawn from the engine's
-        generator."""
+        generator; grammar: its own matcher (so_args)."""
         seed = (sp.seed + j) % 2**63 if sp.seed is not None else int(self.rng.integers(0, 2**62))
-        return Request(f"{rid}-{j}" if sp.n > 1 else rid, list(ids), sp, seed, index=j)
+        return Request(f"{rid}-{j}" if sp.n > 1 else rid, list(ids), sp, seed, index=j, grammar=grammar)
 
     def _output(self, rid: str, text, ids, reqs: list[Request]) -> RequestOutput:
         outs = [CompletionOutput(r.index, self._text(r), list(r.output_ids), self._decoded(r.logprobs),
@@ -425,22 +394,24 @@ class LLM:
                                                  eos_token=special(config.get("eos_token")))
 
 
-@torch.inference_mode()
 def profile_prefill(model, ids: torch.Tensor, block_size: int | None, kernels: KernelTable, max_model_len: int,
-                    kv_cache_dtype: str = "auto") -> None:
-    """The largest step the budget allows, through the runtime forward on throw-away pools of one sequence: a
-    prefill of ids [n], untruncated, with the logits and log-softmax of one block of prompt-logprob rows (what a
-    prompt-logprob piece computes at once, runner/inputs.PROMPT_LOGPROB_ROWS), reading all block columns under the
-    invariant table (as its engine does). Decode activations at the largest batch are not profiled."""
-    from .cache.forward_batch import ForwardBatch
+                    kv_cache_dtype: str = "auto", speculative: SpeculativeConfig | None = None) -> None:
+    """The largest step the budget allows, run by a runner as the engine's would run it (ModelRunner.run_shape) on
+    throw-away pools of one sequence: a prefill piece of ids [n] that records prompt logprobs (so, by the
+    engine's rule, untruncated), with the logits and log-softmax of its first block of prompt-logprob rows (what
+    such a piece computes at once, runner/inputs.PROMPT_LOGPROB_ROWS), reading the block columns the engine's
+    step reads (all of them under the invariant table), the draft rings kept when speculating. Decode
+    activations at the largest batch are not profiled."""
     from .cache.pools import PoolLayout, StatePools
-    layout = PoolLayout.for_model(model, block_size, kv_cache_dtype)
+    from .runner.inputs import StepInputs
+    slack = speculative.num_speculative_tokens if speculative is not None else 0
+    layout = PoolLayout.for_model(model, block_size, kv_cache_dtype, ring_slack=slack)
     n = ids.shape[0]
     blocks = max(layout.blocks_for(n), 1)
     pools = StatePools(layout, 1, blocks, max_model_len, model.device)
     pools.block_table[1, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
-    ctx = pools.max_blocks if kernels.invariant else blocks
-    with use(kernels):
-        hidden = model.forward(ids, ForwardBatch.ragged(pools, [1], [0], [n], ctx))
-        block = torch.arange(min(n, PROMPT_LOGPROB_ROWS), device=hidden.device)
-        torch.log_softmax(model.logits(hidden[block]), dim=-1)     # the runner's largest block (a gather, as there)
+    runner = ModelRunner(model, pools, cuda_graphs=False, max_graph_batch=1, fixed_context=kernels.invariant,
+                         speculative=speculative)
+    inputs = StepInputs.shaped([1], [0], [n], ids, list(range(min(n, PROMPT_LOGPROB_ROWS))))
+    with use(kernels), torch.inference_mode():
+        torch.log_softmax(runner.run_shape(inputs, graphed=False), dim=-1)   # the runner's largest block

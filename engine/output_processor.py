@@ -1,12 +1,12 @@
 """Per-request output state, advanced from committed tokens only: output ids, logprobs, finish reasons, stop
 strings, timings.
 
-A step commits 0..q+1 tokens per row (engine/spec/verify.py). They are appended one at a time with the finish
-checks after each, so a multi-token commit ends exactly where one-at-a-time decoding would have: the token
-that reaches max_tokens / max_model_len, an EOS or stop id, or the token whose text completes a stop string
-is kept, every token after it (and its logprob) is dropped. Check order as vLLM: length limits, then (from
-min_tokens on) EOS, stop token ids, stop strings; a stop string found on the token that also reaches
-max_tokens reports "stop" (as vLLM v1). A request with a grammar (so_args) advances its matcher with each token
+A step commits 0..q+1 tokens per row (a verify row: its accepted drafts and one more, engine/speculative/).
+They are appended one at a time with the finish checks after each, so a multi-token commit ends exactly where
+one-at-a-time decoding would have: the token that reaches max_tokens / max_model_len, an EOS or stop id, or the
+token whose text completes a stop string is kept, every token after it (and its logprob) is dropped. Check order
+as vLLM: length limits, then (from min_tokens on) EOS, stop token ids, stop strings; a stop string found on the
+token that also reaches max_tokens reports "stop" (as vLLM v1). A request with a grammar (so_args) advances its matcher with each token
 first; a token the grammar refuses (drawn only when no token was legal) is dropped and ends the request with
 "grammar_dead_end"."""
 
@@ -34,6 +34,12 @@ class OutputProcessor:
                 r.metrics.finished_time = now
                 return i + 1
         return len(tokens)
+
+    def record_prompt_logprobs(self, r: Request, entries: list[dict]) -> None:
+        """Append a prompt piece's prompt-logprob entries (the first prompt token has none: None, as vLLM)."""
+        if r.prompt_logprobs is None:
+            r.prompt_logprobs = [None]
+        r.prompt_logprobs.extend(entries)
 
     def text(self, r: Request) -> str:
         """The output text; a matched stop string and what follows it are not part of it (vLLM's default)."""

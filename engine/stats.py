@@ -1,6 +1,7 @@
 """EngineStats: what an engine did (counters since it was built or since `reset_stats()`) and what it holds now
 (kernel backends, seats, blocks, state bytes, CUDA graphs), so the harness and eval read one object instead of
-the runner's and the state manager's internals."""
+the runner's and the state manager's internals (each reports through its declared interface: core.Runner,
+core.StateCache)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ class Counters:
 
 @dataclass
 class EngineStats(Counters):
-    """A snapshot: the counters plus what the engine holds at the time it was taken. Fields the runner or the
-    state manager does not report are None (graph_replays: 0 when the runner keeps no `graph_replays` count)."""
+    """A snapshot: the counters plus what the engine holds at the time it was taken. State fields the state
+    manager keeps no such thing for are None (a fake one's blocks and bytes)."""
     preemptions: int = 0            # sequences preempted (recomputed later)
     graph_replays: int = 0          # CUDA-graph replays of the decode step (runner.graph_replays)
     kernel_backend: str = "reference"                           # the backend set every step runs under
@@ -55,34 +56,13 @@ class EngineStats(Counters):
         return dataclasses.asdict(self)
 
 
-def _graph_tables(runner) -> tuple[dict, dict]:
-    """(the runner's step graphs, speculation's draft-block graphs) by key; empty where there are none."""
-    steps = getattr(getattr(runner, "graphs", None), "graphs", None) or {}
-    drafts = getattr(getattr(getattr(runner, "speculator", None), "graphs", None), "graphs", None) or {}
-    return steps, drafts
-
-
 def graph_count(runner) -> int:
     """CUDA graphs the runner has captured so far (step graphs and draft-block graphs)."""
-    return sum(len(t) for t in _graph_tables(runner))
+    return len(runner.graph_keys())
 
 
 def runner_fields(runner) -> dict:
-    """What the runner says about CUDA graphs (a runner without graphs reports none)."""
-    steps, drafts = _graph_tables(runner)
-    captured = {**steps, **{("draft", *k): None for k in drafts}}
-    graphs = getattr(runner, "graphs", None)
-    return {"cuda_graphs": graphs is not None, "graphs_captured": [list(k) if isinstance(k, tuple) else k
-                                                                   for k in sorted(captured, key=repr)],
-            "graph_replays": int(getattr(runner, "graph_replays", 0) or 0)}
-
-
-def state_fields(manager) -> dict:
-    """Seats, blocks and bytes of a state manager (engine/cache/manager.py); None where it does not say."""
-    pools, layout = getattr(manager, "pools", None), getattr(manager, "layout", None)
-    free = lambda name: len(getattr(manager, name)) if hasattr(manager, name) else None  # noqa: E731
-    return {"num_seats": int(manager.num_slots), "free_seats": free("free_slots"),
-            "num_blocks": getattr(pools, "num_blocks", None), "free_blocks": free("free_blocks"),
-            "block_tokens": getattr(layout, "block_tokens", None),
-            "state_bytes": int(pools.nbytes()) if hasattr(pools, "nbytes") else None,
-            "state_summary": getattr(manager, "summary", None)}
+    """What the runner says about CUDA graphs."""
+    return {"cuda_graphs": runner.cuda_graphs,
+            "graphs_captured": [list(k) for k in sorted(runner.graph_keys(), key=repr)],
+            "graph_replays": runner.graph_replays}

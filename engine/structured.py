@@ -209,8 +209,8 @@ class MaskBuffer:
 def _fill_after_drafts(bitmask: torch.Tensor, rows: list[int], grammars: list, drafts: list) -> None:
     """Row i's mask is that of grammars[i] after accepting drafts[i] (the drafts a verify row fed before its
     logit row i; a request's rows are consecutive, each one draft longer): each matcher walks its drafts once and
-    is rolled back to its committed state. A draft the grammar refuses (EngineCore trims them, so only as a
-    safeguard) leaves the rows after it with the last legal state's mask, and the row after a stop-token draft
+    is rolled back to its committed state. A draft the grammar refuses (speculation's plan trims them, so only as
+    a safeguard) leaves the rows after it with the last legal state's mask, and the row after a stop-token draft
     allows every token: finite logits for rows that are never committed."""
     cur, depth = None, 0
     for i in rows:
@@ -229,16 +229,6 @@ def _fill_after_drafts(bitmask: torch.Tensor, rows: list[int], grammars: list, d
         cur.rollback(depth)
 
 
-def trim_illegal_drafts(requests) -> None:
-    """Cut each constrained request's drafts (Request.spec_token_ids) at the first one its grammar refuses after
-    the committed tokens: a refused draft can never be accepted (the target's masked probability of it is 0), so
-    verifying it and the drafts after it would be wasted rows. The drafters themselves draw unconstrained: masking
-    a draft block would need the step's committed tokens on the host before the block runs."""
-    for r in requests:
-        if r.grammar is not None and r.spec_token_ids:
-            del r.spec_token_ids[r.grammar.legal_prefix(r.spec_token_ids):]
-
-
 def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None], drafts: list | None = None
                         ) -> None:
     """logits [M, V] in place: row i keeps only the tokens grammars[i] allows (None: the row is untouched), after
@@ -248,4 +238,4 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[RequestGrammar | No
         first.grammars.masks.apply(logits, grammars, drafts)
 
 
-__all__ = ["Grammars", "RequestGrammar", "apply_grammar_masks", "schema_text", "trim_illegal_drafts"]
+__all__ = ["Grammars", "RequestGrammar", "apply_grammar_masks", "schema_text"]

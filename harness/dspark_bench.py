@@ -7,7 +7,7 @@ Modes: `off` (no speculation: the per-user baseline), `fixed` (every one of the 
 mode), `confidence` (Algorithm 1 over the profiled step rate), `budget` (the production variant). One model is
 built; each mode gets an engine of its own over it (its state pools, graphs and step-rate profile).
 
-Random weights accept almost nothing, so by default acceptance is *pinned* (engine/spec/pinned.py): a published
+Random weights accept almost nothing, so by default acceptance is *pinned* (engine/speculative/pinned.py): a published
 golden curve's per-position survival decides which drafts pass, while the real kernels draft, verify and roll
 back the real shapes. `--acceptance measured` uses the drafter's own acceptance (a real checkpoint).
 
@@ -110,7 +110,7 @@ class DSparkConfig:
                 raise DeepInferError(f"{name} must be at least 1, got {v}")
         if self.osl < 2:
             raise DeepInferError("--osl must be at least 2 (TPOT needs two tokens)")
-        from deepinfer.spec.config import spec_config
+        from deepinfer.speculative.config import speculative_config
         from deepinfer.env import read
         from deepinfer.validate import drafter_of_spec
         switches = [k for k in ("DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_ENABLE_MTP_VARLEN") if read(k)]
@@ -119,7 +119,7 @@ class DSparkConfig:
                                  f"--num-speculative-tokens); {' and '.join(switches)} would contradict it: unset "
                                  f"{'them' if len(switches) > 1 else 'it'}")
         for mode in self.modes:               # the engine's own checks (drafts, curve), before anything is built
-            spec_config(self.speculative(mode), 5, drafter_of_spec(self.model))
+            speculative_config(self.speculative(mode), 5, drafter_of_spec(self.model))
         check_concurrency("--concurrency", self.concurrency, default_step_budget())
         check_positions(self.model, model_limits(self.model), [
             Term("--isl", self.isl), Term("--osl", self.osl, minimum=2),
@@ -198,7 +198,7 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
             break
     row = compute_metrics(timings, duration=duration, num_gpus=1).to_row()
     st = llm.stats
-    row.update(speculation_fields(st, llm.engine.verify_policy))
+    row.update(speculation_fields(st, llm.engine.speculation and llm.engine.speculation.policy))
     row.update(traffic_fields(st))
     row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
                      "graphs_captured_timed": len(st.graphs_captured) - captured,

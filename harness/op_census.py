@@ -140,7 +140,7 @@ def run_census(llm, batch: int = 4, prompt_len: int = PROMPT_LEN, new_tokens: in
     execute = runner.execute
 
     def counted(sched, prev, before_sample=None):
-        recorder.on = bool(sched) and all(s.n == 1 for s in sched)
+        recorder.on = bool(sched.rows) and all(s.n == 1 for s in sched.rows)
         census.steps += recorder.on
         try:
             return execute(sched, prev, before_sample)

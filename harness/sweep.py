@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from deepinfer.errors import DeepInferError
-from deepinfer.spec.config import spec_label
+from deepinfer.speculative.config import speculation_label
 from deepinfer.validate import check_device
 
 from .metrics import RequestTiming, chunk_gaps, compute_metrics
@@ -103,7 +103,7 @@ def build_llm(cfg: SweepConfig, device: str | None = None, spec: str = "", model
 def spec_mode_of(llm) -> str:
     """A row's spec_mode: none, or <method>-<schedule>-<drafts> (the engine's speculative decoding)."""
     spec = getattr(llm, "speculative", None)
-    return "none" if spec is None else spec_label(spec)
+    return "none" if spec is None else speculation_label(spec)
 
 
 def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks = Ranks()) -> tuple[dict, dict]:

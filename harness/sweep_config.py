@@ -344,7 +344,7 @@ class Validator:
     def speculative(self, x: Any, path: str, model: str) -> tuple:
         """A list of speculative settings (off / false, true, "dspark" / "mtp" or a mapping as
         LLM(speculative=...)) -> ((label, value), ...): label none or <method>-<schedule>-<drafts>, unique."""
-        from deepinfer.spec.config import spec_config, spec_label
+        from deepinfer.speculative.config import speculative_config, speculation_label
         from deepinfer.validate import drafter_of_spec
         if not isinstance(x, list) or not x:
             raise self.error(path, f"must be a non-empty list of settings (off, dspark or a mapping such as "
@@ -353,10 +353,10 @@ class Validator:
         for i, item in enumerate(x):
             value = False if item in ("off", False, None) else item
             try:
-                spec = spec_config(value, 5, drafter_of_spec(model))
+                spec = speculative_config(value, 5, drafter_of_spec(model))
             except DeepInferError as e:
                 raise self.error(f"{path}[{i}]", str(e)) from None
-            label = "none" if spec is None else spec_label(spec)
+            label = "none" if spec is None else speculation_label(spec)
             if label in dict(out):
                 raise self.error(f"{path}[{i}]", f"repeats the setting {label}")
             out.append((label, value))

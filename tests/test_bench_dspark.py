@@ -75,7 +75,7 @@ def test_a_point_out_of_device_memory_is_a_failed_row_and_the_run_goes_on(tmp_pa
     real = dspark_bench.measure_point
 
     def measure(llm, cfg, concurrency, index):
-        if concurrency == 2 and llm.engine.verify_policy is not None:
+        if concurrency == 2 and llm.engine.speculation is not None:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 640.00 MiB.\nmore detail")
         return real(llm, cfg, concurrency, index)
     monkeypatch.setattr(dspark_bench, "measure_point", measure)

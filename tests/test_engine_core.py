@@ -1,6 +1,7 @@
 """The scheduler and the engine core against a fake model (pure Python, no torch model): step budgets, seats,
 chunked prefill, preemption when blocks run out, verify rows that commit 1..q+1 tokens (drafts accepted and
-rejected, num_computed rolled back), stop strings / stop ids / max_tokens inside multi-token commits,
+rejected, num_computed rolled back: the fake runner returns hand-made verdicts and next drafts, as a drafting
+runner would), stop strings / stop ids / max_tokens inside multi-token commits,
 min_tokens, logprobs trimmed with their tokens, asynchronous scheduling on == off, steps that must wait for
 host outputs, an interrupted run giving every seat back, so_args without a matcher refused, statistics.
 
@@ -13,14 +14,17 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from deepinfer.core import EngineConfig, EngineCore, invariant_chunk
 from deepinfer.errors import DeepInferError
 from deepinfer.kernels.table import KernelTable
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.sampling import SamplingParams
-from deepinfer.scheduler import Request, Scheduler, Status
-from deepinfer.spec.verify import committed_tokens
+from deepinfer.runner.speculate import Rows, Speculator
+from deepinfer.scheduler import Request, ScheduledRow, Scheduler, Status
+from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.speculation import Drafts, Speculation
 
 V, EOS = 64, 63
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -72,65 +76,90 @@ class FakeManager:
     def slot(self, rid: str) -> int:
         return self.owned[rid][0]
 
-    def rollback(self, rid: str, num_tokens: int) -> None:
+    def snapshot_unless_slack(self, rid: str, num_tokens: int, drafts: int) -> None:
+        pass                             # the fake cache rolls back by position
+
+    def restore(self, rid: str, num_tokens: int) -> int:
         self.rollbacks.append((rid, num_tokens))
         del self.cache[rid][num_tokens:]
+        return num_tokens
+
+    def usage(self) -> dict:
+        return {"num_seats": self.num_slots, "free_seats": len(self.free_slots), "num_blocks": None,
+                "free_blocks": len(self.free_blocks), "block_tokens": None, "state_bytes": None,
+                "state_summary": None}
 
 
 class FakeOutput:
-    def __init__(self, runner, step, sampled, tokens, lps):
+    def __init__(self, runner, step, sampled, tokens, lps, verdicts):
         self.runner, self.step, self.sampled, self.tokens, self.lps = runner, step, sampled, tokens, lps
-        self.index = {s.req.request_id: i for i, s in enumerate(sampled)}
+        self.verdicts, self.prompt_logprobs = verdicts, []
+        self.index = {s.request_id: i for i, s in enumerate(sampled)}
 
     def resolve(self):
         self.runner.events.append(("resolve", self.step))
         return list(zip(self.sampled, self.tokens, self.lps))
 
     def speculation(self):
-        return None                      # no device drafter: drafts come from the core's host drafter hook
+        return self.verdicts
 
 
 class FakeRunner:
-    def __init__(self, manager: FakeManager):
-        self.manager, self.events, self.graph_replays, self.steps = manager, [], 0, 0
+    """propose(prompt, outputs) -> the next drafts of a request whose outputs are `outputs` (None: drafts
+    nothing): with it the runner verifies each verify row (drafts accepted while they equal the samples) and
+    returns the next drafts, as a drafting runner does on the device."""
 
-    def execute(self, batch, prev, before_sample=None):
+    def __init__(self, manager: FakeManager, propose=None):
+        self.manager, self.propose, self.events, self.graph_replays, self.steps = manager, propose, [], 0, 0
+        self.ran_rows, self.cuda_graphs = 0, False
+
+    def graph_keys(self) -> list:
+        return []
+
+    def execute(self, plan, prev, before_sample=None):
         self.steps += 1
         self.events.append(("execute", self.steps))
-        sampled, tokens, lps = [], [], []
-        for s in batch:
-            r = s.req
+        sampled, tokens, lps, verdicts = [], [], [], []
+        for s in plan.rows:
+            r = s.request
             _, blocks = self.manager.owned[r.request_id]
             assert len(blocks) * self.manager.block_tokens >= s.start + s.n          # reserved before the step
             cache = self.manager.cache.setdefault(r.request_id, [])
             assert s.start == len(cache), (r.request_id, s.start, len(cache))          # extends its state exactly
             known = min(s.start, r.num_tokens)
             assert cache[:known] == r.tokens(0, known)                                # no stale (rejected) draft
-            for p in range(s.start, s.start + s.n):
-                if p >= r.num_tokens and r.num_inflight:          # its input is the previous step's sample
-                    assert s.n == 1 and not r.spec_token_ids
+            for k, p in enumerate(range(s.start, s.start + s.n)):
+                if k >= len(s.token_ids):                          # its input is the previous step's sample
+                    assert s.n == 1 and not s.draft_ids
                     cache.append(prev.tokens[prev.index[r.request_id]][-1])
                 else:
-                    cache.append(r.token_at(p))
-            if s.sample:
+                    cache.append(s.token_ids[k])
+            if s.num_logits:
                 first = s.start + s.n - s.num_logits
                 toks = [f(cache[p], p, r.prompt_ids[0]) for p in range(first, s.start + s.n)]
                 sampled.append(s)
                 tokens.append(toks)
                 lps.append([{t: -p / 1000} if r.params.logprobs is not None else None
                             for t, p in zip(toks, range(first, s.start + s.n))])
-        self.graph_replays += all(s.n == 1 for s in batch)        # "decode-only steps replay a graph"
+                if self.propose is not None:
+                    accepted = 0
+                    while accepted < len(s.draft_ids) and toks[accepted] == s.draft_ids[accepted]:
+                        accepted += 1
+                    outputs = r.output_ids + toks[:accepted + 1]
+                    verdicts.append((accepted, self.propose(r.prompt_ids, outputs), [1.0] * 8))
+        self.graph_replays += all(s.n == 1 for s in plan.rows)        # "decode-only steps replay a graph"
         if before_sample is not None:            # the engine's host work between forward and sampling
             before_sample()
             self.events.append(("sample", self.steps))
-        return FakeOutput(self, self.steps, sampled, tokens, lps)
+        return FakeOutput(self, self.steps, sampled, tokens, lps, verdicts if self.propose is not None else None)
 
 
 def make_core(num_slots=4, num_blocks=64, budget=16, max_num_seqs=4, max_model_len=64, async_scheduling=True,
-              drafter=None, backend="reference", block_tokens=4):
+              propose=None, backend="reference", block_tokens=4):
     manager = FakeManager(num_slots, num_blocks, block_tokens)
     config = EngineConfig(max_num_seqs, budget, max_model_len, async_scheduling)
-    return EngineCore(FakeRunner(manager), manager, KernelTable(backend), config, decode, EOS, drafter)
+    speculation = Speculation(None, max_model_len) if propose is not None else None
+    return EngineCore(FakeRunner(manager, propose), manager, KernelTable(backend), config, decode, EOS, speculation)
 
 
 def make_requests(prompts, **params):
@@ -142,7 +171,7 @@ def run(core, requests, record=None):
     for r in requests:
         core.add_request(r)
     if record is not None:
-        core.step_observers.append(lambda b: record.append([(s.req.request_id, s.start, s.n, s.num_logits)
+        core.step_observers.append(lambda b: record.append([(s.request_id, s.start, s.n, s.num_logits)
                                                             for s in b]))
     finished = []
     while core.has_unfinished():
@@ -151,25 +180,36 @@ def run(core, requests, record=None):
 
 
 def drafter_with(q: int, wrong_at):
-    """Proposes q drafts: the fake model's true next tokens, except the one at index wrong_at(request) (None:
-    all right), so the row accepts exactly that many."""
-    def propose(r: Request) -> list[int]:
-        bad = wrong_at(r)
-        return [(t + 1) % V if i == bad else t for i, t in enumerate(reference(r.prompt_ids + r.output_ids, q))]
+    """Proposes q drafts: the fake model's true next tokens, except the one at index wrong_at(number of outputs)
+    (None: all right), so the row accepts exactly that many."""
+    def propose(prompt: list[int], outputs: list[int]) -> list[int]:
+        bad = wrong_at(len(outputs))
+        return [(t + 1) % V if i == bad else t for i, t in enumerate(reference(prompt + outputs, q))]
     return propose
 
 
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 10, 11], [20, 1], [33, 4, 4, 4, 4, 4, 4], [7] * 13, [50, 2, 9], [12, 13]]
 
 
+def commit(sampled: list[int], drafts: list[int]) -> list[int]:
+    """The engine's one commit rule on a greedy row: the runner's verification (runner/speculate.py) says how many
+    drafts are accepted, the row commits that many samples and one more."""
+    q = len(sampled)
+    row = ScheduledRow(None, "r", 1, 0, len(drafts) + 1, q, tuple(drafts), tuple(drafts), 0, 0,
+                       SamplingParams(temperature=0), 0, [], [], None)
+    verdict = Speculator(None, None, SpeculativeConfig(), invariant=False)
+    view, accepted = verdict.verify(Rows.of([row], [0], "cpu"), torch.zeros(q, V), None, torch.tensor(sampled))
+    return view[:int(accepted[0]) + 1].tolist()
+
+
 # ---- the pure pieces ----
 def test_commit_rule():
-    assert committed_tokens([4], []) == [4]
-    assert committed_tokens([4, 5, 6], [4, 5]) == [4, 5, 6]         # all accepted: q + 1 tokens
-    assert committed_tokens([4, 9, 6], [4, 5]) == [4, 9]            # d_2 rejected: s_1 replaces it
-    assert committed_tokens([3, 5, 6], [4, 5]) == [3]               # d_1 rejected: one token
+    assert commit([4], []) == [4]
+    assert commit([4, 5, 6], [4, 5]) == [4, 5, 6]         # all accepted: q + 1 tokens
+    assert commit([4, 9, 6], [4, 5]) == [4, 9]            # d_2 rejected: s_1 replaces it
+    assert commit([3, 5, 6], [4, 5]) == [3]               # d_1 rejected: one token
     with pytest.raises(ValueError, match="samples 3 positions"):
-        committed_tokens([1, 2], [1, 2])
+        commit([1, 2], [1, 2])
 
 
 def test_processor_trims_a_commit_at_max_tokens_and_logprobs_with_it():
@@ -188,11 +228,13 @@ def test_scheduler_drafts_are_cut_by_budget_and_the_row_samples_each_fed_one():
     sched = Scheduler(2, 3, m, 64)
     r = make_requests([[1, 2, 3, 4]], max_tokens=10)[0]
     sched.add(r)
-    assert [(s.start, s.n, s.num_logits) for s in sched.schedule()] == [(0, 3, 0)]   # a piece short of the end
-    assert [(s.start, s.n, s.num_logits) for s in sched.schedule()] == [(3, 1, 1)]   # reaches it: samples
-    r.output_ids, r.spec_token_ids = [9], [5, 6, 7]                   # committed 9; drafts for positions 5..7
-    assert [(s.start, s.n, s.num_logits) for s in sched.schedule()] == [(4, 3, 3)]   # 9, 5, 6: budget 3
-    assert r.spec_token_ids == [5, 6] and r.num_computed == 7        # the draft that did not fit is dropped
+    assert [(s.start, s.n, s.num_logits) for s in sched.schedule().rows] == [(0, 3, 0)]   # a piece short of the end
+    assert [(s.start, s.n, s.num_logits) for s in sched.schedule().rows] == [(3, 1, 1)]   # reaches it: samples
+    r.output_ids = [9]                                                 # committed 9 (the row read)
+    sched.row_read(r)
+    plan = sched.schedule({r: (5, 6, 7)})                             # drafts for positions 5..7
+    assert [(s.start, s.n, s.num_logits) for s in plan.rows] == [(4, 3, 3)]   # 9, 5, 6: budget 3
+    assert plan.rows[0].draft_ids == (5, 6) and r.num_computed == 7   # the draft that did not fit is dropped
     assert m.owned[r.request_id][1] and len(m.owned[r.request_id][1]) == 2            # blocks for 7 positions
 
 
@@ -203,11 +245,13 @@ def test_scheduler_drafts_are_cut_to_max_tokens_and_never_planned_in_flight():
     sched.add(r)
     sched.schedule()
     r.output_ids, r.num_computed = [7], 2
-    r.spec_token_ids = [1, 2, 3, 4]
-    (s,) = sched.schedule()
-    assert s.num_logits == 2 and r.spec_token_ids == [1]              # 1 output + commits of <= 2 = max_tokens
+    sched.row_read(r)
+    speculation = Speculation(None, 64)
+    speculation.drafts[r] = Drafts([1, 2, 3, 4], [1.0] * 4)
+    (s,) = sched.schedule(speculation.plan([r])).rows
+    assert s.num_logits == 2 and s.draft_ids == (1,)                 # 1 output + commits of <= 2 = max_tokens
     r.num_inflight = 1
-    assert sched.schedule() == []                                     # drafts + a row in flight: wait
+    assert sched.schedule({r: (1,)}).rows == ()                       # drafts + a row in flight: wait
 
 
 # ---- the engine core ----
@@ -277,8 +321,8 @@ def test_verify_rows_commit_accepted_drafts_and_roll_back_rejected_ones(async_sc
     """q = 3 drafts whose first wrong one moves with the output length: rows commit 1..4 tokens; outputs equal
     one-at-a-time decoding; after a rejection num_computed (and the fake cache, through the rollback hook)
     return to the committed positions."""
-    pattern = lambda r: [None, 0, 1, 2][len(r.output_ids) % 4]          # noqa: E731  accept 3, 0, 1, 2
-    core = make_core(drafter=drafter_with(3, pattern), async_scheduling=async_scheduling)
+    pattern = lambda n_out: [None, 0, 1, 2][n_out % 4]          # noqa: E731  accept 3, 0, 1, 2
+    core = make_core(propose=drafter_with(3, pattern), async_scheduling=async_scheduling)
     reqs, steps = make_requests(PROMPTS[:4], max_tokens=20, logprobs=0), []
     run(core, reqs, steps)
     for r, p in zip(reqs, PROMPTS):
@@ -294,7 +338,7 @@ def test_verify_rows_commit_accepted_drafts_and_roll_back_rejected_ones(async_sc
 
 
 def test_drafts_are_not_planned_while_in_flight_and_rows_never_read_stale_state():
-    core = make_core(drafter=drafter_with(2, lambda r: 1), async_scheduling=True)
+    core = make_core(propose=drafter_with(2, lambda n: 1), async_scheduling=True)
     reqs = make_requests(PROMPTS[:3], max_tokens=9)
     run(core, reqs)                   # the fake runner asserts every row extends exactly the state it holds
     assert [r.output_ids for r in reqs] == [reference(p, 9) for p in PROMPTS[:3]]
@@ -310,7 +354,7 @@ def test_stop_string_completed_inside_a_three_token_commit():
                   if decode(reference(p, 8))[4:6] not in decode(reference(p, 8))[:5])
     ref = reference(prompt, 8)
     stop = decode(ref)[4:6]
-    core = make_core(drafter=drafter_with(2, lambda r: None))
+    core = make_core(propose=drafter_with(2, lambda n: None))
     (r,) = make_requests([prompt], max_tokens=8, stop=[stop], logprobs=0)
     steps = []
     run(core, [r], steps)
@@ -335,7 +379,7 @@ def test_stop_token_inside_a_commit_respects_min_tokens(min_tokens):
     stop_id = early(ref)[0]
     want = next(i for i, t in enumerate(ref) if t == stop_id and i + 1 >= min_tokens)
     assert want == (ref.index(stop_id) if min_tokens == 0 else ref.index(stop_id, 4))
-    core = make_core(drafter=drafter_with(3, lambda r: None))
+    core = make_core(propose=drafter_with(3, lambda n: None))
     (r,) = make_requests([prompt], max_tokens=16, stop_token_ids=[stop_id], min_tokens=min_tokens, logprobs=0)
     run(core, [r])
     assert r.output_ids == ref[:want + 1] and r.finish_reason == "stop" and r.stop_reason == stop_id
@@ -350,7 +394,7 @@ def test_stop_string_text_before_min_tokens_is_never_matched():
     text, ch = decode(ref), decode(ref)[0]
     at = text.index(ch, 2)
     for min_tokens, want in ((0, 0), (3, at)):
-        core = make_core(drafter=drafter_with(2, lambda r: None))
+        core = make_core(propose=drafter_with(2, lambda n: None))
         (r,) = make_requests([prompt], max_tokens=16, stop=[ch], min_tokens=min_tokens)
         run(core, [r])
         assert r.finish_reason == "stop" and r.output_ids == ref[:want + 1] and core.output_text(r) == text[:want]
@@ -361,7 +405,7 @@ def test_max_tokens_and_eos_inside_commits():
     fed); an EOS that is not the last token of its commit ends the output there."""
     prompt = find_prompt(lambda ref: EOS in ref and ref.index(EOS) in (2, 3, 6, 7), 12)
     ref = reference(prompt, 12)
-    core = make_core(drafter=drafter_with(3, lambda r: None))
+    core = make_core(propose=drafter_with(3, lambda n: None))
     a = Request("len", list(prompt), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), seed=0)
     b = Request("eos", list(prompt), SamplingParams(temperature=0, max_tokens=12), seed=0)
     steps = []

@@ -124,6 +124,7 @@ def test_cuda_graph_replay_equals_eager(family, q):
     """Uniform steps (q rows a segment) and variable-length ones (q None: 1..6 rows a segment) replayed from a
     captured CUDA graph (runner/graphs.py, padded segments / rows on scratch) give the eager ragged forward's
     logits and leave the same state, float64 on the GPU; a step just under the row cap is a graph too."""
+    from deepinfer.runner import ModelRunner
     from deepinfer.runner.graphs import StepGraphs
     from deepinfer.runner.inputs import StepInputs
 
@@ -133,7 +134,9 @@ def test_cuda_graph_replay_equals_eager(family, q):
     prompts = {s: _tokens(model, 10 + 9 * s, seed=s) for s in (1, 2, 3)}
     a.step(prompts)
     b.step(prompts)
-    graphs = StepGraphs(model, b.pools, max_batch=4, max_rows=15)   # a 15-row step pads to 15, not the ladder's 16
+    runner = ModelRunner(model, b.pools, cuda_graphs=False, max_graph_batch=4)     # what its graphs capture
+    # a 15-row step pads to 15, not the ladder's 16
+    graphs = StepGraphs(runner.static_logits, model.device, max_batch=4, max_rows=15)
     worst = 0.0
     for i in range(10):
         lens = [q or 1 + (i * s + s) % 6 for s in (1, 2, 3)]

@@ -1,5 +1,5 @@
 """The house's walls: kernels/ imports nothing of the engine; the runtime (cache/, runner/, scheduler/, parallel/,
-spec/, the engine core, the API) and the entry points' checks (validate.py) know the model only through its
+speculative/, the engine core, the API) and the entry points' checks (validate.py) know the model only through its
 contract (models/base.py: state spec, forward, logits, declared drafting; no model-type or drafter names, no
 attribute probing of a model); the oracle (engine/reference/) is imported only by the checkpoint tools among the
 package's modules; the package has no import cycle; and the harness and eval never branch on a model type."""
@@ -42,7 +42,7 @@ def _lines(paths, pattern):
 
 MODEL_NAMES = re.compile(r"deepseek_v4|deepseek_v41|model_type|DeepseekV4|V41|\bv41\b|\bdspark|\bmtp\b|\bengram|\bcsa",
                          re.IGNORECASE)
-RUNTIME_ROOMS = ("cache", "runner", "scheduler", "parallel", "spec", "speculative")
+RUNTIME_ROOMS = ("cache", "runner", "scheduler", "parallel", "speculative")
 RUNTIME_FILES = ("core.py", "llm.py", "output_processor.py", "stats.py", "validate.py")
 
 

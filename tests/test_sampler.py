@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from deepinfer.kernels.sampling import counter_uniform
 from deepinfer.sampling.sampler import (SALT_DRAFT, SALT_TARGET, SamplingTensors, apply_filters, apply_penalties,
-                                        counter_uniform, logprobs, sample)
+                                        logprobs, sample)
 
 
 def tensors(b: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seeds=None, positions=None, **kw):

@@ -89,11 +89,11 @@ def test_greedy_speculation_equals_plain_decoding_with_chunks_and_preemption(arc
     seen = force_drafts(llm, truth, lambda at, k: (at + k) % 4 == 3 or (k == 0 and at % 7 == 0),
                         None if arch == V41 else lambda at, k: 0.95 if (at + k) % 5 else 0.3)
     if padded:
-        llm.engine.verify_policy.pad = lambda segments, rows: row_ladder(rows)
+        llm.engine.speculation.policy.pad = lambda segments, rows: row_ladder(rows)
     got = llm.generate(PROMPTS, sp, use_tqdm=False)
     st = llm.stats
     if padded:
-        assert llm.engine.verify_policy.filled > 0
+        assert llm.engine.speculation.policy.filled > 0
     assert [o.outputs[0].token_ids for o in got] == [w.token_ids for w in want]
     assert st.preemptions > 0 and seen["blocks"] > 0
     assert st.draft_tokens > st.accepted_draft_tokens > 0 and st.rollbacks > 0
@@ -346,7 +346,7 @@ def test_speculation_needs_a_drafter_of_the_models_method_and_env_switches(monke
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     llm = engine(speculative=None, max_num_seqs=4)             # a short step-rate profile (up to 16 tokens)
     assert llm.speculative.num_speculative_tokens == 3 and llm.speculative.schedule == "confidence"
-    assert llm.engine.verify_policy.rate is not None           # profiled at start: a table of step seconds
+    assert llm.engine.speculation.policy.rate is not None           # profiled at start: a table of step seconds
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
     with pytest.raises(DeepInferError, match="DEEPINFER_ENABLE_MTP_VARLEN=1 schedules speculative verification"):
         engine()
@@ -370,11 +370,11 @@ def test_cuda_graph_speculation_equals_eager(arch, schedule):
     for eager in (False, True):
         llm = LLM(embedded_tiny_dir(arch), dtype="float64", device="cuda", enforce_eager=eager, speculative=spec)
         if eager:                       # the same verify lengths: the graphed engine fills its graphs' padding
-            llm.engine.verify_policy.pad = pad
+            llm.engine.speculation.policy.pad = pad
         else:
-            pad = llm.engine.verify_policy.pad
+            pad = llm.engine.speculation.policy.pad
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
-        stats[eager] = (llm.stats, llm.engine.verify_policy.filled)
+        stats[eager] = (llm.stats, llm.engine.speculation.policy.filled)
     assert outs[True] == outs[False]
     graphed, filled = stats[False]
     assert graphed.graph_replays > 0 and graphed.rollbacks > 0

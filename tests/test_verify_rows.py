@@ -1,6 +1,8 @@
 """Verify rows end to end on the real runner: an engine fed draft tokens (some right, some wrong) commits
 exactly the tokens greedy decoding gives, rolls its state back after each rejection (snapshot / restore of
-the rings, the rest fed again) and says so in its statistics. float64, both families."""
+the rings, the rest fed again) and says so in its statistics. float64, both families. The drafts and the
+verdicts are hand-made runner outputs: the real runner runs the verify rows (it has no drafter), and each step's
+output is given the drafts accepted and the next drafts, as a drafting runner returns them."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.speculative.speculation import Speculation
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "12 + 30 =", "x"]
 N = 24
@@ -32,17 +35,33 @@ def test_drafts_commit_greedy_tokens_and_roll_back(arch, async_scheduling, penal
     vocab = llm.model.cfg.vocab_size
     proposals = []
 
-    def drafter(req):
+    def drafter(prompt, num_outputs):
         """3 drafts: the true next tokens, with the second one wrong on every other call."""
-        out = truth[tuple(req.prompt_ids)]
-        k = len(req.output_ids)
-        drafts = list(out[k:k + 3])
+        out = truth[tuple(prompt)]
+        drafts = list(out[num_outputs:num_outputs + 3])
         if len(proposals) % 2 and len(drafts) > 1:
             drafts[1] = (drafts[1] + 1) % vocab
         proposals.append(len(drafts))
         return drafts
 
-    llm.engine.drafter = drafter
+    execute = llm.engine.runner.execute
+
+    def verifying(plan, prev, before_sample=None):
+        """The step, its output given each sampled row's verdict: drafts accepted while they equal the samples, and
+        the next drafts after what the row commits."""
+        out = execute(plan, prev, before_sample)
+        verdicts = []
+        for row, toks, _ in out.resolve():
+            accepted = 0
+            while accepted < len(row.draft_ids) and toks[accepted] == row.draft_ids[accepted]:
+                accepted += 1
+            drafts = drafter(row.prompt_ids, len(row.output_ids) + accepted + 1)
+            verdicts.append((accepted, drafts, [1.0] * len(drafts)))
+        out.speculation = lambda: verdicts
+        return out
+
+    llm.engine.runner.execute = verifying
+    llm.engine.speculation = Speculation(None, llm.max_model_len)
     llm.engine.reset_stats()
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     st = llm.stats

@@ -68,12 +68,14 @@ class StateManager:
     def num_slots(self) -> int:
         return self.pools.num_slots
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
     def slot(self, rid: str) -> int:
         return self.owned[rid][0]
+
+    def usage(self) -> dict:
+        """Seats, blocks and bytes (EngineStats' state fields)."""
+        return {"num_seats": self.num_slots, "free_seats": len(self.free_slots), "num_blocks": self.pools.num_blocks,
+                "free_blocks": len(self.free_blocks), "block_tokens": self.layout.block_tokens,
+                "state_bytes": int(self.pools.nbytes()), "state_summary": self.summary}
 
     def reserve(self, rid: str, num_tokens: int) -> bool:
         """Make `rid` own a slot and the blocks for num_tokens positions; False (nothing taken) if they
@@ -103,6 +105,7 @@ class StateManager:
         # row's own count are never attended (hidden by position), so stale ids are never read.
 
     # ---- snapshots ----
+    @torch.inference_mode()
     def snapshot(self, rid: str, num_tokens: int) -> None:
         """Keep `rid`'s slot-fixed state as it is after num_tokens positions (replaces an older snapshot)."""
         self.snapshots[rid] = (num_tokens, self.pools.snapshot(self.slot(rid)))
@@ -115,13 +118,12 @@ class StateManager:
         else:
             self.snapshot(rid, num_tokens)
 
-    def restore(self, rid: str, num_tokens: int | None = None) -> int:
+    @torch.inference_mode()
+    def restore(self, rid: str, num_tokens: int) -> int:
         """Put back `rid`'s last snapshot; returns the number of positions it holds. Without one (the rings had
         slack for the verify row) nothing needs restoring: the state holds num_tokens valid positions."""
-        if rid not in self.snapshots and num_tokens is not None:
-            return num_tokens
         if rid not in self.snapshots:
-            raise DeepInferError(f"internal: request {rid} has no state snapshot to restore")
+            return num_tokens
         num_tokens, snap = self.snapshots[rid]
         self.pools.restore(self.slot(rid), snap)
         return num_tokens

@@ -18,8 +18,6 @@ import torch
 
 from deepinfer.kernels.table import active
 
-from ..cache.forward_batch import ForwardBatch
-
 
 def ladder(max_batch: int) -> list[int]:
     sizes, b = [], 1
@@ -40,36 +38,36 @@ def row_ladder(rows: int) -> int:
         b *= 2
 
 
+def capture(fn, mempool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of fn() (its static inputs are buffers fn reads) in the shared pool, and what fn returned as
+    captured (the static outputs each replay rewrites): two warm-up calls on a side stream first (lazy
+    allocations and autotuning happen outside the capture). Step graphs and draft-block graphs are captured here."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        out = fn()
+    return graph, out
+
+
 class _Graph:
     """One captured step and its static inputs: seg_slots, seg_starts, seg_lens [G (+1 padding segment when
     variable-length)], tokens [rows]; logits [rows, V]."""
 
-    def __init__(self, model, pools, g: int, q: int | None, rows: int, ctx_blocks: int, mempool, draft_rings: bool):
-        dev = model.device
+    def __init__(self, step, device, g: int, q: int | None, rows: int, ctx_blocks: int, mempool, draft_rings: bool):
         self.q, self.g, self.rows = q, g, rows
         segs = g if q is not None else g + 1
-        self.seg_slots = torch.zeros(segs, dtype=torch.long, device=dev)
-        self.seg_starts = torch.zeros(segs, dtype=torch.long, device=dev)
-        self.seg_lens = torch.zeros(segs, dtype=torch.long, device=dev)
+        self.seg_slots = torch.zeros(segs, dtype=torch.long, device=device)
+        self.seg_starts = torch.zeros(segs, dtype=torch.long, device=device)
+        self.seg_lens = torch.zeros(segs, dtype=torch.long, device=device)
         self.seg_lens[-1] = rows                         # warm-up and capture: every row on the padding segment
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-
-        def step():
-            if q is not None:
-                fb = ForwardBatch.uniform(pools, self.seg_slots, self.seg_starts, q, ctx_blocks, draft_rings)
-            else:
-                fb = ForwardBatch.varlen(pools, self.seg_slots, self.seg_starts, self.seg_lens, rows, ctx_blocks,
-                                         draft_rings)
-            return model.logits(model.forward(self.tokens, fb))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool):
-            self.logits = step()
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.graph, self.logits = capture(lambda: step(self.seg_slots, self.seg_starts, self.seg_lens, q, rows,
+                                                       ctx_blocks, draft_rings, self.tokens), mempool)
 
     def replay(self, slots: list[int], starts: list[int], lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
         g, n = len(slots), tokens.shape[0]
@@ -87,9 +85,10 @@ class _Graph:
 
 
 class StepGraphs:
-    def __init__(self, model, pools, max_batch: int, max_rows: int | None = None):
-        """max_rows: the most rows a variable-length graph takes (default max_batch: decode rows only)."""
-        self.model, self.pools = model, pools
+    def __init__(self, step, device, max_batch: int, max_rows: int | None = None):
+        """step: what a graph captures, ModelRunner.static_logits; max_rows: the most rows a variable-length graph
+        takes (default max_batch: decode rows only)."""
+        self.step, self.device = step, device
         self.sizes = ladder(max_batch)
         self.max_rows = max_rows or max_batch
         self.graphs: dict[tuple, _Graph] = {}
@@ -105,7 +104,7 @@ class StepGraphs:
 
     def padded_rows(self, segments: int, rows: int) -> int:
         """What a variable-length verify step of that shape costs in rows: its graph's row count, or `rows` when
-        it runs eagerly (spec/policy.py fills the padding with drafts; the step-rate profile measures these)."""
+        it runs eagerly (speculative/policy.py fills the padding with drafts; the step-rate profile measures these)."""
         return self.varlen_rows(segments, rows) or rows
 
     def run(self, inputs, ctx_blocks: int, draft_rings: bool = False) -> torch.Tensor | None:
@@ -118,8 +117,8 @@ class StepGraphs:
             return None
         self.last_rows = rows
         key = (size, q, rows, ctx_blocks, active().name, draft_rings)   # a graph holds the kernels it was captured with
-        with torch.cuda.device(self.model.device):     # capture streams are per device: the model's, not cuda:0
+        with torch.cuda.device(self.device):           # capture streams are per device: the model's, not cuda:0
             if key not in self.graphs:
-                self.graphs[key] = _Graph(self.model, self.pools, size, q, rows, ctx_blocks, self.mempool,
+                self.graphs[key] = _Graph(self.step, self.device, size, q, rows, ctx_blocks, self.mempool,
                                           draft_rings)
             return self.graphs[key].replay(inputs.slots, inputs.starts, inputs.lens, inputs.tokens)

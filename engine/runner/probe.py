@@ -4,11 +4,12 @@
     probe.run()                                               # one step: forward + logits + greedy pick
     probe.close()
 
-Decode (query_len 1) and verify (query_len q+1) shapes run exactly as the engine runs them: a CUDA-graph replay
-where the engine captures graphs, else the eager forward. A prefill shape is batch_size=1, context_len=0,
-query_len=T (eager, logits of the last row only). The state is random (rings and owned entry blocks filled with
-normal noise of the compute dtype, look-back ids 0): timing does not depend on it, routing does only as any
-random input's would. run() does not synchronise the host; the caller times it."""
+Decode (query_len 1) and verify (query_len q+1) shapes run exactly as the engine runs them (the runner's
+run_shape): a CUDA-graph replay where the engine captures graphs, else the eager forward, the model's draft
+rings kept where the engine keeps them. A prefill shape is batch_size=1, context_len=0, query_len=T (eager,
+logits of the last row only, truncated where the engine would truncate it). The state is random (rings and
+owned entry blocks filled with normal noise of the compute dtype, look-back ids 0): timing does not depend on it,
+routing does only as any random input's would. run() does not synchronise the host; the caller times it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import torch
 
 from deepinfer.kernels.table import use
 
-from ..cache.forward_batch import ForwardBatch
 from ..errors import DeepInferError
 from .inputs import StepInputs
 
@@ -45,12 +45,10 @@ class StepProbe:
         g = torch.Generator(device="cpu").manual_seed(seed)
         tokens = torch.randint(0, self.model.cfg.vocab_size, (batch_size * query_len,), generator=g).to(dev)
         n = batch_size * query_len
-        uniform = None if context_len == 0 and query_len > 1 else query_len
-        self.inputs = StepInputs([], self.slots, [context_len] * batch_size, [query_len] * batch_size, tokens,
-                                 list(range(n)) if uniform else [n - 1], context_len + query_len - 1, uniform)
-        self.ctx_blocks = self.runner._context_blocks(context_len + query_len)
-        self.graphed = self.runner.graphs is not None and uniform is not None and \
-            batch_size <= self.runner.graphs.sizes[-1]
+        prefill = context_len == 0 and query_len > 1
+        self.inputs = StepInputs.shaped(self.slots, [context_len] * batch_size, [query_len] * batch_size, tokens,
+                                        [n - 1] if prefill else None)
+        self.graphed = self.runner.graphs is not None and not prefill and batch_size <= self.runner.graphs.sizes[-1]
 
     @property
     def state_bytes_read(self) -> int:
@@ -65,14 +63,7 @@ class StepProbe:
         """One step; returns the greedy picks [rows] (on the device). eager: skip the graph replay, so Python
         runs (a routing recorder sees the step)."""
         with use(self.kernels):
-            if self.graphed and not eager:
-                logits = self.runner.graphs.run(self.inputs, self.ctx_blocks)
-            else:
-                i = self.inputs
-                fb = ForwardBatch.ragged(self.manager.pools, i.slots, i.starts, i.lens, self.ctx_blocks,
-                                         [self.runner.truncate and len(i.logit_rows) == 1] * len(i.slots))
-                hidden = self.model.forward(i.tokens, fb)
-                logits = self.model.logits(hidden[torch.tensor(i.logit_rows, device=i.tokens.device)])
+            logits = self.runner.run_shape(self.inputs, graphed=not eager)
         return logits.argmax(dim=-1)
 
     def close(self) -> None:

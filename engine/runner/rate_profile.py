@@ -1,7 +1,7 @@
-"""The step-rate profile speculative decoding's verify schedules need (spec/step_rate.py): seconds per verify
+"""The step-rate profile speculative decoding's verify schedules need (speculative/step_rate.py): seconds per verify
 step by context, segment count and batch tokens, measured on the device when the engine starts.
 
-    tables = profile_step_rates(runner, max_tokens=576, max_segments=96, contexts=profile_contexts(333, q=6))
+    tables = profile_step_rates(runner, manager, max_tokens=576, max_segments=96, contexts=profile_contexts(333, q=6))
     # {context: {segments R: {tokens B: seconds}}}; StepRateTable.from_dict(tables)
 
 Each point is a step of R segments of B rows in all (R on the graph ladder 1, 2, 4, .. max_segments; every
@@ -25,7 +25,10 @@ import time
 
 import torch
 
-from ..cache.forward_batch import ForwardBatch
+from deepinfer.kernels.table import use
+
+from ..speculative.config import SpeculativeConfig
+from ..speculative.step_rate import StepRate, StepRateTable
 from .graphs import ladder
 from .inputs import StepInputs
 from .probe import seat_random
@@ -67,12 +70,40 @@ def profile_points(max_tokens: int, max_segments: int, q: int, pad=None) -> dict
     return out
 
 
+def step_rate_table(runner, manager, config: SpeculativeConfig, engine, kernels) -> StepRate | StepRateTable | None:
+    """The step rate an engine's verify policy schedules by: none for the fixed schedule, the config's
+    step_seconds as given, else profiled now on `runner` over `manager`'s seats (engine: its EngineConfig;
+    kernels: the table its steps run under)."""
+    if not config.varlen:
+        return None
+    if config.step_seconds:
+        return StepRate.from_dict(dict(config.step_seconds))
+    q = config.num_speculative_tokens + 1
+    seats = min(engine.max_num_seqs, manager.num_slots)
+    contexts = profile_contexts(engine.max_model_len, q)
+    pad = runner.graphs.varlen_rows if runner.graphs is not None else None
+    shapes = sum(map(len, profile_points(engine.max_num_batched_tokens, seats, q, pad).values()))
+    # start-up work of seconds to minutes: say what it is and what sizes it, before it starts
+    log.info("speculative step rate: profiling %d verify-step shapes at contexts %s on up to %d sequence(s) "
+             "(max_num_seqs, max_model_len size it; speculative step_seconds skips it)", shapes, contexts, seats)
+    t0 = time.perf_counter()
+    with use(kernels):
+        tables = profile_step_rates(runner, manager, engine.max_num_batched_tokens, seats, contexts, pad=pad)
+    top = {c: max(by_r.items()) for c, by_r in tables.items()}
+    log.info("speculative step rate profiled in %.1f s at contexts %s; ms per step at the most segments: %s",
+             time.perf_counter() - t0, list(tables), "; ".join(
+                 f"context {c}, {r} segments: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in row.items())
+                 for c, (r, row) in top.items()))
+    return StepRateTable.from_dict(tables)
+
+
 @torch.inference_mode()
-def profile_step_rates(runner, max_tokens: int, max_segments: int, contexts: list[int], iters: int = 2,
+def profile_step_rates(runner, manager, max_tokens: int, max_segments: int, contexts: list[int], iters: int = 2,
                        seed: int = 0, pad=None) -> dict[int, dict[int, dict[int, float]]]:
-    """{context: {segments: {batch tokens: seconds per step}}} on `runner` (see the module docstring); pad: the
-    padded row counts to profile at (profile_points; default: the runner's graphs', none when it runs eagerly)."""
-    manager, model = runner.manager, runner.model
+    """{context: {segments: {batch tokens: seconds per step}}} on `runner`, its sequences seated by `manager` (see
+    the module docstring); pad: the padded row counts to profile at (profile_points; default: the runner's
+    graphs', none when it runs eagerly)."""
+    model = runner.model
     q = runner.speculator.gamma + 1 if runner.speculator is not None else 1
     if pad is None and runner.graphs is not None:
         pad = runner.graphs.varlen_rows
@@ -107,12 +138,11 @@ def _even_split(rows: int, segments: int) -> list[int]:
 
 def _time_step(runner, model, slots: list[int], context: int, lens: list[int], gen, iters: int) -> float:
     """Median seconds of one profiled step: a segment of lens[i] rows on slots[i], each at `context` (module
-    docstring)."""
+    docstring), run as the engine runs a verify step of that shape (runner.run_shape), then its draft block."""
     dev = model.device
     r, n = len(slots), sum(lens)
     tokens = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(dev)
-    inputs = StepInputs([], slots, [context] * r, lens, tokens, [], context + max(lens) - 1, None, True)  # varlen
-    ctx = runner._context_blocks(context + max(lens))
+    inputs = StepInputs.shaped(slots, [context] * r, lens, tokens)
     seg_slots = torch.tensor(slots, dtype=torch.long, device=dev)
     ends = torch.tensor(lens, dtype=torch.long).cumsum(0)
     last_row = (ends - 1).to(dev)
@@ -123,12 +153,7 @@ def _time_step(runner, model, slots: list[int], context: int, lens: list[int], g
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        logits = runner.graphs.run(inputs, ctx, runner.keep_draft_rings) if runner.graphs is not None else None
-        if logits is None:
-            fb = ForwardBatch.ragged(runner.pools, inputs.slots, inputs.starts, lens, ctx,
-                                     draft_rings=runner.keep_draft_rings)
-            logits = model.logits(model.forward(tokens, fb))
-        picks = logits.argmax(dim=-1)
+        picks = runner.run_shape(inputs).argmax(dim=-1)
         if runner.speculator is not None:          # and the step's draft block, one row per segment
             runner.speculator.draft_block(seg_slots, anchor_pos, picks[last_row], zeros, zeros.float())
         if dev.type == "cuda":

@@ -1,13 +1,13 @@
 """The runner's speculative part, all on the device after the target forward: verify every verify row, then draft
 the next block for every sampled row from the position its accepted prefix ends at.
 
-Verification rules (engine/spec/): greedy rows take the target argmax (exact); random rows use
+Verification rules (engine/speculative/): greedy rows take the target argmax (exact); random rows use
   lossless  accept d with min(1, p_t(d) / p_d(d)), resample the residual at the first rejection, bonus from p_t
-            (spec/rejection.py); needs the draft distributions, kept per slot from the block that drew them
+            (speculative/rejection.py); needs the draft distributions, kept per slot from the block that drew them
   coupled   batch-invariant mode: drafts draw with the target's own noise at their position, and a draft is
             accepted iff it equals the target's sample there, so the committed tokens are exactly those of
             non-speculative decoding whatever the verify lengths (which depend on the batch)
-  pinned    benchmarks: acceptance from a pinned model (spec/pinned.py); the kernels still run every real shape
+  pinned    benchmarks: acceptance from a pinned model (speculative/pinned.py); the kernels still run every real shape
 The plain samples s_j (what one-at-a-time decoding draws at each slot) come from the sampler; the draft block of
 row r anchors at its last accepted input position p = p0 - 1 + a with the committed token there."""
 
@@ -20,10 +20,11 @@ import torch
 from deepinfer.kernels.sampling import gumbel_argmax
 from deepinfer.kernels.table import active
 
-from ..sampling.sampler import MIN_TEMPERATURE, SALT_DRAFT, SALT_TARGET
-from ..spec.config import SpecConfig
-from ..spec.pinned import pinned_accepts, pinned_confidence
-from ..spec.rejection import verify as lossless_verify
+from ..sampling.sampler import SALT_DRAFT, SALT_TARGET, temperature_divisor
+from ..speculative.config import SpeculativeConfig
+from ..speculative.pinned import pinned_accepts, pinned_confidence
+from ..speculative.rejection import verify as lossless_verify
+from .graphs import capture
 
 
 @dataclass
@@ -40,15 +41,16 @@ class Rows:
     width: int                # L
 
     @classmethod
-    def of(cls, sampled, offsets: list[int], slots: list[int], device) -> "Rows":
-        fed = [s.req.spec_token_ids[:s.num_logits - 1] for s in sampled]
+    def of(cls, sampled, offsets: list[int], device) -> "Rows":
+        """sampled: the step's sampled rows (scheduler/plan.ScheduledRow); offsets: each one's first logit row."""
+        fed = [s.draft_ids for s in sampled]
         width = max((len(d) for d in fed), default=0)
-        pad = [d + [-1] * (width - len(d)) for d in fed]
+        pad = [list(d) + [-1] * (width - len(d)) for d in fed]
         t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt).to(device, non_blocking=True)   # noqa: E731
-        temps = [s.req.params.temperature for s in sampled]
+        temps = [s.params.temperature for s in sampled]
         return cls(t(offsets), t(pad).view(len(sampled), width), t([len(d) for d in fed]),
-                   t([s.start + s.n - s.num_logits + 1 for s in sampled]), t(slots),
-                   t([s.req.seed for s in sampled]), t(temps, torch.float32), any(x > 0 for x in temps), width)
+                   t([s.start + s.n - s.num_logits + 1 for s in sampled]), t([s.slot for s in sampled]),
+                   t([s.seed for s in sampled]), t(temps, torch.float32), any(x > 0 for x in temps), width)
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(logit row of every (row, slot) [R, L+1] (clamped to the row's own), live slots [R, L+1])."""
@@ -58,7 +60,7 @@ class Rows:
 
 
 class Speculator:
-    def __init__(self, model, pools, config: SpecConfig, invariant: bool, graph_sizes: list[int] | None = None):
+    def __init__(self, model, pools, config: SpeculativeConfig, invariant: bool, graph_sizes: list[int] | None = None):
         """graph_sizes: the padded row counts whose draft blocks are CUDA graphs (None: always eager)."""
         self.model, self.pools, self.config = model, pools, config
         self.gamma = config.num_speculative_tokens
@@ -118,8 +120,7 @@ class Speculator:
         """One draft block per row from device tensors [R] (static shapes): slots, p, the token for p + 1, seeds,
         temperatures; random: some row samples; keep: record the draft distributions (lossless rule)."""
         noise = temperature > 0 if random else None
-        temp = torch.where(temperature > 0, temperature.clamp(min=MIN_TEMPERATURE),
-                           torch.ones_like(temperature)).unsqueeze(1)
+        temp = temperature_divisor(temperature)
         salt = SALT_TARGET if self.rule == "coupled" else SALT_DRAFT
 
         def sample(i: int, logits: torch.Tensor) -> torch.Tensor:
@@ -154,7 +155,7 @@ class DraftGraphs:
     reads); captured on first use with every row on scratch."""
 
     def __init__(self, speculator: Speculator, sizes: list[int]):
-        self.spec, self.sizes = speculator, sizes
+        self.speculator, self.sizes = speculator, sizes
         self.graphs: dict[tuple, tuple] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
@@ -176,13 +177,5 @@ class DraftGraphs:
 
     def _capture(self, size: int, like: tuple, random: bool, keep: bool):
         inputs = [torch.zeros((size,), dtype=a.dtype, device=a.device) for a in like]   # all rows on scratch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.spec.block(*inputs, random, keep)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = self.spec.block(*inputs, random, keep)
+        graph, out = capture(lambda: self.speculator.block(*inputs, random, keep), self.mempool)
         return graph, inputs, out

@@ -109,29 +109,29 @@ def _so_args(value: Any) -> Optional[dict]:
     if not isinstance(value, dict):
         _fail("so_args", value, allowed)
     if set(value) == {"schema_type", "schema"}:
-        kind, spec = value["schema_type"], value["schema"]
+        kind, schema = value["schema_type"], value["schema"]
     elif len(value) == 1:
-        (kind, spec), = value.items()
+        (kind, schema), = value.items()
     else:
         _fail("so_args", value, allowed)
     if kind not in SO_TYPES:
         _fail("so_args", value, allowed)
-    if isinstance(spec, str):
-        check_text(f"so_args {kind} schema", spec)
+    if isinstance(schema, str):
+        check_text(f"so_args {kind} schema", schema)
     if kind in ("json", "structural_tag"):
         try:
-            if isinstance(spec, str):
-                ok = isinstance(json.loads(spec), dict)
+            if isinstance(schema, str):
+                ok = isinstance(json.loads(schema), dict)
             else:
-                ok = isinstance(spec, dict) and bool(json.dumps(spec, allow_nan=False))
+                ok = isinstance(schema, dict) and bool(json.dumps(schema, allow_nan=False))
         except (TypeError, ValueError):
             ok = False
         if not ok:
             _fail("so_args", value, f'the {kind} schema must be a JSON-serializable dict or a str holding a JSON '
                                     f'object')
-    elif not (isinstance(spec, str) and spec.strip()):
+    elif not (isinstance(schema, str) and schema.strip()):
         _fail("so_args", value, f"the {kind} schema must be a non-empty str")
-    return {"schema_type": kind, "schema": copy.deepcopy(spec)}
+    return {"schema_type": kind, "schema": copy.deepcopy(schema)}
 
 
 @dataclass(frozen=True, init=False)

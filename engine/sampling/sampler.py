@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.precision import upcast
-from deepinfer.kernels.sampling import counter_uniform, gumbel_argmax, gumbel_noise  # noqa: F401 (re-exported)
+from deepinfer.kernels.sampling import gumbel_argmax
 
 SALT_TARGET, SALT_DRAFT, SALT_ACCEPT, SALT_RESAMPLE, SALT_PINNED = 0, 1, 2, 3, 4
 MIN_TEMPERATURE = 0.01
@@ -148,9 +148,15 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
         logits = logits.masked_fill(t.banned, float("-inf"))
     if t.uses("greedy", lambda: greedy.all()):
         return logits, None
-    temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature.clamp(min=MIN_TEMPERATURE)).unsqueeze(1)
     # greedy rows: logits / 1 and filters that never drop a row's maxima, so argmax(scaled) = argmax(logits)
-    return apply_filters(logits / temp, t), ~greedy
+    return apply_filters(logits / temperature_divisor(t.temperature), t), ~greedy
+
+
+def temperature_divisor(temperature: torch.Tensor) -> torch.Tensor:
+    """What each row's logits are divided by [B, 1]: its temperature raised to at least MIN_TEMPERATURE (as vLLM,
+    so logits / T stays finite), 1 for greedy rows (temperature 0). The target's draw and the drafters' share it."""
+    raised = temperature.clamp(min=MIN_TEMPERATURE)
+    return torch.where(temperature > 0, raised, torch.ones_like(temperature)).unsqueeze(1)
 
 
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int = 0):

@@ -1,6 +1,7 @@
-"""Requests and continuous batching."""
+"""Requests, continuous batching and the frozen step plan."""
 
+from .plan import ScheduledRow, StepPlan
 from .request import Request, Status
-from .scheduler import Scheduled, Scheduler
+from .scheduler import Scheduler
 
-__all__ = ["Request", "Scheduled", "Scheduler", "Status"]
+__all__ = ["Request", "ScheduledRow", "Scheduler", "Status", "StepPlan"]

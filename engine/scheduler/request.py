@@ -19,10 +19,11 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """A sequence (one of the n samples of a prompt). Its token stream = prompt + committed outputs + its current
-    draft tokens (`spec_token_ids`, proposed for the positions after the committed ones); `num_computed`
-    positions of it are planned into steps (after a preemption that restarts at 0: recompute; after a verify
-    row that rejected drafts it rolls back to the positions whose state stays valid)."""
+    """A sequence (one of the n samples of a prompt): prompt + committed outputs, `num_computed` positions of which
+    are planned into steps (after a preemption that restarts at 0: recompute; after a verify row that rejected
+    drafts it rolls back to the positions whose state stays valid). Its draft tokens are speculation's
+    (engine/speculative/speculation.py), fed through the step plan. Only the scheduler (planning state) and the
+    output processor (outputs, finish) write its fields."""
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -31,9 +32,6 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0            # positions planned into steps (advanced when a step is planned)
     num_inflight: int = 0            # sampled rows of planned steps not yet seen by the host (each commits >= 1)
-    spec_token_ids: list[int] = field(default_factory=list)   # drafts for positions num_tokens.. (none by default)
-    spec_confidence: list[float] = field(default_factory=list)  # the drafter's confidence in each draft (DSpark)
-    spec_confidence_before: list[float] = field(default_factory=list)   # those of the block before (budget rule)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -44,20 +42,11 @@ class Request:
     grammar: Any = None              # engine/structured.RequestGrammar when params.so_args is set (LLM makes it)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def token_at(self, i: int) -> int:
-        """Token i of the stream (prompt + outputs + drafts), without building the whole list."""
-        n, m = len(self.prompt_ids), self.num_tokens
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n] if i < m else self.spec_token_ids[i - m]
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens start .. end-1 of the stream (prompt + outputs + drafts)."""
+    def tokens(self, start: int, end: int, drafts=()) -> list[int]:
+        """Tokens start .. end-1 of the stream prompt + outputs + `drafts` (proposed for positions num_tokens..)."""
         n, m = len(self.prompt_ids), self.num_tokens
         return (self.prompt_ids[start:min(end, n)] + self.output_ids[max(start - n, 0):max(end - n, 0)]
-                + self.spec_token_ids[max(start - m, 0):max(end - m, 0)])
+                + list(drafts[max(start - m, 0):max(end - m, 0)]))
 
     @property
     def num_tokens(self) -> int:

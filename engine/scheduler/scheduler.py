@@ -9,10 +9,14 @@ back to the front of the queue, recomputed later from prompt + outputs). `num_co
 is planned: with asynchronous scheduling the next step is planned while this one runs, its sampled tokens
 still in flight (Request.num_inflight).
 
-Drafts (`Request.spec_token_ids`): a row that reaches the newest committed token also feeds the drafts that
-fit (the rest are dropped) and samples every one of those positions (num_logits = drafts + 1, a verify row).
-A request with drafts is never planned while a row of it is in flight: how many tokens that row commits is
-not known yet, so the drafts' positions are not either.
+Drafts (speculation's, given to `schedule`): a row that reaches the newest committed token also feeds the
+drafts that fit the budget (the rest are dropped) and samples every one of those positions (num_logits =
+drafts + 1, a verify row); the rings are snapshotted first where they have too little slack to roll back. A
+request with drafts is never planned while a row of it is in flight: how many tokens that row commits is not
+known yet, so the drafts' positions are not either.
+
+The scheduler writes a Request's planning state (status, num_computed, num_inflight, rollbacks, aborts); the
+output processor its outputs. The plan (scheduler/plan.py) is frozen: the runner reads no Request.
 
 `chunk_align` (batch-invariant mode): prefill chunks are the pieces [k*a, (k+1)*a) of a sequence's tokens,
 never cut by what else shares the step (a piece that does not fit waits), so a sequence's computation does
@@ -20,10 +24,12 @@ not depend on its neighbours."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from .plan import ScheduledRow, StepPlan
 from .request import Request, Status
 
 
@@ -40,18 +46,12 @@ class SeatManager(Protocol):
 
     def slot(self, rid: str) -> int: ...
 
+    def snapshot_unless_slack(self, rid: str, num_tokens: int, drafts: int) -> None:
+        """Before a verify row of `drafts` drafts from position num_tokens: keep what a rollback must restore."""
 
-@dataclass(eq=False)
-class Scheduled:
-    req: Request
-    start: int        # first position fed
-    n: int            # tokens fed (positions start .. start+n-1)
-    num_logits: int   # trailing fed positions whose next token is sampled: 0 (a prefill piece short of the end),
-                      # 1 (reaches the end), q+1 (a verify row: the last token plus q drafts)
-
-    @property
-    def sample(self) -> bool:
-        return self.num_logits > 0
+    def restore(self, rid: str, num_tokens: int) -> int:
+        """After a verify row rejected drafts: the state back to at most num_tokens positions; returns how many it
+        holds."""
 
 
 class Scheduler:
@@ -69,66 +69,79 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Scheduled]:
-        budget, out = self.max_tokens, []
+    def schedule(self, drafts: Mapping[Request, Sequence[int]] | None = None) -> StepPlan:
+        """The next step's plan; drafts: each running request's drafts to verify (speculation's plan)."""
+        drafts = dict(drafts or {})
+        budget, rows, preempted, now = self.max_tokens, [], [], time.perf_counter()
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not Status.RUNNING or self._done_in_flight(req) or \
-                    (req.spec_token_ids and req.num_inflight):
+            fed = drafts.get(req, ())
+            if req.status is not Status.RUNNING or self._done_in_flight(req) or (fed and req.num_inflight):
                 continue
-            n = self._chunk(req, budget)
+            n = self._chunk(req, budget, len(fed))
             if n == 0:
                 continue
             while not self.manager.reserve(req.request_id, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.append(victim)
+                drafts.pop(victim, None)
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                out.append(self._plan(req, n))
+                rows.append(self._plan(req, n, drafts.get(req, ()), now))
                 budget -= n
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            n = self._chunk(req, budget) if req.num_inflight == 0 else 0
+            n = self._chunk(req, budget, 0) if req.num_inflight == 0 else 0
             if n == 0 or not self.manager.reserve(req.request_id, n):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            out.append(self._plan(req, n))
+            rows.append(self._plan(req, n, (), now))
             budget -= n
-        return out
+        return StepPlan(tuple(rows), tuple(preempted))
 
     def finish(self, req: Request) -> None:
         req.status = Status.FINISHED
-        req.spec_token_ids = []
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:          # preempted while its last token was in flight
             self.waiting.remove(req)
         self.manager.release(req.request_id)
 
+    def abort_all(self) -> list[Request]:
+        """Finish every unfinished request with finish_reason "abort" (seats and blocks go back); returns them."""
+        aborted = list(self.running) + list(self.waiting)
+        for req in aborted:
+            req.finish_reason = "abort"
+            self.finish(req)
+        return aborted
+
+    def row_read(self, req: Request) -> None:
+        """The host has read a sampled row of `req` (it is no longer in flight)."""
+        req.num_inflight -= 1
+
+    def rollback(self, req: Request, num_rejected: int) -> None:
+        """A verify row rejected drafts: the positions after the last accepted one are planned again. The cache
+        restores what it can; when its state holds fewer positions (a snapshot from before the verify row), the
+        positions after it are planned again too."""
+        req.num_computed -= num_rejected
+        kept = self.manager.restore(req.request_id, req.num_computed)
+        if kept < req.num_computed:
+            req.num_computed = kept
+
     # ---- helpers ----
-    def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens to feed this step: all it has (known + in flight + usable drafts) not yet computed, within the
-        budget."""
-        self._trim_drafts(req)
-        left = req.num_tokens + req.num_inflight + len(req.spec_token_ids) - req.num_computed
+    def _chunk(self, req: Request, budget: int, num_drafts: int) -> int:
+        """Tokens to feed this step: all it has (known + in flight + drafts) not yet computed, within the budget."""
+        left = req.num_tokens + req.num_inflight + num_drafts - req.num_computed
         if self.chunk_align is None:
             return min(left, budget)
         a = self.chunk_align
         n = min(left, a - req.num_computed % a)
         return n if n <= budget else 0
-
-    def _trim_drafts(self, req: Request) -> None:
-        """Drafts past max_model_len, or past what max_tokens lets a commit keep, are never fed."""
-        if not req.spec_token_ids:
-            return
-        room = self.max_model_len - req.num_tokens                    # positions num_tokens.. still allowed
-        if req.params.max_tokens is not None:                        # a commit of q+1 tokens must fit max_tokens
-            room = min(room, req.params.max_tokens - len(req.output_ids) - 1)
-        del req.spec_token_ids[max(room, 0):]
 
     def _done_in_flight(self, req: Request) -> bool:
         """Its in-flight token already ends it by length: nothing more to plan."""
@@ -137,21 +150,29 @@ class Scheduler:
         return req.num_inflight > 0 and ((p.max_tokens is not None and n_out >= p.max_tokens)
                                          or req.num_tokens + req.num_inflight >= self.max_model_len)
 
-    def _plan(self, req: Request, n: int) -> Scheduled:
+    def _plan(self, req: Request, n: int, drafts: Sequence[int], now: float) -> ScheduledRow:
         """Advance num_computed by n; a row that covers the newest known token samples it and every draft it
         feeds (drafts it leaves out are dropped)."""
         start = req.num_computed
         req.num_computed += n
+        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
         known = req.num_tokens + req.num_inflight
-        if req.num_computed < known:
-            return Scheduled(req, start, n, 0)
-        del req.spec_token_ids[req.num_computed - known:]
-        return Scheduled(req, start, n, 1 + len(req.spec_token_ids))
+        fed = tuple(drafts[:req.num_computed - known]) if req.num_computed >= known else ()
+        num_logits = 1 + len(fed) if req.num_computed >= known else 0
+        num_outputs = len(req.output_ids) + req.num_inflight
+        if fed:
+            self.manager.snapshot_unless_slack(req.request_id, start, len(fed))
+        if num_logits:
+            req.num_inflight += 1
+        recorded = len(req.prompt_logprobs) if req.prompt_logprobs is not None else 1
+        return ScheduledRow(req, req.request_id, self.manager.slot(req.request_id), start, n, num_logits,
+                            tuple(req.tokens(start, start + n, fed)), fed, num_outputs,
+                            min(max(recorded - start - 1, 0), n), req.params, req.seed, req.prompt_ids,
+                            req.output_ids, req.grammar)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.manager.release(req.request_id)
         req.status, req.num_computed = Status.WAITING, 0
-        req.spec_token_ids = []            # proposed for a state that is gone; the drafter proposes again later
         self.waiting.appendleft(req)
         self.num_preemptions += 1

@@ -8,7 +8,7 @@ verification). docs/speculative.md has the whole story.
 schedule: "fixed" (every draft verified: the comparison mode), "confidence" (Algorithm 1: per-request verify
 lengths from the prefix survival of the confidences and the profiled step rate, early stop) or "budget" (the
 production variant: the step's token budget from confidences two steps back, the top drafts by live survival).
-acceptance: a pinned acceptance model for benchmarks on random weights (spec/pinned.py): per-position survival
+acceptance: a pinned acceptance model for benchmarks on random weights (speculative/pinned.py): per-position survival
 rates that decide acceptance while the real kernels run the real shapes.
 method: the model's drafter, "dspark" (V4.1's DSpark stages) or "mtp" (V4's NextN layer, k steps); the default."""
 
@@ -25,7 +25,7 @@ _KEYS = ("method", "num_speculative_tokens", "schedule", "acceptance", "confiden
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpeculativeConfig:
     method: str = "dspark"                    # the model's drafter: dspark (V4.1) or mtp (V4)
     num_speculative_tokens: int = 5           # drafts proposed a step (<= the drafter's block size)
     schedule: str = "fixed"
@@ -38,9 +38,9 @@ class SpecConfig:
         return self.schedule != "fixed"
 
 
-def spec_label(spec: SpecConfig) -> str:
+def speculation_label(config: SpeculativeConfig) -> str:
     """What rows call the setting (spec_mode): <method>-<schedule>-<drafts>, e.g. dspark-confidence-5."""
-    return f"{spec.method}-{spec.schedule}-{spec.num_speculative_tokens}"
+    return f"{config.method}-{config.schedule}-{config.num_speculative_tokens}"
 
 
 def _check_fraction_list(name: str, value) -> tuple[float, ...]:
@@ -55,8 +55,8 @@ def _check_fraction_list(name: str, value) -> tuple[float, ...]:
     return tuple(float(v) for v in out)
 
 
-def spec_config(value, block_size: int | None, drafter: str = "dspark") -> SpecConfig | None:
-    """LLM's `speculative` (None: the environment decides) -> a SpecConfig, or None when off. block_size: the
+def speculative_config(value, block_size: int | None, drafter: str = "dspark") -> SpeculativeConfig | None:
+    """LLM's `speculative` (None: the environment decides) -> a SpeculativeConfig, or None when off. block_size: the
     model's draft block (None: the model cannot draft; asking for speculation is then one error line); drafter:
     the model's draft method."""
     env_cap, env_varlen = read("DEEPINFER_USE_NEXTN_DECODE"), read("DEEPINFER_ENABLE_MTP_VARLEN")
@@ -132,4 +132,4 @@ def spec_config(value, block_size: int | None, drafter: str = "dspark") -> SpecC
             raise DeepInferError(f"speculative step_seconds={table!r} must map batch token counts (int >= 1) to "
                                  f"seconds per step (> 0)")
         table = tuple(sorted((int(k), float(v)) for k, v in table.items()))
-    return SpecConfig(method, n, schedule, acceptance, float(spread), table)
+    return SpeculativeConfig(method, n, schedule, acceptance, float(spread), table)

@@ -1,8 +1,8 @@
-"""Step rates by context (spec/step_rate.ContextStepRate), the verify policy scheduling each step at its requests'
+"""Step rates by context (speculative/step_rate.ContextStepRate), the verify policy scheduling each step at its requests'
 context, and the engine-start profile (runner/rate_profile.py) that measures them."""
 
 import logging
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,10 +12,11 @@ from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.errors import DeepInferError
 from deepinfer.runner.graphs import StepGraphs, ladder, row_ladder
 from deepinfer.runner.rate_profile import profile_contexts, profile_points, profile_step_rates
-from deepinfer.spec.schedule import batch_tokens, budget_from, fill, schedule_budget, schedule_greedy
-from deepinfer.spec.config import SpecConfig
-from deepinfer.spec.policy import VerifyPolicy
-from deepinfer.spec.step_rate import StepRate, StepRateTable
+from deepinfer.speculative.schedule import batch_tokens, budget_from, fill, schedule_budget, schedule_greedy
+from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.policy import VerifyPolicy
+from deepinfer.speculative.speculation import Drafts
+from deepinfer.speculative.step_rate import StepRate, StepRateTable
 
 
 def linear(fixed_s: float, per_token_s: float, r: int, q: int = 6) -> StepRate:
@@ -73,35 +74,45 @@ def test_table_round_trips_and_takes_a_plain_table():
         StepRateTable({0: {0: StepRate([1], [1.0])}})
 
 
+@dataclass(eq=False)
+class Drafting:
+    """A running request as the policy reads it: the positions its state holds, and its drafts."""
+    num_computed: int
+    drafts: Drafts
+
+
 def request(conf, computed):
-    return SimpleNamespace(spec_token_ids=list(range(len(conf))), spec_confidence=list(conf),
-                           spec_confidence_before=[], num_computed=computed)
+    return Drafting(computed, Drafts(list(range(len(conf))), list(conf)))
+
+
+def choose(policy, reqs):
+    policy.choose(reqs, {r: r.drafts for r in reqs})
 
 
 def test_policy_schedules_each_step_at_its_requests_context():
     """Context 0's table is nearly flat (every draft pays); context 1000's costs 1000x more a token, so
     the same drafts are cut shorter there; the policy takes the mean context of the requests it verifies."""
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), two_contexts())
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), two_contexts())
     conf = [0.9, 0.6, 0.4, 0.3, 0.2]
     near = [request(conf, 0) for _ in range(8)]
-    policy.choose(near)
+    choose(policy, near)
     assert policy.context == 0
-    near_len = [len(r.spec_token_ids) for r in near]
+    near_len = [len(r.drafts.token_ids) for r in near]
     far = [request(conf, 900), request(conf, 1100)]                      # mean 1000
     far += [request(conf, 1000) for _ in range(6)]
-    policy.choose(far)
+    choose(policy, far)
     assert policy.context == 1000
-    far_len = [len(r.spec_token_ids) for r in far]
+    far_len = [len(r.drafts.token_ids) for r in far]
     assert near_len == [5] * 8 and max(far_len) < 5
     assert policy.rate.to_dict() == two_contexts().at(1000, 8).to_dict()
 
 
 def test_calibration_reads_the_table_at_the_context_each_step_ran_at(monkeypatch):
-    from deepinfer.spec import policy as policy_mod
+    from deepinfer.speculative import policy as policy_mod
     clock = iter([0.0, 0.010])
     monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), two_contexts(), calibrate=True)
-    policy.choose([request([0.9], 1000) for _ in range(8)])
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), two_contexts(), calibrate=True)
+    choose(policy, [request([0.9], 1000) for _ in range(8)])
     policy.launched(16)                   # t = 0, 8 segments at context 1000: its table says 3.6 ms for 16 tokens
     policy.launched(16)                   # 10 ms later
     assert policy.overhead == pytest.approx(0.2 * (0.010 - (2e-3 + 16e-4)))
@@ -161,19 +172,19 @@ def test_policy_fills_the_graph_padding_with_the_next_drafts():
     pad = graphs_of(8, 48).padded_rows                       # rows: 8, 12, 16, 24, 32, 48
     greedy = schedule_greedy(CONF8, rate)
     assert greedy == [3, 3, 3, 3, 2, 2, 2, 2]                 # B = 28 rows: the graph runs 32
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, pad=pad)
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), rate, pad=pad)
     reqs = drafting(CONF8)
-    policy.choose(reqs)
-    lengths = [len(r.spec_token_ids) for r in reqs]
+    choose(policy, reqs)
+    lengths = [len(r.drafts.token_ids) for r in reqs]
     assert lengths == [3] * 8 and policy.filled == 4        # the next 4 drafts: the third ones of requests 4 .. 7
     assert lengths == fill(CONF8, greedy, 4)[0]
     plain = drafting(CONF8) + [request([], 100)]             # one request without drafts
-    policy.choose(plain)
-    assert [len(r.spec_token_ids) for r in plain[:8]] == greedy and policy.filled == 4
-    fixed = VerifyPolicy(SpecConfig(schedule="fixed", num_speculative_tokens=3), None, pad=pad)
+    choose(policy, plain)
+    assert [len(r.drafts.token_ids) for r in plain[:8]] == greedy and policy.filled == 4
+    fixed = VerifyPolicy(SpeculativeConfig(schedule="fixed", num_speculative_tokens=3), None, pad=pad)
     reqs = drafting(CONF8)
-    fixed.choose(reqs)
-    assert [len(r.spec_token_ids) for r in reqs] == [3] * 8 and fixed.filled == 0
+    choose(fixed, reqs)
+    assert [len(r.drafts.token_ids) for r in reqs] == [3] * 8 and fixed.filled == 0
 
 
 def test_verify_lengths_stay_within_the_token_budget():
@@ -183,20 +194,20 @@ def test_verify_lengths_stay_within_the_token_budget():
     rate = StepRate.linear(1.0, 0.05, 48)
     pad = graphs_of(8, 48).padded_rows
     for mode in ("confidence", "budget"):
-        policy = VerifyPolicy(SpecConfig(schedule=mode), rate, pad=pad, max_tokens=20)
+        policy = VerifyPolicy(SpeculativeConfig(schedule=mode), rate, pad=pad, max_tokens=20)
         reqs = drafting(CONF8)
-        policy.choose(reqs)
-        lengths = [len(r.spec_token_ids) for r in reqs]
+        choose(policy, reqs)
+        lengths = [len(r.drafts.token_ids) for r in reqs]
         if mode == "confidence":
             assert lengths == schedule_budget(CONF8, 12) and policy.filled == 0, lengths
         else:                        # its argmax over the padded cost within the room: 8 drafts, a rung's top
             assert lengths == schedule_budget(CONF8, 8) and policy.filled == 0, lengths
     assert schedule_greedy(CONF8, rate, max_extra=12) == schedule_budget(CONF8, 12)
     assert schedule_greedy(CONF8, rate, max_extra=0) == [0] * 8
-    roomy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, pad=pad, max_tokens=30)   # room for 22: fill 2
+    roomy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), rate, pad=pad, max_tokens=30)   # room for 22: fill 2
     reqs = drafting(CONF8)
-    roomy.choose(reqs)
-    assert batch_tokens([len(r.spec_token_ids) for r in reqs]) == 30 and roomy.filled == 2
+    choose(roomy, reqs)
+    assert batch_tokens([len(r.drafts.token_ids) for r in reqs]) == 30 and roomy.filled == 2
 
 
 def test_budget_takes_its_argmax_over_the_padded_cost():
@@ -206,29 +217,29 @@ def test_budget_takes_its_argmax_over_the_padded_cost():
     pad = graphs_of(8, 48).padded_rows
     assert 8 + budget_from(CONF8, rate) == 28                 # the smooth table's argmax: inside the rung 25 .. 32
     assert 8 + budget_from(CONF8, lambda t: rate(pad(8, t))) == 32
-    policy = VerifyPolicy(SpecConfig(schedule="budget"), rate, pad=pad)
+    policy = VerifyPolicy(SpeculativeConfig(schedule="budget"), rate, pad=pad)
     reqs = drafting(CONF8)
-    policy.choose(reqs)
-    assert [len(r.spec_token_ids) for r in reqs] == schedule_budget(CONF8, 24) == [3] * 8
+    choose(policy, reqs)
+    assert [len(r.drafts.token_ids) for r in reqs] == schedule_budget(CONF8, 24) == [3] * 8
     assert policy.filled == 0
 
 
 def test_measured_step_times_and_calibration_at_the_padded_rows(monkeypatch):
     """The policy measures each step launch to launch under its shape (segments, the rows its graph ran) and
     calibrates against the table there; steps that verified nothing are neither."""
-    from deepinfer.spec import policy as policy_mod
+    from deepinfer.speculative import policy as policy_mod
     clock = iter([0.0, 0.030, 0.060, 0.090, 0.100, 0.200])
     monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
     rate = StepRate([8, 12, 16], [0.010, 0.020, 0.025])
-    policy = VerifyPolicy(SpecConfig(schedule="confidence"), rate, calibrate=True,
+    policy = VerifyPolicy(SpeculativeConfig(schedule="confidence"), rate, calibrate=True,
                           pad=graphs_of(8, 16).padded_rows)
-    policy.choose(drafting([[0.9]] * 8))
+    choose(policy, drafting([[0.9]] * 8))
     for _ in range(4):
         policy.launched(12)          # a graph of 12 rows (the runner's ran_rows): the table says 20 ms, steps take 30
     assert policy.overhead == pytest.approx((1 - 0.8 ** 3) * 0.010)
     assert policy.step_times() == [{"segments": 8, "rows": 12, "steps": 3, "measured_ms": pytest.approx(30.0),
                                     "table_ms": pytest.approx(20.0)}]
-    policy.choose([request([], 100)])
+    choose(policy, [request([], 100)])
     policy.launched(1)               # t = 0.1: the last 12-row step measured; this one verifies nothing
     policy.launched(1)               # t = 0.2: not measured
     assert policy.step_times()[0]["steps"] == 4 and len(policy.observed) == 1
@@ -242,7 +253,7 @@ def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
     a few experts), and the profile's seats given back."""
     llm = LLM(embedded_tiny_dir("deepseek_v41"), max_num_seqs=4, max_model_len=300,
               speculative={"schedule": "confidence", "num_speculative_tokens": 3})
-    table = llm.engine.verify_policy.table
+    table = llm.engine.speculation.policy.table
     assert table.contexts == [0, 296]
     assert {r: t.tokens for r, t in table.points[0].items()} == profile_points(10 ** 6, 4, 4)
     runner, manager = llm.engine.runner, llm.engine.manager
@@ -254,7 +265,7 @@ def test_engine_profile_runs_verify_shaped_steps_at_each_context(monkeypatch):
         seen.append((tokens.clone(), fb.host))
         return forward(tokens, fb)
     monkeypatch.setattr(llm.model, "forward", recording)
-    tables = profile_step_rates(runner, 16, 4, [0, 256], iters=1)
+    tables = profile_step_rates(runner, manager, 16, 4, [0, 256], iters=1)
     assert sorted(tables) == [0, 256] and all(sorted(t) == [1, 2, 4] for t in tables.values())
     assert all(s > 0 for by_r in tables.values() for t in by_r.values() for s in t.values())
     assert (len(manager.free_slots), len(manager.free_blocks)) == free
@@ -279,7 +290,7 @@ def test_profile_at_padded_rows_splits_them_evenly(monkeypatch):
         seen.append(fb.host)
         return forward(tokens, fb)
     monkeypatch.setattr(llm.model, "forward", recording)
-    tables = profile_step_rates(llm.engine.runner, 20, 4, [0], iters=1, pad=lambda r, b: row_ladder(b))
+    tables = profile_step_rates(llm.engine.runner, llm.engine.manager, 20, 4, [0], iters=1, pad=lambda r, b: row_ladder(b))
     assert {r: sorted(t) for r, t in tables[0].items()} == {1: [1, 2, 3, 4, 6], 2: [2, 3, 4, 6, 8, 12],
                                                             4: [4, 6, 8, 12, 16, 24]}
     lens = [host[2] for host in seen if len(host[2]) == 4]
@@ -300,7 +311,7 @@ def test_profile_skips_a_context_the_pools_cannot_hold(caplog):
     del manager.free_blocks[keep:]
     try:
         with caplog.at_level(logging.WARNING, logger="deepinfer"):
-            tables = profile_step_rates(llm.engine.runner, 16, 4, [0, 256], iters=1)
+            tables = profile_step_rates(llm.engine.runner, manager, 16, 4, [0, 256], iters=1)
         assert sorted(tables) == [0]
         assert "context 256 is not profiled" in caplog.text
         assert len(manager.free_blocks) == keep and len(manager.free_slots) == 4

@@ -1,4 +1,4 @@
-"""deepinfer.spec.rejection: greedy, lossless and coupled verification of draft tokens (CPU)."""
+"""deepinfer.speculative.rejection: greedy, lossless and coupled verification of draft tokens (CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from deepinfer.kernels.sampling import gumbel_noise
 from deepinfer.sampling.sampler import SALT_DRAFT, SALT_TARGET
-from deepinfer.spec.rejection import accepted_probability, verify
+from deepinfer.speculative.rejection import accepted_probability, verify
 
 try:
     from scipy.stats import chisquare

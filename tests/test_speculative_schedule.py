@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification (deepinfer.spec.schedule): the step-rate table, Algorithm 1 and the budget
+"""Confidence-scheduled verification (deepinfer.speculative.schedule): the step-rate table, Algorithm 1 and the budget
 variant, on hand-worked examples and random instances."""
 
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from deepinfer.errors import DeepInferError
-from deepinfer.spec.schedule import (StepRate, batch_tokens, budget_from, expected_accepted, fill, schedule_budget,
+from deepinfer.speculative.schedule import (StepRate, batch_tokens, budget_from, expected_accepted, fill, schedule_budget,
                                      schedule_fixed, schedule_greedy, survival)
 
 
@@ -345,12 +345,12 @@ def test_profiled_rate_is_calibrated_by_the_measured_step_overhead(monkeypatch):
     """A profiled table gains the per-step time the profile did not see (EMA of launch-to-launch seconds minus
     the table's), never below zero; a given table is left as it is; an idle gap is not a step, nor is an interval
     in which a CUDA graph was captured."""
-    from deepinfer.spec import policy as policy_mod
-    from deepinfer.spec.config import SpecConfig
+    from deepinfer.speculative import policy as policy_mod
+    from deepinfer.speculative.config import SpeculativeConfig
     clock = iter([0.0, 0.010, 0.020, 5.0, 5.010, 5.5, 5.51, 6.0])
     monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: next(clock))
     table = StepRate.from_dict({1: 0.002, 64: 0.004})
-    p = policy_mod.VerifyPolicy(SpecConfig(schedule="confidence"), table, calibrate=True)
+    p = policy_mod.VerifyPolicy(SpeculativeConfig(schedule="confidence"), table, calibrate=True)
     p.launched(1)                       # t = 0
     p.launched(1)                       # 10 ms later: 8 ms beyond the table's 2 ms
     assert p.overhead == pytest.approx(0.2 * 0.008)
@@ -367,6 +367,6 @@ def test_profiled_rate_is_calibrated_by_the_measured_step_overhead(monkeypatch):
     assert p.overhead == before
     p.launched(1)                       # t = 5.51: measured again from the skipped launch
     assert p.overhead == pytest.approx(0.8 * before + 0.2 * 0.008)
-    given = policy_mod.VerifyPolicy(SpecConfig(schedule="confidence"), table, calibrate=False)
+    given = policy_mod.VerifyPolicy(SpeculativeConfig(schedule="confidence"), table, calibrate=False)
     given.launched(1)
     assert given.overhead == 0.0 and given.rate is table

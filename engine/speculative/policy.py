@@ -1,7 +1,7 @@
-"""How many of its drafts each request verifies in the next step (the engine core asks before it plans a step).
+"""How many of its drafts each request verifies in the next step (Speculation.plan asks before a step is planned).
 
     fixed       every draft (up to num_speculative_tokens): the comparison mode
-    confidence  Algorithm 1 (spec/schedule.py schedule_greedy): admit drafts by prefix survival while
+    confidence  Algorithm 1 (speculative/schedule.py schedule_greedy): admit drafts by prefix survival while
                 expected accepted tokens x steps per second improves, stop at the first non-improvement
     budget      the production variant: the step's draft budget K from the confidences of the block before
                 (known two steps back, so an asynchronous scheduler could fix the batch size early), then the
@@ -13,7 +13,7 @@ commits: a cost per step that does not grow with the verified tokens) is followe
 average of (seconds between two launches - table seconds of the first one's tokens; an interval in which a CUDA
 graph was captured is skipped), and added to every point.
 Without it the schedule sees extra tokens as dearer than they are and trims too much. A profiled table has one
-StepRate per profiled context and segment count (spec/step_rate.StepRateTable): each step is scheduled by the
+StepRate per profiled context and segment count (speculative/step_rate.StepRateTable): each step is scheduled by the
 table at the mean context of the requests it verifies (positions their state holds) and at their number, and
 calibrated against the table at the shape it ran at.
 
@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
-from .config import SpecConfig
+from .config import SpeculativeConfig
 from .schedule import (batch_tokens, budget_from, fill, ranked_drafts, schedule_budget, schedule_fixed,
                        schedule_greedy)
 from .step_rate import StepRate, StepRateTable
@@ -49,7 +49,7 @@ OBSERVED_PER_SHAPE = 512               # measured steps kept per (segments, rows
 
 
 class VerifyPolicy:
-    def __init__(self, config: SpecConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False,
+    def __init__(self, config: SpeculativeConfig, rate: StepRate | StepRateTable | None, calibrate: bool = False,
                  pad: Callable[[int, int], int] | None = None, max_tokens: int | None = None):
         """rate: the step-rate table (one StepRate: at every context and segment count); calibrate: follow the per-step
         overhead beyond the table (for a profiled table); pad(segments, rows): the rows a verify step of that shape
@@ -117,26 +117,27 @@ class VerifyPolicy:
         """Nothing is left to run: the wait for the next request is no step's overhead."""
         self._last = None
 
-    def choose(self, requests) -> None:
-        """Trim each request's drafts (Request.spec_token_ids) to its verify length for the next step."""
-        reqs = [r for r in requests if r.spec_token_ids]
+    def choose(self, running: Sequence, drafts: Mapping) -> None:
+        """Trim each running request's drafts (drafts[request].token_ids) to its verify length for the next step."""
+        reqs = [r for r in running if r in drafts and drafts[r].token_ids]
         if not reqs:
             self.segments = 0          # a step that verifies nothing: not measured, not calibrated against
             return
-        conf = [r.spec_confidence[:len(r.spec_token_ids)] for r in reqs]
+        proposed = [drafts[r] for r in reqs]
+        conf = [d.confidence[:len(d.token_ids)] for d in proposed]
         self.context, self.segments = sum(r.num_computed for r in reqs) / len(reqs), len(reqs)
         mode = self.config.schedule
-        pad = self.pad if len(reqs) == len(requests) else None       # else the step may run eagerly: no padding
+        pad = self.pad if len(reqs) == len(running) else None        # else the step may run eagerly: no padding
         ranked = ranked_drafts(conf) if mode != "fixed" else None     # once for the schedule and the fill
         # drafts the token budget leaves room for: a cap on the count admitted in the ranked order (lossless, as the
         # early stop), so the scheduler never cuts a verify row by what the rows before it took
-        room = None if self.max_tokens is None else max(self.max_tokens - len(requests), 0)
+        room = None if self.max_tokens is None else max(self.max_tokens - len(running), 0)
         if mode == "fixed":
             lengths = schedule_fixed(conf, self.config.num_speculative_tokens)
         elif mode == "confidence":
             lengths = schedule_greedy(conf, self.rate, ranked, room)
         else:
-            stale = [r.spec_confidence_before[:len(c)] or c for r, c in zip(reqs, conf)]
+            stale = [d.confidence_before[:len(c)] or c for d, c in zip(proposed, conf)]
             rate = self.rate
             jagged = rate if pad is None else lambda b: rate(pad(len(reqs), b))   # noqa: E731
             lengths = schedule_budget(conf, budget_from(stale, jagged, room), ranked)
@@ -147,7 +148,7 @@ class VerifyPolicy:
                 extra = min(extra, room - (b - len(reqs)))
             lengths, added = fill(conf, lengths, extra, ranked)
             self.filled += added
-        for r, n in zip(reqs, lengths):
-            del r.spec_token_ids[n:]
+        for d, n in zip(proposed, lengths):
+            del d.token_ids[n:]
         self.steps += 1
         self.verified += sum(lengths)
