@@ -27,13 +27,13 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .limits import (POSITION_SLACK, Term, check_concurrency, check_positions, default_step_budget,
+from .bench import OnError, RunFolder, json_text, record_point
+from .limits import (POSITION_SLACK, Term, check_concurrency, check_model, check_positions, default_step_budget,
                      model_limits)
 from .metrics import compute_metrics
 from .options import check_distinct, check_names, parse_decimal_list
 from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_fields
-from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
-                   run_dir_guard, utc_now)
+from .rows import environment, identity, kernel_fields, read_rows, run_dir_guard
 from .workload import random_workload, run_requests
 
 STRUCTURED_METHOD_VERSION = "1"
@@ -166,7 +166,6 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
 
 def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> list[dict]:
     """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused); returns the rows."""
-    from .step_bench import check_model, kernel_info
     from .sweep import build_llm
     from .sweep_config import parse_sweep
     echo = echo or (lambda s: None)
@@ -174,7 +173,8 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
     check_device(cfg.device)
     parse_dtype(cfg.dtype)
     check_model(cfg.model, cfg.expert_storage)
-    refuse_existing_rows(run_dir, resumable=False)
+    folder = RunFolder(run_dir, "structured.json", resumable=False)
+    folder.check()
     max_len = cfg.isl + cfg.osl + POSITION_SLACK
     sweep = parse_sweep({"name": "structured", "model": cfg.model, "device": cfg.device, "dtype": cfg.dtype,
                          "engine_args": {"max_model_len": max_len, "max_num_seqs": max(cfg.batches),
@@ -184,23 +184,18 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
     t0 = time.perf_counter()
     llm = build_llm(sweep)
     echo(f"engine built in {time.perf_counter() - t0:.1f} s; {len(cfg.points())} points")
+    on_error = OnError(rerun="rerun into a new run directory (--run-id / --out)")
     with run_dir_guard(run_dir):
-        store, env = RowStore(run_dir), environment()
-        atomic_write_text(run_dir / "structured.json", json.dumps(asdict(cfg), indent=1) + "\n")
-        backend, backends = kernel_info(llm)
-        identity = {"schema_version": SCHEMA_VERSION, "method_version": STRUCTURED_METHOD_VERSION,
-                    "bench": "structured", "run_id": run_dir.name, "model": cfg.model,
-                    "model_type": llm.model.cfg.model_type, "precision": cfg.dtype, "device": cfg.device,
-                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "kernel_backend": backend,
-                    "kernel_backends": backends, "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
-                    "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl, "rounds": cfg.rounds,
-                    "seed": cfg.seed}
+        env = environment()
+        store = folder.open(json_text(asdict(cfg)))
+        ident = identity(env, STRUCTURED_METHOD_VERSION, bench="structured", run_id=run_dir.name, model=cfg.model,
+                         model_type=llm.model.cfg.model_type, precision=cfg.dtype, device=cfg.device,
+                         **kernel_fields(llm), isl=cfg.isl, osl=cfg.osl, rounds=cfg.rounds, seed=cfg.seed)
         for i, (schema, batch, fraction) in enumerate(cfg.points()):
-            row = {**identity, "key": key(schema, batch, fraction), "schema": schema,
-                   "schema_text": None if schema == "none" else json.dumps(SCHEMAS[schema]), "batch": batch,
-                   "fraction": fraction, "started": utc_now()}
-            row.update(measure_point(llm, cfg, schema, batch, fraction, i), status="ok")
-            store.append(row)
+            fields = {"schema": schema, "schema_text": None if schema == "none" else json.dumps(SCHEMAS[schema]),
+                      "batch": batch, "fraction": fraction}
+            row = record_point(store, ident, key(schema, batch, fraction), fields,
+                               lambda: measure_point(llm, cfg, schema, batch, fraction, i), on_error, echo)
             echo(f"  {row['key']:<18} median TPOT {row['median_tpot'] * 1e3:8.2f} ms  "
                  f"{row['output_throughput']:9.1f} tok/s")
     return read_rows(run_dir)
