@@ -1,16 +1,16 @@
 """`deepinfer-bench structured`: what structured outputs cost the decode loop. One row per (schema, batch,
 constrained fraction) point (docs/structured-outputs.md).
 
-Per point: batch x rounds random-token prompts of `isl` tokens run at concurrency = batch (all ready at the
-start, as the sweep's decode points); in every group of `batch` consecutive requests the first
-round(fraction x batch) carry so_args of the schema (max_tokens = osl, they may end earlier when the grammar
-completes), the rest are free (ignore_eos, exactly osl tokens); round half up, and a fraction whose count repeats
-another's at a batch is skipped there (rows: constrained_fraction, the share that ran). The same number of other prompts first,
-untimed (every graph shape captured, kernels compiled, the grammar compiled: a first H200 run with a one-round
-warm-up had a 4.7 s stall inside its first batch-64 point). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into
-constrained and free requests, output tokens and finish reasons per class, and how many constrained outputs
-that ended "stop" parse (json: json.loads + the jsonschema package when installed; regex: fullmatch), and the
-host time of the steps' mask fills (engine.mask_fill_ms_per_fill).
+Per point: batch x rounds random-token prompts of `isl` tokens run at concurrency = batch (all ready at the start,
+as the sweep's decode points); in every group of `batch` consecutive requests the first round(fraction x batch)
+carry so_args of the schema (max_tokens = osl, they may end earlier when the grammar completes), the rest are free
+(ignore_eos, exactly osl tokens); round half up, and a fraction whose count repeats another's at a batch is skipped
+there (rows: constrained_fraction, the share that ran). The same number of other prompts first, untimed (every graph
+shape captured, kernels compiled, the grammar compiled: with a one-round warm-up, first calls stall a large point
+for seconds). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into constrained
+and free requests, output tokens and finish reasons per class, and how many constrained outputs that ended "stop"
+parse (json: json.loads + the jsonschema package when installed; regex: fullmatch), and the host time of the steps'
+mask fills (engine.mask_fill_ms_per_fill).
 Fraction 0 is one baseline per batch (key none/b{batch}/f0), shared by the schemas; the table sets each
 point's TPOT against it."""
 
@@ -203,7 +203,7 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
 
 def table(rows: list[dict]) -> list[str]:
     """Per (schema, batch): median TPOT of every fraction and its ratio to the unconstrained baseline (the median:
-    one stall in a point moves its mean, as the first H200 run showed)."""
+    one stall in a point moves its mean)."""
     ok = {r["key"]: r for r in rows if r.get("status") == "ok"}
     base = {r["batch"]: r for r in ok.values() if r["schema"] == "none"}
     lines = [f"{'schema':<7} {'batch':>5} {'fraction':>8} {'p50 TPOT':>9} {'vs f0':>7} {'mean TPOT':>9} "

@@ -1,5 +1,5 @@
 """`deepinfer-bench versus`: deepinfer against transformers' eager generate and against its own torch reference
-backend, on the same V4 weights, in one run (issue 15's side-by-side target; docs/bench.md).
+backend, on the same V4 weights, in one run (docs/bench.md).
 
 The model is a DeepSeek-V4 (transformers==5.23.0 has DeepseekV4ForCausalLM; V4.1 is not released there): a
 checkpoint directory or random:deepseek_v4:PRESET:LAYERS. transformers' twin holds exactly our model's weights
