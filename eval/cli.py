@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from deepinfer.cli import run_cli
-from deepinfer.harness.cli_options import (DEVICE_HELP, device_option, dtype_option, model_option, not_blank,
-                                           run_id_option)
+from deepinfer.harness.cli_options import (DEVICE_HELP, device_option, dtype_option, index_hint, model_option,
+                                           not_blank, run_id_option)
 from deepinfer.harness.options import DIGITS, Count
 
 
@@ -58,7 +58,6 @@ def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurr
             quiet) -> None:
     """Run a suite (default: offline-smoke) and write results, rows and samples under --out/RUN_ID; exit status 1
     when a metric misses its suite threshold."""
-    from deepinfer.harness.cli import index_hint
     from deepinfer.harness.report import EVAL_DIR
 
     from .run import run_suite

@@ -15,8 +15,8 @@ from deepinfer.validate import PROJECTION_STORAGE
 
 from .checks import CHECK_MODES
 from .cli_options import (DEVICE_HELP, check_resume, device_option, dtype_option, echo_rows, expert_storage_option,
-                          model_option, not_blank, not_blank_each, report_dir_option, run_dir_options, run_id_option,
-                          seed_option, stacked)
+                          index_hint, model_option, not_blank, not_blank_each, report_dir_option, run_dir_options,
+                          run_id_option, seed_option, stacked)
 from .kernel_bench import OPS as KOPS
 from .options import Count, parse_int_list, parse_names, split_items
 from .versus_bench import ENGINES as VERSUS_ENGINES
@@ -83,13 +83,6 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
             click.echo(f"  {r['key']:<28} {_num(r['input_tput_per_gpu'], '9.1f')} in tok/s/GPU   "
                        f"TTFT p99 {_num(r['p99_ttft'], '.3f')} s")
     click.echo(index_hint(report_dir, run_dir))
-
-
-def index_hint(report_dir, run_dir) -> str:
-    """The line sweep / eval print instead of rewriting the index (publishing is `deepinfer-bench report`)."""
-    where = "" if str(report_dir) == "reports" else f" --report-dir {report_dir}"
-    return (f"{Path(report_dir) / 'index.md'} not rewritten; to publish this run: git add -f {run_dir}, then "
-            f"deepinfer-bench report --all{where}")
 
 
 @cli.command("report", epilog="""Examples:

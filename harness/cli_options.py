@@ -106,3 +106,10 @@ def echo_rows(run_dir: Path, lines: list[str]) -> None:
     click.echo(f"rows in {Path(run_dir) / 'rows.jsonl'}")
     for line in lines:
         click.echo("  " + line)
+
+
+def index_hint(report_dir, run_dir) -> str:
+    """The line sweep / eval print instead of rewriting the index (publishing is `deepinfer-bench report`)."""
+    where = "" if str(report_dir) == "reports" else f" --report-dir {report_dir}"
+    return (f"{Path(report_dir) / 'index.md'} not rewritten; to publish this run: git add -f {run_dir}, then "
+            f"deepinfer-bench report --all{where}")
