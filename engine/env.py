@@ -9,11 +9,10 @@ by build.sh only."""
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass
 
-from .errors import DeepInferError
+from .errors import DeepInferError, did_you_mean
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 PREFIX = "DEEPINFER_"
@@ -93,8 +92,8 @@ def check_environment() -> None:
     (a typo would otherwise be ignored) is one error line."""
     for name in sorted(os.environ):
         if name.startswith(PREFIX) and name not in VARIABLES:
-            hint = difflib.get_close_matches(name, list(VARIABLES), n=1)
-            raise DeepInferError(f"{name} is not a deepinfer setting" + (f" (did you mean {hint[0]}?)" if hint else "")
+            hint = did_you_mean(name, VARIABLES)
+            raise DeepInferError(f"{name} is not a deepinfer setting" + (f" ({hint})" if hint else "")
                                  + "; unset it (the known ones are listed in the README)")
     for name in VARIABLES:
         read(name)

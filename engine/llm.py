@@ -237,7 +237,7 @@ class LLM:
                                      f"{sorted(CHAT_MESSAGE_KEYS)}")
             for j, m in enumerate(c):
                 check_text(f"chat message {j} ({m['role']!r}) content", m["content"])
-        ids = [{"prompt_token_ids": self._render_chat(c, add_generation_prompt)} for c in conversations]
+        ids = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt)} for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
     # ---- the loop ----
@@ -357,7 +357,9 @@ class LLM:
         return read_tokenizer(self.model.checkpoint_dir, "LLM needs to encode text (or pass skip_tokenizer_init="
                                                          "True and give token-id prompts)")
 
-    def _render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """One conversation as prompt token ids: render_chat's text through the tokenizer (no special tokens added:
+        the template writes its own)."""
         if self.tokenizer is None:
             raise DeepInferError("chat renders text through the tokenizer, but the engine was built with "
                                  "skip_tokenizer_init=True; use generate with token ids")

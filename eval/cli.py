@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from deepinfer.cli import run_cli
-from deepinfer.harness.cli import DEVICE_HELP, not_blank
+from deepinfer.harness.cli_options import (DEVICE_HELP, device_option, dtype_option, index_hint, model_option,
+                                           not_blank, run_id_option)
 from deepinfer.harness.options import DIGITS, Count
-from deepinfer.validate import DTYPE_NAMES
 
 
 @click.group(help="deepinfer-eval: lm-eval accuracy suites on the engine, results into reports/eval/.")
@@ -33,10 +33,9 @@ Exit status 0; 1 when a metric misses its suite threshold; 2 on bad input. Runs 
               help="a suite under eval/suites/ (deepinfer-eval suites) or a suite YAML path")
 @click.option("--tasks", default=None, callback=not_blank,
               help="comma-separated tasks instead of a suite (offline or lm-eval names)")
-@click.option("--model", default=None, callback=not_blank,
-              help="override the suite's model (checkpoint dir, hub id, tiny, random:ARCH:PRESET:N)")
-@click.option("--device", default=None, callback=not_blank, help=f"override the suite's device: {DEVICE_HELP}")
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, help="override the suite's dtype")
+@model_option(None, "override the suite's model (checkpoint dir, hub id, tiny, random:ARCH:PRESET:N)")
+@device_option(None, f"override the suite's device: {DEVICE_HELP}")
+@dtype_option(None, "override the suite's dtype")
 @click.option("--limit", type=Count(1), default=None, help="samples per task")
 @click.option("--num-fewshot", type=Count(0), default=None, help="few-shot examples for every task")
 @click.option("--concurrency", default=None, callback=not_blank,
@@ -52,14 +51,13 @@ Exit status 0; 1 when a metric misses its suite threshold; 2 on bad input. Runs 
 @click.option("--confirm-run-unsafe-code", is_flag=True,
               help="let tasks that execute model-written code run (HumanEval; lm-eval's own switch)")
 @click.option("--out", default="reports/eval", show_default=True, callback=not_blank, help="results root")
-@click.option("--run-id", default=None, callback=not_blank, help="run directory name (default: time + suite name)")
+@run_id_option("<time>-<suite name>")
 @click.option("--quiet", is_flag=True, help="no progress bars, lm-eval warnings only")
 def run_cmd(suite_name, tasks, model, device, dtype, limit, num_fewshot, concurrency, batch_invariant,
             apply_chat_template, max_model_len, max_num_seqs, reference, confirm_run_unsafe_code, out, run_id,
             quiet) -> None:
     """Run a suite (default: offline-smoke) and write results, rows and samples under --out/RUN_ID; exit status 1
     when a metric misses its suite threshold."""
-    from deepinfer.harness.cli import index_hint
     from deepinfer.harness.report import EVAL_DIR
 
     from .run import run_suite

@@ -24,8 +24,10 @@ from pathlib import Path
 import yaml
 
 from deepinfer.errors import DeepInferError
-from deepinfer.harness.rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, refuse_existing_rows,
-                                   run_dir_guard, run_id_for, utc_now)
+from deepinfer.harness.bench import RunFolder
+from deepinfer.harness.rows import (RowStore, atomic_write_text, environment, kernel_fields, run_dir_guard, run_id_for,
+                                   utc_now)
+from deepinfer.harness.rows import identity as row_identity
 from deepinfer.validate import check_device
 
 from .suite import Bound, Suite
@@ -56,8 +58,9 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
         raise DeepInferError(f"--reference {reference!r}: allowed: {', '.join(REFERENCES)}")
     check_device(suite.device)
     run_id = run_id_for(run_id, suite.name)
-    run_dir = Path(out_root) / run_id
-    refuse_existing_rows(run_dir, resumable=False)
+    folder = RunFolder(Path(out_root) / run_id, "suite.yaml", resumable=False)
+    folder.check()
+    run_dir = folder.path
     managers: dict[bool, TaskManager] = {}         # lm-eval's task index is slow to build: once per run
 
     def manager(with_defaults: bool = True) -> TaskManager:
@@ -79,24 +82,20 @@ def run_suite(suite: Suite, out_root: str | Path = "reports/eval", run_id: str |
     lm = DeepInferLM(llm=llm, pretrained=suite.model, seed=suite.seed, batch_invariant=suite.batch_invariant,
                      progress=progress)
     with run_dir_guard(run_dir):         # made now that everything has loaded; removed if no row gets written
-        store = RowStore(run_dir)
-        return _run(suite, lm, entries, task_manager, store, run_dir, run_id, reference, progress, unsafe_code)
+        env = environment()
+        store = folder.open(yaml.safe_dump(suite.to_dict(), sort_keys=False), env)
+        return _run(suite, lm, entries, task_manager, store, env, run_id, reference, progress, unsafe_code)
 
 
-def _run(suite: Suite, lm, entries, task_manager, store: RowStore, run_dir: Path, run_id: str,
+def _run(suite: Suite, lm, entries, task_manager, store: RowStore, env: dict, run_id: str,
          reference: str | None, progress: bool, unsafe_code: bool) -> EvalRun:
-    llm = lm.llm
-    env = environment()
-    atomic_write_text(run_dir / "suite.yaml", yaml.safe_dump(suite.to_dict(), sort_keys=False))
-    atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
-    identity = {"schema_version": SCHEMA_VERSION, "method_version": EVAL_METHOD_VERSION, "kind": "eval",
-                "run_id": run_id, "suite": suite.name, "model": suite.model, "model_type": llm.model.cfg.model_type,
-                "config_hash": llm.model.cfg.config_hash(), "precision": suite.dtype, "device": suite.device,
-                "engine": "deepinfer", "engine_args": dict(suite.engine_args), "seed": suite.seed,
-                "batch_invariant": llm.batch_invariant, "kernel_backend": llm.stats.kernel_backend,
-                "kernel_backends": llm.stats.kernel_backends, "qat_fake_quant": reference is None,
-                "limit": suite.limit, "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"],
-                "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"]}
+    llm, run_dir = lm.llm, store.dir
+    identity = row_identity(env, EVAL_METHOD_VERSION, kind="eval", run_id=run_id, suite=suite.name,
+                            model=suite.model, model_type=llm.model.cfg.model_type,
+                            config_hash=llm.model.cfg.config_hash(), precision=suite.dtype, device=suite.device,
+                            engine="deepinfer", engine_args=dict(suite.engine_args), seed=suite.seed,
+                            batch_invariant=llm.batch_invariant, **kernel_fields(llm),
+                            qat_fake_quant=reference is None, limit=suite.limit)
     run = EvalRun(run_dir)
     samples_by_c = {}
     for c in suite.concurrencies(llm.engine.max_num_seqs):

@@ -23,7 +23,7 @@ CUDA_SIZES = (1 << 30, 8192, 3, 10)
 CPU_SIZES = (32 << 20, 512, 2, 5)
 
 
-def _time_calls(fn, device: torch.device, warmup: int, iters: int) -> float:
+def time_calls(fn, device: torch.device, warmup: int, iters: int) -> float:
     """Median seconds of one fn() call."""
     for _ in range(warmup):
         fn()
@@ -48,7 +48,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, warmup: int, iters: int) -
     """(read + write) bytes per second of a device-to-device copy of nbytes."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    t = _time_calls(lambda: dst.copy_(src), device, warmup, iters)
+    t = time_calls(lambda: dst.copy_(src), device, warmup, iters)
     del src, dst
     return 2 * nbytes / t
 
@@ -59,7 +59,7 @@ def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, warmup: int, it
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    t = _time_calls(lambda: torch.mm(a, b, out=out), device, warmup, iters)
+    t = time_calls(lambda: torch.mm(a, b, out=out), device, warmup, iters)
     return 2 * n ** 3 / t
 
 
@@ -74,7 +74,7 @@ def fp8_flops(device: torch.device, n: int, warmup: int, iters: int) -> tuple[fl
         a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
         b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()   # column-major
         one = torch.ones((), device=device, dtype=torch.float32)
-        t = _time_calls(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        t = time_calls(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
                         device, warmup, iters)
     except (RuntimeError, TypeError) as e:     # no fp8 tensor cores (pre-sm89) or an older signature
         return None, f"torch._scaled_mm failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"

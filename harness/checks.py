@@ -24,7 +24,8 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.kernels.registry import DEFAULT_OF, INVARIANT_OF
 
-from .rows import METHOD_VERSION, SCHEMA_VERSION, RowStore, environment, run_dir_guard
+from .bench import RunFolder
+from .rows import METHOD_VERSION, environment, identity, run_dir_guard
 from .workload import random_workload, seats
 
 log = logging.getLogger("deepinfer")
@@ -118,7 +119,7 @@ def run_checks(llm, kind: str, modes: list[bool], run_dir, prompts, runs: int, t
     """Run `kind` ("determinism" | "batch-invariance") in each mode; append and return one row per
     (mode, sampling). `run_dir` is made here and removed again if the check fails before its first row."""
     with run_dir_guard(run_dir):
-        store, env = RowStore(run_dir), environment()
+        store, env = RunFolder(run_dir, None, resumable=False).open(), environment()
         rows = []
         for on in modes:
             engine = with_mode(llm, on)
@@ -136,9 +137,7 @@ def run_checks(llm, kind: str, modes: list[bool], run_dir, prompts, runs: int, t
 
 def _identity(llm, engine, kind: str, env: dict, max_tokens: int) -> dict:
     """The fields every row of a check run carries (`engine`: the mode's engine)."""
-    return {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "check": kind, "status": "ok",
-            "batch_invariant": engine.batch_invariant, "kernel_backend": engine.stats.kernel_backend,
-            "model_type": llm.model.cfg.model_type, "device": str(llm.model.device),
-            "dtype": str(llm.model.dtype).replace("torch.", ""), "max_tokens": max_tokens,
-            "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
-            "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"]}
+    return identity(env, METHOD_VERSION, packages=False, check=kind, status="ok",
+                    batch_invariant=engine.batch_invariant, kernel_backend=engine.stats.kernel_backend,
+                    model_type=llm.model.cfg.model_type, device=str(llm.model.device),
+                    dtype=str(llm.model.dtype).replace("torch.", ""), max_tokens=max_tokens)

@@ -8,26 +8,18 @@ from pathlib import Path
 
 import click
 
+from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.cli import run_cli
 from deepinfer.kernels.registry import BACKEND_SETS
-from deepinfer.cache.pools import KV_CACHE_DTYPES
-from deepinfer.validate import DTYPE_NAMES, EXPERT_STORAGE, PROJECTION_STORAGE
+from deepinfer.validate import PROJECTION_STORAGE
 
 from .checks import CHECK_MODES
-from .kernel_bench import OPS as KOPS   # noqa: E402  deepinfer-bench kernels --op
-from .options import SEED, Count, parse_int_list, parse_names, split_items
-from .versus_bench import ENGINES as VERSUS_ENGINES   # noqa: E402
-
-DEVICE_HELP = "cpu | cuda | cuda:N (GPU N)"
-
-
-def not_blank(ctx, param, value):
-    """click callback: an option or argument given as an empty or blank string is refused in one line (never
-    read as 'not given')."""
-    if isinstance(value, str) and not value.strip():
-        raise click.BadParameter(f"{value!r} is empty; give a value, or leave {param.get_error_hint(ctx)} out",
-                                 ctx, param)
-    return value
+from .cli_options import (DEVICE_HELP, check_resume, device_option, dtype_option, echo_rows, expert_storage_option,
+                          index_hint, model_option, not_blank, not_blank_each, report_dir_option, run_dir_options,
+                          run_id_option, seed_option, stacked)
+from .kernel_bench import OPS as KOPS
+from .options import Count, parse_int_list, parse_names, split_items
+from .versus_bench import ENGINES as VERSUS_ENGINES
 
 
 @click.group(help="deepinfer-bench: benchmark sweeps (prefill / decode Pareto points) into versioned reports.")
@@ -46,13 +38,12 @@ def cli() -> None:
 The run goes to REPORT_DIR/1/RUN_ID/ (under reports/: git-ignored until published with git add -f);
 reports/index.md is rewritten by deepinfer-bench report only.""")
 @click.argument("sweep_file", required=False, callback=not_blank)
-@click.option("--model", default=None, callback=not_blank,
-              help="override the sweep's model (dir, hub id, tiny, random:ARCH:PRESET:N)")
-@click.option("--device", default=None, callback=not_blank, help=f"override the sweep's device: {DEVICE_HELP}")
+@model_option(None, "override the sweep's model (dir, hub id, tiny, random:ARCH:PRESET:N)")
+@device_option(None, f"override the sweep's device: {DEVICE_HELP}")
 @click.option("--prefill-ranks", type=Count(1), default=None, help="ranks for prefill points")
 @click.option("--decode-ranks", type=Count(1), default=None, help="ranks for decode points")
-@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
-@click.option("--run-id", default=None, callback=not_blank, help="run directory name (default: time + sweep name)")
+@report_dir_option()
+@run_id_option("<time>-<sweep name>")
 @click.option("--resume", is_flag=True, help="continue the run --run-id: skip finished points, retry failed ones")
 @click.option("--continue-on-error", is_flag=True, help="record a failed point and go on")
 @click.option("--no-progress", is_flag=True)
@@ -65,8 +56,7 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
     from .sweep import default_sweep, run_sweep
     from .sweep_config import load_sweep, parse_sweep
     cfg = load_sweep(sweep_file) if sweep_file is not None else default_sweep()
-    if resume and not run_id:
-        raise click.UsageError("--resume needs the --run-id of the run to continue")
+    check_resume(resume, run_id, has_out=False)
     overrides = {k: v for k, v in (("model", model), ("device", device)) if v is not None}
     topo = {k: v for k, v in (("prefill_ranks", prefill_ranks), ("decode_ranks", decode_ranks)) if v is not None}
     if overrides or topo:
@@ -95,13 +85,6 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
     click.echo(index_hint(report_dir, run_dir))
 
 
-def index_hint(report_dir, run_dir) -> str:
-    """The line sweep / eval print instead of rewriting the index (publishing is `deepinfer-bench report`)."""
-    where = "" if str(report_dir) == "reports" else f" --report-dir {report_dir}"
-    return (f"{Path(report_dir) / 'index.md'} not rewritten; to publish this run: git add -f {run_dir}, then "
-            f"deepinfer-bench report --all{where}")
-
-
 @cli.command("report", epilog="""Examples:
 
 \b
@@ -109,12 +92,11 @@ def index_hint(report_dir, run_dir) -> str:
   deepinfer-bench report --all --no-png                   # every run under reports/, HTML and CSV only
   git add -f reports/1/RUN && deepinfer-bench report --all # publish a run: list it in reports/index.md
   deepinfer-bench report NEW --against OLD                  # NEW's charts, and NEW against OLD in one chart each""")
-@click.argument("run_ids", nargs=-1, callback=lambda ctx, param, value: [not_blank(ctx, param, v) for v in value])
+@click.argument("run_ids", nargs=-1, callback=not_blank_each)
 @click.option("--all", "all_runs", is_flag=True, help="every run under the report dir")
-@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
+@report_dir_option()
 @click.option("--no-png", is_flag=True, help="HTML and CSV only")
-@click.option("--against", "against", multiple=True, callback=lambda ctx, param, value: [not_blank(ctx, param, v)
-                                                                                         for v in value],
+@click.option("--against", "against", multiple=True, callback=not_blank_each,
               help="an earlier run to chart the named run against (repeatable): <mode>_vs_<run>.html / .png")
 def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
     """Regenerate summary.csv and the Pareto charts of RUN_IDS (or --all) from their stored rows, and the index
@@ -177,11 +159,10 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
 
 \b
   deepinfer-bench step --iters 5 --report-dir /tmp/reports""")
-@click.option("--model", default=None, callback=not_blank,
-              help="random:ARCH:PRESET:LAYERS, tiny, a checkpoint dir or hub id [default: random:deepseek_v4:tiny:4]")
-@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
-@click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
+@model_option(None, "random:ARCH:PRESET:LAYERS, tiny, a checkpoint dir or hub id [default: random:deepseek_v4:tiny:4]")
+@device_option()
+@dtype_option()
+@expert_storage_option()
 @click.option("--kernel-backend", type=click.Choice(list(BACKEND_SETS)), default=None,
               help="kernel backend set [default: the engine's: DEEPINFER_KERNEL_BACKEND, else triton on CUDA "
                    "sm >= 8.9, else reference]")
@@ -203,13 +184,8 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
               help="fp8: the release's FP8 projections stay FP8 and run fp8_linear (W8A8)")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="fp8: the release's FP8 / FP4 KV cache records (docs/kernels.md)")
-@click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
-@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: step-<time>]")
-@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
-              help="run directory (overrides --report-dir / --run-id)")
-@click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished points")
-@click.option("--continue-on-error", is_flag=True, help="record a failed point and go on")
+@seed_option()
+@run_dir_options("step", resume=True, continue_on_error=True)
 def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, contexts, query_len, prefill, iters,
              warmup, trace_steps, no_graphs, expert_act_quant, projection_storage, kv_cache_dtype, seed, report_dir,
              run_id, out, resume, continue_on_error) -> None:
@@ -219,8 +195,7 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
     step must read (dense weights, the experts its routing selects, state) and its FLOPs over copy bandwidth
     and GEMM peak measured in the same run, their ratio, and the GPU idle fraction between steps."""
     from .step_bench import DEFAULT_MODEL, StepConfig, run_step_bench, table
-    if resume and not (run_id or out):
-        raise click.UsageError("--resume needs the --run-id (or --out) of the run to continue")
+    check_resume(resume, run_id, out)
     pre = parse_int_list(prefill, "--prefill", example="1024,8192")
     b = parse_int_list(batches, "--batch")
     c = parse_int_list(contexts, "--context", minimum=0, example="1024,8192")
@@ -232,9 +207,7 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
                      expert_act_quant=expert_act_quant, projection_storage=projection_storage,
                      kv_cache_dtype=kv_cache_dtype)
     run_dir, rows = run_step_bench(cfg, report_dir, run_id, out, resume, continue_on_error, echo=click.echo)
-    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
-    for line in table(rows):
-        click.echo("  " + line)
+    echo_rows(run_dir, table(rows))
 
 
 @cli.command("kernels", epilog="""Examples (one H200):
@@ -245,7 +218,7 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
   deepinfer-bench kernels --device cpu --op experts --model v4 --storage fp4 --tokens 1 --experts-limit 8 \\
       --backend reference --iters 2                          # the reference on CPU (seconds)
   deepinfer-bench kernels --device cuda --op attention --tokens 1,16,64,256 --contexts 8192,32768""")
-@click.option("--device", default="cuda", show_default=True, callback=not_blank, help=DEVICE_HELP)
+@device_option("cuda")
 @click.option("--op", "ops", default=",".join(KOPS), show_default=True, callback=not_blank)
 @click.option("--model", "models", default="v41,v4", show_default=True, callback=not_blank,
               help="released shapes of: v41 (384 x 5120 -> 2304 experts), v4 (256 x 4096 -> 2048)")
@@ -261,20 +234,15 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
 @click.option("--experts-limit", type=Count(1), default=None, help="build only this many experts (small devices)")
 @click.option("--iters", type=Count(1), default=20, show_default=True)
 @click.option("--warmup", type=Count(0), default=3, show_default=True)
-@click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
-@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: kernels-<time>]")
-@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
-              help="run directory (overrides --report-dir / --run-id)")
-@click.option("--resume", is_flag=True, help="continue the run --run-id / --out: skip finished rows")
+@seed_option()
+@run_dir_options("kernels", resume=True)
 def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backends, no_reference, experts_limit,
                 iters, warmup, seed, report_dir, run_id, out, resume) -> None:
     """Kernel rows: time, TB/s, TFLOP/s and their share of the ceilings measured in the same run, next to the
     torch reference (and cuBLAS for the dense GEMM), with the error against the reference (docs/bench.md)."""
     from .kernel_bench import KernelConfig, run_kernel_bench, table
     from .rows import run_dir_for
-    if resume and not (run_id or out):
-        raise click.UsageError("--resume needs the --run-id (or --out) of the run to continue")
+    check_resume(resume, run_id, out)
     names = lambda text, option, example: tuple(split_items(text, option, example))   # noqa: E731  checked below
     cfg = KernelConfig(device=device, ops=names(ops, "--op", "experts,attention"),
                        models=names(models, "--model", "v41,v4"), tokens=parse_int_list(tokens, "--tokens"),
@@ -286,9 +254,7 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
                        experts_limit=experts_limit)
     run_dir = run_dir_for(report_dir, run_id, out, "kernels")
     rows = run_kernel_bench(cfg, run_dir, resume, echo=click.echo)
-    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
-    for line in table(rows):
-        click.echo("  " + line)
+    echo_rows(run_dir, table(rows))
 
 
 @cli.command("structured", epilog="""Examples:
@@ -297,11 +263,7 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
   deepinfer-bench structured --report-dir /tmp/reports              # tiny model on CPU (about a minute)
   deepinfer-bench structured --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
       --expert-storage fp4 --batch 1,16,64 --isl 256 --osl 128""")
-@click.option("--model", default="tiny", show_default=True, callback=not_blank,
-              help="dir, hub id, tiny or random:ARCH:PRESET:N")
-@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
-@click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
+@stacked(model_option("tiny"), device_option(), dtype_option(), expert_storage_option())
 @click.option("--schemas", default="json,regex", show_default=True, callback=not_blank,
               help="the bench's grammars (harness/structured_bench.py SCHEMAS)")
 @click.option("--batch", "batches", default="1,4,16", show_default=True, callback=not_blank,
@@ -311,11 +273,8 @@ def kernels_cmd(device, ops, models, tokens, contexts, storage, numerics, backen
 @click.option("--isl", type=Count(1), default=64, show_default=True, help="prompt tokens")
 @click.option("--osl", type=Count(1), default=64, show_default=True, help="most output tokens")
 @click.option("--rounds", type=Count(1), default=2, show_default=True, help="timed requests per point = batch x rounds")
-@click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
-@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: structured-<time>]")
-@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
-              help="run directory (overrides --report-dir / --run-id)")
+@seed_option()
+@run_dir_options("structured")
 def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fractions, isl, osl, rounds, seed,
                    report_dir, run_id, out) -> None:
     """Structured outputs' cost: TPOT and throughput with 0 / 50 / 100% of each batch constrained (JSON schema,
@@ -328,9 +287,7 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
                            isl=isl, osl=osl, rounds=rounds, seed=seed)
     run_dir = run_dir_for(report_dir, run_id, out, "structured")
     rows = run_structured_bench(cfg, run_dir, echo=click.echo)
-    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
-    for line in table(rows):
-        click.echo("  " + line)
+    echo_rows(run_dir, table(rows))
 
 
 @cli.command("dspark", epilog="""Examples:
@@ -343,11 +300,9 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
       --num-speculative-tokens 3 --repeats 3                          # V4 drafting with its MTP layer
   deepinfer-bench dspark --model /path/to/DeepSeek-V4.1-Flash --acceptance measured --prompts all \\
       --device cuda --dtype bfloat16                                  # a real checkpoint, the prompt set""")
-@click.option("--model", default="random:deepseek_v41:tiny:2", show_default=True, callback=not_blank,
-              help="a checkpoint dir / hub id or random:ARCH:PRESET:N (V4.1 drafts with DSpark, V4 with its MTP layer)")
-@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
-@click.option("--expert-storage", type=click.Choice(EXPERT_STORAGE), default="dense", show_default=True)
+@model_option("random:deepseek_v41:tiny:2",
+              "a checkpoint dir / hub id or random:ARCH:PRESET:N (V4.1 drafts with DSpark, V4 with its MTP layer)")
+@stacked(device_option(), dtype_option(), expert_storage_option())
 @click.option("--modes", default="off,fixed,confidence", show_default=True, callback=not_blank,
               help="off (no speculation), fixed, confidence, budget; comma-separated")
 @click.option("--concurrency", default="1,4,16", show_default=True, callback=not_blank,
@@ -361,7 +316,7 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
               help="new tokens per request (exactly; with --prompts from the set: at most, ending at EOS)")
 @click.option("--rounds", type=Count(1), default=2, show_default=True,
               help="timed requests per point = concurrency x rounds")
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@seed_option()
 @click.option("--prompts", type=click.Choice(["random", "all", "code", "math", "chat"]), default="random",
               show_default=True, help="random tokens, or a category of the project-owned prompt set (a real "
               "checkpoint's acceptance: chat template, cut to --isl, up to --osl new tokens ending at EOS)")
@@ -369,11 +324,8 @@ def structured_cmd(model, device, dtype, expert_storage, schemas, batches, fract
               help="run the study this many times, engines built afresh (the table: medians and ranges)")
 @click.option("--one-engine", is_flag=True, help="hold one mode's engine at a time and run its points (a deep "
               "model's large points fit; the modes of a point are then minutes apart, not back to back)")
-@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
 @click.option("--no-png", is_flag=True, help="chart as HTML only (no browser for kaleido)")
-@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: dspark-<time>]")
-@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
-              help="run directory (overrides --report-dir / --run-id)")
+@run_dir_options("dspark")
 def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, acceptance, num_speculative_tokens, isl,
                osl, rounds, seed, prompts, repeats, one_engine, report_dir, no_png, run_id, out) -> None:
     """DSpark speculative decoding against none, and confidence-scheduled verification against fixed-length:
@@ -389,9 +341,7 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
     cfg.check()
     run_dir = run_dir_for(report_dir, run_id, out, "dspark")
     rows = run_dspark_bench(cfg, run_dir, echo=click.echo, png=not no_png)
-    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
-    for line in table(rows):
-        click.echo("  " + line)
+    echo_rows(run_dir, table(rows))
 
 
 @cli.command("versus", epilog="""Examples:
@@ -400,21 +350,16 @@ def dspark_cmd(model, device, dtype, expert_storage, modes, concurrency, accepta
   deepinfer-bench versus --report-dir /tmp/reports                   # tiny V4 on CPU (about a minute)
   deepinfer-bench versus --model random:deepseek_v4:flash:4 --device cuda --dtype bfloat16 \\
       --batch 1,64 --isl 1024 --osl 64""")
-@click.option("--model", default="random:deepseek_v4:tiny:4", show_default=True, callback=not_blank,
-              help="a deepseek_v4 checkpoint dir or random:deepseek_v4:PRESET:N")
-@click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP)
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
+@model_option("random:deepseek_v4:tiny:4", "a deepseek_v4 checkpoint dir or random:deepseek_v4:PRESET:N")
+@stacked(device_option(), dtype_option())
 @click.option("--batch", "batches", default="1,64", show_default=True, callback=not_blank,
               help="batch sizes, comma-separated")
 @click.option("--isl", type=Count(1), default=128, show_default=True, help="prompt tokens")
 @click.option("--osl", type=Count(1), default=32, show_default=True, help="new tokens per prompt (exactly)")
 @click.option("--engines", default=",".join(VERSUS_ENGINES), show_default=True, callback=not_blank,
               help="which of transformers, deepinfer (default kernels), reference (torch backend)")
-@click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--report-dir", default="reports", show_default=True, callback=not_blank)
-@click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: versus-<time>]")
-@click.option("--out", default=None, callback=not_blank, type=click.Path(file_okay=False),
-              help="run directory (overrides --report-dir / --run-id)")
+@seed_option()
+@run_dir_options("versus")
 def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_dir, run_id, out) -> None:
     """deepinfer against transformers' eager generate and against its own torch reference backend on the same V4
     weights: one row per (engine, batch), greedy, the same prompts, exactly --osl new tokens each."""
@@ -425,9 +370,7 @@ def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_di
     cfg.check()
     run_dir = run_dir_for(report_dir, run_id, out, "versus")
     rows = run_versus_bench(cfg, run_dir, echo=click.echo)
-    click.echo(f"rows in {run_dir / 'rows.jsonl'}")
-    for line in table(rows):
-        click.echo("  " + line)
+    echo_rows(run_dir, table(rows))
 
 
 @cli.command("ops", epilog="""Examples:
@@ -435,8 +378,7 @@ def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_di
 \b
   deepinfer-bench ops                                  # the tiny V4.1, reference kernels, CPU (seconds)
   deepinfer-bench ops --model random:deepseek_v4:tiny:4 --top 60""")
-@click.option("--model", default="tiny", show_default=True, callback=not_blank,
-              help="dir, hub id, tiny or random:ARCH:PRESET:N (CPU: keep it small)")
+@model_option("tiny", "dir, hub id, tiny or random:ARCH:PRESET:N (CPU: keep it small)")
 @click.option("--kernel-backend", type=click.Choice(list(BACKEND_SETS)), default=None,
               help="kernel backend set [default: the engine's on the CPU: DEEPINFER_KERNEL_BACKEND, else reference; "
                    "invariant under DEEPINFER_BATCH_INVARIANT=1]")
@@ -453,22 +395,14 @@ def ops_cmd(model, kernel_backend, batch, top) -> None:
         click.echo(line)
 
 
-def _check_options(f):
-    for opt in reversed([
-        click.option("--model", default="tiny", show_default=True, callback=not_blank,
-                     help="dir, hub id, tiny or random:ARCH:PRESET:N"),
-        click.option("--device", default="cpu", show_default=True, callback=not_blank, help=DEVICE_HELP),
-        click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True),
-        click.option("--max-tokens", type=Count(1), default=32, show_default=True),
-        click.option("--prompt-len", type=Count(1), default=48, show_default=True),
-        click.option("--mode", "modes", type=click.Choice(list(CHECK_MODES)), default=None,
-                     help="batch-invariant mode off, on, or both [default: both; on only under "
-                          "DEEPINFER_BATCH_INVARIANT=1]"),
-        click.option("--seed", type=SEED, default=0, show_default=True),
-        click.option("--report-dir", default="reports", show_default=True, callback=not_blank),
-        click.option("--run-id", default=None, callback=not_blank, help="run directory name [default: time + check]")]):
-        f = opt(f)
-    return f
+_check_options = stacked(
+    model_option("tiny"), device_option(), dtype_option(),
+    click.option("--max-tokens", type=Count(1), default=32, show_default=True),
+    click.option("--prompt-len", type=Count(1), default=48, show_default=True),
+    click.option("--mode", "modes", type=click.Choice(list(CHECK_MODES)), default=None,
+                 help="batch-invariant mode off, on, or both [default: both; on only under "
+                      "DEEPINFER_BATCH_INVARIANT=1]"),
+    seed_option(), report_dir_option(), run_id_option("<time>-<check>"))
 
 
 @cli.command("determinism", epilog="""Examples:
@@ -502,7 +436,8 @@ def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: 
 
     from .checks import check_modes, run_checks
     from .limits import POSITION_SLACK, Term, check_positions, model_limits
-    from .rows import SCHEMA_VERSION, refuse_existing_rows, run_id_for
+    from .bench import RunFolder
+    from .rows import SCHEMA_VERSION, run_id_for
     from .sweep import build_llm
     from .sweep_config import parse_sweep
     from .workload import random_workload
@@ -517,7 +452,7 @@ def _run_check(kind: str, kw: dict, runs: int | None, num_prompts: int, trials: 
                     [Term("--prompt-len", kw["prompt_len"], per=2), Term("--max-tokens", kw["max_tokens"])],
                     reserved=POSITION_SLACK)
     run_dir = Path(kw["report_dir"]) / SCHEMA_VERSION / run_id_for(kw["run_id"], kind)
-    refuse_existing_rows(run_dir, resumable=False)
+    RunFolder(run_dir, None, resumable=False).check()
     llm = build_llm(cfg)                      # a bad model fails here, before the run directory is made
     prompts = random_workload(num_prompts, kw["prompt_len"], 1, 0.5, llm.model.cfg.vocab_size, kw["seed"]).prompts
     rows = run_checks(llm, kind, modes, run_dir, prompts, runs or 0, trials or 0, kw["max_tokens"], kw["seed"])

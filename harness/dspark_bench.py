@@ -39,13 +39,13 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .limits import (POSITION_SLACK, Term, check_concurrency, check_positions, default_step_budget,
+from .bench import OnError, RunFolder, error_text, first_line, json_text, record_point
+from .limits import (POSITION_SLACK, Term, check_concurrency, check_model, check_positions, default_step_budget,
                      model_limits)
 from .metrics import compute_metrics
 from .options import check_distinct, check_names, parse_decimal_list
 from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_fields
-from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
-                   run_dir_guard, utc_now)
+from .rows import environment, identity, kernel_fields, read_rows, run_dir_guard
 from .workload import random_workload, run_requests
 
 DSPARK_METHOD_VERSION = "2"
@@ -149,7 +149,7 @@ def set_prompts(llm, category: str, n: int, isl: int) -> list[list[int]]:
     texts = [t["prompt"] for t in texts if category == "all" or t["category"] == category]
     try:
         llm.chat_template()
-        encode = lambda t: llm._render_chat([{"role": "user", "content": t}], True)   # noqa: E731
+        encode = lambda t: llm.encode_chat([{"role": "user", "content": t}])   # noqa: E731
     except DeepInferError:                                   # no chat template: the plain text
         encode = lambda t: llm.tokenizer.encode(t).ids       # noqa: E731
     ids = [encode(t)[-isl:] for t in texts]
@@ -200,10 +200,11 @@ def measure_point(llm, cfg: DSparkConfig, concurrency: int, index: int) -> dict:
     st = llm.stats
     row.update(speculation_fields(st, llm.engine.speculation and llm.engine.speculation.policy))
     row.update(traffic_fields(st))
-    row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays, "graphs_captured": len(st.graphs_captured),
-                     "graphs_captured_timed": len(st.graphs_captured) - captured,
-                     "timed_attempts": attempt, "fed_tokens": st.fed_tokens, "committed_tokens": st.committed_tokens,
-                     "max_step_tokens": st.max_step_tokens}
+    row["engine_stats"] = {"steps": st.steps, "graph_replays": st.graph_replays,
+                           "graphs_captured": len(st.graphs_captured),
+                           "graphs_captured_timed": len(st.graphs_captured) - captured,
+                           "timed_attempts": attempt, "fed_tokens": st.fed_tokens,
+                           "committed_tokens": st.committed_tokens, "max_step_tokens": st.max_step_tokens}
     return row
 
 
@@ -215,67 +216,69 @@ def _engine(model, cfg: DSparkConfig, mode: str):
                speculative=cfg.speculative(mode), expert_traffic=True)
 
 
-def _point_row(llm, cfg: DSparkConfig, identity: dict, mode: str, c: int, index: int, rep: int, echo) -> dict:
-    """One point's row (a failed point is a row too, never lost)."""
+def _point_row(llm, cfg: DSparkConfig, store, identity: dict, mode: str, c: int, index: int, rep: int,
+               echo) -> dict:
+    """One point's row; a point that runs out of device memory or is refused is a failure row and the study goes
+    on (the next concurrency may fit)."""
     import torch
 
-    from .step_bench import kernel_info
     from .sweep import free_device_memory, spec_mode_of
-    backend, backends = kernel_info(llm)
-    row = {**identity, "key": key(mode, c, rep if cfg.repeats > 1 else None), "schedule": mode,
-           "spec_mode": spec_mode_of(llm), "mode": "decode", "engine": "deepinfer", "gpus": 1,
-           "num_prompts": c * cfg.rounds, "concurrency": c, "repeat": rep, "kernel_backend": backend,
-           "kernel_backends": backends, "started": utc_now()}
-    try:
-        row.update(measure_point(llm, cfg, c, index), status="ok", finished=utc_now())
-    except DeepInferError as e:
-        row.update(status="failed", error=str(e), finished=utc_now())
-    except torch.OutOfMemoryError as e:        # every mode's engine is held at once: a large point can run out
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
-        row.update(status="failed", error=f"out of device memory at concurrency {c} ({first[:120]}); every mode's "
-                   f"engine is held at once: --one-engine, fewer --modes or a lower --concurrency", finished=utc_now())
+
+    def describe(e: BaseException) -> str:
+        if not isinstance(e, torch.OutOfMemoryError):
+            return error_text(e)
+        first = first_line(str(e)) or "CUDA out of memory"     # every mode's engine is held at once by default
+        return (f"out of device memory at concurrency {c} ({first[:120]}); every mode's engine is held at once: "
+                f"--one-engine, fewer --modes or a lower --concurrency")
+    fields = {"schedule": mode, "spec_mode": spec_mode_of(llm), "mode": "decode", "engine": "deepinfer", "gpus": 1,
+              "num_prompts": c * cfg.rounds, "concurrency": c, "repeat": rep, **kernel_fields(llm)}
+    on_error = OnError(keep_going=(DeepInferError, torch.OutOfMemoryError), describe=describe,
+                       rerun="rerun into a new run directory (--run-id / --out)")
+    row = record_point(store, identity, key(mode, c, rep if cfg.repeats > 1 else None), fields,
+                       lambda: measure_point(llm, cfg, c, index), on_error, echo)
     if row["status"] == "failed":
         free_device_memory()                   # outside the handler: its traceback no longer holds the tensors
-    if row["status"] == "ok":
+    else:
         echo(f"  {row['key']:<14} {row['output_throughput']:9.1f} tok/s  {row['median_intvty']:8.1f} tok/s/user  "
              f"AL {row['mean_accepted_length']:.3f}")
-    else:
-        echo(f"  {row['key']:<14} failed: {row['error']}")
     return row
+
+
+def build_draft_model(cfg: DSparkConfig):
+    """The study's one model (every mode's engine runs over it); one line when it cannot draft."""
+    from deepinfer.api import resolve_model
+    model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage)
+    if model.drafting is None:
+        raise DeepInferError(f"--model {cfg.model} cannot draft (no DSpark stages or NextN layer: "
+                             f"num_nextn_predict_layers = 0): docs/speculative.md")
+    return model
 
 
 def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = True) -> list[dict]:
     """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused), then the run's report
     (summary.csv and the decode Pareto chart, as `deepinfer-bench report` regenerates them); returns the rows."""
-    from deepinfer.api import resolve_model
-
-    from .step_bench import check_model
     from .sweep import free_device_memory
     echo = echo or (lambda s: None)
     cfg.check()
     check_device(cfg.device)
     parse_dtype(cfg.dtype)
     check_model(cfg.model, cfg.expert_storage)
-    refuse_existing_rows(run_dir, resumable=False)
+    folder = RunFolder(run_dir, "dspark.json", resumable=False)
+    folder.check()
     t0 = time.perf_counter()
-    model = resolve_model(cfg.model, cfg.device, cfg.dtype, cfg.expert_storage)
-    if model.drafting is None:
-        raise DeepInferError(f"--model {cfg.model} cannot draft (no DSpark stages or NextN layer: "
-                             f"num_nextn_predict_layers = 0): docs/speculative.md")
+    model = build_draft_model(cfg)
     echo(f"model built in {time.perf_counter() - t0:.1f} s; {len(cfg.modes) * len(cfg.concurrency)} points")
     with run_dir_guard(run_dir):
-        store, env = RowStore(run_dir), environment()
-        atomic_write_text(run_dir / "dspark.json", json.dumps(asdict(cfg), indent=1) + "\n")
+        env = environment()
+        store = folder.open(json_text(asdict(cfg)))
         survival = cfg.survival()
-        identity = {"schema_version": SCHEMA_VERSION, "method_version": DSPARK_METHOD_VERSION, "bench": "dspark",
-                    "run_id": run_dir.name, "model": cfg.model, "model_type": model.cfg.model_type,
-                    "precision": cfg.dtype, "device": cfg.device, "expert_storage": cfg.expert_storage,
-                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
-                    "git_dirty": env["git"]["dirty"], "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl,
-                    "pinned_survival": None if survival is None else list(survival),
-                    "num_speculative_tokens": cfg.num_speculative_tokens, "is_projected": False,
-                    "rounds": cfg.rounds, "seed": cfg.seed, "acceptance": cfg.acceptance, "prompts": cfg.prompts,
-                    "repeats": cfg.repeats, "engines_held": 1 if cfg.one_engine else len(cfg.modes)}
+        ident = identity(env, DSPARK_METHOD_VERSION, bench="dspark", run_id=run_dir.name, model=cfg.model,
+                         model_type=model.cfg.model_type, precision=cfg.dtype, device=cfg.device,
+                         expert_storage=cfg.expert_storage, isl=cfg.isl, osl=cfg.osl,
+                         pinned_survival=None if survival is None else list(survival),
+                         num_speculative_tokens=cfg.num_speculative_tokens, is_projected=False, rounds=cfg.rounds,
+                         seed=cfg.seed, acceptance=cfg.acceptance, prompts=cfg.prompts, repeats=cfg.repeats,
+                         engines_held=1 if cfg.one_engine else len(cfg.modes))
         # Every mode's engine afresh each repeat. By default all of them are held and the modes of a point run
         # back to back (drift between them stays small); --one-engine runs one mode's points at a time, so a deep
         # model's largest points fit beside one engine's pools and graphs instead of every mode's.
@@ -289,7 +292,7 @@ def run_dspark_bench(cfg: DSparkConfig, run_dir: Path, echo=None, png: bool = Tr
                     echo(f"{mode}: engine built in {time.perf_counter() - t1:.1f} s")
                 for index, c in enumerate(cfg.concurrency):      # every mode and repeat: the same workloads
                     for mode, llm in engines.items():
-                        store.append(_point_row(llm, cfg, identity, mode, c, index, rep, echo))
+                        _point_row(llm, cfg, store, ident, mode, c, index, rep, echo)
                 llm = None
                 engines.clear()                  # their pools and graphs go back before the next engines'
                 free_device_memory()

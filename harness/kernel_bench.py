@@ -15,15 +15,14 @@ Ops and what a row counts:
                entry of the context), `tokens` query rows at each of `contexts`: bytes = the keys each row reads
                (rows x keys x 512 x 2) + q + out, FLOPs = 4 * rows * 64 * keys * 512. Decode-sized rows (<= 256)
                read each its own sequence's store (no cache sharing between rows); more rows share one sequence's
-               store (a prefill chunk). The Triton kernel is called directly (kernels/attention_triton.py) while
-               it is not in the backend sets yet.
+               store (a prefill chunk).
 Ceilings (harness/ceilings.py): device copy bandwidth (read+write), torch bf16 GEMM peak, torch._scaled_mm FP8
 peak. A row's `bandwidth_share` = bytes / time / copy bandwidth; `peak_share` = FLOP/s / the peak of its numerics
 (bf16 for a16 and bf16 weights, fp8 for a8 and fp8_linear)."""
 
 from __future__ import annotations
 
-import json
+import functools
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,10 +31,10 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device
 
-from .ceilings import _time_calls, measure_ceilings
+from .ceilings import time_calls, measure_ceilings
 from .options import check_distinct
-from .rows import (RowStore, atomic_write_text, done_keys, environment, read_rows, refuse_existing_rows, run_dir_guard,
-                   utc_now)
+from .bench import RunFolder, json_text
+from .rows import environment, identity, read_rows, run_dir_guard, utc_now
 
 KERNEL_METHOD_VERSION = "1"
 MODEL_SHAPES = {   # experts: (E, D, I, top_k); linears: name -> (N, K) of its FP8 projections
@@ -176,15 +175,15 @@ def _time(fn, device, warmup: int, iters: int) -> float:
         except RuntimeError:
             torch.cuda.synchronize(device)
         else:
-            with_fn = _time_calls(both.replay, device, warmup, iters)
-            alone = _time_calls(flushes.replay, device, warmup, iters)
+            with_fn = time_calls(both.replay, device, warmup, iters)
+            alone = time_calls(flushes.replay, device, warmup, iters)
             if with_fn > alone:
                 TIMING["last"] = "graph, cold L2"
                 return (with_fn - alone) / GRAPH_CALLS
             TIMING["last"] = "eager (the cold-L2 difference was below the replays' noise)"
-            return _time_calls(fn, device, warmup, iters)
+            return time_calls(fn, device, warmup, iters)
     TIMING["last"] = "eager"
-    return _time_calls(fn, device, warmup, iters)
+    return time_calls(fn, device, warmup, iters)
 
 
 def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
@@ -370,11 +369,8 @@ def attention_inputs(kind: str, rows: int, context: int, device, gen, heads: int
 
 
 def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
-    from deepinfer.kernels import attention as ka
     from deepinfer.kernels import attention_triton as kat
-    from deepinfer.kernels import registry
-    impls = {"reference": ka._sparse_sink_attention, "triton": kat.sparse_sink_attention_triton,
-             "triton_invariant": kat.sparse_sink_attention_triton_invariant}
+    impls = {b: implementation("sparse_sink_attention", b) for b in ("reference", *cfg.backends)}
     device, heads, dim = cfg.device, 64, 512
     for kind in ATTENTION_KINDS:
         for context in cfg.contexts:
@@ -451,11 +447,7 @@ def _row_op_rows(op: str, cfg: KernelConfig, ceilings: dict, done: set[str], emi
 def mhc_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
     """hc_mixes at the released widths (hc x hidden, bf16 streams, fp32 fn [24, hc * D]): the `triton` set takes
     the cuBLAS projection from mhc_triton.GEMM_ROWS rows, `triton_invariant` always the chunk kernel."""
-    from deepinfer.kernels import mhc as km
-    impls = {"reference": lambda *a: km._hc_mixes(*a)}
-    if any(b.startswith("triton") for b in cfg.backends):
-        from deepinfer.kernels import mhc_triton as kmt
-        impls.update(triton=kmt.hc_mixes_triton, triton_invariant=kmt.hc_mixes_triton_invariant)
+    impls = {b: implementation("hc_mixes", b) for b in ("reference", *cfg.backends)}
 
     def build(model, tokens, gen):
         hc, d = MODEL_SHAPES[model]["hc"], MODEL_SHAPES[model]["experts"][1]
@@ -473,13 +465,9 @@ def mhc_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> N
 
 def route_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
     """route (scores sqrt(softplus), bias, top-6) at the released router widths: the `triton` set's logits on
-    cuBLAS from routing_triton.ROUTE_GEMM_ROWS rows, `triton_invariant` always the chunk kernel."""
-    from deepinfer.kernels import routing, routing_triton
+    cuBLAS from routing.ROUTE_GEMM_ROWS rows, `triton_invariant` always the chunk kernel."""
     kw = dict(top_k=6, score_func="sqrtsoftplus", route_scale=1.5, temp=1.0, normalize=True)
-    impls = {"reference": lambda x, w, b: routing._route_reference(x, w, b, **kw)}
-    if any(b.startswith("triton") for b in cfg.backends):
-        impls.update(triton=lambda x, w, b: routing_triton._route_triton_default(x, w, b, **kw),
-                     triton_invariant=lambda x, w, b: routing_triton._route_triton_invariant(x, w, b, **kw))
+    impls = {b: functools.partial(implementation("route", b), **kw) for b in ("reference", *cfg.backends)}
 
     def build(model, tokens, gen):
         e, d = MODEL_SHAPES[model]["experts"][:2]
@@ -491,6 +479,13 @@ def route_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) ->
         e, d = MODEL_SHAPES[model]["experts"][:2]
         return (tokens + e) * d * 2, 2 * tokens * d * e
     _row_op_rows("route", cfg, ceilings, done, emit, echo, impls, build, traffic)
+
+
+def implementation(op: str, backend: str):
+    """The function the kernel table of backend set `backend` runs for `op` (its fallback's where the set has
+    none of its own): the bench times what the engine would run."""
+    from deepinfer.kernels.table import KernelTable
+    return KernelTable(backend).fns[op]
 
 
 def _dtype(cfg: KernelConfig) -> torch.dtype:
@@ -510,13 +505,8 @@ def run_kernel_bench(cfg: KernelConfig, run_dir: Path, resume: bool = False, ech
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise DeepInferError("deepinfer-bench kernels --device cuda: no CUDA device here; use --device cpu for "
                              "the reference backend only")
-    if resume:
-        stored = run_dir / "kernels.json"
-        if not stored.exists():
-            raise DeepInferError(f"--resume: no kernel run {run_dir} (no kernels.json there)")
-    else:
-        refuse_existing_rows(run_dir)
-    done = done_keys(read_rows(run_dir))
+    folder = RunFolder(run_dir, "kernels.json", resume)
+    done = folder.check(bench="kernel")
     echo(f"ceilings on {cfg.device} ...")
     ceilings = measure_ceilings(cfg.device, torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32)
     echo(f"  copy {ceilings['copy_bytes_per_s'] / 1e12:.3f} TB/s, bf16 "
@@ -524,18 +514,12 @@ def run_kernel_bench(cfg: KernelConfig, run_dir: Path, resume: bool = False, ech
          f"{(ceilings['fp8_flops_per_s'] or 0) / 1e12:.0f} TFLOP/s")
     env = environment()
     with run_dir_guard(run_dir):
-        store = RowStore(run_dir)
-        atomic_write_text(run_dir / "kernels.json", json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
-        if not (run_dir / "env.json").exists():
-            atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
-        identity = {"schema_version": "1", "method_version": KERNEL_METHOD_VERSION, "bench": "kernels",
-                    "run_id": run_dir.name, "device": cfg.device,
-                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
-                    "git_dirty": env["git"]["dirty"], "packages": env["packages"], "seed": cfg.seed,
-                    "iters": cfg.iters, "warmup": cfg.warmup, "ceilings": ceilings, "is_projected": False}
+        store = folder.open(json_text(cfg.to_dict()), env)
+        ident = identity(env, KERNEL_METHOD_VERSION, bench="kernels", run_id=run_dir.name, device=cfg.device,
+                         seed=cfg.seed, iters=cfg.iters, warmup=cfg.warmup, ceilings=ceilings, is_projected=False)
 
         def emit(row: dict) -> None:
-            store.append({**identity, **row, "status": "ok", "finished": utc_now()})
+            store.append({**ident, **row, "status": "ok", "finished": utc_now()})
 
         with torch.inference_mode():
             for op in cfg.ops:

@@ -129,3 +129,15 @@ def bench_backend(name: str) -> str:
     DEEPINFER_BATCH_INVARIANT=1, as the engine does with its own default."""
     from deepinfer.kernels.registry import INVARIANT_OF
     return INVARIANT_OF[name] if batch_invariant_env() else name
+
+
+def check_model(spec: str, expert_storage: str = "dense") -> None:
+    """The model's form (deepinfer.validate) and, for random:ARCH:PRESET:LAYERS, that the preset has that many
+    layers, without building anything (one error line if it is wrong)."""
+    from deepinfer.validate import check_expert_storage, check_model_spec
+    check_model_spec(spec)
+    if spec.startswith("random:"):
+        check_expert_storage(expert_storage, spec.split(":")[1])
+        from deepinfer.config.presets import preset_config
+        _, arch, preset, layers = spec.split(":")
+        preset_config(arch, preset, int(layers))

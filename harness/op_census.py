@@ -18,7 +18,6 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer.errors import DeepInferError
@@ -41,7 +40,8 @@ NO_LAUNCH = frozenset({
     "aten.flatten.using_ints", "aten.contiguous.default", "aten.view.dtype", "aten.sym_size.int",
     "aten.sym_stride.int", "aten.sym_numel.default", "aten.dim.default", "aten.size.default", "aten.stride.default",
     "aten.numel.default", "aten.is_contiguous.default", "aten.item.default", "aten.empty_like.default",
-    "aten.empty.memory_format", "aten.empty_strided.default"})
+    "aten.empty.memory_format", "aten.empty_strided.default",
+    "aten.resolve_conj.default", "aten.resolve_neg.default"})      # copies only for complex / negated views
 
 
 @dataclass
@@ -136,26 +136,22 @@ def run_census(llm, batch: int = 4, prompt_len: int = PROMPT_LEN, new_tokens: in
     census = Census()
     recorder = _Recorder(census, Path(deepinfer.__file__).resolve().parent,
                          Path(deepinfer.kernels.__file__).resolve().parent)
-    runner = llm.engine.runner
-    execute = runner.execute
 
-    def counted(sched, prev, before_sample=None):
-        recorder.on = bool(sched.rows) and all(s.n == 1 for s in sched.rows)
+    def observe(batch) -> None:             # the engine calls it with each step's plan, before the launch
+        recorder.on = bool(batch) and all(s.n == 1 for s in batch)
         census.steps += recorder.on
-        try:
-            return execute(sched, prev, before_sample)
-        finally:
-            recorder.on = False
 
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     prompts = census_prompts(batch, prompt_len, llm.model.cfg.vocab_size)
     llm.generate(prompts, sp, use_tqdm=False)                      # warm: first-call paths out of the count
-    runner.execute = counted
+    observers = llm.engine.step_observers
+    observers.append(observe)
     try:
         with recorder:
             llm.generate(prompts, sp, use_tqdm=False)
     finally:
-        runner.execute = execute
+        observers.remove(observe)
+        recorder.on = False
     if census.steps == 0:
         raise DeepInferError(f"deepinfer-bench ops: no decode step ran ({new_tokens} new tokens for {batch} "
                              f"prompts); give at least 2 new tokens")

@@ -122,6 +122,27 @@ def environment() -> dict:
     return {"git": git_state(), "packages": package_versions(), "hardware": hardware(), "time": utc_now()}
 
 
+def identity(env: dict, method_version: str, *, packages: bool = True, hardware_info: bool = False,
+             **fields) -> dict:
+    """The fields every row of a run carries: the row layout and measuring method, where it ran (hardware, the
+    code's git state and, unless packages=False, package versions; hardware_info: the whole hardware dict) and
+    the bench's own `fields` (model, device, settings). `env`: environment() of the run."""
+    row = {"schema_version": SCHEMA_VERSION, "method_version": method_version,
+           "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
+           "git_dirty": env["git"]["dirty"]}
+    if packages:
+        row["packages"] = env["packages"]
+    if hardware_info:
+        row["hardware_info"] = env["hardware"]
+    return {**row, **fields}
+
+
+def kernel_fields(llm) -> dict:
+    """The kernel backend set an engine runs and the backend each op resolved to."""
+    stats = llm.stats
+    return {"kernel_backend": stats.kernel_backend, "kernel_backends": dict(stats.kernel_backends)}
+
+
 def _cpu_model() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -1,16 +1,16 @@
 """`deepinfer-bench structured`: what structured outputs cost the decode loop. One row per (schema, batch,
 constrained fraction) point (docs/structured-outputs.md).
 
-Per point: batch x rounds random-token prompts of `isl` tokens run at concurrency = batch (all ready at the
-start, as the sweep's decode points); in every group of `batch` consecutive requests the first
-round(fraction x batch) carry so_args of the schema (max_tokens = osl, they may end earlier when the grammar
-completes), the rest are free (ignore_eos, exactly osl tokens); round half up, and a fraction whose count repeats
-another's at a batch is skipped there (rows: constrained_fraction, the share that ran). The same number of other prompts first,
-untimed (every graph shape captured, kernels compiled, the grammar compiled: a first H200 run with a one-round
-warm-up had a 4.7 s stall inside its first batch-64 point). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into
-constrained and free requests, output tokens and finish reasons per class, and how many constrained outputs
-that ended "stop" parse (json: json.loads + the jsonschema package when installed; regex: fullmatch), and the
-host time of the steps' mask fills (engine.mask_fill_ms_per_fill).
+Per point: batch x rounds random-token prompts of `isl` tokens run at concurrency = batch (all ready at the start,
+as the sweep's decode points); in every group of `batch` consecutive requests the first round(fraction x batch)
+carry so_args of the schema (max_tokens = osl, they may end earlier when the grammar completes), the rest are free
+(ignore_eos, exactly osl tokens); round half up, and a fraction whose count repeats another's at a batch is skipped
+there (rows: constrained_fraction, the share that ran). The same number of other prompts first, untimed (every graph
+shape captured, kernels compiled, the grammar compiled: with a one-round warm-up, first calls stall a large point
+for seconds). The row holds the client metrics of harness/metrics.py over all requests, TPOT split into constrained
+and free requests, output tokens and finish reasons per class, and how many constrained outputs that ended "stop"
+parse (json: json.loads + the jsonschema package when installed; regex: fullmatch), and the host time of the steps'
+mask fills (engine.mask_fill_ms_per_fill).
 Fraction 0 is one baseline per batch (key none/b{batch}/f0), shared by the schemas; the table sets each
 point's TPOT against it."""
 
@@ -27,13 +27,13 @@ from deepinfer import SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .limits import (POSITION_SLACK, Term, check_concurrency, check_positions, default_step_budget,
+from .bench import OnError, RunFolder, json_text, record_point
+from .limits import (POSITION_SLACK, Term, check_concurrency, check_model, check_positions, default_step_budget,
                      model_limits)
 from .metrics import compute_metrics
 from .options import check_distinct, check_names, parse_decimal_list
 from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_fields
-from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
-                   run_dir_guard, utc_now)
+from .rows import environment, identity, kernel_fields, read_rows, run_dir_guard
 from .workload import random_workload, run_requests
 
 STRUCTURED_METHOD_VERSION = "1"
@@ -166,7 +166,6 @@ def measure_point(llm, cfg: StructuredConfig, schema: str, batch: int, fraction:
 
 def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> list[dict]:
     """Every point into run_dir/rows.jsonl (a new run: a directory with rows is refused); returns the rows."""
-    from .step_bench import check_model, kernel_info
     from .sweep import build_llm
     from .sweep_config import parse_sweep
     echo = echo or (lambda s: None)
@@ -174,7 +173,8 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
     check_device(cfg.device)
     parse_dtype(cfg.dtype)
     check_model(cfg.model, cfg.expert_storage)
-    refuse_existing_rows(run_dir, resumable=False)
+    folder = RunFolder(run_dir, "structured.json", resumable=False)
+    folder.check()
     max_len = cfg.isl + cfg.osl + POSITION_SLACK
     sweep = parse_sweep({"name": "structured", "model": cfg.model, "device": cfg.device, "dtype": cfg.dtype,
                          "engine_args": {"max_model_len": max_len, "max_num_seqs": max(cfg.batches),
@@ -184,23 +184,18 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
     t0 = time.perf_counter()
     llm = build_llm(sweep)
     echo(f"engine built in {time.perf_counter() - t0:.1f} s; {len(cfg.points())} points")
+    on_error = OnError(rerun="rerun into a new run directory (--run-id / --out)")
     with run_dir_guard(run_dir):
-        store, env = RowStore(run_dir), environment()
-        atomic_write_text(run_dir / "structured.json", json.dumps(asdict(cfg), indent=1) + "\n")
-        backend, backends = kernel_info(llm)
-        identity = {"schema_version": SCHEMA_VERSION, "method_version": STRUCTURED_METHOD_VERSION,
-                    "bench": "structured", "run_id": run_dir.name, "model": cfg.model,
-                    "model_type": llm.model.cfg.model_type, "precision": cfg.dtype, "device": cfg.device,
-                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "kernel_backend": backend,
-                    "kernel_backends": backends, "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"],
-                    "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl, "rounds": cfg.rounds,
-                    "seed": cfg.seed}
+        env = environment()
+        store = folder.open(json_text(asdict(cfg)))
+        ident = identity(env, STRUCTURED_METHOD_VERSION, bench="structured", run_id=run_dir.name, model=cfg.model,
+                         model_type=llm.model.cfg.model_type, precision=cfg.dtype, device=cfg.device,
+                         **kernel_fields(llm), isl=cfg.isl, osl=cfg.osl, rounds=cfg.rounds, seed=cfg.seed)
         for i, (schema, batch, fraction) in enumerate(cfg.points()):
-            row = {**identity, "key": key(schema, batch, fraction), "schema": schema,
-                   "schema_text": None if schema == "none" else json.dumps(SCHEMAS[schema]), "batch": batch,
-                   "fraction": fraction, "started": utc_now()}
-            row.update(measure_point(llm, cfg, schema, batch, fraction, i), status="ok")
-            store.append(row)
+            fields = {"schema": schema, "schema_text": None if schema == "none" else json.dumps(SCHEMAS[schema]),
+                      "batch": batch, "fraction": fraction}
+            row = record_point(store, ident, key(schema, batch, fraction), fields,
+                               lambda: measure_point(llm, cfg, schema, batch, fraction, i), on_error, echo)
             echo(f"  {row['key']:<18} median TPOT {row['median_tpot'] * 1e3:8.2f} ms  "
                  f"{row['output_throughput']:9.1f} tok/s")
     return read_rows(run_dir)
@@ -208,7 +203,7 @@ def run_structured_bench(cfg: StructuredConfig, run_dir: Path, echo=None) -> lis
 
 def table(rows: list[dict]) -> list[str]:
     """Per (schema, batch): median TPOT of every fraction and its ratio to the unconstrained baseline (the median:
-    one stall in a point moves its mean, as the first H200 run showed)."""
+    one stall in a point moves its mean)."""
     ok = {r["key"]: r for r in rows if r.get("status") == "ok"}
     base = {r["batch"]: r for r in ok.values() if r["schema"] == "none"}
     lines = [f"{'schema':<7} {'batch':>5} {'fraction':>8} {'p50 TPOT':>9} {'vs f0':>7} {'mean TPOT':>9} "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import logging
 import os
 import time
@@ -32,8 +31,9 @@ from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
 from .traffic import traffic_fields
-from .rows import (METHOD_VERSION, SCHEMA_VERSION, RowStore, atomic_write_text, done_keys, environment, read_rows,
-                   refuse_existing_rows, run_dir_guard, run_id_for, utc_now)
+from .bench import OnError, RunFolder, record_point
+from .rows import (METHOD_VERSION, SCHEMA_VERSION, RowStore, environment, identity, kernel_fields, run_dir_guard,
+                   run_id_for)
 from .sweep_config import SweepConfig, SweepPoint, parse_sweep
 from .workload import Workload, random_workload, run_workload
 
@@ -190,18 +190,19 @@ def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | Non
 
 def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, continue_on_error, progress) -> Path:
     run_id = share(ranks, run_id_for(run_id, cfg.name))     # every rank checks its own; rank 0's time names it
-    run_dir = Path(report_dir) / SCHEMA_VERSION / run_id
-    todo_keys = _on_main(ranks, lambda: _check_run(cfg, run_dir, resume))
+    folder = RunFolder(Path(report_dir) / SCHEMA_VERSION / run_id, "sweep.yaml", resume)
+    todo_keys = _on_main(ranks, lambda: _check_run(cfg, folder))
     per_setting = len(cfg.points()) // max(len(cfg.speculative), 1)     # a point's workload seed: its index among
     todo = [(i % per_setting, p) for i, p in enumerate(cfg.points()) if p.key in todo_keys]   # its setting's points
     if not todo:
-        return run_dir
+        return folder.path
     groups: dict[str, list] = {}                             # one engine per speculative setting, in order
     for i, p in todo:
         groups.setdefault(p.spec, []).append((i, p))
     llm = build_llm(cfg, ranks.device(cfg.device), next(iter(groups)))   # a bad model fails here: no run dir yet
-    with run_dir_guard(run_dir) if ranks.main else contextlib.nullcontext():
-        store, env = _on_main(ranks, lambda: _open_run(cfg, run_dir, resume))
+    with run_dir_guard(folder.path) if ranks.main else contextlib.nullcontext():
+        env = environment()
+        store = _on_main(ranks, lambda: folder.open(yaml.safe_dump(cfg.to_dict(), sort_keys=False), env))
         for n, (spec, points) in enumerate(groups.items()):
             if n:
                 model = llm.model
@@ -210,7 +211,7 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
                 llm = build_llm(cfg, ranks.device(cfg.device), spec, model)
             _run_points(llm, cfg, ranks, points, store if ranks.main else None,
                         _identity(llm, cfg, ranks, run_id, env), continue_on_error, progress and ranks.main)
-    return run_dir
+    return folder.path
 
 
 def free_device_memory() -> None:
@@ -226,42 +227,28 @@ def free_device_memory() -> None:
 
 def _identity(llm, cfg: SweepConfig, ranks: Ranks, run_id: str, env: dict) -> dict:
     """The fields every row of the run carries."""
-    return {"schema_version": SCHEMA_VERSION, "method_version": METHOD_VERSION, "run_id": run_id,
-            "sweep": cfg.name, "model": cfg.model, "model_type": llm.model.cfg.model_type,
-            "config_hash": llm.model.cfg.config_hash(), "precision": cfg.dtype, "device": cfg.device,
-            "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "hardware_info": env["hardware"],
-            "engine": "deepinfer", "kernel_backend": llm.stats.kernel_backend,
-            "kernel_backends": llm.stats.kernel_backends, "spec_mode": spec_mode_of(llm), "is_projected": False,
-            "git_sha": env["git"]["sha"], "git_dirty": env["git"]["dirty"], "packages": env["packages"],
-            "seed": cfg.seed, "topology": cfg.to_dict()["topology"], "engine_args": dict(cfg.engine_args),
-            "range_ratio": cfg.range_ratio, "launch_ranks": ranks.world}
+    return identity(env, METHOD_VERSION, hardware_info=True, run_id=run_id, sweep=cfg.name, model=cfg.model,
+                    model_type=llm.model.cfg.model_type, config_hash=llm.model.cfg.config_hash(),
+                    precision=cfg.dtype, device=cfg.device, engine="deepinfer", **kernel_fields(llm),
+                    spec_mode=spec_mode_of(llm), is_projected=False, seed=cfg.seed,
+                    topology=cfg.to_dict()["topology"], engine_args=dict(cfg.engine_args),
+                    range_ratio=cfg.range_ratio, launch_ranks=ranks.world)
 
 
 def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore | None, identity: dict,
                 continue_on_error: bool, progress: bool) -> None:
     """Measure each point; rank 0 (`store`) appends its row (a failure row when it raises)."""
     bar = _progress(len(todo), progress)
+    on_error = OnError(continue_on_error, describe=lambda e: f"{type(e).__name__}: {e}")
+    warn = (lambda line: log.warning(line.strip())) if store is not None else None
     for i, point in todo:
-        row = {**identity, "key": point.key, "mode": point.mode, "isl": point.isl, "osl": point.osl,
-               "concurrency": point.concurrency, "num_prompts": point.num_prompts, "warmup": point.warmup,
-               "gpus": point.ranks, "started": utc_now()}
+        fields = {"mode": point.mode, "isl": point.isl, "osl": point.osl, "concurrency": point.concurrency,
+                  "num_prompts": point.num_prompts, "warmup": point.warmup, "gpus": point.ranks}
         t0 = time.perf_counter()
-        try:
-            fields, raw = run_point(llm, cfg, point, i, ranks)
-        except Exception as e:           # noqa: BLE001  a failed point is recorded, never silently lost
-            if store is not None:
-                store.append({**row, "status": "failed", "error": f"{type(e).__name__}: {e}", "finished": utc_now()})
-                log.warning(f"{point.key}: failed after {time.perf_counter() - t0:.1f} s ({type(e).__name__}: {e})")
-            if not continue_on_error:
-                where = store.path if store is not None else "rank 0's rows.jsonl"
-                raise DeepInferError(f"point {point.key} failed ({type(e).__name__}: {e}); its failure row is in "
-                                     f"{where}; rerun with --resume (and --continue-on-error to go on past "
-                                     f"failures)") from e
-        else:
-            if store is not None:
-                store.write_raw(point.key, raw)
-                store.append({**row, **fields, "status": "ok", "finished": utc_now()})
-                log.info(f"{point.key}: done in {time.perf_counter() - t0:.1f} s")
+        row = record_point(store, identity, point.key, fields, lambda: run_point(llm, cfg, point, i, ranks),
+                           on_error, warn)
+        if store is not None and row["status"] == "ok":
+            log.info(f"{point.key}: done in {time.perf_counter() - t0:.1f} s")
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -286,36 +273,19 @@ def _on_main(ranks: Ranks, fn):
     return result if ranks.main else shared[1]
 
 
-def _check_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> list[str]:
+def _check_run(cfg: SweepConfig, folder: RunFolder) -> list[str]:
     """Rank 0, before anything is written: check --resume against the stored definition (or refuse to reuse a run
     with rows); returns the keys of the points still to run."""
-    if resume:
-        stored = run_dir / "sweep.yaml"
-        if not stored.exists():
-            raise DeepInferError(f"--resume: no sweep run {run_dir} (no sweep.yaml there); check --run-id and "
-                                 f"--report-dir")
+    def compare(stored: str) -> str | None:
         try:
-            same = yaml.safe_load(stored.read_text()) == cfg.to_dict()
+            same = yaml.safe_load(stored) == cfg.to_dict()
         except yaml.YAMLError:
             same = False
-        if not same:
-            raise DeepInferError(f"--resume: {stored} differs from this sweep's definition; resume with the same "
-                                 f"sweep, or start a new --run-id")
-    else:
-        refuse_existing_rows(run_dir)
-    done = done_keys(read_rows(run_dir))         # a corrupt row stops here, before the model loads
-    log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {run_dir}")
+        return None if same else (f"--resume: {folder.settings_path} differs from this sweep's definition; resume "
+                                  f"with the same sweep, or start a new --run-id")
+    done = folder.check(compare, "sweep")
+    log.info(f"sweep {cfg.name}: {len(cfg.points())} points, {len(done)} already done, run dir {folder.path}")
     return [p.key for p in cfg.points() if p.key not in done]
-
-
-def _open_run(cfg: SweepConfig, run_dir: Path, resume: bool) -> tuple[RowStore, dict]:
-    """Rank 0, once the engine is built: the run directory (sweep.yaml, env.json for a new run) and its store."""
-    store = RowStore(run_dir)
-    env = environment()
-    if not resume:
-        atomic_write_text(run_dir / "sweep.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        atomic_write_text(run_dir / "env.json", json.dumps(env, indent=1, sort_keys=True) + "\n")
-    return store, env
 
 
 def default_sweep() -> SweepConfig:

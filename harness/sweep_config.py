@@ -11,14 +11,13 @@ is allowed. The schema is documented in sweeps/README.md.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from deepinfer.cache.pools import KV_CACHE_DTYPES
-from deepinfer.errors import DeepInferError
+from deepinfer.errors import DeepInferError, did_you_mean
 from deepinfer.validate import DTYPE_NAMES as DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_model_spec
 
@@ -287,8 +286,8 @@ class Validator:
             if not isinstance(k, str):
                 raise self.error(_join(path, repr(k)), f"keys must be strings; allowed: {', '.join(known)}")
             if k not in known:
-                close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}? " if close else ""
+                hint = did_you_mean(k, known, quote=True)
+                hint = f"{hint} " if hint else ""
                 raise self.error(_join(path, k), f"unknown key; {hint}allowed: {', '.join(known)}")
         for k in required:
             if k not in d:

@@ -1,5 +1,5 @@
 """`deepinfer-bench versus`: deepinfer against transformers' eager generate and against its own torch reference
-backend, on the same V4 weights, in one run (issue 15's side-by-side target; docs/bench.md).
+backend, on the same V4 weights, in one run (docs/bench.md).
 
 The model is a DeepSeek-V4 (transformers==5.23.0 has DeepseekV4ForCausalLM; V4.1 is not released there): a
 checkpoint directory or random:deepseek_v4:PRESET:LAYERS. transformers' twin holds exactly our model's weights
@@ -17,7 +17,6 @@ back to the device), then deepinfer with the default kernels, then with the refe
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,11 +26,11 @@ import torch
 from deepinfer.errors import DeepInferError
 from deepinfer.validate import check_device, parse_dtype
 
-from .limits import POSITION_SLACK, Term, bench_backend, check_positions, model_limits
+from .bench import OnError, RunFolder, json_text, record_point
+from .limits import POSITION_SLACK, Term, bench_backend, check_model, check_positions, model_limits
 from .options import check_distinct, check_names
 from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_fields
-from .rows import (SCHEMA_VERSION, RowStore, atomic_write_text, environment, read_rows, refuse_existing_rows,
-                   run_dir_guard, utc_now)
+from .rows import environment, identity, kernel_fields, read_rows, run_dir_guard
 
 VERSUS_METHOD_VERSION = "1"
 ENGINES = ("transformers", "deepinfer", "reference")
@@ -147,78 +146,100 @@ def agreement(tokens: list[list[int]], against: list[list[int]] | None) -> dict 
             "first_token": sum(x[0] == y[0] for x, y in zip(tokens, against)) / len(tokens)}
 
 
-def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
-    """Every (engine, batch) into run_dir/rows.jsonl (a new run); returns the rows."""
-    from deepinfer import LLM
+def load_versus_model(cfg: VersusConfig):
+    """The V4 model every engine of the run holds (QAT fake-quant off, as transformers leaves it out)."""
     from deepinfer.api import resolve_model
-    from .step_bench import check_model, kernel_info
-    echo = echo or (lambda s: None)
-    cfg.check()
-    check_model(cfg.model, "dense")
-    refuse_existing_rows(run_dir, resumable=False)
-    dtype = parse_dtype(cfg.dtype)
     model = resolve_model(cfg.model, cfg.device, cfg.dtype, "dense", qat=False)
     if isinstance(model, (str, Path)):
         from deepinfer import load_model
-        model = load_model(model, device=cfg.device, dtype=dtype, qat_fake_quant=False)
+        model = load_model(model, device=cfg.device, dtype=parse_dtype(cfg.dtype), qat_fake_quant=False)
     if model.cfg.TRANSFORMERS_CLASS is None:
         raise DeepInferError(f"deepinfer-bench versus compares with transformers 5.23, which runs deepseek_v4 only; "
                              f"{cfg.model} is {model.cfg.model_type!r}")
-    vocab = model.cfg.vocab_size
-    max_len = cfg.isl + cfg.osl + POSITION_SLACK
-    with run_dir_guard(run_dir):
-        store, env = RowStore(run_dir), environment()
-        atomic_write_text(run_dir / "versus.json", json.dumps(asdict(cfg), indent=1) + "\n")
-        identity = {"schema_version": SCHEMA_VERSION, "method_version": VERSUS_METHOD_VERSION, "bench": "versus",
-                    "run_id": run_dir.name, "model": cfg.model, "model_type": model.cfg.model_type,
-                    "layers": model.cfg.num_hidden_layers, "precision": cfg.dtype, "device": cfg.device,
-                    "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
-                    "git_dirty": env["git"]["dirty"], "packages": env["packages"], "isl": cfg.isl, "osl": cfg.osl,
-                    "qat_fake_quant": False, "seed": cfg.seed}
-        reference_tokens: dict[int, list[list[int]]] = {}
+    return model
 
-        def record(engine: str, batch: int, tokens, seconds: float, extra: dict) -> None:
-            row = {**identity, "key": f"{engine}/b{batch}", "engine": engine, "batch": batch, "started": utc_now(),
-                   "seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
-                   "output_tok_s": sum(len(t) for t in tokens) / seconds, "ms_per_step": seconds * 1e3 / cfg.osl,
-                   "agreement_with_transformers": None if engine == "transformers" else
-                   agreement(tokens, reference_tokens.get(batch)), **extra,
-                   "status": "ok"}
-            store.append(row)
-            echo(f"  {row['key']:<18} {seconds:8.3f} s  {row['output_tok_s']:9.1f} tok/s  "
+
+def speed_fields(tokens: list[list[int]], seconds: float, cfg: VersusConfig, against: list[list[int]] | None,
+                 extra: dict) -> dict:
+    """A row's measured fields: seconds, output tokens and tok/s, ms per decode step, agreement with transformers'
+    greedy tokens (None for transformers' own rows)."""
+    out = sum(len(t) for t in tokens)
+    return {"seconds": seconds, "output_tokens": out, "output_tok_s": out / seconds,
+            "ms_per_step": seconds * 1e3 / cfg.osl, "agreement_with_transformers": agreement(tokens, against),
+            **extra}
+
+
+def run_versus_bench(cfg: VersusConfig, run_dir: Path, echo=None) -> list[dict]:
+    """Every (engine, batch) into run_dir/rows.jsonl (a new run); returns the rows."""
+    echo = echo or (lambda s: None)
+    cfg.check()
+    check_model(cfg.model, "dense")
+    folder = RunFolder(run_dir, "versus.json", resumable=False)
+    folder.check()
+    model = load_versus_model(cfg)
+    with run_dir_guard(run_dir):
+        env = environment()
+        store = folder.open(json_text(asdict(cfg)))
+        ident = identity(env, VERSUS_METHOD_VERSION, bench="versus", run_id=run_dir.name, model=cfg.model,
+                         model_type=model.cfg.model_type, layers=model.cfg.num_hidden_layers, precision=cfg.dtype,
+                         device=cfg.device, isl=cfg.isl, osl=cfg.osl, qat_fake_quant=False, seed=cfg.seed)
+        on_error = OnError(rerun="rerun into a new run directory (--run-id / --out)")
+
+        def record(engine: str, batch: int, measure) -> None:
+            row = record_point(store, ident, f"{engine}/b{batch}", {"engine": engine, "batch": batch}, measure,
+                               on_error, echo)
+            echo(f"  {row['key']:<18} {row['seconds']:8.3f} s  {row['output_tok_s']:9.1f} tok/s  "
                  f"{row['ms_per_step']:8.2f} ms/step")
 
-        if "transformers" in cfg.engines:
-            on_cpu = not cfg.device.startswith("cuda")
-            if not on_cpu:
-                model.to("cpu")                  # the twin alone on the device (a flash-width model twice may not fit)
-                torch.cuda.empty_cache()
-            twin = transformers_twin(model, dtype, cfg.device)
-            for b in cfg.batches:
-                tokens, seconds = run_transformers(twin, prompts_for(cfg, b, vocab), cfg)
-                reference_tokens[b] = tokens
-                record("transformers", b, tokens, seconds, {"transformers_attn": "eager"})
-            del twin
-            gc.collect()
-            if not on_cpu:
-                torch.cuda.empty_cache()
-                model.to(cfg.device)
-        for engine, backend in (("deepinfer", None), ("reference", bench_backend("reference"))):
-            if engine not in cfg.engines:
-                continue
-            args = {"kernel_backend": backend} if backend else {}
-            llm = LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, qat_fake_quant=False,
-                      max_num_seqs=max(cfg.batches), max_model_len=max_len,
-                      max_num_batched_tokens=max(max(cfg.batches) * cfg.isl, 256), expert_traffic=True, **args)
-            kernels, backends = kernel_info(llm)
-            for b in cfg.batches:
-                tokens, seconds = run_deepinfer(llm, prompts_for(cfg, b, vocab), cfg)
-                record(engine, b, tokens, seconds, {"kernel_backend": kernels, "kernel_backends": backends,
-                                                    "graph_replays": llm.stats.graph_replays,
-                                                    **traffic_fields(llm.stats)})
-            del llm
-            gc.collect()
+        reference_tokens = _transformers_rows(model, cfg, record) if "transformers" in cfg.engines else {}
+        _deepinfer_rows(model, cfg, record, reference_tokens)
     return read_rows(run_dir)
+
+
+def _transformers_rows(model, cfg: VersusConfig, record) -> dict[int, list[list[int]]]:
+    """transformers' rows, its twin alone on the device; returns its greedy tokens per batch."""
+    vocab, on_cpu = model.cfg.vocab_size, not cfg.device.startswith("cuda")
+    if not on_cpu:
+        model.to("cpu")                  # the twin alone on the device (a flash-width model twice may not fit)
+        torch.cuda.empty_cache()
+    twin = transformers_twin(model, parse_dtype(cfg.dtype), cfg.device)
+    tokens_by_batch: dict[int, list[list[int]]] = {}
+
+    def measure(b: int) -> dict:
+        tokens, seconds = run_transformers(twin, prompts_for(cfg, b, vocab), cfg)
+        tokens_by_batch[b] = tokens
+        return speed_fields(tokens, seconds, cfg, None, {"transformers_attn": "eager"})
+    for b in cfg.batches:
+        record("transformers", b, lambda: measure(b))
+    del twin
+    gc.collect()
+    if not on_cpu:
+        torch.cuda.empty_cache()
+        model.to(cfg.device)
+    return tokens_by_batch
+
+
+def _deepinfer_rows(model, cfg: VersusConfig, record, reference_tokens: dict) -> None:
+    """deepinfer's rows with the default kernels, then with the reference backend."""
+    from deepinfer import LLM
+    vocab, max_len = model.cfg.vocab_size, cfg.isl + cfg.osl + POSITION_SLACK
+    for engine, backend in (("deepinfer", None), ("reference", bench_backend("reference"))):
+        if engine not in cfg.engines:
+            continue
+        args = {"kernel_backend": backend} if backend else {}
+        llm = LLM(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, qat_fake_quant=False,
+                  max_num_seqs=max(cfg.batches), max_model_len=max_len,
+                  max_num_batched_tokens=max(max(cfg.batches) * cfg.isl, 256), expert_traffic=True, **args)
+
+        def measure(b: int) -> dict:
+            tokens, seconds = run_deepinfer(llm, prompts_for(cfg, b, vocab), cfg)
+            return speed_fields(tokens, seconds, cfg, reference_tokens.get(b),
+                                {**kernel_fields(llm), "graph_replays": llm.stats.graph_replays,
+                                 **traffic_fields(llm.stats)})
+        for b in cfg.batches:
+            record(engine, b, lambda: measure(b))
+        del llm
+        gc.collect()
 
 
 def table(rows: list[dict]) -> list[str]:

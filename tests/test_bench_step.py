@@ -13,8 +13,9 @@ from deepinfer.harness import step_bench
 from deepinfer.harness.ceilings import measure_ceilings, roofline
 from deepinfer.harness.cli import cli
 from deepinfer.harness.options import parse_int_list
-from deepinfer.harness.step_bench import (Routing, StepConfig, StepPoint, attention_flops, busy_union,
-                                          idle_from_trace, inventory, top_kernels, routing_from_calls, step_traffic)
+from deepinfer.harness.step_bench import StepConfig, StepPoint
+from deepinfer.harness.step_roofline import Routing, attention_flops, inventory, routing_from_calls, step_traffic
+from deepinfer.harness.step_timing import busy_union, idle_from_trace, top_kernels
 from tests.helpers import assert_traffic
 
 try:
@@ -135,7 +136,7 @@ def test_routing_recorder_both_ways(with_dispatcher, monkeypatch):
     if not with_dispatcher:
         monkeypatch.setattr(step_bench, "record_routing", lambda: None)
     model = resolve_model("random:deepseek_v4:tiny:4", "cpu", "float32")
-    step_bench.label_moe(model)
+    step_bench.label_dispatchers(model)
     moe = model.layers[2].ffn
     x = torch.randn(5, model.cfg.hidden_size)
     with step_bench.routing_recorder(model) as calls:

@@ -58,6 +58,11 @@ class StepProbe:
         per_seq = lay.bytes_per_slot() + (self.context_len + self.query_len) * lay.bytes_per_token()
         return int(self.batch_size * per_seq)
 
+    @property
+    def logit_rows(self) -> int:
+        """Rows whose logits a step computes: every row, or the last one of a prefill."""
+        return len(self.inputs.logit_rows)
+
     @torch.inference_mode()
     def run(self, eager: bool = False) -> torch.Tensor:
         """One step; returns the greedy picks [rows] (on the device). eager: skip the graph replay, so Python

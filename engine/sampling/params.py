@@ -20,7 +20,6 @@ Every invalid value raises SamplingParamsError (a ValueError and a DeepInferErro
 from __future__ import annotations
 
 import copy
-import difflib
 import enum
 import json
 import math
@@ -28,7 +27,7 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-from ..errors import DeepInferError
+from ..errors import DeepInferError, did_you_mean
 from ..text import check_text
 
 SEED_LIMIT = 2**63
@@ -183,8 +182,8 @@ class SamplingParams:
         known = [f.name for f in fields(self)]
         unknown = sorted(set(kwargs) - set(known) - {"seq_seed"})
         if unknown:
-            hints = [m for u in unknown for m in difflib.get_close_matches(u, known + ["seq_seed"], n=1)]
-            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            hint = did_you_mean(unknown, known + ["seq_seed"])
+            hint = f" ({hint})" if hint else ""
             raise SamplingParamsError(f"unknown SamplingParams argument(s) {', '.join(unknown)}{hint}; "
                                       f"known: {', '.join(known)}, seq_seed (an alias of seed)")
         if "seq_seed" in kwargs:

@@ -8,13 +8,12 @@ Any other name goes to lm-eval's own task index (which needs its dataset from th
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import json
 import os
 from pathlib import Path
 
-from deepinfer.errors import DeepInferError
+from deepinfer.errors import DeepInferError, did_you_mean
 
 TASKS_DIR = Path(__file__).resolve().parent
 
@@ -77,8 +76,8 @@ def task_configs(specs, task_manager_factory, unsafe_code: bool = False) -> list
         else:
             manager = manager or task_manager_factory(True)
             if spec.name not in manager.all_tasks:
-                close = difflib.get_close_matches(spec.name, list(local) + list(manager.all_tasks), n=3)
-                hint = f"did you mean {', '.join(close)}? " if close else ""
+                hint = did_you_mean(spec.name, list(local) + list(manager.all_tasks), n=3)
+                hint = f"{hint} " if hint else ""
                 raise TaskError(f"unknown task {spec.name!r}: {hint}offline tasks: {', '.join(local)}; lm-eval's "
                                 f"tasks: `lm-eval ls tasks`")
             cfg = {"task": spec.name}
