@@ -79,7 +79,7 @@ def _experts_info(module) -> ExpertsInfo:
 def inventory(model, excluded: tuple[str, ...] = EXCLUDED_PREFIXES) -> Inventory:
     """Walk the model once: dense tensors, lookup tables, stacked experts (by their MoE's module name)."""
     inv, seen = Inventory(), set()
-    cfg = getattr(model, "cfg", None)
+    cfg = model.cfg
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if any(f"{name}.".startswith(p) for p in excluded):

@@ -241,3 +241,12 @@ def test_cycle_finder_finds_a_cycle_in_a_synthetic_package(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.sub.b"]]
     (pkg / "sub" / "b.py").write_text("class B:\n    pass\n")
     assert cycles(import_graph(modules_under({"pkg": pkg}))) == []
+
+
+def test_every_family_declares_a_known_draft_method():
+    """`speculative=` names a drafter from models/base.py's DRAFT_METHODS: each family's config says its own, and
+    every name there belongs to a family (the runtime reads the tuple, never a family's name)."""
+    from deepinfer.config import CONFIG_CLASSES
+    from deepinfer.models.base import DRAFT_METHODS
+    declared = {cls.DRAFT_METHOD for cls in CONFIG_CLASSES.values()}
+    assert declared == set(DRAFT_METHODS), (declared, DRAFT_METHODS)

@@ -18,6 +18,9 @@ from ..cache.forward_batch import ForwardBatch
 from ..cache.spec import StateSpec
 
 
+DRAFT_METHODS = ("dspark", "mtp")    # every family's DRAFT_METHOD (config/): what `speculative=` may name
+
+
 @dataclass(frozen=True)
 class Drafting:
     """How a model drafts: `method` ("dspark": V4.1's DSpark stages, one block per pass; "mtp": V4's NextN layer,

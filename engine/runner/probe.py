@@ -53,7 +53,7 @@ class StepProbe:
     @property
     def state_bytes_read(self) -> int:
         """Per sequence: every ring (windows, open-window buffers, look-back) and every entry stream up to the
-        context (an upper bound: CSA attention reads only its top-k kv entries, the indexer every key)."""
+        context (an upper bound: sparse attention reads only its top-k kv entries, an indexer every key)."""
         lay = self.manager.layout
         per_seq = lay.bytes_per_slot() + (self.context_len + self.query_len) * lay.bytes_per_token()
         return int(self.batch_size * per_seq)

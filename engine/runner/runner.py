@@ -114,7 +114,7 @@ class ModelRunner:
             if cuda_graphs and model.device.type == "cuda" else None
         self.graph_replays = 0
         self.ran_rows = 0
-        # A drafter that reads the model's draft rings (DSpark) turns this on: every step then keeps them current.
+        # A drafter that reads the model's draft rings (Drafting.rings) turns this on: every step then keeps them current.
         self.keep_draft_rings = speculative is not None
         self.speculator = Speculator(model, self.pools, speculative, fixed_context,
                                      self.graphs.sizes if self.graphs is not None else None) if speculative else None

@@ -2,7 +2,7 @@
 DEEPINFER_USE_NEXTN_DECODE (draft cap; on when >= 1) and DEEPINFER_ENABLE_MTP_VARLEN (confidence-scheduled
 verification). docs/speculative.md has the whole story.
 
-    speculative = True | "dspark" | "mtp" | {"method": "dspark", "num_speculative_tokens": 5, "schedule": "confidence",
+    speculative = True | METHOD | {"method": METHOD, "num_speculative_tokens": 5, "schedule": "confidence",
                                       "acceptance": [0.79, 0.63, 0.49, 0.32, 0.28], "step_seconds": {1: 2.5e-3, ...}}
 
 schedule: "fixed" (every draft verified: the comparison mode), "confidence" (Algorithm 1: per-request verify
@@ -10,7 +10,7 @@ lengths from the prefix survival of the confidences and the profiled step rate, 
 production variant: the step's token budget from confidences two steps back, the top drafts by live survival).
 acceptance: a pinned acceptance model for benchmarks on random weights (speculative/pinned.py): per-position survival
 rates that decide acceptance while the real kernels run the real shapes.
-method: the model's drafter, "dspark" (V4.1's DSpark stages) or "mtp" (V4's NextN layer, k steps); the default."""
+method: the model's drafter (models/base.py DRAFT_METHODS; the model's own, Drafting.method, is the default)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 from ..env import read
 from ..errors import DeepInferError
+from ..models.base import DRAFT_METHODS
 
-METHODS = ("dspark", "mtp")
 SCHEDULES = ("fixed", "confidence", "budget")
 _KEYS = ("method", "num_speculative_tokens", "schedule", "acceptance", "confidence_spread", "step_seconds")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "dspark"                    # the model's drafter: dspark (V4.1) or mtp (V4)
+    method: str = DRAFT_METHODS[0]            # the model's drafter (Drafting.method)
     num_speculative_tokens: int = 5           # drafts proposed a step (<= the drafter's block size)
     schedule: str = "fixed"
     acceptance: tuple[float, ...] | None = None   # pinned per-position survival (benchmarks); None: real acceptance
@@ -39,7 +39,7 @@ class SpeculativeConfig:
 
 
 def speculation_label(config: SpeculativeConfig) -> str:
-    """What rows call the setting (spec_mode): <method>-<schedule>-<drafts>, e.g. dspark-confidence-5."""
+    """What rows call the setting (spec_mode): <method>-<schedule>-<drafts>, e.g. <method>-confidence-5."""
     return f"{config.method}-{config.schedule}-{config.num_speculative_tokens}"
 
 
@@ -55,7 +55,7 @@ def _check_fraction_list(name: str, value) -> tuple[float, ...]:
     return tuple(float(v) for v in out)
 
 
-def speculative_config(value, block_size: int | None, drafter: str = "dspark") -> SpeculativeConfig | None:
+def speculative_config(value, block_size: int | None, drafter: str | None) -> SpeculativeConfig | None:
     """LLM's `speculative` (None: the environment decides) -> a SpeculativeConfig, or None when off. block_size: the
     model's draft block (None: the model cannot draft; asking for speculation is then one error line); drafter:
     the model's draft method."""
@@ -73,24 +73,25 @@ def speculative_config(value, block_size: int | None, drafter: str = "dspark") -
                              f"the variable(s), or leave speculative out to apply them")
     if value is False:
         return None
-    if value is True or value in METHODS:
+    if value is True or value in DRAFT_METHODS:
         value = {} if value is True else {"method": value}
     if not isinstance(value, dict):
-        raise DeepInferError(f"speculative={value!r}: use True, 'dspark', 'mtp', None/False (off) or a dict with keys "
+        raise DeepInferError(f"speculative={value!r}: use True, a draft method {list(DRAFT_METHODS)}, None/False (off) "
+                             f"or a dict with keys "
                              f"{list(_KEYS)}")
     unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         raise DeepInferError(f"speculative got unknown keys {unknown}; known: {list(_KEYS)}")
     method = value.get("method", drafter)
-    if method not in METHODS:
-        raise DeepInferError(f"speculative method={method!r} is not supported; use one of {list(METHODS)}")
+    if method not in DRAFT_METHODS:
+        raise DeepInferError(f"speculative method={method!r} is not supported; use one of {list(DRAFT_METHODS)}")
     if block_size is None:
-        raise DeepInferError("speculative decoding needs a model that drafts (num_nextn_predict_layers >= 1: V4.1's "
-                             "DSpark stages or V4's NextN layer); this one has none: drop speculative / "
-                             "DEEPINFER_USE_NEXTN_DECODE")
+        raise DeepInferError("speculative decoding needs a model that drafts (num_nextn_predict_layers >= 1: draft "
+                             "layers in the checkpoint); this one has none: drop speculative / "
+                             "DEEPINFER_USE_NEXTN_DECODE (docs/speculative.md)")
     if method != drafter:
-        raise DeepInferError(f"speculative method={method!r}: this model drafts with {drafter!r} (dspark: V4.1's "
-                             f"DSpark stages, mtp: V4's NextN layer); use {drafter!r} or leave method out")
+        raise DeepInferError(f"speculative method={method!r}: this model drafts with {drafter!r}; use {drafter!r} or "
+                             f"leave method out (docs/speculative.md)")
     n = value.get("num_speculative_tokens", env_cap or block_size)
     if env_cap and "num_speculative_tokens" in value and n != env_cap:
         raise DeepInferError(f"speculative num_speculative_tokens={n!r} and DEEPINFER_USE_NEXTN_DECODE={env_cap} "

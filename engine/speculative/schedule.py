@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification for speculative decoding (DSpark, Algorithm 1).
+"""Confidence-scheduled verification for speculative decoding (the paper's Algorithm 1: docs/speculative.md).
 
 Each decode step runs R requests; request r carries draft confidences c[r][0..γ_r-1] (floats in [0, 1]: the estimated
 probability that draft j is accepted given all earlier drafts were). A schedule picks verify lengths ℓ_r in [0, γ_r].

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.fake_quant import qat_fp4
+from deepinfer.kernels.softmax_pool import softmax_pool
 from deepinfer.kernels.kv_formats import KVFormat
 from deepinfer.kernels.matmul import linear_f32
 from deepinfer.kernels.precision import upcast
