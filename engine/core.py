@@ -53,6 +53,10 @@ class Runner(Protocol):
     def graph_keys(self) -> list[tuple]:
         """The CUDA graphs captured so far."""
 
+    def idle_step(self) -> None:
+        """A step of one token on scratch: it computes nothing anyone reads, but meets every collective a step
+        meets (a rank of an expert-parallel engine with nothing to run)."""
+
 
 class StateCache(SeatManager, Protocol):
     """The scheduler's seat manager, and what it holds for the statistics (cache/manager.StateManager is one)."""
@@ -68,6 +72,7 @@ class EngineConfig:
     max_num_batched_tokens: int       # positions fed per step
     max_model_len: int                # prompt + output positions per sequence
     async_scheduling: bool = True
+    lockstep: bool = False            # every step() launches one forward, an idle one when nothing is planned (EP)
 
 
 def unsupported(params) -> str | None:
@@ -185,6 +190,8 @@ class EngineCore:
                 finished += self._apply()
             plan = self._plan()
             launched = self._run(plan, finished) if plan.rows else None
+            if launched is None and self.config.lockstep:
+                self.runner.idle_step()
             if self._in_flight is not None:
                 finished += self._apply()
             elif launched is None and self.scheduler.has_unfinished():

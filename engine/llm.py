@@ -36,7 +36,9 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
                        refuse_unsupported, sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
-from .models.common.moe import set_expert_act_quant
+from .models.common.moe import set_expert_act_quant, use_expert_parallel
+from .parallel.expert_parallel import DISPATCHERS
+from .parallel.ranks import ParallelConfig, join, parallel_config
 from .parallel.traffic import ExpertTraffic
 from .cache.pools import check_kv_cache_dtype
 
@@ -48,7 +50,9 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "async_scheduling": None, "max_graph_batch": 512, "block_size": None, "expert_storage": "dense",
                    "projection_storage": "dense", "kv_cache_dtype": "auto",
                    "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
-                   "expert_act_quant": False, "speculative": None, "expert_traffic": False}
+                   "expert_act_quant": False, "speculative": None, "expert_traffic": False,
+                   "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
+                   "distributed_timeout_s": 600.0}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -84,6 +88,9 @@ class LLM:
         model = check_model_spec(model)
         device = device_or_default(device)
         dtype = parse_dtype(dtype)
+        parallel = parallel_config(args, set(engine_args))
+        self.ranks = join(parallel, device)                  # None: one rank
+        device = device if self.ranks is None else self.ranks.device(device)
         if "gpu_memory_utilization" in engine_args and not device.startswith("cuda"):
             raise DeepInferError(f"gpu_memory_utilization sizes the state pools from GPU memory; on {device} it has "
                                  f"no effect: drop it, or set state_memory_bytes")
@@ -125,8 +132,9 @@ class LLM:
                                  "speculative.md); drop async_scheduling or speculative")
         async_scheduling = False if self.speculative is not None else async_scheduling_default() \
             if args["async_scheduling"] is None else args["async_scheduling"]
+        self._expert_parallel(parallel, args)
         self._config = EngineConfig(args["max_num_seqs"], args["max_num_batched_tokens"], self.max_model_len,
-                                    async_scheduling)
+                                    async_scheduling, lockstep=parallel.enable_expert_parallel)
         kernels = KernelTable(backend)
         if kernels.invariant and self.max_model_len > INVARIANT_CONTEXT_HINT:
             log.warning("batch-invariant mode reads every block column: with max_model_len=%d each row's entry "
@@ -141,7 +149,9 @@ class LLM:
     def _build_engine(self, kernels: KernelTable, manager: StateManager) -> EngineCore:
         """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant), and
         speculation (its step-rate table given, else profiled on this runner now)."""
-        runner = ModelRunner(self.model, manager.pools, cuda_graphs=not self._args["enforce_eager"],
+        # expert-parallel steps read host values between ranks (engine/parallel/expert_parallel.py): eager
+        graphs = not self._args["enforce_eager"] and not self._args["enable_expert_parallel"]
+        runner = ModelRunner(self.model, manager.pools, cuda_graphs=graphs,
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
                              fixed_context=kernels.invariant, speculative=self.speculative)
         decode = (lambda ids: "") if self.tokenizer is None else \
@@ -153,6 +163,18 @@ class LLM:
                                             self.max_model_len)
         return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id,
                           speculation=speculation, traffic=self.traffic)
+
+    def _expert_parallel(self, parallel: ParallelConfig, args: dict) -> None:
+        """Expert parallelism: this rank keeps 1/N of every MoE layer's routed experts (engine/parallel/)."""
+        if not parallel.enable_expert_parallel:
+            return
+        for name, on in (("speculative decoding", self.speculative is not None),
+                         ("expert_traffic=True", args["expert_traffic"])):
+            if on:
+                raise DeepInferError(f"enable_expert_parallel=True with {name} is not supported yet "
+                                     f"(docs/parallel.md): drop one of them")
+        dispatcher = DISPATCHERS[parallel.expert_dispatch]
+        use_expert_parallel(self.model, lambda n_experts: dispatcher(n_experts, self.ranks))
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs
@@ -214,8 +236,15 @@ class LLM:
             reqs = [self._request(rid, ids, sp, j, self._grammars.matcher(compiled[i]) if i in compiled else None)
                     for j in range(sp.n)]
             groups.append((rid, text, ids, reqs))
-        self._run([r for *_, reqs in groups for r in reqs], use_tqdm)
-        return [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in groups]
+        # attention data parallelism: prompt i runs on rank i mod N; every rank made every request (the same
+        # seeds as one rank draws) and returns every output
+        mine = groups if self.ranks is None else groups[self.ranks.rank::self.ranks.size]
+        self._run([r for *_, reqs in mine for r in reqs], use_tqdm)
+        outputs = [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in mine]
+        if self.ranks is None:
+            return outputs
+        shares = self.ranks.gather_objects(outputs)
+        return [shares[i % self.ranks.size][i // self.ranks.size] for i in range(len(groups))]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, **unsupported_args) -> list[RequestOutput]:
@@ -251,7 +280,7 @@ class LLM:
         try:
             for r in requests:
                 self.engine.add_request(r)
-            while self.engine.has_unfinished():
+            while self._unfinished():
                 done = self.engine.step()
                 if bar is not None and done:
                     bar.update(len(done))
@@ -261,6 +290,11 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _unfinished(self) -> bool:
+        """Whether to step again: this engine has work, or (expert parallelism, lockstep) any rank has."""
+        mine = self.engine.has_unfinished()
+        return mine if not self.engine.config.lockstep else self.ranks.any(mine)
 
     def _state_budget(self, kernels: KernelTable) -> int | None:
         """Bytes for the state pools: explicit, else (GPU) gpu_memory_utilization of the device minus the peak

@@ -1,7 +1,7 @@
 """MoE dispatch and combine: the rows of a batch permuted so each expert's rows are contiguous, and back.
 
 One interface, `dispatch(x, weights, ids) -> Dispatched` and `combine(y_sorted, d) -> [N, D]`, between the
-router (engine/models/moe.py) and the grouped expert op (kernels/experts.py). `LocalDispatch` is the one
+router (engine/models/common/moe.py) and the grouped expert op (kernels/experts.py). `LocalDispatch` is the one
 implementation today: everything on this device, a stable sort of the N*k (row, slot) pairs by expert, static
 shapes (N*k sorted rows, E+1 offsets) and no host sync, so a forward that uses it can be captured in a CUDA graph.
 
@@ -10,10 +10,10 @@ Where the later work plugs in:
           experts; the stacked weights are then held in physical order). It is the identity today. A map with
           replicas would pick one replica per (row, slot) here; the combine order stays ascending *logical* id
           (slots are ordered by logical id before the map), so routing results do not depend on the placement.
-  EP      an expert-parallel dispatcher keeps this interface: `dispatch` sends each (row, slot) to the rank that
-          holds its physical expert (all-to-all) and returns that rank's rows grouped by its local experts;
-          `combine` sends the outputs back and sums them per row in the same fixed order. The model only calls
-          `moe.dispatch.dispatch / combine`, so an engine swaps the `MoE.dispatch` attribute and nothing else.
+  EP      engine/parallel/expert_parallel.py keeps this interface: `dispatch` brings each (row, slot) to the rank
+          that holds its expert and returns that rank's rows grouped by its local experts; `combine` sends the
+          outputs back and sums them per row in the same fixed order. The model only calls
+          `moe.dispatch.dispatch / combine` (MoE.use_expert_parallel swaps the dispatcher and keeps its experts).
 
 `record_routing()` collects the routed ids of each dispatch (for benchmarks: which experts a step touched)."""
 
@@ -60,9 +60,7 @@ class LocalDispatch:
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
         """x [N, D], weights [N, k], ids [N, k] (logical expert ids) -> the N*k rows grouped by expert."""
-        if _RECORDERS:
-            for rec in _RECORDERS:
-                rec.add(self.name, ids)
+        record(self.name, ids)
         n, k = ids.shape
         # slots of each row in ascending logical id (the combine order), then stably grouped by physical expert
         expert_ids, offsets, order, inverse, weights = permute(ids, weights, self.n_experts, self.logical_to_physical)
@@ -110,6 +108,12 @@ class RoutingRecord:
 
 
 _RECORDERS: list[RoutingRecord] = []   # process-wide (the engine may run forwards on another thread); empty: no cost
+
+
+def record(name: str | None, ids: torch.Tensor) -> None:
+    """A dispatcher's routed ids [N, k] into every open record_routing() (no cost when none is open)."""
+    for rec in _RECORDERS:
+        rec.add(name, ids)
 
 
 @contextlib.contextmanager

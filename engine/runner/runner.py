@@ -162,6 +162,13 @@ class ModelRunner:
         logits, hidden = self._forward(inputs, graphed)
         return logits if logits is not None else self.model.logits(hidden[inputs.logit_rows_tensor()])
 
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """One token at position 0 of scratch slot 0, eager: what a rank with no work runs so every rank of an
+        expert-parallel engine meets each MoE layer's collectives."""
+        token = torch.zeros(1, dtype=torch.long, device=self.model.device)
+        self.run_shape(StepInputs.shaped([0], [0], [1], token), graphed=False)
+
     def static_logits(self, seg_slots: torch.Tensor, seg_starts: torch.Tensor, seg_lens: torch.Tensor,
                       q: int | None, rows: int, ctx_blocks: int, draft_rings: bool, tokens: torch.Tensor
                       ) -> torch.Tensor:

@@ -20,7 +20,8 @@ from ...errors import DeepInferError
 from ...parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
-__all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "set_expert_act_quant", "swiglu"]
+__all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "moe_layers", "set_expert_act_quant", "swiglu",
+           "use_expert_parallel"]
 
 class Gate(nn.Module):
     """Router over `n_experts`: scores = SCORE_FUNCS[score_func](x W^T / temp); `bias` steers selection only.
@@ -93,6 +94,19 @@ class Experts(nn.Module):
                                  scales=(self.w1_scale, self.w2_scale, self.w3_scale), act_fp8=self.act_fp8)
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
 
+    def keep(self, first: int, count: int) -> None:
+        """Hold experts first .. first+count-1 only (expert parallelism: the others live on other ranks)."""
+        if self.quantized:
+            raise ValueError("quantized expert weights cannot be split over ranks yet")
+        for name, t in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]:
+            if t.dim() and t.shape[0] == self.n_experts:
+                kept = t.data[first:first + count].clone()
+                if isinstance(t, nn.Parameter):
+                    setattr(self, name, nn.Parameter(kept, requires_grad=False))
+                else:
+                    setattr(self, name, kept)
+        self.n_experts = count
+
     def compute(self, d: Dispatched) -> torch.Tensor:
         """The dispatched rows through their experts -> [N*k, D] >= fp32, in sorted order."""
         return grouped_experts(d.x, d.expert_ids, d.offsets, d.weights, self.stacked())
@@ -127,12 +141,23 @@ class MoE(nn.Module):
                     normalize=cfg.norm_topk_prob)
         return cls(gate, cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype)
 
+    def use_expert_parallel(self, dispatcher) -> None:
+        """Expert parallelism: hold the routed experts `dispatcher.shard` names and let it move the rows
+        (engine/parallel/expert_parallel.py). The router and the shared expert stay whole on every rank."""
+        self.experts.keep(dispatcher.shard.first, dispatcher.shard.count)
+        self.dispatch = dispatcher
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, D] (input_ids [N] for hash layers) -> [N, D] in x's dtype."""
         weights, ids = self.gate(x, input_ids)                              # route
         d = self.dispatch.dispatch(x.to(self.experts.dtype), weights, ids)  # dispatch
         routed = self.experts.compute(d)                                    # experts
         return self.dispatch.combine(routed, d, self.shared_experts(x), x.dtype)   # combine (>= fp32) + shared
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """Every MoE of `model` (draft layers included), by module name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
 def set_expert_act_quant(model: nn.Module, on: bool) -> None:
@@ -154,3 +179,12 @@ def set_expert_act_quant(model: nn.Module, on: bool) -> None:
             for m2 in stacks:
                 m2.act_fp8 = False
             raise DeepInferError(f"expert_act_quant=True: {e}") from None
+
+
+def use_expert_parallel(model: nn.Module, make_dispatcher) -> None:
+    """Every MoE of `model` keeps the routed experts of this rank and moves its rows with
+    make_dispatcher(n_experts) (engine/parallel/expert_parallel.py)."""
+    for name, moe in moe_layers(model):
+        dispatcher = make_dispatcher(moe.gate.n_experts)
+        dispatcher.name = name
+        moe.use_expert_parallel(dispatcher)

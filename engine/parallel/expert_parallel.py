@@ -1,0 +1,182 @@
+"""Expert parallelism: rank r of N holds routed experts [r*E/N, (r+1)*E/N) of every MoE layer; the dispatcher brings
+it the (row, slot) pairs routed to them from every rank and sends the outputs back.
+
+Both backends keep engine/parallel/dispatch.py's interface and its fixed combine order: each rank sums its own
+rows' k expert outputs one by one in ascending expert id, exactly as LocalDispatch does, so in batch-invariant
+mode (fixed row tiles, engine/models/common/moe.py) a DP x EP run is bitwise the one-rank run.
+
+  allgather  every rank gathers every rank's rows (padded to the largest batch), computes the pairs routed to its
+             experts, and a sum over ranks (reduce-scatter) hands each rank the outputs of its own pairs. Exactly
+             one rank contributes each pair (the others add zeros), so the sum is exact. vLLM's and SGLang's
+             default on Hopper; the traffic is every rank's rows to every rank.
+  alltoall   each pair goes only to the rank that holds its expert (all_to_all_single with split sizes read on the
+             host), and its output comes back the same way: the traffic is the routed pairs only.
+
+Both read one host value per layer (the largest batch, or the split sizes), so an EP step runs eagerly; NCCL's EP
+API or DeepEP kernels (device-side counts, CUDA graphs) would be a third backend here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from deepinfer.kernels.moe_combine import moe_combine
+from deepinfer.kernels.precision import upcast
+from deepinfer.kernels.routing import permute
+
+from ..errors import DeepInferError
+from .dispatch import Dispatched, record
+from .ranks import DISPATCH_BACKENDS, Ranks
+
+
+@dataclass
+class ExpertShard:
+    """Which routed experts of a layer this rank holds: [first, first + count) of n_experts."""
+    n_experts: int
+    rank: int
+    size: int
+
+    @property
+    def count(self) -> int:
+        return self.n_experts // self.size
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.count
+
+    def bucket_of(self, device: torch.device) -> torch.Tensor:
+        """[E + 1] int64: global expert id -> local expert index, count for experts held elsewhere (and for the
+        pad id E): a bucket the experts never compute."""
+        ids = torch.arange(self.n_experts + 1, device=device)
+        local = ids - self.first
+        return torch.where((local >= 0) & (local < self.count), local, torch.full_like(ids, self.count))
+
+
+def check_expert_split(n_experts: int, size: int, what: str = "a MoE layer") -> None:
+    if n_experts % size:
+        raise DeepInferError(f"enable_expert_parallel splits {what}'s {n_experts} routed experts over "
+                             f"data_parallel_size={size} ranks: use a size that divides {n_experts}")
+
+
+@dataclass
+class RankDispatched(Dispatched):
+    """Dispatched rows of this rank's experts; order / inverse index the pairs the dispatcher moved."""
+    pairs: int = 0                 # pairs the sorted list spans (the gathered or received ones)
+    rows_per_rank: int = 0         # allgather: the padded batch of every rank
+    send: torch.Tensor | None = None       # alltoall: this rank's pairs in destination order (flat indices)
+    send_splits: list | None = None
+    recv_splits: list | None = None
+
+
+class _ExpertParallel:
+    def __init__(self, n_experts: int, ranks: Ranks, name: str | None = None):
+        check_expert_split(n_experts, ranks.size)
+        self.n_experts, self.ranks, self.name = n_experts, ranks, name
+        self.shard = ExpertShard(n_experts, ranks.rank, ranks.size)
+        self.logical_to_physical = None           # EPLB placement: not on the EP dispatchers yet (docs/parallel.md)
+        self._bucket = None
+
+    def bucket(self, device: torch.device) -> torch.Tensor:
+        if self._bucket is None or self._bucket.device != device:
+            self._bucket = self.shard.bucket_of(device)
+        return self._bucket
+
+    def _local(self, x_pairs_source: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """Pairs ids / weights [P, k] whose rows are x_pairs_source [P, D] -> this rank's pairs grouped by local
+        expert: (x [m, D], weights [m], expert ids [m], offsets [count + 1], order [P*k], inverse [P*k])."""
+        count, k = self.shard.count, ids.shape[1]
+        expert_ids, offsets, order, inverse, w = permute(ids, weights, count + 1, self.bucket(ids.device))
+        m = int(offsets[count])                      # host read: this rank's pair count
+        return (x_pairs_source.index_select(0, order[:m] // k), w[:m], expert_ids[:m], offsets[:count + 1],
+                order, inverse)
+
+    @staticmethod
+    def _sorted_slots(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's slots in ascending expert id (the combine order)."""
+        ids, perm = ids.sort(dim=1, stable=True)
+        return weights.gather(1, perm), ids
+
+
+class AllGatherDispatch(_ExpertParallel):
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> RankDispatched:
+        """x [N, D], weights / ids [N, k] of this rank's rows -> every rank's pairs routed to this rank's experts."""
+        record(self.name, ids)
+        n, k = ids.shape
+        weights, ids = self._sorted_slots(weights, ids)
+        n_max = self.ranks.max(n)
+        pad = n_max - n
+        own = (F.pad(x, (0, 0, 0, pad)), F.pad(weights, (0, 0, 0, pad)),
+               F.pad(ids, (0, 0, 0, pad), value=self.n_experts))       # pad rows route to the never-computed bucket
+        xs, ws, ids_all = (_all_gather(t, self.ranks) for t in own)
+        xl, wl, el, offsets, order, inverse = self._local(xs, ids_all, ws)
+        return RankDispatched(x=xl, weights=wl, expert_ids=el, offsets=offsets, order=order, inverse=inverse,
+                              n_rows=n, top_k=k, pairs=ids_all.numel(), rows_per_rank=n_max)
+
+    def combine(self, y: torch.Tensor, d: RankDispatched, shared: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y [m, D] this rank's experts' outputs -> this rank's rows [N, D], summed in ascending expert id."""
+        full = upcast(y).new_zeros(d.pairs, y.shape[1])
+        full[: y.shape[0]] = upcast(y)
+        per_pair = full.index_select(0, d.inverse)             # [R * n_max * k, D]: (rank, row, slot) order
+        mine = per_pair.new_empty(d.rows_per_rank * d.top_k, y.shape[1])
+        _reduce_scatter(mine, per_pair, group=self.ranks.group)
+        return _combine_own(mine[: d.n_rows * d.top_k], d.top_k, shared, out_dtype)
+
+
+class AllToAllDispatch(_ExpertParallel):
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> RankDispatched:
+        record(self.name, ids)
+        n, k = ids.shape
+        weights, ids = self._sorted_slots(weights, ids)
+        flat_ids = ids.reshape(-1)
+        dest = flat_ids // self.shard.count                          # [N*k] the rank holding each pair's expert
+        dest, send = dest.sort(stable=True)
+        counts = torch.bincount(dest, minlength=self.ranks.size)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.ranks.group)
+        send_splits, recv_splits = counts.tolist(), recv_counts.tolist()    # host read: the split sizes
+        received = sum(recv_splits)
+        xr = _all_to_all(x.index_select(0, send // k), received, send_splits, recv_splits, self.ranks)
+        wr = _all_to_all(weights.reshape(-1)[send], received, send_splits, recv_splits, self.ranks)
+        ir = _all_to_all(flat_ids[send], received, send_splits, recv_splits, self.ranks)
+        xl, wl, el, offsets, order, inverse = self._local(xr, ir.view(-1, 1), wr.view(-1, 1))
+        return RankDispatched(x=xl, weights=wl, expert_ids=el, offsets=offsets, order=order, inverse=inverse,
+                              n_rows=n, top_k=k, pairs=received, send=send, send_splits=send_splits,
+                              recv_splits=recv_splits)
+
+    def combine(self, y: torch.Tensor, d: RankDispatched, shared: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        received = upcast(y).index_select(0, d.inverse)          # [received, D] in arrival order (every pair local)
+        back = _all_to_all(received, d.n_rows * d.top_k, d.recv_splits, d.send_splits, self.ranks)
+        mine = torch.empty_like(back).index_copy_(0, d.send, back)          # flat (row, slot) order
+        return _combine_own(mine, d.top_k, shared, out_dtype)
+
+
+DISPATCHERS = {"allgather": AllGatherDispatch, "alltoall": AllToAllDispatch}
+assert tuple(DISPATCHERS) == DISPATCH_BACKENDS
+
+
+def _combine_own(pairs: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype: torch.dtype | None):
+    """pairs [N*k, D] in flat (row, slot) order, slots in ascending expert id -> [N, D] (the LocalDispatch sum)."""
+    dtype = out_dtype or torch.promote_types(pairs.dtype, torch.float32)
+    return moe_combine(pairs, torch.arange(pairs.shape[0], device=pairs.device), k, shared, dtype)
+
+
+# the tensor collectives under their newer names where torch has them (older ones warn there)
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather(t: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    out = t.new_empty(ranks.size * t.shape[0], *t.shape[1:])
+    _gather_into(out, t.contiguous(), group=ranks.group)
+    return out
+
+
+def _all_to_all(t: torch.Tensor, rows: int, send_splits: list, recv_splits: list, ranks: Ranks) -> torch.Tensor:
+    out = t.new_empty(rows, *t.shape[1:])
+    dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=ranks.group)
+    return out

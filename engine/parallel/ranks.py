@@ -1,0 +1,123 @@
+"""The ranks an engine spans: one process per rank under torchrun, NCCL between GPUs, gloo between CPU processes.
+
+    torchrun --nproc-per-node N script.py          # script: LLM(..., data_parallel_size=N, enable_expert_parallel=True)
+    torchrun --nnodes M --node-rank I --rdzv-endpoint HOST:PORT --nproc-per-node G script.py      # N = M * G
+
+Every rank runs the same script: the same LLM arguments and the same generate() calls. Each rank runs attention
+for its share of the requests (attention data parallelism) and, with expert parallelism, holds 1/N of the routed
+experts (engine/parallel/expert_parallel.py). Collectives go through torch.distributed only; every one is
+bounded by the process group's timeout, so a rank that dies ends the others with an error instead of a hang."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DeepInferError
+
+LAUNCH_HINT = "launch one process per rank with `torchrun --nproc-per-node N ...` (docs/parallel.md)"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    expert_dispatch: str = "allgather"      # engine/parallel/expert_parallel.py DISPATCHERS
+    timeout_s: float = 600.0                # any collective waiting longer ends the run
+
+
+@dataclass
+class Ranks:
+    """This process's place among the ranks of one engine."""
+    rank: int
+    size: int
+    local_rank: int
+    backend: str                            # "nccl" | "gloo"
+    group: object = None                    # the process group (None: the default one)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on one (a host value: one small all-reduce)."""
+        t = torch.tensor([int(flag)], device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def max(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def device(self, requested: str) -> str:
+        """The device this rank computes on: `cuda` means this rank's local GPU."""
+        return f"cuda:{self.local_rank}" if requested == "cuda" else requested
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+
+def join(config: ParallelConfig, device: str) -> Ranks | None:
+    """The ranks of this launch for `config` (None: one rank, nothing to join). Refuses, in one line, a launch that
+    does not match the configuration."""
+    n = config.data_parallel_size
+    if n == 1:
+        return None
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise DeepInferError(f"data_parallel_size={n} runs one process per rank, but this process was not started "
+                             f"by torchrun: {LAUNCH_HINT}")
+    if int(world) != n:
+        raise DeepInferError(f"data_parallel_size={n}, but torchrun started {world} processes: launch with "
+                             f"--nproc-per-node (x --nnodes) = {n}, or set data_parallel_size={world}")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise DeepInferError(f"rank {os.environ.get('RANK')} is local rank {local_rank}, but this node has "
+                                 f"{torch.cuda.device_count()} GPUs: start at most that many processes per node")
+        torch.cuda.set_device(local_rank)
+    if dist.is_initialized():
+        if dist.get_world_size() != n or dist.get_backend() != backend:
+            raise DeepInferError(f"torch.distributed is already initialized with {dist.get_world_size()} ranks over "
+                                 f"{dist.get_backend()}; this engine needs {n} over {backend}")
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
+    return Ranks(dist.get_rank(), n, local_rank, backend)
+
+
+DISPATCH_BACKENDS = ("allgather", "alltoall")      # engine/parallel/expert_parallel.py DISPATCHERS
+
+
+def parallel_config(args: dict, given: set[str]) -> ParallelConfig:
+    """LLM's parallel arguments -> a ParallelConfig; `given`: the argument names the caller passed. One line for
+    any value that is wrong or that the other settings would leave unused."""
+    n = args["data_parallel_size"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise DeepInferError(f"data_parallel_size={n!r} must be an integer >= 1")
+    ep = args["enable_expert_parallel"]
+    if not isinstance(ep, bool):
+        raise DeepInferError(f"enable_expert_parallel={ep!r} must be True or False")
+    if ep and n == 1:
+        raise DeepInferError("enable_expert_parallel=True splits the routed experts over the data-parallel ranks, "
+                             "and data_parallel_size=1 is one rank: raise data_parallel_size or drop it")
+    backend = args["expert_dispatch"]
+    if backend not in DISPATCH_BACKENDS:
+        raise DeepInferError(f"expert_dispatch={backend!r}: use one of {list(DISPATCH_BACKENDS)}")
+    if "expert_dispatch" in given and not ep:
+        raise DeepInferError("expert_dispatch chooses how expert-parallel ranks exchange rows: set "
+                             "enable_expert_parallel=True or drop it")
+    timeout = args["distributed_timeout_s"]
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise DeepInferError(f"distributed_timeout_s={timeout!r} must be a number of seconds > 0")
+    if "distributed_timeout_s" in given and n == 1:
+        raise DeepInferError("distributed_timeout_s bounds the collectives between ranks; data_parallel_size=1 has "
+                             "none: drop it")
+    return ParallelConfig(n, ep, backend, float(timeout))

@@ -1,0 +1,37 @@
+"""One rank of a data-parallel (and expert-parallel) generate, run under torchrun by tests/test_parallel.py:
+    torchrun --nproc-per-node N tests/distributed/generate_worker.py OUT.json '{"model": ..., LLM kwargs}'
+Every rank runs the same generate; rank 0 writes the outputs (token ids, logprobs)
+and the preemptions of all ranks as JSON."""
+
+import json
+import sys
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.errors import DeepInferError
+
+
+def main(out_path: str, spec: str) -> int:
+    kw = json.loads(spec)
+    prompts, max_tokens = kw.pop("prompts"), kw.pop("max_tokens")
+    try:
+        llm = LLM(model=kw.pop("model"), device="cpu", skip_tokenizer_init=True, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1),
+                            use_tqdm=False)
+    except DeepInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    preemptions = llm.stats.preemptions
+    if llm.ranks is not None:
+        preemptions = sum(llm.ranks.gather_objects(preemptions))
+    if llm.ranks is None or llm.ranks.rank == 0:
+        rows = [{"ids": o.outputs[0].token_ids,
+                 "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                for o in outs]
+        with open(out_path, "w") as f:
+            json.dump({"rows": rows, "preemptions": preemptions}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,142 @@
+"""Attention data parallelism x expert parallelism on torch.distributed (gloo, CPU), 2 and 4 processes under torchrun:
+the outputs equal the one-process run's token for token, and in batch-invariant mode bitwise in logprobs too, with chunked prefill,
+preemption and asynchronous scheduling.
+Launch mistakes end every rank with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.errors import DeepInferError
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "distributed" / "generate_worker.py"
+PROMPTS = [[5 + i, 9, 11 + i, 13, 7 + i, 21, 30 + i, 2][: 3 + i % 6] for i in range(7)]
+TIMEOUT_S = 240
+
+
+def _torchrun() -> list[str]:
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _run(spec: dict, tmp_path: Path, nproc: int | None) -> tuple[subprocess.CompletedProcess, list | None]:
+    """The worker as one plain process (nproc None) or nproc ranks under torchrun -> (the process, rank 0's rows)."""
+    out = tmp_path / f"out-{nproc}-{os.urandom(4).hex()}.json"
+    launch = [sys.executable] if nproc is None else [*_torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([*launch, str(WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
+                       timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    return r, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def _spec(model: str, **kw) -> dict:
+    return {"model": model, "prompts": PROMPTS, "max_tokens": 6, "max_num_seqs": 3, **kw}
+
+
+def _preempting_spec(model: str) -> dict:
+    """8 prompts of 20-41 tokens, 24 new each, blocks of 16, and pools that hold 3 seats and 8 blocks per rank:
+    sequences of 3-5 blocks outgrow them, so the ranks preempt and recompute."""
+    from deepinfer.api import resolve_model
+    from deepinfer.cache.pools import PoolLayout
+    lay = PoolLayout.for_model(resolve_model(model, "cpu", "float32"), 16)
+    prompts = [[(7 * i + 3 * j) % 400 + 5 for j in range(20 + 3 * i)] for i in range(8)]
+    return {"model": model, "prompts": prompts, "max_tokens": 24, "max_num_seqs": 4, "block_size": 16,
+            "max_model_len": 128, "kernel_backend": "invariant",
+            "state_memory_bytes": 4 * lay.bytes_per_slot() + 10 * lay.bytes_per_block()}
+
+
+CASES = {
+    # invariant kernels: bitwise, logprobs included; chunked prefill (8-token budget) and preemption (few blocks)
+    "v4-allgather-invariant": (_spec("random:deepseek_v4:tiny:2", kernel_backend="invariant",
+                                     max_num_batched_tokens=8), 2, "allgather", True),
+    "v4-alltoall-invariant": (_spec("random:deepseek_v4:tiny:2", kernel_backend="invariant"), 4, "alltoall", True),
+    "v41-allgather-invariant": (_spec("random:deepseek_v41:tiny:2", kernel_backend="invariant"), 2, "allgather",
+                                True),
+    "v4-allgather-preempted": (_preempting_spec("random:deepseek_v4:tiny:2"), 2, "allgather", True),
+    # default kernels, asynchronous scheduling: greedy tokens equal
+    "v4-alltoall-async": (_spec("random:deepseek_v4:tiny:2", async_scheduling=True), 2, "alltoall", False),
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The one-process outputs of each case's model and settings."""
+    cache = {}
+
+    def get(spec: dict):
+        key = json.dumps(spec, sort_keys=True)
+        if key not in cache:
+            r, rows = _run(spec, tmp_path_factory.mktemp("one"), None)
+            assert r.returncode == 0, r.stderr[-3000:]
+            cache[key] = rows
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dp_ep_equals_one_rank(case, one_rank, tmp_path):
+    spec, nproc, dispatch, bitwise = CASES[case]
+    want = one_rank(spec)
+    r, got = _run({**spec, "data_parallel_size": nproc, "enable_expert_parallel": True, "expert_dispatch": dispatch},
+                  tmp_path, nproc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [g["ids"] for g in got["rows"]] == [w["ids"] for w in want["rows"]]
+    if bitwise:
+        assert [g["logprobs"] for g in got["rows"]] == [w["logprobs"] for w in want["rows"]]
+    else:
+        for g, w in zip(got["rows"], want["rows"]):
+            assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
+    if case.endswith("preempted"):
+        assert got["preemptions"] > 0 and want["preemptions"] > 0
+
+
+def test_data_parallel_without_expert_parallel_equals_one_rank(one_rank, tmp_path):
+    spec = _spec("random:deepseek_v4:tiny:2", kernel_backend="invariant")
+    r, got = _run({**spec, "data_parallel_size": 2}, tmp_path, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert got == one_rank(spec)
+
+
+def test_a_mismatched_launch_is_one_line(tmp_path):
+    spec = _spec("random:deepseek_v4:tiny:2", data_parallel_size=4, enable_expert_parallel=True)
+    r, got = _run(spec, tmp_path, 2)
+    assert r.returncode != 0 and got is None
+    assert "error: data_parallel_size=4, but torchrun started 2 processes" in r.stderr
+
+
+def test_the_preempting_case_preempts_on_one_rank(one_rank):
+    assert one_rank(CASES["v4-allgather-preempted"][0])["preemptions"] > 0
+
+
+# ---- the settings, checked before any rank waits on another ----
+@pytest.mark.parametrize("kw, match", [
+    ({"data_parallel_size": 2}, "not started by torchrun"),
+    ({"data_parallel_size": 0}, "data_parallel_size=0 must be an integer >= 1"),
+    ({"enable_expert_parallel": True}, "data_parallel_size=1 is one rank"),
+    ({"expert_dispatch": "alltoall"}, "set enable_expert_parallel=True"),
+    ({"expert_dispatch": "nvlink"}, "expert_dispatch='nvlink': use one of"),
+    ({"distributed_timeout_s": 5}, "data_parallel_size=1 has none"),
+    ({"distributed_timeout_s": -1}, "must be a number of seconds > 0"),
+])
+def test_bad_parallel_settings_are_one_line(kw, match, monkeypatch):
+    from deepinfer import LLM
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(DeepInferError, match=match):
+        LLM("random:deepseek_v4:tiny:2", device="cpu", skip_tokenizer_init=True, **kw)
+
+
+def test_expert_shard_buckets():
+    from deepinfer.parallel.expert_parallel import ExpertShard
+    shard = ExpertShard(8, rank=1, size=4)                     # experts 2, 3
+    assert (shard.first, shard.count) == (2, 2)
+    assert shard.bucket_of(torch.device("cpu")).tolist() == [2, 2, 0, 1, 2, 2, 2, 2, 2]   # else / pad id 8: bucket 2
