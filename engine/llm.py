@@ -124,7 +124,7 @@ class LLM:
         self._args = args
         self.rng = np.random.default_rng(seed)
         drafting = self.model.drafting          # None: the model cannot draft
-        self.speculative = speculative_config(args["speculative"], None) if drafting is None else \
+        self.speculative = speculative_config(args["speculative"], None, None) if drafting is None else \
             speculative_config(args["speculative"], drafting.block_size, drafting.method)
         if self.speculative is not None and args["async_scheduling"]:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "

@@ -370,6 +370,7 @@ def attention_inputs(kind: str, rows: int, context: int, device, gen, heads: int
 
 def attention_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -> None:
     from deepinfer.kernels import attention_triton as kat
+    from deepinfer.kernels import registry
     impls = {b: implementation("sparse_sink_attention", b) for b in ("reference", *cfg.backends)}
     device, heads, dim = cfg.device, 64, 512
     for kind in ATTENTION_KINDS:

@@ -173,3 +173,14 @@ def test_one_row_identity():
     hits = [str(f.relative_to(ROOT)) for f in files if '"schema_version":' in f.read_text()
             or "'schema_version':" in f.read_text()]
     assert hits == ["harness/rows.py"], hits
+
+
+HISTORY = re.compile(r"\b(session|issue|sessions|issues) \d+", re.IGNORECASE)
+
+
+def test_no_run_history_in_code():
+    """Code comments and docstrings say why, not when: past work periods belong in docs/results.md."""
+    hits = [f"{f.relative_to(ROOT)}:{i}" for f in _code_files()
+            for i, line in enumerate(f.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not hits, hits
+    assert HISTORY.search("# fixed in session 22") and not HISTORY.search("# the session's budget")

@@ -82,13 +82,13 @@ def speculative_config(value, block_size: int | None, drafter: str | None) -> Sp
     unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         raise DeepInferError(f"speculative got unknown keys {unknown}; known: {list(_KEYS)}")
-    method = value.get("method", drafter)
-    if method not in DRAFT_METHODS:
-        raise DeepInferError(f"speculative method={method!r} is not supported; use one of {list(DRAFT_METHODS)}")
     if block_size is None:
         raise DeepInferError("speculative decoding needs a model that drafts (num_nextn_predict_layers >= 1: draft "
                              "layers in the checkpoint); this one has none: drop speculative / "
                              "DEEPINFER_USE_NEXTN_DECODE (docs/speculative.md)")
+    method = value.get("method", drafter)
+    if method not in DRAFT_METHODS:
+        raise DeepInferError(f"speculative method={method!r} is not supported; use one of {list(DRAFT_METHODS)}")
     if method != drafter:
         raise DeepInferError(f"speculative method={method!r}: this model drafts with {drafter!r}; use {drafter!r} or "
                              f"leave method out (docs/speculative.md)")
