@@ -37,7 +37,8 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.common.moe import set_expert_act_quant, use_expert_parallel
-from .parallel.expert_parallel import DISPATCHERS
+from .parallel.eplb import EplbConfig, eplb_config, layer_placement
+from .parallel.expert_parallel import DISPATCHERS, Placement
 from .parallel.ranks import ParallelConfig, join, parallel_config
 from .parallel.traffic import ExpertTraffic
 from .cache.pools import check_kv_cache_dtype
@@ -52,7 +53,7 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
                    "expert_act_quant": False, "speculative": None, "expert_traffic": False,
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
-                   "distributed_timeout_s": 600.0}
+                   "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -88,9 +89,7 @@ class LLM:
         model = check_model_spec(model)
         device = device_or_default(device)
         dtype = parse_dtype(dtype)
-        parallel = parallel_config(args, set(engine_args))
-        self.ranks = join(parallel, device)                  # None: one rank
-        device = device if self.ranks is None else self.ranks.device(device)
+        parallel, eplb, device = self._join(args, set(engine_args), device)
         if "gpu_memory_utilization" in engine_args and not device.startswith("cuda"):
             raise DeepInferError(f"gpu_memory_utilization sizes the state pools from GPU memory; on {device} it has "
                                  f"no effect: drop it, or set state_memory_bytes")
@@ -132,7 +131,7 @@ class LLM:
                                  "speculative.md); drop async_scheduling or speculative")
         async_scheduling = False if self.speculative is not None else async_scheduling_default() \
             if args["async_scheduling"] is None else args["async_scheduling"]
-        self._expert_parallel(parallel, args)
+        self._expert_parallel(parallel, eplb, args)
         self._config = EngineConfig(args["max_num_seqs"], args["max_num_batched_tokens"], self.max_model_len,
                                     async_scheduling, lockstep=parallel.enable_expert_parallel)
         kernels = KernelTable(backend)
@@ -164,8 +163,17 @@ class LLM:
         return EngineCore(runner, manager, kernels, self._config, decode, self.model.cfg.eos_token_id,
                           speculation=speculation, traffic=self.traffic)
 
-    def _expert_parallel(self, parallel: ParallelConfig, args: dict) -> None:
-        """Expert parallelism: this rank keeps 1/N of every MoE layer's routed experts (engine/parallel/)."""
+    def _join(self, args: dict, given: set[str], device: str) -> tuple[ParallelConfig, EplbConfig | None, str]:
+        """The parallel settings checked, this process joined to its ranks (self.ranks; None: one rank), and the
+        device this rank computes on."""
+        parallel = parallel_config(args, given)
+        eplb = eplb_config(args["enable_eplb"], args["eplb_config"], parallel.enable_expert_parallel, given)
+        self.ranks = join(parallel, device)
+        return parallel, eplb, device if self.ranks is None else self.ranks.device(device)
+
+    def _expert_parallel(self, parallel: ParallelConfig, eplb: EplbConfig | None, args: dict) -> None:
+        """Expert parallelism: this rank keeps 1/N of every MoE layer's routed experts, or of its physical slots
+        under an EPLB placement (engine/parallel/, docs/parallel.md)."""
         if not parallel.enable_expert_parallel:
             return
         for name, on in (("speculative decoding", self.speculative is not None),
@@ -174,7 +182,12 @@ class LLM:
                 raise DeepInferError(f"enable_expert_parallel=True with {name} is not supported yet "
                                      f"(docs/parallel.md): drop one of them")
         dispatcher = DISPATCHERS[parallel.expert_dispatch]
-        use_expert_parallel(self.model, lambda n_experts: dispatcher(n_experts, self.ranks))
+
+        def make(name: str, n_experts: int):
+            placement = None if eplb is None else \
+                Placement(*layer_placement(eplb, name, n_experts, self.ranks.size))
+            return dispatcher(n_experts, self.ranks, placement=placement)
+        use_expert_parallel(self.model, make)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

@@ -140,3 +140,62 @@ def test_expert_shard_buckets():
     shard = ExpertShard(8, rank=1, size=4)                     # experts 2, 3
     assert (shard.first, shard.count) == (2, 2)
     assert shard.bucket_of(torch.device("cpu")).tolist() == [2, 2, 0, 1, 2, 2, 2, 2, 2]   # else / pad id 8: bucket 2
+
+
+# ---- EPLB: a static placement from a recorded load ----
+SKEWED = "random:deepseek_v4:tiny:2:skew=1.2"
+
+
+def _record_load(path: Path) -> Path:
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.parallel.eplb import write_load
+    llm = LLM(SKEWED, device="cpu", skip_tokenizer_init=True, expert_traffic=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=6),
+                 use_tqdm=False)
+    write_load(path, llm.traffic)
+    return path
+
+
+@pytest.mark.parametrize("dispatch", ["allgather", "alltoall"])
+def test_eplb_placement_equals_one_rank(dispatch, one_rank, tmp_path):
+    """8 experts + 2 replicas over 2 ranks, placed from the skewed model's recorded load: the hot experts get the
+    replicas, and the outputs stay bitwise the one-rank ones."""
+    from deepinfer.parallel.eplb import EplbConfig, layer_placement, read_load
+    load = _record_load(tmp_path / "load.json")
+    cfg = EplbConfig(2, read_load(load))
+    name, per_expert = next(iter(cfg.load.items()))
+    phy2log, _, counts = layer_placement(cfg, name, 8, 2)
+    hot = max(range(8), key=lambda e: per_expert[e])
+    assert counts[hot] == 2 and len(phy2log) == 10
+    spec = _spec(SKEWED, kernel_backend="invariant")
+    r, got = _run({**spec, "data_parallel_size": 2, "enable_expert_parallel": True, "expert_dispatch": dispatch,
+                   "enable_eplb": True, "eplb_config": {"num_redundant_experts": 2, "load": str(load)}}, tmp_path, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert got["rows"] == one_rank(spec)["rows"]
+
+
+def test_replicas_share_a_logical_experts_pairs():
+    from deepinfer.parallel.expert_parallel import Placement
+    p = Placement(torch.tensor([0, 1, 2, 0]), torch.tensor([[0, 3], [1, -1], [2, -1]]), torch.tensor([2, 1, 1]))
+    assert p.physical(torch.tensor([[0, 1], [0, 2], [0, 1]])).tolist() == [[0, 1], [3, 2], [0, 1]]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"enable_eplb": True}, "set enable_expert_parallel=True"),
+    ({"eplb_config": {"num_redundant_experts": 2}}, "set enable_eplb=True or drop it"),
+    ({"enable_eplb": "yes"}, "enable_eplb='yes' must be True or False"),
+])
+def test_bad_eplb_settings_are_one_line(kw, match):
+    from deepinfer import LLM
+    with pytest.raises(DeepInferError, match=match):
+        LLM("random:deepseek_v4:tiny:2", device="cpu", skip_tokenizer_init=True, **kw)
+
+
+def test_a_bad_load_file_is_one_line(tmp_path):
+    from deepinfer.parallel.eplb import eplb_config
+    bad = tmp_path / "load.json"
+    bad.write_text("{}")
+    with pytest.raises(DeepInferError, match="not a load file written by"):
+        eplb_config(True, {"num_redundant_experts": 1, "load": str(bad)}, True, {"eplb_config"})
+    with pytest.raises(DeepInferError, match="must be a dict with keys"):
+        eplb_config(True, {"num_redundant_experts": 1, "window_size": 10}, True, {"eplb_config"})

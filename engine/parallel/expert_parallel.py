@@ -34,25 +34,44 @@ from .ranks import DISPATCH_BACKENDS, Ranks
 
 @dataclass
 class ExpertShard:
-    """Which routed experts of a layer this rank holds: [first, first + count) of n_experts."""
-    n_experts: int
+    """Which physical expert slots of a layer this rank holds: [first, first + count) of n_physical. Without EPLB
+    the slots are the logical experts; with it (`placement`) slot p holds logical expert phy2log[p], and a hot
+    expert has several slots (replicas) across ranks."""
+    n_physical: int
     rank: int
     size: int
 
     @property
     def count(self) -> int:
-        return self.n_experts // self.size
+        return self.n_physical // self.size
 
     @property
     def first(self) -> int:
         return self.rank * self.count
 
     def bucket_of(self, device: torch.device) -> torch.Tensor:
-        """[E + 1] int64: global expert id -> local expert index, count for experts held elsewhere (and for the
-        pad id E): a bucket the experts never compute."""
-        ids = torch.arange(self.n_experts + 1, device=device)
+        """[P + 1] int64: physical slot -> local slot index, count for slots held elsewhere (and for the pad id P):
+        a bucket the experts never compute."""
+        ids = torch.arange(self.n_physical + 1, device=device)
         local = ids - self.first
         return torch.where((local >= 0) & (local < self.count), local, torch.full_like(ids, self.count))
+
+
+@dataclass
+class Placement:
+    """One layer's EPLB placement (engine/parallel/eplb.py): phy2log [P], log2phy [E, R] (-1 padded), counts [E]."""
+    phy2log: torch.Tensor
+    log2phy: torch.Tensor
+    counts: torch.Tensor
+
+    def physical(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logical ids [N, k] -> physical slots [N, k]: row i's pair takes replica i mod count (the replicas hold
+        the same weights, so which one computes a row does not change it)."""
+        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        return self.log2phy[ids, rows % self.counts[ids]]
+
+    def to(self, device: torch.device) -> "Placement":
+        return Placement(self.phy2log.to(device), self.log2phy.to(device), self.counts.to(device))
 
 
 def check_expert_split(n_experts: int, size: int, what: str = "a MoE layer") -> None:
@@ -72,26 +91,39 @@ class RankDispatched(Dispatched):
 
 
 class _ExpertParallel:
-    def __init__(self, n_experts: int, ranks: Ranks, name: str | None = None):
-        check_expert_split(n_experts, ranks.size)
-        self.n_experts, self.ranks, self.name = n_experts, ranks, name
-        self.shard = ExpertShard(n_experts, ranks.rank, ranks.size)
-        self.logical_to_physical = None           # EPLB placement: not on the EP dispatchers yet (docs/parallel.md)
+    def __init__(self, n_experts: int, ranks: Ranks, name: str | None = None, placement: Placement | None = None):
+        n_physical = n_experts if placement is None else len(placement.phy2log)
+        check_expert_split(n_physical, ranks.size)
+        self.n_experts, self.ranks, self.name, self.placement = n_experts, ranks, name, placement
+        self.shard = ExpertShard(n_physical, ranks.rank, ranks.size)
         self._bucket = None
+
+    def held_experts(self) -> list[int]:
+        """The logical expert of each local slot."""
+        slots = range(self.shard.first, self.shard.first + self.shard.count)
+        return list(slots) if self.placement is None else [int(self.placement.phy2log[p]) for p in slots]
+
+    def _physical(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.placement is None:
+            return ids
+        if self.placement.log2phy.device != ids.device:
+            self.placement = self.placement.to(ids.device)
+        return self.placement.physical(ids)
 
     def bucket(self, device: torch.device) -> torch.Tensor:
         if self._bucket is None or self._bucket.device != device:
             self._bucket = self.shard.bucket_of(device)
         return self._bucket
 
-    def _local(self, x_pairs_source: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
-        """Pairs ids / weights [P, k] whose rows are x_pairs_source [P, D] -> this rank's pairs grouped by local
-        expert: (x [m, D], weights [m], expert ids [m], offsets [count + 1], order [P*k], inverse [P*k])."""
-        count, k = self.shard.count, ids.shape[1]
-        expert_ids, offsets, order, inverse, w = permute(ids, weights, count + 1, self.bucket(ids.device))
+    def _local(self, x_source: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, k: int) -> tuple:
+        """Pairs' physical slots / weights [M] (flat: pair i's row is x_source[i // k]) -> this rank's pairs
+        grouped by local slot: (x [m, D], weights [m], local slot ids [m], offsets [count + 1], order [M],
+        inverse [M]). The pairs go in as one column, so no pair moves within its row."""
+        count = self.shard.count
+        local, offsets, order, inverse, w = permute(slots.view(-1, 1), weights.reshape(-1, 1), count + 1,
+                                                    self.bucket(slots.device))
         m = int(offsets[count])                      # host read: this rank's pair count
-        return (x_pairs_source.index_select(0, order[:m] // k), w[:m], expert_ids[:m], offsets[:count + 1],
-                order, inverse)
+        return x_source.index_select(0, order[:m] // k), w[:m], local[:m], offsets[:count + 1], order, inverse
 
     @staticmethod
     def _sorted_slots(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,9 +141,9 @@ class AllGatherDispatch(_ExpertParallel):
         n_max = self.ranks.max(n)
         pad = n_max - n
         own = (F.pad(x, (0, 0, 0, pad)), F.pad(weights, (0, 0, 0, pad)),
-               F.pad(ids, (0, 0, 0, pad), value=self.n_experts))       # pad rows route to the never-computed bucket
+               F.pad(self._physical(ids), (0, 0, 0, pad), value=self.shard.n_physical))   # pads: never computed
         xs, ws, ids_all = (_all_gather(t, self.ranks) for t in own)
-        xl, wl, el, offsets, order, inverse = self._local(xs, ids_all, ws)
+        xl, wl, el, offsets, order, inverse = self._local(xs, ids_all.reshape(-1), ws.reshape(-1), k)
         return RankDispatched(x=xl, weights=wl, expert_ids=el, offsets=offsets, order=order, inverse=inverse,
                               n_rows=n, top_k=k, pairs=ids_all.numel(), rows_per_rank=n_max)
 
@@ -131,7 +163,7 @@ class AllToAllDispatch(_ExpertParallel):
         record(self.name, ids)
         n, k = ids.shape
         weights, ids = self._sorted_slots(weights, ids)
-        flat_ids = ids.reshape(-1)
+        flat_ids = self._physical(ids).reshape(-1)
         dest = flat_ids // self.shard.count                          # [N*k] the rank holding each pair's expert
         dest, send = dest.sort(stable=True)
         counts = torch.bincount(dest, minlength=self.ranks.size)
@@ -142,7 +174,7 @@ class AllToAllDispatch(_ExpertParallel):
         xr = _all_to_all(x.index_select(0, send // k), received, send_splits, recv_splits, self.ranks)
         wr = _all_to_all(weights.reshape(-1)[send], received, send_splits, recv_splits, self.ranks)
         ir = _all_to_all(flat_ids[send], received, send_splits, recv_splits, self.ranks)
-        xl, wl, el, offsets, order, inverse = self._local(xr, ir.view(-1, 1), wr.view(-1, 1))
+        xl, wl, el, offsets, order, inverse = self._local(xr, ir, wr, 1)
         return RankDispatched(x=xl, weights=wl, expert_ids=el, offsets=offsets, order=order, inverse=inverse,
                               n_rows=n, top_k=k, pairs=received, send=send, send_splits=send_splits,
                               recv_splits=recv_splits)

@@ -94,18 +94,17 @@ class Experts(nn.Module):
                                  scales=(self.w1_scale, self.w2_scale, self.w3_scale), act_fp8=self.act_fp8)
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
 
-    def keep(self, first: int, count: int) -> None:
-        """Hold experts first .. first+count-1 only (expert parallelism: the others live on other ranks)."""
+    def keep(self, experts: list[int]) -> None:
+        """Hold these experts only, in this order (expert parallelism: the others live on other ranks; an EPLB
+        placement may list an expert twice, a replica)."""
         if self.quantized:
             raise ValueError("quantized expert weights cannot be split over ranks yet")
+        index = torch.tensor(experts, dtype=torch.long)
         for name, t in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]:
             if t.dim() and t.shape[0] == self.n_experts:
-                kept = t.data[first:first + count].clone()
-                if isinstance(t, nn.Parameter):
-                    setattr(self, name, nn.Parameter(kept, requires_grad=False))
-                else:
-                    setattr(self, name, kept)
-        self.n_experts = count
+                kept = t.data.index_select(0, index.to(t.device))
+                setattr(self, name, nn.Parameter(kept, requires_grad=False) if isinstance(t, nn.Parameter) else kept)
+        self.n_experts = len(experts)
 
     def compute(self, d: Dispatched) -> torch.Tensor:
         """The dispatched rows through their experts -> [N*k, D] >= fp32, in sorted order."""
@@ -142,9 +141,9 @@ class MoE(nn.Module):
         return cls(gate, cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.swiglu_limit, dtype)
 
     def use_expert_parallel(self, dispatcher) -> None:
-        """Expert parallelism: hold the routed experts `dispatcher.shard` names and let it move the rows
+        """Expert parallelism: hold the routed experts of `dispatcher.held_experts()` and let it move the rows
         (engine/parallel/expert_parallel.py). The router and the shared expert stay whole on every rank."""
-        self.experts.keep(dispatcher.shard.first, dispatcher.shard.count)
+        self.experts.keep(dispatcher.held_experts())
         self.dispatch = dispatcher
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,8 +182,8 @@ def set_expert_act_quant(model: nn.Module, on: bool) -> None:
 
 def use_expert_parallel(model: nn.Module, make_dispatcher) -> None:
     """Every MoE of `model` keeps the routed experts of this rank and moves its rows with
-    make_dispatcher(n_experts) (engine/parallel/expert_parallel.py)."""
+    make_dispatcher(module name, n_experts) (engine/parallel/expert_parallel.py)."""
     for name, moe in moe_layers(model):
-        dispatcher = make_dispatcher(moe.gate.n_experts)
+        dispatcher = make_dispatcher(name, moe.gate.n_experts)
         dispatcher.name = name
         moe.use_expert_parallel(dispatcher)
