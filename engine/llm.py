@@ -176,18 +176,17 @@ class LLM:
         under an EPLB placement (engine/parallel/, docs/parallel.md)."""
         if not parallel.enable_expert_parallel:
             return
-        for name, on in (("speculative decoding", self.speculative is not None),
-                         ("expert_traffic=True", args["expert_traffic"])):
-            if on:
-                raise DeepInferError(f"enable_expert_parallel=True with {name} is not supported yet "
-                                     f"(docs/parallel.md): drop one of them")
+        if args["expert_traffic"]:
+            raise DeepInferError("enable_expert_parallel=True with expert_traffic=True is not supported yet "
+                                 "(docs/parallel.md): drop one of them")
         dispatcher = DISPATCHERS[parallel.expert_dispatch]
 
         def make(name: str, n_experts: int):
             placement = None if eplb is None else \
                 Placement(*layer_placement(eplb, name, n_experts, self.ranks.size))
             return dispatcher(n_experts, self.ranks, placement=placement)
-        use_expert_parallel(self.model, make)
+        drafting = self.model.drafting      # draft layers stay whole: a draft block runs without collectives
+        use_expert_parallel(self.model, make, drafting.modules if drafting is not None else ())
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

@@ -1,6 +1,6 @@
 """Attention data parallelism x expert parallelism on torch.distributed (gloo, CPU), 2 and 4 processes under torchrun:
 the outputs equal the one-process run's token for token, and in batch-invariant mode bitwise in logprobs too, with chunked prefill,
-preemption and asynchronous scheduling.
+preemption, asynchronous scheduling and speculative decoding.
 Launch mistakes end every rank with one line."""
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ CASES = {
     "v41-allgather-invariant": (_spec("random:deepseek_v41:tiny:2", kernel_backend="invariant"), 2, "allgather",
                                 True),
     "v4-allgather-preempted": (_preempting_spec("random:deepseek_v4:tiny:2"), 2, "allgather", True),
+    # speculative decoding: V4's MTP layer, V4.1's DSpark stages (confidence-scheduled, step rates profiled on each
+    # rank); the draft layers keep their experts whole on every rank
+    "v4-allgather-mtp": (_spec("random:deepseek_v4:tiny:2", kernel_backend="invariant", speculative=True), 2,
+                         "allgather", True),
+    "v41-alltoall-dspark": (_spec("random:deepseek_v41:tiny:2", kernel_backend="invariant",
+                                  speculative={"schedule": "confidence"}), 2, "alltoall", True),
     # default kernels, asynchronous scheduling: greedy tokens equal
     "v4-alltoall-async": (_spec("random:deepseek_v4:tiny:2", async_scheduling=True), 2, "alltoall", False),
 }
@@ -98,6 +104,8 @@ def test_dp_ep_equals_one_rank(case, one_rank, tmp_path):
             assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
     if case.endswith("preempted"):
         assert got["preemptions"] > 0 and want["preemptions"] > 0
+    if "speculative" in spec:
+        assert got["draft_tokens"] > 0 and want["draft_tokens"] > 0
 
 
 def test_data_parallel_without_expert_parallel_equals_one_rank(one_rank, tmp_path):

@@ -25,10 +25,13 @@ DRAFT_METHODS = ("dspark", "mtp")    # every family's DRAFT_METHOD (config/): wh
 class Drafting:
     """How a model drafts: `method` ("dspark": V4.1's DSpark stages, one block per pass; "mtp": V4's NextN layer,
     one step per pass), `block_size` drafts one block proposes at most, `rings` the state rings the drafter reads,
-    which the target's forward keeps current when the batch asks for it (ForwardBatch.draft_rings)."""
+    which the target's forward keeps current when the batch asks for it (ForwardBatch.draft_rings), `modules` the
+    submodules that draft (under expert parallelism their MoE layers stay whole on every rank, so a draft block
+    needs no collective)."""
     method: str
     block_size: int
     rings: tuple[str, ...]
+    modules: tuple[str, ...] = ()
 
 
 class Drafts(Protocol):

@@ -1,7 +1,7 @@
 """One rank of a data-parallel (and expert-parallel) generate, run under torchrun by tests/test_parallel.py:
     torchrun --nproc-per-node N tests/distributed/generate_worker.py OUT.json '{"model": ..., LLM kwargs}'
 Every rank runs the same generate; rank 0 writes the outputs (token ids, logprobs)
-and the preemptions of all ranks as JSON."""
+and the preemptions and draft tokens of all ranks as JSON."""
 
 import json
 import sys
@@ -21,15 +21,15 @@ def main(out_path: str, spec: str) -> int:
     except DeepInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    preemptions = llm.stats.preemptions
+    preemptions, drafts = llm.stats.preemptions, llm.stats.draft_tokens
     if llm.ranks is not None:
-        preemptions = sum(llm.ranks.gather_objects(preemptions))
+        preemptions, drafts = (sum(v) for v in zip(*llm.ranks.gather_objects((preemptions, drafts))))
     if llm.ranks is None or llm.ranks.rank == 0:
         rows = [{"ids": o.outputs[0].token_ids,
                  "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
                 for o in outs]
         with open(out_path, "w") as f:
-            json.dump({"rows": rows, "preemptions": preemptions}, f)
+            json.dump({"rows": rows, "preemptions": preemptions, "draft_tokens": drafts}, f)
     return 0
 
 

@@ -180,10 +180,13 @@ def set_expert_act_quant(model: nn.Module, on: bool) -> None:
             raise DeepInferError(f"expert_act_quant=True: {e}") from None
 
 
-def use_expert_parallel(model: nn.Module, make_dispatcher) -> None:
+def use_expert_parallel(model: nn.Module, make_dispatcher, keep_whole: tuple[str, ...] = ()) -> None:
     """Every MoE of `model` keeps the routed experts of this rank and moves its rows with
-    make_dispatcher(module name, n_experts) (engine/parallel/expert_parallel.py)."""
+    make_dispatcher(module name, n_experts) (engine/parallel/expert_parallel.py); those under the submodules
+    `keep_whole` names (the draft layers) keep all their experts and dispatch locally."""
     for name, moe in moe_layers(model):
+        if any(name == m or name.startswith(f"{m}.") for m in keep_whole):
+            continue
         dispatcher = make_dispatcher(name, moe.gate.n_experts)
         dispatcher.name = name
         moe.use_expert_parallel(dispatcher)

@@ -98,7 +98,7 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.mtp = nn.ModuleList(MTPLayer(cfg, self.rope_main, dtype, qat_fake_quant)
                                  for _ in range(cfg.num_nextn_predict_layers))
-        self.drafting = Drafting(cfg.DRAFT_METHOD, mtp.MAX_STEPS, mtp.RINGS) if len(self.mtp) else None
+        self.drafting = Drafting(cfg.DRAFT_METHOD, mtp.MAX_STEPS, mtp.RINGS, ("mtp",)) if len(self.mtp) else None
 
     def state_spec(self) -> StateSpec:
         """Every layer's per-sequence state, and the NextN drafter's (mtp.py) when the checkpoint has one."""

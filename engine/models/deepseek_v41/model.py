@@ -50,7 +50,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         self.mtp = build_stages(cfg, self.rope_main, dtype, qat_fake_quant, expert_storage)   # DSpark stages
         self.dspark = DSpark(cfg, self.mtp) if len(self.mtp) else None
         rings = tuple(f"mtp.{i}.window" for i in range(len(self.mtp)))
-        self.drafting = Drafting(cfg.DRAFT_METHOD, cfg.dspark_block_size, rings) if len(self.mtp) else None
+        self.drafting = Drafting(cfg.DRAFT_METHOD, cfg.dspark_block_size, rings, ("mtp",)) if len(self.mtp) else None
 
     def bind_tokenizer(self, tokenizer) -> None:
         """Build the engram hash tables from the tokenizer (checks the compressed vocabulary size)."""
