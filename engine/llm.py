@@ -37,8 +37,8 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.common.moe import set_expert_act_quant, use_expert_parallel
-from .parallel.eplb import EplbConfig, eplb_config, layer_placement
-from .parallel.expert_parallel import DISPATCHERS, Placement
+from .parallel.balancer import EplbConfig, ExpertBalancer, eplb_config, layer_placement
+from .parallel.expert_parallel import DISPATCHERS
 from .parallel.ranks import ParallelConfig, join, parallel_config
 from .parallel.traffic import ExpertTraffic
 from .cache.pools import check_kv_cache_dtype
@@ -90,6 +90,7 @@ class LLM:
         device = device_or_default(device)
         dtype = parse_dtype(dtype)
         parallel, eplb, device = self._join(args, set(engine_args), device)
+        self.balancer: ExpertBalancer | None = None          # EPLB's live rebalancing (engine/parallel/balancer.py)
         if "gpu_memory_utilization" in engine_args and not device.startswith("cuda"):
             raise DeepInferError(f"gpu_memory_utilization sizes the state pools from GPU memory; on {device} it has "
                                  f"no effect: drop it, or set state_memory_bytes")
@@ -181,12 +182,16 @@ class LLM:
                                  "(docs/parallel.md): drop one of them")
         dispatcher = DISPATCHERS[parallel.expert_dispatch]
 
+        made = []
+
         def make(name: str, n_experts: int):
-            placement = None if eplb is None else \
-                Placement(*layer_placement(eplb, name, n_experts, self.ranks.size))
-            return dispatcher(n_experts, self.ranks, placement=placement)
+            placement = None if eplb is None else layer_placement(eplb, name, n_experts, self.ranks.size)
+            made.append(dispatcher(n_experts, self.ranks, placement=placement))
+            return made[-1]
         drafting = self.model.drafting      # draft layers stay whole: a draft block runs without collectives
         use_expert_parallel(self.model, make, drafting.modules if drafting is not None else ())
+        if eplb is not None and eplb.step_interval:
+            self.balancer = ExpertBalancer(eplb, made, self.ranks)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs
@@ -294,6 +299,8 @@ class LLM:
                 self.engine.add_request(r)
             while self._unfinished():
                 done = self.engine.step()
+                if self.balancer is not None:
+                    self.balancer.after_step()
                 if bar is not None and done:
                     bar.update(len(done))
         except BaseException:

@@ -156,7 +156,7 @@ SKEWED = "random:deepseek_v4:tiny:2:skew=1.2"
 
 def _record_load(path: Path) -> Path:
     from deepinfer import LLM, SamplingParams
-    from deepinfer.parallel.eplb import write_load
+    from deepinfer.parallel.balancer import write_load
     llm = LLM(SKEWED, device="cpu", skip_tokenizer_init=True, expert_traffic=True)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=6),
                  use_tqdm=False)
@@ -168,17 +168,30 @@ def _record_load(path: Path) -> Path:
 def test_eplb_placement_equals_one_rank(dispatch, one_rank, tmp_path):
     """8 experts + 2 replicas over 2 ranks, placed from the skewed model's recorded load: the hot experts get the
     replicas, and the outputs stay bitwise the one-rank ones."""
-    from deepinfer.parallel.eplb import EplbConfig, layer_placement, read_load
+    from deepinfer.parallel.balancer import EplbConfig, layer_placement, read_load
     load = _record_load(tmp_path / "load.json")
-    cfg = EplbConfig(2, read_load(load))
+    cfg = EplbConfig(2, load=read_load(load))
     name, per_expert = next(iter(cfg.load.items()))
-    phy2log, _, counts = layer_placement(cfg, name, 8, 2)
+    placed = layer_placement(cfg, name, 8, 2)
     hot = max(range(8), key=lambda e: per_expert[e])
-    assert counts[hot] == 2 and len(phy2log) == 10
+    assert placed.counts[hot] == 2 and len(placed.phy2log) == 10
     spec = _spec(SKEWED, kernel_backend="invariant")
     r, got = _run({**spec, "data_parallel_size": 2, "enable_expert_parallel": True, "expert_dispatch": dispatch,
-                   "enable_eplb": True, "eplb_config": {"num_redundant_experts": 2, "load": str(load)}}, tmp_path, 2)
+                   "enable_eplb": True, "eplb_config": {"num_redundant_experts": 2, "load": str(load),
+                                                        "step_interval": 0}}, tmp_path, 2)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert got["rows"] == one_rank(spec)["rows"]
+
+
+def test_rebalancing_mid_generation_changes_no_output_bit(one_rank, tmp_path):
+    """Live EPLB: every 3 steps the ranks sum a 4-step window of the skewed model's load, place anew and move the
+    expert weights between them (starting from an even placement, so the first rebalance moves experts); the
+    outputs, logprobs included, stay the one-rank ones."""
+    spec = _spec(SKEWED, kernel_backend="invariant", max_tokens=12)
+    r, got = _run({**spec, "data_parallel_size": 2, "enable_expert_parallel": True, "enable_eplb": True,
+                   "eplb_config": {"num_redundant_experts": 2, "window_size": 4, "step_interval": 3}}, tmp_path, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert got["rebalances"] >= 2 and got["moved_slots"] > 0, got
     assert got["rows"] == one_rank(spec)["rows"]
 
 
@@ -200,10 +213,12 @@ def test_bad_eplb_settings_are_one_line(kw, match):
 
 
 def test_a_bad_load_file_is_one_line(tmp_path):
-    from deepinfer.parallel.eplb import eplb_config
+    from deepinfer.parallel.balancer import eplb_config
     bad = tmp_path / "load.json"
     bad.write_text("{}")
     with pytest.raises(DeepInferError, match="not a load file written by"):
         eplb_config(True, {"num_redundant_experts": 1, "load": str(bad)}, True, {"eplb_config"})
-    with pytest.raises(DeepInferError, match="must be a dict with keys"):
-        eplb_config(True, {"num_redundant_experts": 1, "window_size": 10}, True, {"eplb_config"})
+    with pytest.raises(DeepInferError, match="must be a dict with num_redundant_experts"):
+        eplb_config(True, {"num_redundant_experts": 1, "window": 10}, True, {"eplb_config"})
+    with pytest.raises(DeepInferError, match="step_interval=-1 must be an integer >= 0"):
+        eplb_config(True, {"num_redundant_experts": 1, "step_interval": -1}, True, {"eplb_config"})

@@ -19,10 +19,6 @@ g*P/G .. (g+1)*P/G - 1), log2phy [L, E, max replicas] (-1 padded), counts [L, E]
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
 from ..errors import DeepInferError
@@ -113,64 +109,3 @@ def balancedness(load: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> to
     per_gpu = per_slot.view(load.shape[0], num_gpus, -1).sum(-1)
     return per_gpu.mean(-1) / per_gpu.max(-1).values.clamp_min(1e-30)
 
-
-# ---- static placement from a recorded load (LLM(enable_eplb=True, eplb_config={...})) ----
-EPLB_KEYS = ("num_redundant_experts", "load")
-
-
-@dataclass(frozen=True)
-class EplbConfig:
-    num_redundant_experts: int       # physical slots beyond the logical experts, per layer (over all ranks)
-    load: dict                       # MoE module name -> [E] tokens routed per expert (write_load's file)
-
-
-def eplb_config(enable: bool, value, expert_parallel: bool, given: set[str]) -> EplbConfig | None:
-    """LLM's enable_eplb / eplb_config -> an EplbConfig (None: off); one line for what is wrong or unused."""
-    if not isinstance(enable, bool):
-        raise DeepInferError(f"enable_eplb={enable!r} must be True or False")
-    if not enable:
-        if "eplb_config" in given:
-            raise DeepInferError("eplb_config configures EPLB: set enable_eplb=True or drop it")
-        return None
-    if not expert_parallel:
-        raise DeepInferError("enable_eplb=True places experts over expert-parallel ranks: set "
-                             "enable_expert_parallel=True (docs/parallel.md)")
-    if not isinstance(value, dict) or sorted(value) != sorted(EPLB_KEYS):
-        raise DeepInferError(f"eplb_config={value!r} must be a dict with keys {list(EPLB_KEYS)} (a recorded load "
-                             f"file places experts statically; the sliding window and periodic rebalancing are not "
-                             f"built yet: docs/parallel.md)")
-    r = value["num_redundant_experts"]
-    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-        raise DeepInferError(f"eplb_config num_redundant_experts={r!r} must be an integer >= 0")
-    return EplbConfig(r, read_load(value["load"]))
-
-
-def write_load(path: str | Path, traffic) -> None:
-    """The routed load an engine's expert-traffic counters saw (LLM(expert_traffic=True)), as EPLB's input."""
-    layers = {name: load.tolist() for name, load in zip(traffic.names, traffic.load)}
-    Path(path).write_text(json.dumps({"layers": layers}) + "\n")
-
-
-def read_load(path) -> dict:
-    try:
-        layers = json.loads(Path(path).read_text())["layers"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DeepInferError(f"eplb_config load={str(path)!r}: not a load file written by "
-                             f"deepinfer.parallel.eplb.write_load ({type(e).__name__}: {e})") from None
-    if not isinstance(layers, dict) or not all(
-            isinstance(v, list) and v and all(isinstance(x, (int, float)) and x >= 0 for x in v)
-            for v in layers.values()):
-        raise DeepInferError(f"eplb_config load={str(path)!r}: each layer must map to a list of loads >= 0")
-    return layers
-
-
-def layer_placement(config: EplbConfig, name: str, n_experts: int, num_gpus: int):
-    """One MoE layer's placement over num_gpus ranks (the global policy: no expert groups) -> (phy2log [P],
-    log2phy [E, R], counts [E])."""
-    load = config.load.get(name)
-    if load is None or len(load) != n_experts:
-        raise DeepInferError(f"eplb_config load has no {n_experts}-expert load for MoE layer {name!r}: record it "
-                             f"on this model (docs/parallel.md)")
-    phy2log, log2phy, counts = rebalance(torch.tensor([load], dtype=torch.float64),
-                                         n_experts + config.num_redundant_experts, 1, 1, num_gpus)
-    return phy2log[0], log2phy[0], counts[0]

@@ -97,6 +97,14 @@ class _ExpertParallel:
         self.n_experts, self.ranks, self.name, self.placement = n_experts, ranks, name, placement
         self.shard = ExpertShard(n_physical, ranks.rank, ranks.size)
         self._bucket = None
+        self.step_load: torch.Tensor | None = None    # [E] own rows' pairs per logical expert (parallel/balancer.py)
+        self.slot_tensors = lambda: []                # the held slots' stacked weights (MoE.use_expert_parallel)
+
+    def _count(self, ids: torch.Tensor) -> None:
+        record(self.name, ids)
+        if self.step_load is not None:
+            flat = ids.reshape(-1)
+            self.step_load.index_add_(0, flat, torch.ones_like(flat))
 
     def held_experts(self) -> list[int]:
         """The logical expert of each local slot."""
@@ -135,7 +143,7 @@ class _ExpertParallel:
 class AllGatherDispatch(_ExpertParallel):
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> RankDispatched:
         """x [N, D], weights / ids [N, k] of this rank's rows -> every rank's pairs routed to this rank's experts."""
-        record(self.name, ids)
+        self._count(ids)
         n, k = ids.shape
         weights, ids = self._sorted_slots(weights, ids)
         n_max = self.ranks.max(n)
@@ -160,7 +168,7 @@ class AllGatherDispatch(_ExpertParallel):
 
 class AllToAllDispatch(_ExpertParallel):
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> RankDispatched:
-        record(self.name, ids)
+        self._count(ids)
         n, k = ids.shape
         weights, ids = self._sorted_slots(weights, ids)
         flat_ids = self._physical(ids).reshape(-1)

@@ -1,7 +1,7 @@
 """One rank of a data-parallel (and expert-parallel) generate, run under torchrun by tests/test_parallel.py:
     torchrun --nproc-per-node N tests/distributed/generate_worker.py OUT.json '{"model": ..., LLM kwargs}'
 Every rank runs the same generate; rank 0 writes the outputs (token ids, logprobs)
-and the preemptions and draft tokens of all ranks as JSON."""
+the preemptions and draft tokens of all ranks, and rank 0's EPLB rebalances, as JSON."""
 
 import json
 import sys
@@ -28,8 +28,11 @@ def main(out_path: str, spec: str) -> int:
         rows = [{"ids": o.outputs[0].token_ids,
                  "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
                 for o in outs]
+        balancer = llm.balancer
         with open(out_path, "w") as f:
-            json.dump({"rows": rows, "preemptions": preemptions, "draft_tokens": drafts}, f)
+            json.dump({"rows": rows, "preemptions": preemptions, "draft_tokens": drafts,
+                       "rebalances": balancer.rebalances if balancer else 0,
+                       "moved_slots": balancer.moved_slots if balancer else 0}, f)
     return 0
 
 

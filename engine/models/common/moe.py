@@ -94,6 +94,11 @@ class Experts(nn.Module):
                                  scales=(self.w1_scale, self.w2_scale, self.w3_scale), act_fp8=self.act_fp8)
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The stacked tensors, one slice per held expert along dim 0 (weights, FP4 scales)."""
+        return [t for _, t in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]
+                if t.dim() and t.shape[0] == self.n_experts]
+
     def keep(self, experts: list[int]) -> None:
         """Hold these experts only, in this order (expert parallelism: the others live on other ranks; an EPLB
         placement may list an expert twice, a replica)."""
@@ -144,6 +149,7 @@ class MoE(nn.Module):
         """Expert parallelism: hold the routed experts of `dispatcher.held_experts()` and let it move the rows
         (engine/parallel/expert_parallel.py). The router and the shared expert stay whole on every rank."""
         self.experts.keep(dispatcher.held_experts())
+        dispatcher.slot_tensors = self.experts.slot_tensors       # EPLB moves experts between ranks through these
         self.dispatch = dispatcher
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
