@@ -114,8 +114,6 @@ class LLM:
                                  f"in, which holds its FP8 projections as {projection_storage_of(self.model)!r}: "
                                  f"drop the argument or build the model with it")
         set_expert_act_quant(self.model, args["expert_act_quant"])     # on or off: a passed-in model is reused
-        # routed-traffic counters (engine/parallel/traffic.py), wrapped in before any graph is captured
-        self.traffic = ExpertTraffic.install(self.model) if args["expert_traffic"] else None
         self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
@@ -132,7 +130,10 @@ class LLM:
                                  "speculative.md); drop async_scheduling or speculative")
         async_scheduling = False if self.speculative is not None else async_scheduling_default() \
             if args["async_scheduling"] is None else args["async_scheduling"]
-        self._expert_parallel(parallel, eplb, args)
+        self._expert_parallel(parallel, eplb)
+        # routed-traffic counters (engine/parallel/traffic.py), wrapped around the dispatchers (local or expert-
+        # parallel) before any graph is captured
+        self.traffic = ExpertTraffic.install(self.model) if args["expert_traffic"] else None
         self._config = EngineConfig(args["max_num_seqs"], args["max_num_batched_tokens"], self.max_model_len,
                                     async_scheduling, lockstep=parallel.enable_expert_parallel)
         kernels = KernelTable(backend)
@@ -172,14 +173,11 @@ class LLM:
         self.ranks = join(parallel, device)
         return parallel, eplb, device if self.ranks is None else self.ranks.device(device)
 
-    def _expert_parallel(self, parallel: ParallelConfig, eplb: EplbConfig | None, args: dict) -> None:
+    def _expert_parallel(self, parallel: ParallelConfig, eplb: EplbConfig | None) -> None:
         """Expert parallelism: this rank keeps 1/N of every MoE layer's routed experts, or of its physical slots
         under an EPLB placement (engine/parallel/, docs/parallel.md)."""
         if not parallel.enable_expert_parallel:
             return
-        if args["expert_traffic"]:
-            raise DeepInferError("enable_expert_parallel=True with expert_traffic=True is not supported yet "
-                                 "(docs/parallel.md): drop one of them")
         dispatcher = DISPATCHERS[parallel.expert_dispatch]
 
         made = []

@@ -195,6 +195,16 @@ def test_rebalancing_mid_generation_changes_no_output_bit(one_rank, tmp_path):
     assert got["rows"] == one_rank(spec)["rows"]
 
 
+def test_expert_traffic_counts_each_ranks_own_rows(one_rank, tmp_path):
+    """expert_traffic under expert parallelism: each rank counts the logical experts of its own rows (idle steps
+    count nothing), so the ranks' loads add up to the one-rank load, layer by layer."""
+    spec = _spec("random:deepseek_v4:tiny:2", kernel_backend="invariant", expert_traffic=True)
+    r, got = _run({**spec, "data_parallel_size": 2, "enable_expert_parallel": True}, tmp_path, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = one_rank(spec)
+    assert got["rows"] == want["rows"] and want["load"] and got["load"] == want["load"]
+
+
 def test_replicas_share_a_logical_experts_pairs():
     from deepinfer.parallel.expert_parallel import Placement
     p = Placement(torch.tensor([0, 1, 2, 0]), torch.tensor([[0, 3], [1, -1], [2, -1]]), torch.tensor([2, 1, 1]))

@@ -110,10 +110,30 @@ class RoutingRecord:
 _RECORDERS: list[RoutingRecord] = []   # process-wide (the engine may run forwards on another thread); empty: no cost
 
 
+_IDLE = [False]         # an idle step is running (its one token is no request's)
+
+
+@contextlib.contextmanager
+def idle_step():
+    """What runs inside routes no request's token: routing records and load counters skip it (an expert-parallel
+    rank's idle step, ModelRunner.idle_step)."""
+    _IDLE[0] = True
+    try:
+        yield
+    finally:
+        _IDLE[0] = False
+
+
+def counting() -> bool:
+    """Whether dispatches now route real tokens (outside an idle step)."""
+    return not _IDLE[0]
+
+
 def record(name: str | None, ids: torch.Tensor) -> None:
     """A dispatcher's routed ids [N, k] into every open record_routing() (no cost when none is open)."""
-    for rec in _RECORDERS:
-        rec.add(name, ids)
+    if counting():
+        for rec in _RECORDERS:
+            rec.add(name, ids)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.routing import permute
 
 from ..errors import DeepInferError
-from .dispatch import Dispatched, record
+from .dispatch import Dispatched, counting, record
 from .ranks import DISPATCH_BACKENDS, Ranks
 
 
@@ -102,7 +102,7 @@ class _ExpertParallel:
 
     def _count(self, ids: torch.Tensor) -> None:
         record(self.name, ids)
-        if self.step_load is not None:
+        if self.step_load is not None and counting():
             flat = ids.reshape(-1)
             self.step_load.index_add_(0, flat, torch.ones_like(flat))
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import Dispatched
+from .dispatch import Dispatched, counting
+from .expert_parallel import RankDispatched
 
 
 def uniform_touched(n_experts: int, top_k: int, rows: float) -> float:
@@ -35,7 +36,14 @@ class CountingDispatch:
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
         d = self.inner.dispatch(x, weights, ids)
-        self.traffic.count(self.layer, d.offsets, ids.shape[0], ids.shape[1])
+        if not counting():
+            return d
+        # an expert-parallel dispatch groups other ranks' rows too, over its own slots: count this rank's rows
+        # by logical expert instead (per rank: each rank's counters see its own requests)
+        n_experts = self.traffic.n_experts[self.layer]
+        per_expert = torch.bincount(ids.reshape(-1), minlength=n_experts) if isinstance(d, RankDispatched) \
+            else d.offsets.diff()
+        self.traffic.count(self.layer, per_expert, ids.shape[0], ids.shape[1])
         return d
 
     def combine(self, *args, **kwargs):
@@ -68,9 +76,8 @@ class ExpertTraffic:
             m.dispatch = CountingDispatch(m.dispatch, traffic, i)
         return traffic
 
-    def count(self, layer: int, offsets: torch.Tensor, rows: int, top_k: int) -> None:
-        """One forward's dispatch of `rows` rows (k each) whose expert offsets are `offsets` [E+1]."""
-        counts = offsets.diff()
+    def count(self, layer: int, counts: torch.Tensor, rows: int, top_k: int) -> None:
+        """One forward's dispatch of `rows` rows (k each), `counts` [E] of their pairs per expert."""
         self.load[layer] += counts
         e = self.n_experts[layer]
         self.top_k[layer] = top_k

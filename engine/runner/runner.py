@@ -24,6 +24,7 @@ import torch
 
 from ..cache.forward_batch import ForwardBatch
 from ..env import yoco_prefill, yoco_prefill_min_tokens
+from ..parallel.dispatch import idle_step
 from deepinfer.kernels.sampling import gumbel_argmax
 
 from ..sampling.sampler import SALT_TARGET, build_sampling_tensors, logprobs, processed_logits
@@ -167,7 +168,8 @@ class ModelRunner:
         """One token at position 0 of scratch slot 0, eager: what a rank with no work runs so every rank of an
         expert-parallel engine meets each MoE layer's collectives."""
         token = torch.zeros(1, dtype=torch.long, device=self.model.device)
-        self.run_shape(StepInputs.shaped([0], [0], [1], token), graphed=False)
+        with idle_step():                             # its token is no request's: routing counters skip it
+            self.run_shape(StepInputs.shaped([0], [0], [1], token), graphed=False)
 
     def static_logits(self, seg_slots: torch.Tensor, seg_starts: torch.Tensor, seg_lens: torch.Tensor,
                       q: int | None, rows: int, ctx_blocks: int, draft_rings: bool, tokens: torch.Tensor

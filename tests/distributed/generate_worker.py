@@ -1,7 +1,7 @@
 """One rank of a data-parallel (and expert-parallel) generate, run under torchrun by tests/test_parallel.py:
     torchrun --nproc-per-node N tests/distributed/generate_worker.py OUT.json '{"model": ..., LLM kwargs}'
 Every rank runs the same generate; rank 0 writes the outputs (token ids, logprobs)
-the preemptions and draft tokens of all ranks, and rank 0's EPLB rebalances, as JSON."""
+the preemptions, draft tokens and routed load of all ranks, and rank 0's EPLB rebalances, as JSON."""
 
 import json
 import sys
@@ -22,15 +22,18 @@ def main(out_path: str, spec: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     preemptions, drafts = llm.stats.preemptions, llm.stats.draft_tokens
+    load = {n: t.tolist() for n, t in zip(llm.traffic.names, llm.traffic.load)} if llm.traffic else {}
     if llm.ranks is not None:
-        preemptions, drafts = (sum(v) for v in zip(*llm.ranks.gather_objects((preemptions, drafts))))
+        shares = llm.ranks.gather_objects((preemptions, drafts, load))
+        preemptions, drafts = sum(s[0] for s in shares), sum(s[1] for s in shares)
+        load = {n: [sum(s[2][n][e] for s in shares) for e in range(len(v))] for n, v in load.items()}
     if llm.ranks is None or llm.ranks.rank == 0:
         rows = [{"ids": o.outputs[0].token_ids,
                  "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
                 for o in outs]
         balancer = llm.balancer
         with open(out_path, "w") as f:
-            json.dump({"rows": rows, "preemptions": preemptions, "draft_tokens": drafts,
+            json.dump({"rows": rows, "preemptions": preemptions, "draft_tokens": drafts, "load": load,
                        "rebalances": balancer.rebalances if balancer else 0,
                        "moved_slots": balancer.moved_slots if balancer else 0}, f)
     return 0
