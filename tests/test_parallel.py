@@ -126,6 +126,16 @@ def test_the_preempting_case_preempts_on_one_rank(one_rank):
     assert one_rank(CASES["v4-allgather-preempted"][0])["preemptions"] > 0
 
 
+def test_a_lost_rank_is_one_line_on_the_others(tmp_path):
+    """Rank 1 leaves before generating: rank 0's next collective fails and says so in one line, well inside the
+    timeout."""
+    spec = _spec("random:deepseek_v4:tiny:2", data_parallel_size=2, enable_expert_parallel=True,
+                 distributed_timeout_s=60, stop_rank=1)
+    r, got = _run(spec, tmp_path, 2)
+    assert r.returncode != 0 and got is None
+    assert "error: rank 0 of 2 lost the other ranks in " in r.stderr, r.stderr[-2000:]
+
+
 # ---- the settings, checked before any rank waits on another ----
 @pytest.mark.parametrize("kw, match", [
     ({"data_parallel_size": 2}, "not started by torchrun"),

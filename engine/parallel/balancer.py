@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..errors import DeepInferError
 from .eplb import rebalance
@@ -126,7 +125,7 @@ class ExpertBalancer:
     def rebalance(self) -> None:
         """Every rank: sum the windows over ranks, place anew, move the weights."""
         load = torch.stack([w.sum(0) for w in self.windows])                    # [L, E] this rank's rows
-        dist.all_reduce(load, group=self.ranks.group)
+        self.ranks.all_reduce(load)
         for d, layer_load in zip(self.dispatchers, load.cpu().double()):
             new = _placement(layer_load[None], d.shard.n_physical, self.ranks.size)
             self.moved_slots += self._move(d, new)
@@ -139,8 +138,7 @@ class ExpertBalancer:
         wanted = new.phy2log[first:first + count]
         source = [int((old == e).nonzero()[0]) for e in wanted.tolist()]            # a slot holding e now
         for t in d.slot_tensors():
-            gathered = t.new_empty(d.shard.n_physical, *t.shape[1:])
-            dist.all_gather_into_tensor(gathered, t.contiguous(), group=self.ranks.group)
+            gathered = self.ranks.all_gather(t)                 # [P, ...] in the old slot order
             t.copy_(gathered[torch.tensor(source, device=t.device)])
         d.placement = new.to(d.placement.phy2log.device)
         return int((wanted != old[first:first + count]).sum())

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from deepinfer.kernels.moe_combine import moe_combine
@@ -150,7 +149,7 @@ class AllGatherDispatch(_ExpertParallel):
         pad = n_max - n
         own = (F.pad(x, (0, 0, 0, pad)), F.pad(weights, (0, 0, 0, pad)),
                F.pad(self._physical(ids), (0, 0, 0, pad), value=self.shard.n_physical))   # pads: never computed
-        xs, ws, ids_all = (_all_gather(t, self.ranks) for t in own)
+        xs, ws, ids_all = (self.ranks.all_gather(t) for t in own)
         xl, wl, el, offsets, order, inverse = self._local(xs, ids_all.reshape(-1), ws.reshape(-1), k)
         return RankDispatched(x=xl, weights=wl, expert_ids=el, offsets=offsets, order=order, inverse=inverse,
                               n_rows=n, top_k=k, pairs=ids_all.numel(), rows_per_rank=n_max)
@@ -161,8 +160,7 @@ class AllGatherDispatch(_ExpertParallel):
         full = upcast(y).new_zeros(d.pairs, y.shape[1])
         full[: y.shape[0]] = upcast(y)
         per_pair = full.index_select(0, d.inverse)             # [R * n_max * k, D]: (rank, row, slot) order
-        mine = per_pair.new_empty(d.rows_per_rank * d.top_k, y.shape[1])
-        _reduce_scatter(mine, per_pair, group=self.ranks.group)
+        mine = self.ranks.reduce_scatter(per_pair)
         return _combine_own(mine[: d.n_rows * d.top_k], d.top_k, shared, out_dtype)
 
 
@@ -175,13 +173,11 @@ class AllToAllDispatch(_ExpertParallel):
         dest = flat_ids // self.shard.count                          # [N*k] the rank holding each pair's expert
         dest, send = dest.sort(stable=True)
         counts = torch.bincount(dest, minlength=self.ranks.size)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.ranks.group)
+        recv_counts = self.ranks.all_to_all(counts, self.ranks.size)
         send_splits, recv_splits = counts.tolist(), recv_counts.tolist()    # host read: the split sizes
         received = sum(recv_splits)
-        xr = _all_to_all(x.index_select(0, send // k), received, send_splits, recv_splits, self.ranks)
-        wr = _all_to_all(weights.reshape(-1)[send], received, send_splits, recv_splits, self.ranks)
-        ir = _all_to_all(flat_ids[send], received, send_splits, recv_splits, self.ranks)
+        xr, wr, ir = (self.ranks.all_to_all(t, received, send_splits, recv_splits)
+                      for t in (x.index_select(0, send // k), weights.reshape(-1)[send], flat_ids[send]))
         xl, wl, el, offsets, order, inverse = self._local(xr, ir, wr, 1)
         return RankDispatched(x=xl, weights=wl, expert_ids=el, offsets=offsets, order=order, inverse=inverse,
                               n_rows=n, top_k=k, pairs=received, send=send, send_splits=send_splits,
@@ -190,7 +186,7 @@ class AllToAllDispatch(_ExpertParallel):
     def combine(self, y: torch.Tensor, d: RankDispatched, shared: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         received = upcast(y).index_select(0, d.inverse)          # [received, D] in arrival order (every pair local)
-        back = _all_to_all(received, d.n_rows * d.top_k, d.recv_splits, d.send_splits, self.ranks)
+        back = self.ranks.all_to_all(received, d.n_rows * d.top_k, d.recv_splits, d.send_splits)
         mine = torch.empty_like(back).index_copy_(0, d.send, back)          # flat (row, slot) order
         return _combine_own(mine, d.top_k, shared, out_dtype)
 
@@ -203,20 +199,3 @@ def _combine_own(pairs: torch.Tensor, k: int, shared: torch.Tensor | None, out_d
     """pairs [N*k, D] in flat (row, slot) order, slots in ascending expert id -> [N, D] (the LocalDispatch sum)."""
     dtype = out_dtype or torch.promote_types(pairs.dtype, torch.float32)
     return moe_combine(pairs, torch.arange(pairs.shape[0], device=pairs.device), k, shared, dtype)
-
-
-# the tensor collectives under their newer names where torch has them (older ones warn there)
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _all_gather(t: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-    out = t.new_empty(ranks.size * t.shape[0], *t.shape[1:])
-    _gather_into(out, t.contiguous(), group=ranks.group)
-    return out
-
-
-def _all_to_all(t: torch.Tensor, rows: int, send_splits: list, recv_splits: list, ranks: Ranks) -> torch.Tensor:
-    out = t.new_empty(rows, *t.shape[1:])
-    dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=ranks.group)
-    return out

@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 from ..errors import DeepInferError
 
+# the tensor collectives under their newer names where torch has them (the older ones warn there)
+_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 LAUNCH_HINT = "launch one process per rank with `torchrun --nproc-per-node N ...` (docs/parallel.md)"
 
 
@@ -39,22 +42,54 @@ class Ranks:
     backend: str                            # "nccl" | "gloo"
     group: object = None                    # the process group (None: the default one)
 
+    # ---- the collectives an engine issues, all here: a lost rank becomes one error line on every other ----
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on one (a host value: one small all-reduce)."""
         t = torch.tensor([int(flag)], device=self._device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.all_reduce(t, dist.ReduceOp.MAX)
         return bool(t.item())
 
     def max(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long, device=self._device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.all_reduce(t, dist.ReduceOp.MAX)
         return int(t.item())
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._call(dist.all_gather_object, out, obj)
         return out
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        self._call(dist.all_reduce, t, op=op)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[n, ...] per rank -> [size * n, ...], rank-major."""
+        out = t.new_empty(self.size * t.shape[0], *t.shape[1:])
+        self._call(_GATHER_INTO, out, t.contiguous())
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """[size * n, ...] per rank -> this rank's [n, ...] block of the sum over ranks."""
+        out = t.new_empty(t.shape[0] // self.size, *t.shape[1:])
+        self._call(_REDUCE_SCATTER, out, t.contiguous())
+        return out
+
+    def all_to_all(self, t: torch.Tensor, rows: int, send_splits: list | None = None,
+                   recv_splits: list | None = None) -> torch.Tensor:
+        """Rows of t to the ranks (send_splits[r] rows to rank r; None: even) -> the `rows` rows received."""
+        out = t.new_empty(rows, *t.shape[1:])
+        self._call(dist.all_to_all_single, out, t.contiguous(), recv_splits, send_splits)
+        return out
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, group=self.group, **kwargs)
+        except RuntimeError as e:          # gloo / NCCL: a peer closed, crashed or timed out
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DeepInferError(f"rank {self.rank} of {self.size} lost the other ranks in {fn.__name__} ({first[:200]}): "
+                                 f"another rank stopped or failed (see its output), or waited past "
+                                 f"distributed_timeout_s") from None
 
     def device(self, requested: str) -> str:
         """The device this rank computes on: `cuda` means this rank's local GPU."""

@@ -13,8 +13,11 @@ from deepinfer.errors import DeepInferError
 def main(out_path: str, spec: str) -> int:
     kw = json.loads(spec)
     prompts, max_tokens = kw.pop("prompts"), kw.pop("max_tokens")
+    stop_rank = kw.pop("stop_rank", None)        # that rank leaves before generating (a lost rank)
     try:
         llm = LLM(model=kw.pop("model"), device="cpu", skip_tokenizer_init=True, **kw)
+        if llm.ranks is not None and llm.ranks.rank == stop_rank:
+            return 0
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1),
                             use_tqdm=False)
