@@ -178,6 +178,9 @@ class LLM:
         under an EPLB placement (engine/parallel/, docs/parallel.md)."""
         if not parallel.enable_expert_parallel:
             return
+        if self._args["keep_quantized"]:
+            raise DeepInferError("enable_expert_parallel=True with keep_quantized=True: quantized expert weights "
+                                 "cannot be split over ranks yet; drop keep_quantized")
         dispatcher = DISPATCHERS[parallel.expert_dispatch]
 
         made = []
@@ -354,6 +357,11 @@ class LLM:
         if sp.so_args is not None and self.tokenizer is None:
             raise DeepInferError(f"request {i}: so_args compiles its grammar over the tokenizer's vocabulary, but "
                                  f"the engine was built with skip_tokenizer_init=True")
+        if sp.so_args is not None and self.speculative is not None and self.speculative.acceptance is not None:
+            # checked here, for every prompt on every rank, so no rank fails alone (the core checks it again)
+            raise DeepInferError(f"request {i}: so_args with a pinned speculative acceptance model: pinned "
+                                 f"acceptance ignores the tokens, so it would commit drafts the grammar refuses; drop "
+                                 f"acceptance or so_args")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(sp, name)
             if k is not None and k > min(MAX_LOGPROBS, vocab):

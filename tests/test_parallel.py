@@ -219,6 +219,7 @@ def test_replicas_share_a_logical_experts_pairs():
     from deepinfer.parallel.expert_parallel import Placement
     p = Placement(torch.tensor([0, 1, 2, 0]), torch.tensor([[0, 3], [1, -1], [2, -1]]), torch.tensor([2, 1, 1]))
     assert p.physical(torch.tensor([[0, 1], [0, 2], [0, 1]])).tolist() == [[0, 1], [3, 2], [0, 1]]
+    assert p.physical(torch.tensor([[0, 2]]), first_row=1).tolist() == [[3, 2]]     # rank 1's one decode row
 
 
 @pytest.mark.parametrize("kw, match", [

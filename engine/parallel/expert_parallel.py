@@ -63,10 +63,11 @@ class Placement:
     log2phy: torch.Tensor
     counts: torch.Tensor
 
-    def physical(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logical ids [N, k] -> physical slots [N, k]: row i's pair takes replica i mod count (the replicas hold
-        the same weights, so which one computes a row does not change it)."""
-        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+    def physical(self, ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Logical ids [N, k] -> physical slots [N, k]: row first_row + i's pair takes replica (first_row + i) mod
+        count (the replicas hold the same weights, so which one computes a row does not change it; first_row
+        offsets each rank's rows, so ranks of one or two decode rows still spread over the replicas)."""
+        rows = torch.arange(first_row, first_row + ids.shape[0], device=ids.device).unsqueeze(1)
         return self.log2phy[ids, rows % self.counts[ids]]
 
     def to(self, device: torch.device) -> "Placement":
@@ -115,7 +116,7 @@ class _ExpertParallel:
             return ids
         if self.placement.log2phy.device != ids.device:
             self.placement = self.placement.to(ids.device)
-        return self.placement.physical(ids)
+        return self.placement.physical(ids, self.ranks.rank)
 
     def bucket(self, device: torch.device) -> torch.Tensor:
         if self._bucket is None or self._bucket.device != device:

@@ -71,6 +71,8 @@ class Ranks:
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """[size * n, ...] per rank -> this rank's [n, ...] block of the sum over ranks."""
+        if t.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter of {t.shape[0]} rows over {self.size} ranks")
         out = t.new_empty(t.shape[0] // self.size, *t.shape[1:])
         self._call(_REDUCE_SCATTER, out, t.contiguous())
         return out
@@ -85,18 +87,30 @@ class Ranks:
     def _call(self, fn, *args, **kwargs):
         try:
             return fn(*args, group=self.group, **kwargs)
-        except RuntimeError as e:          # gloo / NCCL: a peer closed, crashed or timed out
+        except RuntimeError as e:
+            if not _lost_peer(e):
+                raise                      # a bad argument, out of memory, ...: the error as it is
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DeepInferError(f"rank {self.rank} of {self.size} lost the other ranks in {fn.__name__} ({first[:200]}): "
                                  f"another rank stopped or failed (see its output), or waited past "
                                  f"distributed_timeout_s") from None
 
     def device(self, requested: str) -> str:
-        """The device this rank computes on: `cuda` means this rank's local GPU."""
-        return f"cuda:{self.local_rank}" if requested == "cuda" else requested
+        """The device this rank computes on: `cuda` means this rank's GPU (join chose it)."""
+        return f"cuda:{torch.cuda.current_device()}" if requested == "cuda" else requested
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+
+_LOST = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer", "socket",
+         "remote process", "nccl error", "ncclremoteerror", "ncclsystemerror")
+
+
+def _lost_peer(e: RuntimeError) -> bool:
+    """The error a collective raises when another rank is gone (torch.distributed's own kinds, or gloo's plain
+    RuntimeError about the connection), not one about its arguments."""
+    return isinstance(e, dist.DistError) or any(w in str(e).lower() for w in _LOST)
 
 
 def join(config: ParallelConfig, device: str) -> Ranks | None:
@@ -115,10 +129,14 @@ def join(config: ParallelConfig, device: str) -> Ranks | None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
-        if local_rank >= torch.cuda.device_count():
+        if device != "cuda":
+            raise DeepInferError(f"device={device!r} with data_parallel_size={n}: every rank would use that GPU; "
+                                 f"use device='cuda' (each rank takes its LOCAL_RANK's GPU)")
+        visible = torch.cuda.device_count()
+        if visible != 1 and local_rank >= visible:         # one visible GPU: a per-rank CUDA_VISIBLE_DEVICES
             raise DeepInferError(f"rank {os.environ.get('RANK')} is local rank {local_rank}, but this node has "
-                                 f"{torch.cuda.device_count()} GPUs: start at most that many processes per node")
-        torch.cuda.set_device(local_rank)
+                                 f"{visible} GPUs: start at most that many processes per node")
+        torch.cuda.set_device(0 if visible == 1 else local_rank)
     if dist.is_initialized():
         if dist.get_world_size() != n or dist.get_backend() != backend:
             raise DeepInferError(f"torch.distributed is already initialized with {dist.get_world_size()} ranks over "
