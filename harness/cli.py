@@ -154,6 +154,8 @@ def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
       --batch 1,16,64,256 --context 1024,8192 --prefill 8192
   deepinfer-bench step --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
       --expert-storage fp4 --batch 1,16,64,256 --context 1024,8192
+  deepinfer-bench step --model random:deepseek_v41:flash:4 --device cuda --dtype bfloat16 \\
+      --expert-storage fp4 --batch 1,16,64,256 --context 1024 --ep 1,2,8,64 --rank 0
 
 Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seconds):
 
@@ -184,11 +186,19 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
               help="fp8: the release's FP8 projections stay FP8 and run fp8_linear (W8A8)")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="fp8: the release's FP8 / FP4 KV cache records (docs/kernels.md)")
+@click.option("--ep", "ep_sizes", default=None, callback=not_blank,
+              help="one-GPU rank views of expert parallelism, comma-separated EP sizes (1: the plain step): the "
+                   "model holds one rank's experts and computes the pairs that rank would receive; eager; the "
+                   "all-to-all is counted, not run (docs/parallel.md)")
+@click.option("--rank", "ep_rank", type=Count(0), default=0, show_default=True,
+              help="which rank of each EP group the view is")
+@click.option("--eplb-redundant", type=Count(0), default=0, show_default=True,
+              help="EPLB: redundant expert slots per layer in the views, placed from the recorded routing")
 @seed_option()
 @run_dir_options("step", resume=True, continue_on_error=True)
 def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, contexts, query_len, prefill, iters,
-             warmup, trace_steps, no_graphs, expert_act_quant, projection_storage, kv_cache_dtype, seed, report_dir,
-             run_id, out, resume, continue_on_error) -> None:
+             warmup, trace_steps, no_graphs, expert_act_quant, projection_storage, kv_cache_dtype, ep_sizes, ep_rank,
+             eplb_redundant, seed, report_dir, run_id, out, resume, continue_on_error) -> None:
     """Decode / verify / prefill step time against its roofline: one row per point (docs/bench.md).
 
     Per point: measured step time (CUDA events over graph replays on a GPU), the roofline from the bytes the
@@ -205,7 +215,8 @@ def step_cmd(model, device, dtype, expert_storage, kernel_backend, batches, cont
                      kernel_backend=kernel_backend, batches=b, contexts=c, query_len=query_len, prefill=pre,
                      iters=iters, warmup=warmup, trace_steps=trace_steps, graphs=not no_graphs, seed=seed,
                      expert_act_quant=expert_act_quant, projection_storage=projection_storage,
-                     kv_cache_dtype=kv_cache_dtype)
+                     kv_cache_dtype=kv_cache_dtype, ep=parse_int_list(ep_sizes, "--ep", example="1,8,64"),
+                     ep_rank=ep_rank, eplb_redundant=eplb_redundant)
     run_dir, rows = run_step_bench(cfg, report_dir, run_id, out, resume, continue_on_error, echo=click.echo)
     echo_rows(run_dir, table(rows))
 

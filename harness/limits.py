@@ -141,3 +141,17 @@ def check_model(spec: str, expert_storage: str = "dense") -> None:
         from deepinfer.config.presets import preset_config
         _, arch, preset, layers = spec.split(":")
         preset_config(arch, preset, int(layers))
+
+
+def check_expert_parallel(spec, sizes: tuple[int, ...], redundant: int) -> None:
+    """--ep / --eplb-redundant against the model's routed experts, from its config alone: every EP size must divide
+    the experts (plus the redundant slots) of each MoE layer."""
+    cfg = _model_config(spec) if sizes else None
+    if cfg is None:
+        return
+    slots = cfg.n_routed_experts + redundant
+    bad = [n for n in sizes if slots % n]
+    if bad:
+        what = f"{cfg.n_routed_experts} routed experts" + (f" + {redundant} redundant slots" if redundant else "")
+        raise DeepInferError(f"--ep {','.join(map(str, bad))}: the model's {what} per layer do not divide over "
+                             f"{bad[0]} ranks; use EP sizes that divide {slots}")

@@ -32,10 +32,11 @@ from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_device,
 
 from .bench import OnError, RunFolder, json_text, record_point
 from .ceilings import measure_ceilings, roofline
-from .limits import Term, check_kernel_backend, check_model, check_positions, model_limits
+from .limits import Term, check_expert_parallel, check_kernel_backend, check_model, check_positions, model_limits
 from .options import check_distinct
 from .rows import environment, identity, kernel_fields, read_rows, run_dir_for, run_dir_guard
 from .step_roofline import Inventory, Routing, check_storage, inventory, routing_from_calls, step_traffic
+from .step_ranks import pool_chunk, pool_rows, routing_pool, views
 from .step_timing import gpu_idle, sync, time_steps
 from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_summary
 
@@ -51,12 +52,14 @@ class StepPoint:
     batch: int
     context: int          # positions already in each row's state
     query_len: int        # tokens each row feeds this step
+    ep: int | None = None         # expert-parallel size of the rank view (--ep; None: no rank view)
 
     @property
     def key(self) -> str:
         if self.shape == "prefill":
             return f"prefill-t{self.query_len}"
-        return f"{self.shape}-b{self.batch}-c{self.context}-q{self.query_len}"
+        tail = "" if self.ep is None else f"-ep{self.ep}"
+        return f"{self.shape}-b{self.batch}-c{self.context}-q{self.query_len}{tail}"
 
     @property
     def rows(self) -> int:
@@ -87,6 +90,9 @@ class StepConfig:
     expert_act_quant: bool = False      # W4A8 experts (LLM(expert_act_quant=True)); FP4 storage only
     projection_storage: str = "dense"   # "fp8": the release's FP8 projections kept FP8 (fp8_linear, W8A8)
     kv_cache_dtype: str = "auto"        # "fp8": the release's FP8 / FP4 cache records (LLM(kv_cache_dtype=...))
+    ep: tuple[int, ...] = ()            # rank views of EP sizes (harness/step_ranks.py); () none
+    ep_rank: int = 0                    # which rank of each EP group the view is
+    eplb_redundant: int = 0             # EPLB slots beyond the experts per layer in the views (0: no EPLB)
 
     def __post_init__(self):
         if self.expert_act_quant and self.expert_storage != "fp4":
@@ -109,10 +115,29 @@ class StepConfig:
             check_distinct(option, values)
         if not self.points():
             raise DeepInferError("no points: give --batch and --context, or --prefill")
+        self._check_ranks()
+
+    def _check_ranks(self) -> None:
+        check_distinct("--ep", self.ep)
+        if not self.ep:
+            for given, option in ((self.ep_rank, "--rank"), (self.eplb_redundant, "--eplb-redundant")):
+                if given:
+                    raise DeepInferError(f"{option} sets up the expert-parallel rank view: add --ep")
+            return
+        if min(self.ep) < 1:
+            raise DeepInferError("--ep sizes must be at least 1")
+        if self.prefill:
+            raise DeepInferError("--ep measures decode / verify steps of one rank; drop --prefill (or run it apart)")
+        groups = [n for n in self.ep if n > 1]          # EP 1 is the plain step: no rank to pick
+        if groups and not 0 <= self.ep_rank < min(groups):
+            raise DeepInferError(f"--rank {self.ep_rank}: every --ep group must have it; use 0..{min(groups) - 1}")
+        if self.eplb_redundant < 0:
+            raise DeepInferError("--eplb-redundant must be at least 0")
 
     def points(self) -> list[StepPoint]:
         shape = "decode" if self.query_len == 1 else "verify"
-        pts = [StepPoint(shape, b, c, self.query_len) for c in self.contexts for b in self.batches]
+        pts = [StepPoint(shape, b, c, self.query_len, ep) for ep in (self.ep or (None,))
+               for c in self.contexts for b in self.batches]
         return pts + [StepPoint("prefill", 1, 0, t) for t in self.prefill]
 
     def identity(self) -> dict:
@@ -129,8 +154,10 @@ class StepConfig:
         seqs = max(p.batch for p in pts)
         longest = max(p.context + p.query_len for p in pts)
         tokens = max(max(p.rows for p in pts), seqs, 64)
+        if self.ep:            # eager, as the engine's expert-parallel steps; pool prefills in one step
+            tokens = max(tokens, pool_chunk(longest))
         args = {"max_num_seqs": seqs, "max_model_len": longest, "max_num_batched_tokens": tokens,
-                "enforce_eager": not self.graphs, "expert_storage": self.expert_storage}
+                "enforce_eager": not self.graphs or bool(self.ep), "expert_storage": self.expert_storage}
         if self.kernel_backend is not None:
             args["kernel_backend"] = self.kernel_backend
         if self.expert_act_quant:
@@ -257,9 +284,11 @@ def measure_step(llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Invento
 def comparable(settings: dict) -> dict:
     """A run's settings as --resume compares them: without the point lists (they may grow), and without options
     at their defaults that runs from before the option did not record (expert_act_quant off, dense projections)."""
-    defaults = {"expert_act_quant": False, "projection_storage": "dense", "kv_cache_dtype": "auto"}
-    return {k: v for k, v in settings.items() if k not in ("batches", "contexts", "prefill")
+    defaults = {"expert_act_quant": False, "projection_storage": "dense", "kv_cache_dtype": "auto", "ep_rank": 0,
+                "eplb_redundant": 0}
+    kept = {k: v for k, v in settings.items() if k not in ("batches", "contexts", "prefill", "ep")
             and not (k in defaults and v == defaults[k])}
+    return {**kept, "rank_view": True} if settings.get("ep") else kept       # views run eagerly
 
 
 def resume_difference(cfg: StepConfig, folder: RunFolder):
@@ -299,6 +328,7 @@ def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", r
     folder = RunFolder(run_dir_for(report_dir, run_id, out, "step"), "step.json", resume)
     probe_cls = (probe_factory or default_probe_factory)()        # fail before any device work
     check_model(cfg.model, cfg.expert_storage)
+    check_expert_parallel(cfg.model, cfg.ep, cfg.eplb_redundant)
     cfg.check_positions()
     check_kernel_backend(cfg.kernel_backend, cfg.device)
     done = folder.check(resume_difference(cfg, folder), "step")
@@ -316,17 +346,44 @@ def run_step_bench(cfg: StepConfig, report_dir: str | os.PathLike = "reports", r
         env = environment()
         store = folder.open(json_text(cfg.to_dict()), env)
         ident = _identity(cfg, llm, folder.path.name, storage, probe_cls, ceilings, env)
-        for point in todo:
-            t1 = time.perf_counter()
-            fields = {"shape": point.shape, "batch": point.batch, "context": point.context,
-                      "query_len": point.query_len, "tokens": point.rows}
-            row = record_point(store, ident, point.key, fields,
-                               lambda: measure_step(llm, probe_cls, point, cfg, inv, ceilings),
+        for view, points, view_inv in _groups(llm, cfg, probe_cls, inv, todo, echo):
+            for point in points:
+                _measure_point(store, ident, llm, probe_cls, point, cfg, view_inv, ceilings, view,
                                OnError(continue_on_error), echo)
-            if row["status"] == "ok":
-                echo(f"  {point.key}: {row['step_ms_median']:.3f} ms (roofline {row['roofline_ms']:.3f} ms, "
-                     f"x{row['ratio']:.1f}) in {time.perf_counter() - t1:.1f} s")
     return folder.path, store.rows()
+
+
+def _groups(llm, cfg: StepConfig, probe_cls, inv: Inventory, todo: list[StepPoint], echo):
+    """(rank view or None, its points still to do, the inventory the view holds) per group of points."""
+    if not cfg.ep:
+        yield None, todo, inv
+        return
+    t0 = time.perf_counter()
+    with engine_context(llm):
+        pool = routing_pool(llm, probe_cls, pool_rows(cfg), cfg.seed)
+    echo(f"routing pool: {pool_rows(cfg)} rows per layer in {time.perf_counter() - t0:.1f} s")
+    keys = {p.key for p in todo}
+    for size, view, points in views(llm, cfg, pool, {n: i.n_experts for n, i in inv.experts.items()}):
+        points = [p for p in points if p.key in keys]
+        if points:
+            yield view, points, inv if view is None else inventory(llm.model)
+
+
+def _measure_point(store, ident: dict, llm, probe_cls, point: StepPoint, cfg: StepConfig, inv: Inventory,
+                   ceilings: dict, view, on_error: OnError, echo) -> None:
+    t1 = time.perf_counter()
+    fields = {"shape": point.shape, "batch": point.batch, "context": point.context,
+              "query_len": point.query_len, "tokens": point.rows}
+    if point.ep is not None:
+        fields["ep_size"] = point.ep
+
+    def measure() -> dict:
+        out = measure_step(llm, probe_cls, point, cfg, inv, ceilings)
+        return out if point.ep is None else {**out, "expert_parallel": view.exchange(point.rows) if view else None}
+    row = record_point(store, ident, point.key, fields, measure, on_error, echo)
+    if row["status"] == "ok":
+        echo(f"  {point.key}: {row['step_ms_median']:.3f} ms (roofline {row['roofline_ms']:.3f} ms, "
+             f"x{row['ratio']:.1f}) in {time.perf_counter() - t1:.1f} s")
 
 
 def _identity(cfg: StepConfig, llm, run_name: str, storage: str, probe_cls, ceilings: dict, env: dict) -> dict:
@@ -337,7 +394,8 @@ def _identity(cfg: StepConfig, llm, run_name: str, storage: str, probe_cls, ceil
                     config_hash=mcfg.config_hash(), precision=cfg.dtype, expert_storage=storage,
                     expert_act_quant=cfg.expert_act_quant, projection_storage=cfg.projection_storage,
                     kv_cache_dtype=cfg.kv_cache_dtype, **kernel_fields(llm), device=cfg.device, engine="deepinfer",
-                    seed=cfg.seed, cuda_graphs_allowed=cfg.graphs, iters=cfg.iters, warmup=cfg.warmup,
+                    seed=cfg.seed, cuda_graphs_allowed=cfg.graphs and not cfg.ep, iters=cfg.iters, warmup=cfg.warmup,
+                    ep_rank=cfg.ep_rank if cfg.ep else None, eplb_redundant=cfg.eplb_redundant if cfg.ep else None,
                     probe=f"{probe_cls.__module__}.{probe_cls.__qualname__}", ceilings=ceilings, is_projected=False)
 
 
@@ -349,11 +407,23 @@ def table(rows: list[dict]) -> list[str]:
             latest[r["key"]] = r
     head = f"{'point':<24} {'graph':>5} {'median ms':>10} {'p90 ms':>9} {'roofline':>9} {'bound':>7} " \
            f"{'ratio':>7} {'experts':>9} {'GB':>8} {'idle':>6}  {TRAFFIC_HEADER}"
-    lines = [head]
+    views = any("ep_size" in r for r in latest.values())
+    lines = [head + ("  pairs  bal   a2a MB" if views else "")]
     for r in latest.values():
         idle = "n/a" if r.get("gpu_idle_fraction") is None else f"{100 * r['gpu_idle_fraction']:.0f}%"
         lines.append(f"{r['key']:<24} {'yes' if r['graphed'] else 'no':>5} {r['step_ms_median']:>10.3f} "
                      f"{r['step_ms_p90']:>9.3f} {r['roofline_ms']:>9.4g} {r['bound']:>7} {r['ratio']:>7.2f} "
                      f"{str(r['experts_touched']) + '/' + str(r['experts_total']):>9} "
-                     f"{r['bytes']['total'] / 1e9:>8.3f} {idle:>6}  {traffic_cell(r):<24}")
+                     f"{r['bytes']['total'] / 1e9:>8.3f} {idle:>6}  {traffic_cell(r):<24}" + _view_cells(r, views))
     return lines
+
+
+def _view_cells(row: dict, views: bool) -> str:
+    """pairs computed, balancedness (mean over layers), all-to-all MB sent + received: the rank view's columns."""
+    ep = row.get("expert_parallel")
+    if not views:
+        return ""
+    if not ep:
+        return f"  {'-':>5} {'-':>4} {'-':>8}"
+    return (f"  {ep['pairs_received']:>5} {ep['balancedness_mean']:>4.2f} "
+            f"{(ep['bytes_sent'] + ep['bytes_received']) / 1e6:>8.2f}")

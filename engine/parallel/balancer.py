@@ -91,10 +91,11 @@ def layer_placement(config: EplbConfig, name: str, n_experts: int, num_gpus: int
         if load is None or len(load) != n_experts:
             raise DeepInferError(f"eplb_config load has no {n_experts}-expert load for MoE layer {name!r}: record "
                                  f"it on this model (docs/parallel.md)")
-    return _placement(torch.tensor([load], dtype=torch.float64), n_experts + config.num_redundant_experts, num_gpus)
+    return placement_for(torch.tensor([load], dtype=torch.float64), n_experts + config.num_redundant_experts, num_gpus)
 
 
-def _placement(load: torch.Tensor, num_physical: int, num_gpus: int) -> Placement:
+def placement_for(load: torch.Tensor, num_physical: int, num_gpus: int) -> Placement:
+    """One layer's placement of load [1, E] on num_physical slots over num_gpus ranks (the global policy)."""
     phy2log, log2phy, counts = rebalance(load, num_physical, 1, 1, num_gpus)
     return Placement(phy2log[0], log2phy[0], counts[0])
 
@@ -127,7 +128,7 @@ class ExpertBalancer:
         load = torch.stack([w.sum(0) for w in self.windows])                    # [L, E] this rank's rows
         self.ranks.all_reduce(load)
         for d, layer_load in zip(self.dispatchers, load.cpu().double()):
-            new = _placement(layer_load[None], d.shard.n_physical, self.ranks.size)
+            new = placement_for(layer_load[None], d.shard.n_physical, self.ranks.size)
             self.moved_slots += self._move(d, new)
         self.rebalances += 1
 

@@ -90,12 +90,16 @@ class RankDispatched(Dispatched):
     recv_splits: list | None = None
 
 
-class _ExpertParallel:
-    def __init__(self, n_experts: int, ranks: Ranks, name: str | None = None, placement: Placement | None = None):
+class ExpertSlots:
+    """What every expert-parallel dispatcher shares: rank `rank` of `size` holds physical slots `shard` of a layer
+    of n_experts logical experts (under `placement`, EPLB's), maps logical ids to slots and groups its pairs."""
+
+    def __init__(self, n_experts: int, rank: int, size: int, name: str | None = None,
+                 placement: Placement | None = None):
         n_physical = n_experts if placement is None else len(placement.phy2log)
-        check_expert_split(n_physical, ranks.size)
-        self.n_experts, self.ranks, self.name, self.placement = n_experts, ranks, name, placement
-        self.shard = ExpertShard(n_physical, ranks.rank, ranks.size)
+        check_expert_split(n_physical, size)
+        self.n_experts, self.name, self.placement = n_experts, name, placement
+        self.shard = ExpertShard(n_physical, rank, size)
         self._bucket = None
         self.step_load: torch.Tensor | None = None    # [E] own rows' pairs per logical expert (parallel/balancer.py)
         self.slot_tensors = lambda: []                # the held slots' stacked weights (MoE.use_expert_parallel)
@@ -111,12 +115,14 @@ class _ExpertParallel:
         slots = range(self.shard.first, self.shard.first + self.shard.count)
         return list(slots) if self.placement is None else [int(self.placement.phy2log[p]) for p in slots]
 
-    def _physical(self, ids: torch.Tensor) -> torch.Tensor:
+    def _physical(self, ids: torch.Tensor, first_row: int | None = None) -> torch.Tensor:
+        """Logical ids [N, k] -> physical slots; first_row: the rows' first index in the replica choice (this
+        rank's own rows start at its rank)."""
         if self.placement is None:
             return ids
         if self.placement.log2phy.device != ids.device:
             self.placement = self.placement.to(ids.device)
-        return self.placement.physical(ids, self.ranks.rank)
+        return self.placement.physical(ids, self.shard.rank if first_row is None else first_row)
 
     def bucket(self, device: torch.device) -> torch.Tensor:
         if self._bucket is None or self._bucket.device != device:
@@ -133,11 +139,27 @@ class _ExpertParallel:
         m = int(offsets[count])                      # host read: this rank's pair count
         return x_source.index_select(0, order[:m] // k), w[:m], local[:m], offsets[:count + 1], order, inverse
 
+    def _destinations(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple:
+        """This rank's rows' pairs -> (weights [N, k] and physical slots [N*k] in combine order, send [N*k]: the
+        flat pairs sorted by the rank holding their slot (stable), counts [ranks]: pairs per destination)."""
+        weights, ids = self._sorted_slots(weights, ids)
+        flat_ids = self._physical(ids).reshape(-1)
+        dest, send = (flat_ids // self.shard.count).sort(stable=True)
+        return weights, flat_ids, send, torch.bincount(dest, minlength=self.shard.size)
+
     @staticmethod
     def _sorted_slots(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's slots in ascending expert id (the combine order)."""
         ids, perm = ids.sort(dim=1, stable=True)
         return weights.gather(1, perm), ids
+
+
+class _ExpertParallel(ExpertSlots):
+    """A dispatcher that moves rows between the ranks of `ranks`."""
+
+    def __init__(self, n_experts: int, ranks: Ranks, name: str | None = None, placement: Placement | None = None):
+        super().__init__(n_experts, ranks.rank, ranks.size, name, placement)
+        self.ranks = ranks
 
 
 class AllGatherDispatch(_ExpertParallel):
@@ -169,11 +191,7 @@ class AllToAllDispatch(_ExpertParallel):
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> RankDispatched:
         self._count(ids)
         n, k = ids.shape
-        weights, ids = self._sorted_slots(weights, ids)
-        flat_ids = self._physical(ids).reshape(-1)
-        dest = flat_ids // self.shard.count                          # [N*k] the rank holding each pair's expert
-        dest, send = dest.sort(stable=True)
-        counts = torch.bincount(dest, minlength=self.ranks.size)
+        weights, flat_ids, send, counts = self._destinations(weights, ids)
         recv_counts = self.ranks.all_to_all(counts, self.ranks.size)
         send_splits, recv_splits = counts.tolist(), recv_counts.tolist()    # host read: the split sizes
         received = sum(recv_splits)

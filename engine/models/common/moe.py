@@ -21,7 +21,7 @@ from ...parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
 __all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "moe_layers", "set_expert_act_quant", "swiglu",
-           "use_expert_parallel"]
+           "expert_parallel_layers", "use_expert_parallel"]
 
 class Gate(nn.Module):
     """Router over `n_experts`: scores = SCORE_FUNCS[score_func](x W^T / temp); `bias` steers selection only.
@@ -94,10 +94,20 @@ class Experts(nn.Module):
                                  scales=(self.w1_scale, self.w2_scale, self.w3_scale), act_fp8=self.act_fp8)
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
 
+    def stack(self) -> dict[str, torch.Tensor]:
+        """The stacked tensors by attribute name, one slice per held expert along dim 0 (weights, FP4 scales)."""
+        return {n: t for n, t in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]
+                if t.dim() and t.shape[0] == self.n_experts}
+
     def slot_tensors(self) -> list[torch.Tensor]:
-        """The stacked tensors, one slice per held expert along dim 0 (weights, FP4 scales)."""
-        return [t for _, t in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]
-                if t.dim() and t.shape[0] == self.n_experts]
+        return list(self.stack().values())
+
+    def hold(self, stack: dict[str, torch.Tensor]) -> None:
+        """Hold these stacked tensors (a stack() of this module, or slices of one) as the experts."""
+        for name, t in stack.items():
+            setattr(self, name, t if isinstance(t, nn.Parameter) or name in self._buffers
+                    else nn.Parameter(t, requires_grad=False))
+        self.n_experts = next(iter(stack.values())).shape[0]
 
     def keep(self, experts: list[int]) -> None:
         """Hold these experts only, in this order (expert parallelism: the others live on other ranks; an EPLB
@@ -105,11 +115,7 @@ class Experts(nn.Module):
         if self.quantized:
             raise ValueError("quantized expert weights cannot be split over ranks yet")
         index = torch.tensor(experts, dtype=torch.long)
-        for name, t in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]:
-            if t.dim() and t.shape[0] == self.n_experts:
-                kept = t.data.index_select(0, index.to(t.device))
-                setattr(self, name, nn.Parameter(kept, requires_grad=False) if isinstance(t, nn.Parameter) else kept)
-        self.n_experts = len(experts)
+        self.hold({name: t.data.index_select(0, index.to(t.device)) for name, t in self.stack().items()})
 
     def compute(self, d: Dispatched) -> torch.Tensor:
         """The dispatched rows through their experts -> [N*k, D] >= fp32, in sorted order."""
@@ -186,13 +192,17 @@ def set_expert_act_quant(model: nn.Module, on: bool) -> None:
             raise DeepInferError(f"expert_act_quant=True: {e}") from None
 
 
+def expert_parallel_layers(model: nn.Module, keep_whole: tuple[str, ...] = ()) -> list[tuple[str, MoE]]:
+    """The MoE layers expert parallelism splits: all but those under the submodules `keep_whole` names (the draft
+    layers, which keep all their experts and dispatch locally: docs/parallel.md)."""
+    return [(name, moe) for name, moe in moe_layers(model)
+            if not any(name == m or name.startswith(f"{m}.") for m in keep_whole)]
+
+
 def use_expert_parallel(model: nn.Module, make_dispatcher, keep_whole: tuple[str, ...] = ()) -> None:
-    """Every MoE of `model` keeps the routed experts of this rank and moves its rows with
-    make_dispatcher(module name, n_experts) (engine/parallel/expert_parallel.py); those under the submodules
-    `keep_whole` names (the draft layers) keep all their experts and dispatch locally."""
-    for name, moe in moe_layers(model):
-        if any(name == m or name.startswith(f"{m}.") for m in keep_whole):
-            continue
+    """Every MoE of expert_parallel_layers(model, keep_whole) keeps the routed experts of this rank and moves its
+    rows with make_dispatcher(module name, n_experts) (engine/parallel/expert_parallel.py)."""
+    for name, moe in expert_parallel_layers(model, keep_whole):
         dispatcher = make_dispatcher(name, moe.gate.n_experts)
         dispatcher.name = name
         moe.use_expert_parallel(dispatcher)
