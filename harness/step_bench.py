@@ -36,7 +36,7 @@ from .limits import Term, check_expert_parallel, check_kernel_backend, check_mod
 from .options import check_distinct
 from .rows import environment, identity, kernel_fields, read_rows, run_dir_for, run_dir_guard
 from .step_roofline import Inventory, Routing, check_storage, inventory, routing_from_calls, step_traffic
-from .step_ranks import pool_chunk, pool_rows, routing_pool, views
+from .step_ranks import pool_rows, pool_shape, routing_pool, views
 from .step_timing import gpu_idle, sync, time_steps
 from .traffic import TRAFFIC_HEADER, traffic_cell, traffic_summary
 
@@ -154,10 +154,9 @@ class StepConfig:
         seqs = max(p.batch for p in pts)
         longest = max(p.context + p.query_len for p in pts)
         tokens = max(max(p.rows for p in pts), seqs, 64)
-        if self.ep:            # eager, as the engine's expert-parallel steps; pool prefills in one step
-            tokens = max(tokens, pool_chunk(longest))
         args = {"max_num_seqs": seqs, "max_model_len": longest, "max_num_batched_tokens": tokens,
-                "enforce_eager": not self.graphs or bool(self.ep), "expert_storage": self.expert_storage}
+                "enforce_eager": not self.graphs or bool(self.ep),    # views run eagerly, as the engine's EP steps
+                "expert_storage": self.expert_storage}
         if self.kernel_backend is not None:
             args["kernel_backend"] = self.kernel_backend
         if self.expert_act_quant:
@@ -360,7 +359,7 @@ def _groups(llm, cfg: StepConfig, probe_cls, inv: Inventory, todo: list[StepPoin
         return
     t0 = time.perf_counter()
     with engine_context(llm):
-        pool = routing_pool(llm, probe_cls, pool_rows(cfg), cfg.seed)
+        pool = routing_pool(llm, probe_cls, pool_rows(cfg), pool_shape(cfg), cfg.seed)
     echo(f"routing pool: {pool_rows(cfg)} rows per layer in {time.perf_counter() - t0:.1f} s")
     keys = {p.key for p in todo}
     for size, view, points in views(llm, cfg, pool, {n: i.n_experts for n, i in inv.experts.items()}):

@@ -1,8 +1,9 @@
 """The step bench's one-GPU rank view of expert parallelism: `deepinfer-bench step --ep 2,8,64 --rank R`.
 
 One engine build (eager: the engine's expert-parallel steps run without CUDA graphs), then:
-  pool     the model's routing of other tokens: prefills of random ids through the whole model (eager, routing
-           recorded per MoE layer), (max EP - 1) x the largest batch rows per layer; the other ranks' rows
+  pool     the model's routing of other tokens: decode steps of the largest batch over random ids and state through
+           the whole model (eager, routing recorded per MoE layer), (max EP - 1) x the largest batch rows per
+           layer; the other ranks' rows
   views    per EP size N > 1, engine/parallel/rank_view.py makes the model rank R of EP-N (its experts, its
            EPLB slots with --eplb-redundant) and every point of that size is measured as the step bench measures
            one (harness/step_bench.py): the roofline counts this rank's experts and the pairs it computes; the
@@ -19,21 +20,15 @@ from deepinfer.parallel.balancer import placement_for
 from deepinfer.parallel.dispatch import record_routing
 from deepinfer.parallel.rank_view import rank_view
 
-POOL_CHUNK = 2048          # prefill tokens per pool probe (fewer when the engine's rows are shorter)
-
-
-def pool_chunk(max_model_len: int) -> int:
-    return min(POOL_CHUNK, max_model_len)
-
-
-def routing_pool(llm, probe_cls, rows: int, seed: int) -> dict[str, torch.Tensor]:
-    """MoE name -> [rows, k] logical expert ids: the model's routing of prefills of random tokens (seeds after
-    the bench's own), recorded on the whole model before any view."""
-    chunk = pool_chunk(llm.engine.manager.max_model_len)
+def routing_pool(llm, probe_cls, rows: int, point, seed: int) -> dict[str, torch.Tensor]:
+    """MoE name -> [rows, k] logical expert ids: the model's routing of decode steps shaped like `point` (its batch,
+    context and query length) over random tokens and state (seeds after the bench's own), recorded on the whole
+    model before any view. Decode steps, not prefills: V4.1's upper layers compute only a prefill's last rows."""
     got: dict[str, list[torch.Tensor]] = {}
     done, i = 0, 0
     while done < rows:
-        probe = probe_cls(llm, batch_size=1, context_len=0, query_len=chunk, seed=seed + 1 + i)
+        probe = probe_cls(llm, batch_size=point.batch, context_len=point.context, query_len=point.query_len,
+                          seed=seed + 1 + i)
         try:
             with record_routing() as rec:
                 probe.run(eager=True)
@@ -41,7 +36,7 @@ def routing_pool(llm, probe_cls, rows: int, seed: int) -> dict[str, torch.Tensor
             probe.close()
         for name, ids in rec.calls:
             got.setdefault(name, []).append(ids.detach().clone())
-        done, i = done + chunk, i + 1
+        done, i = done + point.rows, i + 1
     return {name: torch.cat(parts)[:rows] for name, parts in got.items()}
 
 
@@ -75,6 +70,11 @@ def views(llm, cfg, pool: dict[str, torch.Tensor], n_experts: dict[str, int]):
         with rank_view(llm.model, size, cfg.ep_rank, pool,
                        placements(pool, n_experts, cfg.eplb_redundant, size), keep_whole) as view:
             yield size, view, pts
+
+
+def pool_shape(cfg):
+    """The step the pool records: the largest batch at the first context (the points' query length)."""
+    return max(cfg.points(), key=lambda p: (p.rows, -cfg.contexts.index(p.context)))
 
 
 def pool_rows(cfg) -> int:

@@ -48,7 +48,8 @@ def is_engram_table(name: str) -> bool:
 
 def _sample(name: str, shape: torch.Size, cfg, gen: torch.Generator, device) -> torch.Tensor:
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device=device) * std + mean
+        # in place: a flash-width expert stack is 8.6 GB in fp32, and each out-of-place step would add one more
+        return torch.randn(shape, generator=gen, device=device).mul_(std).add_(mean)
 
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("tid2eid"):  # distinct experts per token
@@ -110,15 +111,16 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
             value = dequantize_fp8_blocks(*quantize_fp8_blocks(value, ENGRAM_ROW_BLOCK, quant.scale_fmt),
                                           ENGRAM_ROW_BLOCK, torch.float32)
         elif quant is not None and ".ffn.experts.w" in name:
-            if quant.expert_dtype == "fp4":
-                value = dequantize_fp4(*quantize_fp4(value), 32, torch.float32)
-            else:
-                blocks = quant.weight_block_size
-                value = torch.stack([dequantize_fp8_blocks(*quantize_fp8_blocks(v, blocks, quant.scale_fmt), blocks,
-                                                           torch.float32) for v in value])
+            for v in value:      # expert by expert, in place: the quantizers' temporaries are several stacks' size
+                if quant.expert_dtype == "fp4":
+                    v.copy_(dequantize_fp4(*quantize_fp4(v), 32, torch.float32))
+                else:
+                    blocks = quant.weight_block_size
+                    v.copy_(dequantize_fp8_blocks(*quantize_fp8_blocks(v, blocks, quant.scale_fmt), blocks,
+                                                  torch.float32))
         elif not is_fp32_tensor(name, family):
             value = value.to(torch.bfloat16)
-        t.copy_(value.to(t.dtype))
+        t.copy_(value)             # casts as .to(t.dtype) would, without a second copy of the stack
 
 
 def _is_fp8_resident_scale(name: str, tensors: dict) -> bool:

@@ -160,10 +160,23 @@ def rank_view(model: torch.nn.Module, size: int, rank: int, pool: dict[str, torc
             dispatcher = RankViewDispatch(moe.gate.n_experts, rank, size, pool[name], name,
                                           (placements or {}).get(name))
             saved.append((moe, moe.dispatch, moe.experts.stack()))
-            moe.use_expert_parallel(dispatcher)
+            _hold_shard(moe, dispatcher)
             view.dispatchers[name] = dispatcher
         yield view
     finally:
         for moe, dispatch, stack in saved:
             moe.experts.hold(stack)
             moe.dispatch = dispatch
+
+
+def _hold_shard(moe, dispatcher: RankViewDispatch) -> None:
+    """The MoE holds the dispatcher's slots: without EPLB a contiguous range of the whole stack, held as views (no
+    copy: the view gives the whole stack back on exit, so a released-width model fits once); with EPLB's replicas
+    a copy (Experts.keep)."""
+    held = dispatcher.held_experts()
+    if held != list(range(held[0], held[0] + len(held))):
+        moe.use_expert_parallel(dispatcher)
+        return
+    moe.experts.hold({n: t[held[0]:held[0] + len(held)] for n, t in moe.experts.stack().items()})
+    dispatcher.slot_tensors = moe.experts.slot_tensors
+    moe.dispatch = dispatcher
