@@ -188,7 +188,7 @@ Without options: the tiny V4 model on CPU, batches 1,8 at contexts 128,512 (seco
               help="fp8: the release's FP8 / FP4 KV cache records (docs/kernels.md)")
 @click.option("--ep", "ep_sizes", default=None, callback=not_blank,
               help="one-GPU rank views of expert parallelism, comma-separated EP sizes (1: the plain step): the "
-                   "model holds one rank's experts and computes the pairs that rank would receive; eager; the "
+                   "model holds one rank's experts and computes the pairs that rank would receive; the "
                    "all-to-all is counted, not run (docs/parallel.md)")
 @click.option("--rank", "ep_rank", type=Count(0), default=0, show_default=True,
               help="which rank of each EP group the view is")

@@ -155,8 +155,7 @@ class StepConfig:
         longest = max(p.context + p.query_len for p in pts)
         tokens = max(max(p.rows for p in pts), seqs, 64)
         args = {"max_num_seqs": seqs, "max_model_len": longest, "max_num_batched_tokens": tokens,
-                "enforce_eager": not self.graphs or bool(self.ep),    # views run eagerly, as the engine's EP steps
-                "expert_storage": self.expert_storage}
+                "enforce_eager": not self.graphs, "expert_storage": self.expert_storage}
         if self.kernel_backend is not None:
             args["kernel_backend"] = self.kernel_backend
         if self.expert_act_quant:
@@ -285,9 +284,8 @@ def comparable(settings: dict) -> dict:
     at their defaults that runs from before the option did not record (expert_act_quant off, dense projections)."""
     defaults = {"expert_act_quant": False, "projection_storage": "dense", "kv_cache_dtype": "auto", "ep_rank": 0,
                 "eplb_redundant": 0}
-    kept = {k: v for k, v in settings.items() if k not in ("batches", "contexts", "prefill", "ep")
+    return {k: v for k, v in settings.items() if k not in ("batches", "contexts", "prefill", "ep")
             and not (k in defaults and v == defaults[k])}
-    return {**kept, "rank_view": True} if settings.get("ep") else kept       # views run eagerly
 
 
 def resume_difference(cfg: StepConfig, folder: RunFolder):
@@ -393,7 +391,7 @@ def _identity(cfg: StepConfig, llm, run_name: str, storage: str, probe_cls, ceil
                     config_hash=mcfg.config_hash(), precision=cfg.dtype, expert_storage=storage,
                     expert_act_quant=cfg.expert_act_quant, projection_storage=cfg.projection_storage,
                     kv_cache_dtype=cfg.kv_cache_dtype, **kernel_fields(llm), device=cfg.device, engine="deepinfer",
-                    seed=cfg.seed, cuda_graphs_allowed=cfg.graphs and not cfg.ep, iters=cfg.iters, warmup=cfg.warmup,
+                    seed=cfg.seed, cuda_graphs_allowed=cfg.graphs, iters=cfg.iters, warmup=cfg.warmup,
                     ep_rank=cfg.ep_rank if cfg.ep else None, eplb_redundant=cfg.eplb_redundant if cfg.ep else None,
                     probe=f"{probe_cls.__module__}.{probe_cls.__qualname__}", ceilings=ceilings, is_projected=False)
 

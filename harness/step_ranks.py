@@ -1,12 +1,13 @@
 """The step bench's one-GPU rank view of expert parallelism: `deepinfer-bench step --ep 2,8,64 --rank R`.
 
-One engine build (eager: the engine's expert-parallel steps run without CUDA graphs), then:
+One engine build, then:
   pool     the model's routing of other tokens: decode steps of the largest batch over random ids and state through
            the whole model (eager, routing recorded per MoE layer), (max EP - 1) x the largest batch rows per
            layer; the other ranks' rows
   views    per EP size N > 1, engine/parallel/rank_view.py makes the model rank R of EP-N (its experts, its
            EPLB slots with --eplb-redundant) and every point of that size is measured as the step bench measures
-           one (harness/step_bench.py): the roofline counts this rank's experts and the pairs it computes; the
+           one (harness/step_bench.py), CUDA graphs captured anew per view (the view's dispatch is static, as a
+           device-count backend's would be): the roofline counts this rank's experts and the pairs it computes; the
            row's `expert_parallel` holds the exchange the view left out (all-to-all bytes each way), the pairs
            every rank computes per layer and their balancedness (mean / max over ranks)
   EP 1     the plain one-device step, for the ratio in the same run."""
@@ -67,9 +68,14 @@ def views(llm, cfg, pool: dict[str, torch.Tensor], n_experts: dict[str, int]):
         if size == 1:
             yield size, None, pts
             continue
-        with rank_view(llm.model, size, cfg.ep_rank, pool,
-                       placements(pool, n_experts, cfg.eplb_redundant, size), keep_whole) as view:
-            yield size, view, pts
+        runner = llm.engine.runner
+        runner.drop_graphs()                   # graphs of the whole model (or another view) must not replay here
+        try:
+            with rank_view(llm.model, size, cfg.ep_rank, pool,
+                           placements(pool, n_experts, cfg.eplb_redundant, size), keep_whole) as view:
+                yield size, view, pts
+        finally:
+            runner.drop_graphs()
 
 
 def pool_shape(cfg):

@@ -8,9 +8,11 @@ layers keep rank R's experts and dispatch through `RankViewDispatch`, which adds
 routing pool (the model's own routing of other tokens, recorded on the whole model: [P, k] logical ids per layer;
 other rank j's rows are the pool's block j of the batch's size, the same at every step of a batch size).
 
-The dispatch and combine run the all-to-all backend's own kernels on this device (sort by destination, pack,
-group by local slot, unpack, the fixed-order combine) and the same host read of the split sizes; the exchange is
-left out, and `ExchangeStats` counts its bytes for a projection to price over a link. Own rows get the outputs of
+The dispatch is static, as a backend with device-side counts (NCCL's EP API, DeepEP's low-latency kernels) would
+be: a fixed-capacity buffer of every own pair plus the other ranks' pairs for this rank, grouped by local slot on
+the device (pairs held elsewhere sort last and are not computed), then the fixed-order combine; no host read, so
+the step is a CUDA graph like the one-rank step. The exchange itself is left out, and `ExchangeStats` counts its
+bytes (all-to-all: pairs out and outputs back) for a projection to price over a link. Own rows get the outputs of
 the pairs computed here only (the rest would come back from other ranks): the view is true in time, not in
 value. With N = 1 it is the one-rank forward (tested)."""
 
@@ -25,8 +27,10 @@ from deepinfer.kernels.precision import upcast
 
 from ..errors import DeepInferError
 from ..models.common.moe import expert_parallel_layers
-from .dispatch import record
-from .expert_parallel import ExpertSlots, Placement, RankDispatched, _combine_own
+from deepinfer.kernels.routing import permute
+
+from .dispatch import Dispatched, record
+from .expert_parallel import ExpertSlots, Placement, _combine_own
 
 
 @dataclass
@@ -81,44 +85,50 @@ class RankViewDispatch(ExpertSlots):
         self._received[n] = got
         return got
 
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> RankDispatched:
-        """x [N, D], weights / ids [N, k] of this rank's rows -> its pairs and the other ranks' routed to its
-        slots, grouped by local slot (the all-to-all backend's steps, without the exchange)."""
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+        """x [N, D], weights / ids [N, k] of this rank's rows -> the pairs of a fixed-capacity buffer (every own
+        pair, then the other ranks' pairs for this rank) grouped by local slot on the device; own pairs held
+        elsewhere sort last and are not computed. No host read: the step can be a CUDA graph (the other ranks'
+        pairs of each batch size are found once, eagerly, before any capture)."""
         n, k = ids.shape
         others = self._others(n, k, x.device)
-        weights, flat_ids, send, counts = self._destinations(weights, ids)
-        send_splits = counts.tolist()                   # host read, as the all-to-all's split sizes
-        start, own = sum(send_splits[:self.shard.rank]), send_splits[self.shard.rank]
-        packed = (x.index_select(0, send // k), weights.reshape(-1)[send], flat_ids[send])    # the send buffers
-        xr = torch.cat([packed[0][start:start + own], x.index_select(0, others.rows)])
-        wr = torch.cat([packed[1][start:start + own], others.weights.to(packed[1].dtype)])
-        ir = torch.cat([packed[2][start:start + own], others.slots])
-        record(self.name, (ir - self.shard.first).view(-1, 1))        # the local slots this rank computes
-        if n not in self.stats:
-            self.stats[n] = self._exchange(n * k, send_splits, others, x)
-        xl, wl, el, offsets, order, inverse = self._local(xr, ir, wr, 1)
-        return RankDispatched(x=xl, weights=wl, expert_ids=el, offsets=offsets, order=order, inverse=inverse,
-                              n_rows=n, top_k=k, pairs=int(ir.numel()), send=send, send_splits=send_splits)
+        weights, ids = self._sorted_slots(weights, ids)
+        own = self._physical(ids).reshape(-1)                                # [N*k] in combine order
+        slots = torch.cat([own, others.slots])
+        rows = torch.cat([torch.arange(n * k, device=x.device) // k, others.rows])
+        w = torch.cat([weights.reshape(-1), others.weights.to(weights.dtype)])
+        local, offsets, order, inverse, w = permute(slots.view(-1, 1), w.view(-1, 1), self.shard.count + 1,
+                                                    self.bucket(x.device))
+        record(self.name, local[local < self.shard.count].view(-1, 1))       # the local slots this rank computes
+        if n not in self.stats and not _capturing(x):
+            self.stats[n] = self._exchange(n, k, own, others, x)
+        return Dispatched(x=x.index_select(0, rows[order]), weights=w, offsets=offsets[:self.shard.count + 1],
+                          expert_ids=local.clamp(max=self.shard.count - 1), order=order, inverse=inverse,
+                          n_rows=n, top_k=k)
 
-    def _exchange(self, own_pairs: int, send_splits: list[int], others: Received, x: torch.Tensor) -> ExchangeStats:
-        kept = send_splits[self.shard.rank]
+    def _exchange(self, n: int, k: int, own: torch.Tensor, others: Received, x: torch.Tensor) -> ExchangeStats:
+        """The exchange this dispatch stands for (host reads: the first, eager call of a batch size)."""
+        counts = torch.bincount(own // self.shard.count, minlength=self.shard.size).cpu()
+        kept = int(counts[self.shard.rank])
         row = x.shape[1] * x.element_size() + 4 + 8         # a pair's row, its weight (fp32) and its slot (int64)
         out = x.shape[1] * 4                                # an output goes back in fp32 (the combine's upcast)
         arriving = others.slots.numel()
-        per_rank = (others.per_rank + torch.tensor(send_splits)).tolist()
-        return ExchangeStats(per_rank, kept + arriving, bytes_sent=(own_pairs - kept) * row + arriving * out,
-                             bytes_received=arriving * row + (own_pairs - kept) * out)
+        return ExchangeStats((others.per_rank + counts).tolist(), kept + arriving,
+                             bytes_sent=(n * k - kept) * row + arriving * out,
+                             bytes_received=arriving * row + (n * k - kept) * out)
 
-    def combine(self, y: torch.Tensor, d: RankDispatched, shared: torch.Tensor | None = None,
+    def combine(self, y: torch.Tensor, d: Dispatched, shared: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """y [m, D] the local slots' outputs -> own rows [N, D]: the own pairs computed here in place, zeros where
-        another rank's outputs would arrive, then the fixed-order combine."""
-        received = upcast(y).index_select(0, d.inverse)                  # [pairs, D] in arrival order
-        start, own = sum(d.send_splits[:self.shard.rank]), d.send_splits[self.shard.rank]
-        back = received.new_zeros(d.n_rows * d.top_k, received.shape[1])
-        back[start:start + own] = received[:own]
-        mine = torch.empty_like(back).index_copy_(0, d.send, back)        # flat (row, slot) order
-        return _combine_own(mine, d.top_k, shared, out_dtype)
+        """y [M, D] (rows past the local slots' not computed) -> own rows [N, D]: the own pairs computed here,
+        zeros where another rank's outputs would arrive, then the fixed-order combine."""
+        pairs = d.n_rows * d.top_k
+        mine = upcast(y).index_select(0, d.inverse[:pairs])                  # [N*k, D] flat (row, slot) order
+        here = d.inverse[:pairs] < d.offsets[-1]
+        return _combine_own(torch.where(here.unsqueeze(1), mine, 0.0), d.top_k, shared, out_dtype)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass

@@ -163,6 +163,12 @@ class ModelRunner:
         logits, hidden = self._forward(inputs, graphed)
         return logits if logits is not None else self.model.logits(hidden[inputs.logit_rows_tensor()])
 
+    def drop_graphs(self) -> None:
+        """Forget the captured step graphs (the model's modules changed under them, as a rank view changes its
+        MoE layers: a replay would run the old ones); the next step of each shape captures anew."""
+        if self.graphs is not None:
+            self.graphs.graphs.clear()
+
     @torch.inference_mode()
     def idle_step(self) -> None:
         """One token at position 0 of scratch slot 0, eager: what a rank with no work runs so every rank of an
