@@ -53,6 +53,9 @@ class Runner(Protocol):
     def graph_keys(self) -> list[tuple]:
         """The CUDA graphs captured so far."""
 
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs: the model's modules changed under them."""
+
     def idle_step(self) -> None:
         """A step of one token on scratch: it computes nothing anyone reads, but meets every collective a step
         meets (a rank of an expert-parallel engine with nothing to run)."""
@@ -279,6 +282,11 @@ class EngineCore:
                 self.scheduler.rollback(r, fed + 1 - len(keep))
                 c.rollbacks += 1
         return finished
+
+    def modules_changed(self) -> None:
+        """The model's modules were swapped (a rank view of expert parallelism opened or closed): the captured
+        step graphs would replay the old ones, so they are dropped and each shape captures anew."""
+        self.runner.drop_graphs()
 
     # ---- statistics ----
     @property

@@ -68,14 +68,13 @@ def views(llm, cfg, pool: dict[str, torch.Tensor], n_experts: dict[str, int]):
         if size == 1:
             yield size, None, pts
             continue
-        runner = llm.engine.runner
-        runner.drop_graphs()                   # graphs of the whole model (or another view) must not replay here
+        llm.engine.modules_changed()           # graphs of the whole model (or another view) must not replay here
         try:
             with rank_view(llm.model, size, cfg.ep_rank, pool,
                            placements(pool, n_experts, cfg.eplb_redundant, size), keep_whole) as view:
                 yield size, view, pts
         finally:
-            runner.drop_graphs()
+            llm.engine.modules_changed()
 
 
 def pool_shape(cfg):
