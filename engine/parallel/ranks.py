@@ -69,6 +69,11 @@ class Ranks:
         self._call(_GATHER_INTO, out, t.contiguous())
         return out
 
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s t (its index in this group) into t on every rank, in place; returns t."""
+        self._call(dist.broadcast, t, group_src=src)
+        return t
+
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """[size * n, ...] per rank -> this rank's [n, ...] block of the sum over ranks."""
         if t.shape[0] % self.size:
