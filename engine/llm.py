@@ -38,6 +38,7 @@ from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.common.moe import set_expert_act_quant, use_expert_parallel
 from .parallel.balancer import EplbConfig, ExpertBalancer, eplb_config, layer_placement
+from .parallel.context_parallel import prefill_prompts
 from .parallel.expert_parallel import DISPATCHERS
 from .parallel.ranks import ParallelConfig, join, parallel_config
 from .parallel.traffic import ExpertTraffic
@@ -53,7 +54,8 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
                    "expert_act_quant": False, "speculative": None, "expert_traffic": False,
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
-                   "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None}
+                   "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None,
+                   "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -128,6 +130,9 @@ class LLM:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
                                  "loop (each step's commits are read before the next is planned; docs/"
                                  "speculative.md); drop async_scheduling or speculative")
+        if self.speculative is not None and parallel.prefill_context_parallel_size > 1:
+            raise DeepInferError("speculative decoding with prefill_context_parallel_size is not validated yet (a "
+                                 "context-parallel prefill keeps no draft rings): drop one of them")
         async_scheduling = False if self.speculative is not None else async_scheduling_default() \
             if args["async_scheduling"] is None else args["async_scheduling"]
         self._expert_parallel(parallel, eplb)
@@ -144,6 +149,10 @@ class LLM:
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
                                args["block_size"], args["kv_cache_dtype"], ring_slack=slack)
         self.engine = self._build_engine(kernels, manager)
+        c = parallel.prefill_context_parallel_size        # this rank's context-parallel group (docs/parallel.md)
+        self.cp_group = self.ranks.split(c) if c > 1 else None
+        self.cp_min_tokens = parallel.context_parallel_min_tokens or args["max_num_batched_tokens"]
+        self.context_parallel_prefills = 0        # this rank's requests whose prompt was prefilled over its group
         self._next_id = 0
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
 
@@ -257,7 +266,10 @@ class LLM:
         # attention data parallelism: prompt i runs on rank i mod N; every rank made every request (the same
         # seeds as one rank draws) and returns every output
         mine = groups if self.ranks is None else groups[self.ranks.rank::self.ranks.size]
-        self._run([r for *_, reqs in mine for r in reqs], use_tqdm)
+        computed = {} if self.cp_group is None else prefill_prompts(self.engine, self.ranks, self.cp_group,
+                                                                    [reqs for *_, reqs in groups], self.cp_min_tokens)
+        self.context_parallel_prefills += len(computed)
+        self._run([r for *_, reqs in mine for r in reqs], use_tqdm, computed)
         outputs = [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in mine]
         if self.ranks is None:
             return outputs
@@ -288,16 +300,18 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     # ---- the loop ----
-    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+    def _run(self, requests: list[Request], use_tqdm: bool, computed: dict[str, int] | None = None) -> None:
         """Run the requests to completion on the engine core; an error or interrupt mid-run gives every seat and
-        block back (the engine stays usable)."""
+        block back (the engine stays usable). computed: {request id: prompt positions a context-parallel prefill
+        left in its seat}; those requests go first (they hold seats already, so they must be admitted first)."""
+        computed = computed or {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(requests), desc="generate", unit="seq")
         try:
-            for r in requests:
-                self.engine.add_request(r)
+            for r in sorted(requests, key=lambda r: r.request_id not in computed):
+                self.engine.add_request(r, computed.get(r.request_id, 0))
             while self._unfinished():
                 done = self.engine.step()
                 if self.balancer is not None:

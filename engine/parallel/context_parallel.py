@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.table import use
+
 from ..errors import DeepInferError
 from .ranks import Ranks
 
@@ -58,3 +60,50 @@ def prefill(runner, ranks: Ranks, slot: int, start: int, tokens: torch.Tensor) -
     mine = ranks.rank == owner                    # the last position is its owner's last row
     logits = runner.model.logits(hidden[-1:] if mine else hidden[:0])               # [1 or 0, V] fp32
     return ranks.broadcast(logits[0] if mine else logits.new_empty(logits.shape[-1]), owner)
+
+
+def prefill_prompts(engine, ranks: Ranks, group: Ranks, prompts: list[list], min_tokens: int) -> dict[str, int]:
+    """Before a generate's step loop. prompts[i]: the requests of prompt i, which rank i mod N owns (attention data
+    parallelism). Each request of a prompt of more than min_tokens tokens whose owner is in this rank's group
+    (`group`, ranks.split(C)) gets all but its last prompt token prefilled over the group; the step that feeds the
+    last token then samples the first output as one rank would. A request asking for prompt logprobs needs every
+    position's logits and is left to its owner. Returns {request id: positions held} of this rank's requests
+    prefilled so; the other ranks of the group free their copy at once."""
+    computed = {}
+    try:
+        with use(engine.kernels):
+            for i, reqs in enumerate(prompts):
+                owner = i % ranks.size
+                if owner // group.size != ranks.rank // group.size:
+                    continue
+                for req in reqs:
+                    n = len(req.prompt_ids) - 1
+                    if n < max(min_tokens, group.size) or req.params.prompt_logprobs is not None:
+                        continue                                # every rank decides alike: the same requests
+                    if _prefill_request(engine, group, req, n, ranks.rank == owner):
+                        computed[req.request_id] = n
+    except BaseException:
+        for rid in computed:                    # nothing was added to the engine yet: give the seats back
+            engine.manager.release(rid)
+        raise
+    return computed
+
+
+def _prefill_request(engine, group: Ranks, req, n: int, mine: bool) -> bool:
+    """The first n prompt positions of `req` over the group into each rank's pools; the owner keeps them (True)."""
+    manager = engine.manager
+    rid = req.request_id if mine else f"context-parallel:{req.request_id}"
+    held = manager.reserve(rid, n)
+    if group.any(not held):                 # a rank without room: the owner prefills it alone, in its steps
+        if held:
+            manager.release(rid)
+        return False
+    try:
+        tokens = torch.tensor(req.prompt_ids[:n], dtype=torch.long).to(engine.runner.model.device)
+        prefill(engine.runner, group, manager.slot(rid), 0, tokens)
+    except BaseException:
+        manager.release(rid)
+        raise
+    if not mine:
+        manager.release(rid)
+    return mine
