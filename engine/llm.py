@@ -130,9 +130,6 @@ class LLM:
             raise DeepInferError("async_scheduling=True with speculative decoding: verify steps run the synchronous "
                                  "loop (each step's commits are read before the next is planned; docs/"
                                  "speculative.md); drop async_scheduling or speculative")
-        if self.speculative is not None and parallel.prefill_context_parallel_size > 1:
-            raise DeepInferError("speculative decoding with prefill_context_parallel_size is not validated yet (a "
-                                 "context-parallel prefill keeps no draft rings): drop one of them")
         async_scheduling = False if self.speculative is not None else async_scheduling_default() \
             if args["async_scheduling"] is None else args["async_scheduling"]
         self._expert_parallel(parallel, eplb)
@@ -149,10 +146,6 @@ class LLM:
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
                                args["block_size"], args["kv_cache_dtype"], ring_slack=slack)
         self.engine = self._build_engine(kernels, manager)
-        c = parallel.prefill_context_parallel_size        # this rank's context-parallel group (docs/parallel.md)
-        self.cp_group = self.ranks.split(c) if c > 1 else None
-        self.cp_min_tokens = parallel.context_parallel_min_tokens or args["max_num_batched_tokens"]
-        self.context_parallel_prefills = 0        # this rank's requests whose prompt was prefilled over its group
         self._next_id = 0
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
 
@@ -175,11 +168,15 @@ class LLM:
                           speculation=speculation, traffic=self.traffic)
 
     def _join(self, args: dict, given: set[str], device: str) -> tuple[ParallelConfig, EplbConfig | None, str]:
-        """The parallel settings checked, this process joined to its ranks (self.ranks; None: one rank), and the
-        device this rank computes on."""
+        """The parallel settings checked, this process joined to its ranks (self.ranks; None: one rank) and to its
+        context-parallel group (self.cp_group; None: no context parallelism), and the device this rank computes on."""
         parallel = parallel_config(args, given)
         eplb = eplb_config(args["enable_eplb"], args["eplb_config"], parallel.enable_expert_parallel, given)
         self.ranks = join(parallel, device)
+        c = parallel.prefill_context_parallel_size        # this rank's context-parallel group (docs/parallel.md)
+        self.cp_group = self.ranks.split(c) if c > 1 else None
+        self.cp_min_tokens = parallel.context_parallel_min_tokens or args["max_num_batched_tokens"]
+        self.context_parallel_prefills = 0        # this rank's requests whose prompt was prefilled over its group
         return parallel, eplb, device if self.ranks is None else self.ranks.device(device)
 
     def _expert_parallel(self, parallel: ParallelConfig, eplb: EplbConfig | None) -> None:

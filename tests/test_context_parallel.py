@@ -51,3 +51,56 @@ def test_cp_prefill_state_and_logits_equal_one_rank(case, tmp_path):
         assert r["state"] <= tol, r
         assert r["logits"] <= tol, r
         assert r["decode"] <= tol, r
+
+
+# ---- the engine option: LLM(data_parallel_size=N, prefill_context_parallel_size=C) ----
+GENERATE_WORKER = ROOT / "tests" / "distributed" / "generate_worker.py"
+# 41, 57, 30 and 64 tokens are prefilled over the group (more than 20), 9 and 5 on their owner alone
+PROMPTS = [[(7 * i + 3 * j) % 400 + 5 for j in range(n)] for i, n in enumerate([41, 9, 57, 30, 5, 64])]
+ENGINE_CASES = {"v4-dp2-cp2": ("random:deepseek_v4:tiny:4", 2, 2), "v41-dp2-cp2": ("random:deepseek_v41:tiny:10", 2, 2)}
+
+
+def _generate(spec: dict, nproc: int | None, tmp_path: Path) -> dict:
+    out = tmp_path / f"gen-{nproc}.json"
+    launch = [sys.executable] if nproc is None else [*_torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([*launch, str(GENERATE_WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
+                       timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+def test_cp_generate_equals_one_rank(case, tmp_path):
+    model, nproc, c = ENGINE_CASES[case]
+    spec = {"model": model, "prompts": PROMPTS, "max_tokens": 6, "max_num_seqs": 3, "kernel_backend": "invariant"}
+    want = _generate(spec, None, tmp_path)
+    got = _generate({**spec, "data_parallel_size": nproc, "prefill_context_parallel_size": c,
+                     "context_parallel_min_tokens": 20}, nproc, tmp_path)
+    assert got["context_parallel_prefills"] == 4 and want["context_parallel_prefills"] == 0
+    assert [g["ids"] for g in got["rows"]] == [w["ids"] for w in want["rows"]]
+    assert [g["logprobs"] for g in got["rows"]] == [w["logprobs"] for w in want["rows"]]     # bitwise, invariant
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"data_parallel_size": 4, "prefill_context_parallel_size": 3}, "prefill_context_parallel_size=3 must divide "
+                                                                      "data_parallel_size=4"),
+    ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2 must divide data_parallel_size=1"),
+    ({"data_parallel_size": 2, "prefill_context_parallel_size": 0}, "prefill_context_parallel_size=0 must be"),
+    ({"data_parallel_size": 2, "prefill_context_parallel_size": 2, "enable_expert_parallel": True},
+     "prefill_context_parallel_size with enable_expert_parallel=True is not validated"),
+    ({"data_parallel_size": 2, "prefill_context_parallel_size": 2, "speculative": True},
+     "speculative with prefill_context_parallel_size is not validated"),
+    ({"data_parallel_size": 2, "context_parallel_min_tokens": 64}, "context_parallel_min_tokens chooses"),
+    ({"data_parallel_size": 2, "prefill_context_parallel_size": 2, "context_parallel_min_tokens": 0},
+     "context_parallel_min_tokens=0 must be"),
+])
+def test_cp_settings_are_refused_in_one_line(kw, match):
+    """The checks run before any rank joins (parallel_config), so one process sees them."""
+    from deepinfer.errors import DeepInferError
+    from deepinfer.llm import ENGINE_DEFAULTS
+    from deepinfer.parallel.ranks import parallel_config
+    with pytest.raises(DeepInferError, match=match) as e:
+        parallel_config({**ENGINE_DEFAULTS, **kw}, set(kw))
+    assert "\n" not in str(e.value)

@@ -188,6 +188,9 @@ def parallel_config(args: dict, given: set[str]) -> ParallelConfig:
                              "none: drop it")
     c, at_least = args["prefill_context_parallel_size"], args["context_parallel_min_tokens"]
     _check_context_parallel(n, ep, c, at_least, given)
+    if c > 1 and args.get("speculative") is not None:
+        raise DeepInferError("speculative with prefill_context_parallel_size is not validated yet (a context-parallel "
+                             "prefill keeps no draft rings): drop one of them")
     return ParallelConfig(n, ep, backend, float(timeout), c, at_least)
 
 
