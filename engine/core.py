@@ -151,7 +151,9 @@ class EngineCore:
             self.scheduler.max_num_seqs = before
 
     # ---- requests ----
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, num_computed: int = 0) -> None:
+        """num_computed: positions of the prompt whose state the state manager already holds for the request
+        (a context-parallel prefill); the scheduler plans the rest."""
         why = unsupported(req.params)
         if why is None and req.params.so_args is not None:
             if req.grammar is None:
@@ -164,7 +166,7 @@ class EngineCore:
         if not 0 < req.num_tokens < self.max_model_len:
             raise DeepInferError(f"request {req.request_id} has {req.num_tokens} tokens; max_model_len is "
                                  f"{self.max_model_len}, which must leave room for at least one generated token")
-        self.scheduler.add(req)
+        self.scheduler.add(req, num_computed)
         self._counters.requests_added += 1
         self._counters.prompt_tokens += len(req.prompt_ids)
 

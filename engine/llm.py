@@ -38,6 +38,7 @@ from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.common.moe import set_expert_act_quant, use_expert_parallel
 from .parallel.balancer import EplbConfig, ExpertBalancer, eplb_config, layer_placement
+from .parallel.context_parallel import prefill_prompts
 from .parallel.expert_parallel import DISPATCHERS
 from .parallel.ranks import ParallelConfig, join, parallel_config
 from .parallel.traffic import ExpertTraffic
@@ -53,7 +54,8 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "keep_quantized": False, "kernel_backend": None, "skip_tokenizer_init": False,
                    "expert_act_quant": False, "speculative": None, "expert_traffic": False,
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
-                   "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None}
+                   "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None,
+                   "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -166,11 +168,15 @@ class LLM:
                           speculation=speculation, traffic=self.traffic)
 
     def _join(self, args: dict, given: set[str], device: str) -> tuple[ParallelConfig, EplbConfig | None, str]:
-        """The parallel settings checked, this process joined to its ranks (self.ranks; None: one rank), and the
-        device this rank computes on."""
+        """The parallel settings checked, this process joined to its ranks (self.ranks; None: one rank) and to its
+        context-parallel group (self.cp_group; None: no context parallelism), and the device this rank computes on."""
         parallel = parallel_config(args, given)
         eplb = eplb_config(args["enable_eplb"], args["eplb_config"], parallel.enable_expert_parallel, given)
         self.ranks = join(parallel, device)
+        c = parallel.prefill_context_parallel_size        # this rank's context-parallel group (docs/parallel.md)
+        self.cp_group = self.ranks.split(c) if c > 1 else None
+        self.cp_min_tokens = parallel.context_parallel_min_tokens or args["max_num_batched_tokens"]
+        self.context_parallel_prefills = 0        # this rank's requests whose prompt was prefilled over its group
         return parallel, eplb, device if self.ranks is None else self.ranks.device(device)
 
     def _expert_parallel(self, parallel: ParallelConfig, eplb: EplbConfig | None) -> None:
@@ -257,7 +263,10 @@ class LLM:
         # attention data parallelism: prompt i runs on rank i mod N; every rank made every request (the same
         # seeds as one rank draws) and returns every output
         mine = groups if self.ranks is None else groups[self.ranks.rank::self.ranks.size]
-        self._run([r for *_, reqs in mine for r in reqs], use_tqdm)
+        computed = {} if self.cp_group is None else prefill_prompts(self.engine, self.ranks, self.cp_group,
+                                                                    [reqs for *_, reqs in groups], self.cp_min_tokens)
+        self.context_parallel_prefills += len(computed)
+        self._run([r for *_, reqs in mine for r in reqs], use_tqdm, computed)
         outputs = [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in mine]
         if self.ranks is None:
             return outputs
@@ -288,16 +297,18 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     # ---- the loop ----
-    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+    def _run(self, requests: list[Request], use_tqdm: bool, computed: dict[str, int] | None = None) -> None:
         """Run the requests to completion on the engine core; an error or interrupt mid-run gives every seat and
-        block back (the engine stays usable)."""
+        block back (the engine stays usable). computed: {request id: prompt positions a context-parallel prefill
+        left in its seat}; those requests go first (they hold seats already, so they must be admitted first)."""
+        computed = computed or {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(requests), desc="generate", unit="seq")
         try:
-            for r in requests:
-                self.engine.add_request(r)
+            for r in sorted(requests, key=lambda r: r.request_id not in computed):
+                self.engine.add_request(r, computed.get(r.request_id, 0))
             while self._unfinished():
                 done = self.engine.step()
                 if self.balancer is not None:

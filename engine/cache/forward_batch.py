@@ -34,7 +34,8 @@ class ForwardBatch:
     def __init__(self, pools: StatePools, seg_slots: torch.Tensor, seg_starts: torch.Tensor,
                  row_seg: torch.Tensor, row_pos: torch.Tensor, seg_first_row: torch.Tensor, seg_ends: torch.Tensor,
                  ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None,
-                 last_only: list[bool] | None = None, root_rows: int | None = None, draft_rings: bool = False):
+                 last_only: list[bool] | None = None, root_rows: int | None = None, draft_rings: bool = False,
+                 row_share=None):
         self.pools = pools
         self.seg_slots, self.seg_starts = seg_slots, seg_starts       # [G] int64
         self.row_seg, self.positions = row_seg, row_pos               # [N] int64
@@ -49,13 +50,16 @@ class ForwardBatch:
         self.root_rows = self.num_rows if root_rows is None else root_rows   # rows of the step's full batch
         self.draft_rings = draft_rings                                # keep the model's draft rings current
         self.shared: dict = {}                                        # per-step products layers share (V4.1 groups)
+        self.row_share = row_share          # the step's rows shared over context-parallel ranks (None: all ours)
         self._cache: dict = {}
 
     # ---- construction ----
     @classmethod
     def ragged(cls, pools: StatePools, slots: list[int], starts: list[int], lens: list[int],
                ctx_blocks: int, last_only: list[bool] | None = None, root_rows: int | None = None,
-               draft_rings: bool = False) -> "ForwardBatch":
+               draft_rings: bool = False, row_share=None) -> "ForwardBatch":
+        """row_share: the rows are shared over context-parallel ranks (parallel/context_parallel.py: its `rows` [Q]
+        are the rows this rank computes, its `gather(x [Q, ...]) -> [N, ...]` every rank's)."""
         dev = pools.device
         first = [0]
         for n in lens[:-1]:
@@ -66,7 +70,7 @@ class ForwardBatch:
         seg = seg.to(dev, non_blocking=True)
         rows = torch.stack([row_seg, row_pos]).to(dev, non_blocking=True)
         return cls(pools, seg[0], seg[1], rows[0], rows[1], seg[2], seg[3], ctx_blocks,
-                   (list(slots), list(starts), list(lens)), last_only, root_rows, draft_rings)
+                   (list(slots), list(starts), list(lens)), last_only, root_rows, draft_rings, row_share)
 
     def keep_last(self, keep: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
         """The batch of each segment's last keep[g] rows, and those rows' indices [M] in this batch."""
@@ -104,6 +108,18 @@ class ForwardBatch:
         row_seg = torch.searchsorted(ends, rows, right=True).clamp(max=seg_slots.shape[0] - 1)
         return cls(pools, seg_slots, seg_starts, row_seg, seg_starts[row_seg] + rows - first[row_seg], first,
                    seg_starts + seg_lens, ctx_blocks, None, draft_rings=draft_rings)
+
+    # ---- rows shared over context-parallel ranks ----
+    @property
+    def query_rows(self) -> torch.Tensor | None:
+        """The rows [Q] whose outputs this process computes (None: every row). The state is written from every row;
+        only context-parallel prefill (parallel/context_parallel.py) shares a step's rows out."""
+        return None if self.row_share is None else self.row_share.rows
+
+    def all_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [Q, ...] of the query rows -> [N, ...] of every row: x itself unless the rows are shared, else every
+        rank's rows gathered (one collective). What a layer that mixes positions reads its input through."""
+        return x if self.row_share is None else self.row_share.gather(x)
 
     @property
     def is_static(self) -> bool:

@@ -51,7 +51,9 @@ class CausalLM(Protocol):
         """Every per-sequence state the model keeps between steps (cache/spec.py)."""
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]."""
+        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]. When the batch shares
+        its rows over context-parallel ranks, input_ids and the result are this rank's rows only (batch.query_rows),
+        and a layer that mixes positions reads every row's input through batch.all_rows."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, D] final hidden -> [M, vocab] fp32 logits."""

@@ -31,6 +31,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     expert_dispatch: str = "allgather"      # engine/parallel/expert_parallel.py DISPATCHERS
     timeout_s: float = 600.0                # any collective waiting longer ends the run
+    prefill_context_parallel_size: int = 1  # C: long prompts prefilled over groups of C ranks (context_parallel.py)
+    context_parallel_min_tokens: int | None = None     # prompts longer than this are (None: max_num_batched_tokens)
 
 
 @dataclass
@@ -69,6 +71,11 @@ class Ranks:
         self._call(_GATHER_INTO, out, t.contiguous())
         return out
 
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s t (its index in this group) into t on every rank, in place; returns t."""
+        self._call(dist.broadcast, t, group_src=src)
+        return t
+
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """[size * n, ...] per rank -> this rank's [n, ...] block of the sum over ranks."""
         if t.shape[0] % self.size:
@@ -94,6 +101,12 @@ class Ranks:
             raise DeepInferError(f"rank {self.rank} of {self.size} lost the other ranks in {fn.__name__} ({first[:200]}): "
                                  f"another rank stopped or failed (see its output), or waited past "
                                  f"distributed_timeout_s") from None
+
+    def split(self, size: int) -> "Ranks":
+        """This rank's group of `size` consecutive ranks (ranks g*size .. (g+1)*size - 1; size divides self.size).
+        Every rank creates every group, in the same order, as torch.distributed requires."""
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(self.size // size)]
+        return Ranks(self.rank % size, size, self.local_rank, self.backend, groups[self.rank // size])
 
     def device(self, requested: str) -> str:
         """The device this rank computes on: `cuda` means this rank's GPU (join chose it)."""
@@ -173,4 +186,27 @@ def parallel_config(args: dict, given: set[str]) -> ParallelConfig:
     if "distributed_timeout_s" in given and n == 1:
         raise DeepInferError("distributed_timeout_s bounds the collectives between ranks; data_parallel_size=1 has "
                              "none: drop it")
-    return ParallelConfig(n, ep, backend, float(timeout))
+    c, at_least = args["prefill_context_parallel_size"], args["context_parallel_min_tokens"]
+    _check_context_parallel(n, ep, c, at_least, given)
+    if c > 1 and args.get("speculative") is not None:
+        raise DeepInferError("speculative with prefill_context_parallel_size is not validated yet (a context-parallel "
+                             "prefill keeps no draft rings): drop one of them")
+    return ParallelConfig(n, ep, backend, float(timeout), c, at_least)
+
+
+def _check_context_parallel(n: int, ep: bool, c, at_least, given: set[str]) -> None:
+    """One line for a context-parallel setting that is wrong, unused, or not validated with the others."""
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise DeepInferError(f"prefill_context_parallel_size={c!r} must be an integer >= 1")
+    if n % c:
+        raise DeepInferError(f"prefill_context_parallel_size={c} must divide data_parallel_size={n} (groups of "
+                             f"{c} consecutive ranks prefill each long prompt)")
+    if ep and c > 1:
+        raise DeepInferError("prefill_context_parallel_size with enable_expert_parallel=True is not validated yet: "
+                             "drop one of them")
+    if "context_parallel_min_tokens" in given:
+        if c == 1:
+            raise DeepInferError("context_parallel_min_tokens chooses which prompts prefill over several ranks: set "
+                                 "prefill_context_parallel_size > 1 or drop it")
+        if isinstance(at_least, bool) or not isinstance(at_least, int) or at_least < 1:
+            raise DeepInferError(f"context_parallel_min_tokens={at_least!r} must be an integer >= 1")

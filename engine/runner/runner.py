@@ -170,6 +170,16 @@ class ModelRunner:
             self.graphs.graphs.clear()
 
     @torch.inference_mode()
+    def shared_forward(self, slot: int, start: int, tokens: torch.Tensor, share) -> torch.Tensor:
+        """One prefill segment, tokens [n] from position `start` of `slot`, whose rows are shared over
+        context-parallel ranks (share: parallel/context_parallel.TokenInterleave; every rank writes the whole
+        state): eager, untruncated, without draft rings -> the final hidden [Q, D] of this rank's rows share.rows."""
+        n = tokens.shape[0]
+        fb = ForwardBatch.ragged(self.pools, [slot], [start], [n], self._context_blocks(start + n), row_share=share)
+        self.ran_rows = share.rows.shape[0]
+        return self.model.forward(tokens[share.rows], fb)
+
+    @torch.inference_mode()
     def idle_step(self) -> None:
         """One token at position 0 of scratch slot 0, eager: what a rank with no work runs so every rank of an
         expert-parallel engine meets each MoE layer's collectives."""

@@ -63,7 +63,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, num_computed: int = 0) -> None:
+        """num_computed: positions whose state the request's seat already holds (a context-parallel prefill put it
+        there, parallel/context_parallel.py); its first step feeds the rest. A preemption drops it as any state."""
+        req.num_computed = num_computed
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:

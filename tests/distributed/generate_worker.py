@@ -1,7 +1,7 @@
 """One rank of a data-parallel (and expert-parallel) generate, run under torchrun by tests/test_parallel.py:
     torchrun --nproc-per-node N tests/distributed/generate_worker.py OUT.json '{"model": ..., LLM kwargs}'
-Every rank runs the same generate; rank 0 writes the outputs (token ids, logprobs)
-the preemptions, draft tokens and routed load of all ranks, and rank 0's EPLB rebalances, as JSON."""
+Every rank runs the same generate; rank 0 writes the outputs (token ids, logprobs), the preemptions, draft
+tokens, context-parallel prefills and routed load of all ranks, and rank 0's EPLB rebalances, as JSON."""
 
 import json
 import sys
@@ -24,11 +24,11 @@ def main(out_path: str, spec: str) -> int:
     except DeepInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    preemptions, drafts = llm.stats.preemptions, llm.stats.draft_tokens
+    preemptions, drafts, cp = llm.stats.preemptions, llm.stats.draft_tokens, llm.context_parallel_prefills
     load = {n: t.tolist() for n, t in zip(llm.traffic.names, llm.traffic.load)} if llm.traffic else {}
     if llm.ranks is not None:
-        shares = llm.ranks.gather_objects((preemptions, drafts, load))
-        preemptions, drafts = sum(s[0] for s in shares), sum(s[1] for s in shares)
+        shares = llm.ranks.gather_objects((preemptions, drafts, load, cp))
+        preemptions, drafts, cp = (sum(s[k] for s in shares) for k in (0, 1, 3))
         load = {n: [sum(s[2][n][e] for s in shares) for e in range(len(v))] for n, v in load.items()}
     if llm.ranks is None or llm.ranks.rank == 0:
         rows = [{"ids": o.outputs[0].token_ids,
@@ -37,7 +37,7 @@ def main(out_path: str, spec: str) -> int:
         balancer = llm.balancer
         with open(out_path, "w") as f:
             json.dump({"rows": rows, "preemptions": preemptions, "draft_tokens": drafts, "load": load,
-                       "rebalances": balancer.rebalances if balancer else 0,
+                       "context_parallel_prefills": cp, "rebalances": balancer.rebalances if balancer else 0,
                        "moved_slots": balancer.moved_slots if balancer else 0}, f)
     return 0
 

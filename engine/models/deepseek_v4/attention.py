@@ -52,24 +52,33 @@ class Attention(LatentAttention):
                       Ring(f"{name}.pending_score", span, c, "accum")]
         return kinds
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
-        """x [N, D] normed input rows of a step -> [N, D]. Reads and writes the layer's pools in place."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int, qrows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x [N, D] normed input rows of a step -> [Q, D] for the query rows qrows [Q] of the step (None: every
+        row). Reads and writes the layer's pools in place; the state is written from every row. NOTE: qrows is the
+        hook context-parallel prefill needs (parallel/context_parallel.py): each rank asks only its own positions
+        while the whole sequence's state is written, as V4.1's YOCO truncation asks its suffix."""
         pools = batch.pools
-        q, kv, comp, idx, (cos, sin) = self.project(x, batch.rotary(self.rope))
+        cos, sin = batch.rotary(self.rope)
+        kv, comp, idx = self.state_projections(x, (cos, sin))
+        if qrows is not None:
+            x, cos, sin = x[qrows], cos[qrows], sin[qrows]
+        q, (index_q, index_w) = self.query_projections(x, (cos, sin))
         ring = pools.rings[f"{layer}.window"]
-        sources = [window_source(batch, ring, kv, self.window)]
+        window, index = window_source(batch, ring, kv, self.window)
+        sources = [(window, index if qrows is None else index[qrows])]
         if self.compressor is not None:
             store = pools.entries[f"{layer}.kv"]
             self._compress_pooled(self.compressor, *comp, batch, f"{layer}.kv", self.quantize_entry)
             if self.indexer is not None:
-                index_kv, index_gate, index_q, index_w = idx
-                self._compress_pooled(self.indexer.compressor, index_kv, index_gate, batch, f"{layer}.index",
-                                      self.quantize_index)
+                self._compress_pooled(self.indexer.compressor, *idx, batch, f"{layer}.index", self.quantize_index)
                 keys = pools.entries[f"{layer}.index"].flatten(0, 1)
-                entries = top_entries(batch, self.ratio, store.shape[1], None, lambda index, span: (
-                    sparse_index_scores(index_q[span], index_w[span], keys, index)), self.indexer.topk)   # [N, k]
-            else:
+                entries = top_entries(batch, self.ratio, store.shape[1], qrows, lambda index, span: (
+                    sparse_index_scores(index_q[span], index_w[span], keys, index)), self.indexer.topk)   # [Q, k]
+            elif qrows is None:
                 entries = batch.entry_index(self.ratio, store.shape[1])                # HCA: every visible one
+            else:
+                entries = batch.entry_index_of(self.ratio, store.shape[1], qrows)
             sources.append((store.flatten(0, 1), entries))
         out = sparse_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         batch.write_ring(ring, kv)                                 # after the attention read the ring in place
@@ -93,19 +102,29 @@ class Attention(LatentAttention):
         """The per-token part, batched over every row: x [N, D], rotary = the rows' (cos, sin) -> (q [N, H, d] roped,
         kv [N, d] roped (+ QAT), comp = compressor (kv, gate) [N, c*d] each or (), idx = (index kv, index gate,
         index q [N, h, dI] (+ QAT), index weights [N, h]) or (), (cos, sin) [N, rd/2])."""
-        n = x.shape[0]
-        cos, sin = rotary
-        qr = self.q_norm(self.wq_a(x))                                            # [N, q_lora]
-        q = self.wq_b(qr).view(n, self.n_heads, self.head_dim)
-        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)                     # [N, H, d]
+        kv, comp, idx = self.state_projections(x, rotary)
+        q, index_q = self.query_projections(x, rotary)
+        return q, kv, comp, (*idx, *index_q) if idx else (), rotary
+
+    def state_projections(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """What every row writes into the state: x [N, D] -> (kv [N, d] roped (+ QAT), compressor (kv, gate)
+        [N, c*d] each or (), indexer compressor (kv, gate) or ())."""
         kv = self.latent(x, rotary)                                               # [N, d]
-        comp = idx = ()
-        if self.compressor is not None:
-            comp = self.compressor.project(x)                                    # kv, gate: [N, c*d] each
-        if self.indexer is not None:
-            index_q, index_w = self.indexer.queries(qr, x, cos, sin)
-            idx = (*self.indexer.compressor.project(x), self.quantize_index(index_q), index_w)
-        return q, kv, comp, idx, (cos, sin)
+        comp = self.compressor.project(x) if self.compressor is not None else ()  # kv, gate: [N, c*d] each
+        idx = self.indexer.compressor.project(x) if self.indexer is not None else ()
+        return kv, comp, idx
+
+    def query_projections(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """What only the query rows need: x [Q, D] -> (q [Q, H, d] roped, (index q [Q, h, dI] (+ QAT), index
+        weights [Q, h]) or (None, None) without an indexer)."""
+        cos, sin = rotary
+        qr = self.q_norm(self.wq_a(x))                                            # [Q, q_lora]
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)                     # [Q, H, d]
+        if self.indexer is None:
+            return q, (None, None)
+        index_q, index_w = self.indexer.queries(qr, x, cos, sin)
+        return q, (self.quantize_index(index_q), index_w)
 
     def latent(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The K=V latent rows x [N, D] write into the window: [N, d], roped (+ QAT)."""

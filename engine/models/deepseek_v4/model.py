@@ -106,11 +106,12 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
         return StateSpec.of(kinds + (mtp.state_kinds(self) if self.drafting is not None else []))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]. The NextN drafter
-        reads the last streams [N, hc, D] before they collapse (mtp.observe)."""
+        """input_ids [Q]: the step's query rows (batch says whose and where; every row but under context parallelism,
+        batch.query_rows) -> final hidden [Q, D]. The attention reads every row's input (batch.all_rows). The NextN
+        drafter reads the last streams [N, hc, D] before they collapse (mtp.observe)."""
         h = self.embed_streams(input_ids)
         for i, block in enumerate(self.layers):
-            h = block(h, input_ids, lambda x, attn=block.attn, i=i: attn(x, batch, i))
+            h = block(h, input_ids, lambda x, attn=block.attn, i=i: attn(batch.all_rows(x), batch, i, batch.query_rows))
         if batch.draft_rings and self.drafting is not None:
             mtp.observe(self, h, input_ids, batch)
         return self.collapse(h)

@@ -68,11 +68,14 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         return StateSpec.of(kinds)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [N]: the step's rows (batch says whose and where) -> final hidden [N, D]. Segments marked
-        last_only run YOCO-truncated (module docstring): their rows before the last one come back as zeros."""
-        hash_ids = self._hash_pooled(input_ids, batch)
+        """input_ids [Q]: the step's query rows (batch says whose and where; every row but under context parallelism,
+        batch.query_rows) -> final hidden [Q, D]. The attention and the engram hash read every row's input
+        (batch.all_rows). Segments marked last_only run YOCO-truncated (module docstring): their rows before the
+        last one come back as zeros."""
+        hash_ids = self._hash_pooled(batch.all_rows(input_ids), batch)
         h, pre_mix = self.embed_streams(input_ids)
-        rows, cur = None, batch                     # rows: the current rows' indices in the step (None: all)
+        rows, cur = batch.query_rows, batch         # rows: the current rows' indices in the step (None: all)
+        cut = False                                 # YOCO truncated some rows
         targets = set(self.cfg.dspark_target_layer_ids) if batch.draft_rings and self.drafting is not None else ()
         features = {}
         for i, block in enumerate(self.layers):
@@ -82,16 +85,17 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
                 features[i] = (rows, h.mean(dim=1))
             keep = self._truncated_counts(cur, i)
             if keep is None:
-                h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, cur, query_rows=rows))
+                h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(cur.all_rows(x), cur, cur.query_rows,
+                                                                               rows))
                 continue
             nxt, qrows = cur.keep_last(keep)
             out_rows = qrows if rows is None else rows[qrows]
             h, pre_mix = block(h, pre_mix, lambda x, attn=block.attn: attn(x, cur, qrows, out_rows), qrows)
-            rows, cur = out_rows, nxt
+            rows, cur, cut = out_rows, nxt, True
         if targets:
             self._write_draft_rings(batch, features)
         hidden = self.norm(hc_collapse(h, pre_mix))
-        if rows is None:
+        if not cut:
             return hidden
         return hidden.new_zeros(input_ids.shape[0], hidden.shape[-1]).index_copy_(0, rows, hidden)
 
