@@ -35,8 +35,8 @@ def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = to
             # wo_a stays dense: DeepSeek's convert.py dequantizes it, its grouped einsum runs in BF16
             fp8_projections(model, lambda name: is_fp8_weight(name, cfg.model_type), cfg.quant.weight_block_size[0],
                             keep_dense=("attn.wo_a",))
-        if prepare is not None:
-            prepare(model)
+    if prepare is not None:        # outside the meta context: what it computes (placements) holds real values
+        prepare(model)
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
