@@ -105,19 +105,7 @@ class LLM:
         check_kv_cache_dtype(args["kv_cache_dtype"])
         built = isinstance(model, torch.nn.Module)
         self._host_tables = host_engram_tables(device, args["engram_table_device"])   # a bad value: one line now
-        model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant, args["projection_storage"])
-        self._dispatchers = []                                # this rank's expert-parallel dispatchers
-        if isinstance(model, torch.nn.Module):      # an already built model (load_model / random:... / random_model)
-            self.model = model
-            self._hold_experts(model, parallel, eplb)
-            if self._host_tables:
-                keep_engram_tables_on_host(model, device.startswith("cuda"))
-        else:   # sharded loading: each rank allocates and reads only its experts (docs/parallel.md)
-            self.model = load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
-                                    keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"],
-                                    projection_storage=args["projection_storage"],
-                                    engram_table_device=args["engram_table_device"],
-                                    prepare=lambda m: self._hold_experts(m, parallel, eplb))
+        self.model = self._model(model, device, dtype, qat_fake_quant, parallel, eplb)
         if built and "projection_storage" in engine_args \
                 and projection_storage_of(self.model) != args["projection_storage"]:
             raise DeepInferError(f"projection_storage={args['projection_storage']!r} does not match the model passed "
@@ -182,6 +170,24 @@ class LLM:
         eplb = eplb_config(args["enable_eplb"], args["eplb_config"], parallel.enable_expert_parallel, given)
         self.ranks = join(parallel, device)
         return parallel, eplb, device if self.ranks is None else self.ranks.device(device)
+
+    def _model(self, model, device: str, dtype: torch.dtype, qat_fake_quant: bool, parallel: ParallelConfig,
+               eplb: EplbConfig | None) -> torch.nn.Module:
+        """The model this rank runs: a checkpoint loaded sharded (each expert-parallel rank allocates and reads only
+        its experts, docs/parallel.md), or a built one (random:..., passed in) that then keeps its experts."""
+        args = self._args
+        model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant, args["projection_storage"])
+        self._dispatchers = []                                # this rank's expert-parallel dispatchers
+        if not isinstance(model, torch.nn.Module):
+            return load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
+                              keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"],
+                              projection_storage=args["projection_storage"],
+                              engram_table_device=args["engram_table_device"],
+                              prepare=lambda m: self._hold_experts(m, parallel, eplb))
+        self._hold_experts(model, parallel, eplb)
+        if self._host_tables:
+            keep_engram_tables_on_host(model, device.startswith("cuda"))
+        return model
 
     def _hold_experts(self, model: torch.nn.Module, parallel: ParallelConfig, eplb: EplbConfig | None) -> None:
         """Expert parallelism: this rank keeps 1/N of every MoE layer's routed experts, or of its physical slots
