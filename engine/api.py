@@ -15,6 +15,7 @@ from .checkpoint.loader import load_checkpoint, shard_map
 from .config import load_model_config
 from .errors import CheckpointError, DeepInferError
 from .models import build_model, check_projection_storage
+from .models.deepseek_v41.host_table import host_engram_tables, keep_engram_tables_on_host
 from .validate import EMBEDDED, check_expert_storage, check_model_spec, parse_dtype, random_spec_arch
 
 log = logging.getLogger("deepinfer")
@@ -22,7 +23,7 @@ log = logging.getLogger("deepinfer")
 def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, qat_fake_quant: bool = True,
                keep_quantized: bool = False, expert_storage: str = "dense", projection_storage: str = "dense",
-               **unsupported) -> torch.nn.Module:
+               engram_table_device: str | None = None, prepare=None, **unsupported) -> torch.nn.Module:
     """Load a deepseek_v4 / deepseek_v41 checkpoint (DeepSeek or transformers names, bf16/FP8/FP4) for inference.
 
     qat_fake_quant keeps DeepSeek's quantization-aware activation steps (FP8 K=V latent, FP4 indexer);
@@ -34,13 +35,16 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     scales, 0.56 bytes per weight) and dequantizes each when it runs. projection_storage="fp8" keeps the
     projections the release stores as FP8 blocks in that form and runs them through `fp8_linear` (DeepSeek's W8A8
     recipe: activations quantized per 1 x block on the fly, V4 128 / V4.1 32); "dense" dequantizes them on load,
-    as transformers does.
+    as transformers does. engram_table_device="cpu" (V4.1) keeps the engram tables in host memory (pinned on a GPU
+    run) and gathers the rows a batch needs per forward (models/deepseek_v41/host_table.py); None: on `device`.
+    prepare(model) runs on the unmaterialized model before any weight is read: LLM's expert parallelism allocates
+    only its rank's expert slots there, and the loader then reads only those experts' tensors.
     """
     from .env import check_environment
     from .validate import check_device, check_flag, refuse_unsupported
     check_environment()
     refuse_unsupported("load_model", unsupported, "path_or_id, device, dtype, qat_fake_quant, keep_quantized, "
-                                                  "expert_storage, projection_storage")
+                                                  "expert_storage, projection_storage, engram_table_device, prepare")
     if isinstance(path_or_id, torch.nn.Module) or (isinstance(path_or_id, str) and path_or_id.startswith("random:")):
         raise DeepInferError("load_model reads a checkpoint directory or hub id; pass random:... or a built model to "
                              "LLM instead")
@@ -49,6 +53,7 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     check_flag("qat_fake_quant", qat_fake_quant)
     check_flag("keep_quantized", keep_quantized)
     check_projection_storage(projection_storage)      # a bad name is one line before anything is read
+    host_tables = host_engram_tables(device, engram_table_device)
     if path_or_id == EMBEDDED:
         from .checkpoint.make import embedded_tiny_dir
         path_or_id = embedded_tiny_dir()
@@ -57,12 +62,25 @@ def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.
     options = {"projection_storage": projection_storage}             # build_model checks it against cfg
     if check_expert_storage(expert_storage, cfg.model_type) != "dense":
         options["expert_storage"] = expert_storage
-    model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant, **options)
+    model = build_model(cfg, device, parse_dtype(dtype), qat_fake_quant,
+                        prepare=_preparation(prepare, host_tables, torch.device(device).type == "cuda"), **options)
     if cfg.model_type == "deepseek_v41" and cfg.engram_layer_ids:
         _bind_tokenizer(model, ckpt_dir)
     load_checkpoint(model, ckpt_dir, keep_quantized=keep_quantized)
     model.checkpoint_dir = ckpt_dir
     return model
+
+
+def _preparation(prepare, host_tables: bool, pin: bool):
+    """What build_model runs on the unmaterialized model: the caller's hook, then the engram tables to the host."""
+    if not host_tables:
+        return prepare
+
+    def both(model):
+        if prepare is not None:
+            prepare(model)
+        keep_engram_tables_on_host(model, pin)
+    return both
 
 
 def resolve_model(model, device: str, dtype, expert_storage: str = "dense", qat: bool = True,

@@ -36,7 +36,8 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
                        refuse_unsupported, sampling_params_list)
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
-from .models.common.moe import set_expert_act_quant, use_expert_parallel
+from .models.common.moe import Experts, set_expert_act_quant, use_expert_parallel
+from .models.deepseek_v41.host_table import host_engram_tables, keep_engram_tables_on_host
 from .parallel.balancer import EplbConfig, ExpertBalancer, eplb_config, layer_placement
 from .parallel.context_parallel import prefill_prompts
 from .parallel.expert_parallel import DISPATCHERS
@@ -55,7 +56,8 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "expert_act_quant": False, "speculative": None, "expert_traffic": False,
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
                    "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None,
-                   "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None}
+                   "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None,
+                   "engram_table_device": None}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -75,6 +77,7 @@ class LLM:
             raise DeepInferError(f"LLM() got unknown arguments {unknown}; known engine arguments: "
                                  f"{sorted(ENGINE_DEFAULTS)}")
         args = {**ENGINE_DEFAULTS, **engine_args}
+        self._args = args
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "state_memory_bytes",
                      "max_graph_batch", "block_size"):
             _positive_int(name, args[name], optional=name in ("max_model_len", "state_memory_bytes", "block_size"))
@@ -103,13 +106,8 @@ class LLM:
         check_projection_storage(args["projection_storage"])
         check_kv_cache_dtype(args["kv_cache_dtype"])
         built = isinstance(model, torch.nn.Module)
-        model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant, args["projection_storage"])
-        if isinstance(model, torch.nn.Module):      # an already built model (load_model / random:... / random_model)
-            self.model = model
-        else:
-            self.model = load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
-                                    keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"],
-                                    projection_storage=args["projection_storage"])
+        self._host_tables = host_engram_tables(device, args["engram_table_device"])   # a bad value: one line now
+        self.model = self._model(model, device, dtype, qat_fake_quant, parallel, eplb)
         if built and "projection_storage" in engine_args \
                 and projection_storage_of(self.model) != args["projection_storage"]:
             raise DeepInferError(f"projection_storage={args['projection_storage']!r} does not match the model passed "
@@ -121,7 +119,6 @@ class LLM:
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]
         if not 1 <= self.max_model_len <= limit:
             raise DeepInferError(f"max_model_len={self.max_model_len} must be in 1..{limit} (max_position_embeddings)")
-        self._args = args
         self.rng = np.random.default_rng(seed)
         drafting = self.model.drafting          # None: the model cannot draft
         self.speculative = speculative_config(args["speculative"], None, None) if drafting is None else \
@@ -132,7 +129,7 @@ class LLM:
                                  "speculative.md); drop async_scheduling or speculative")
         async_scheduling = False if self.speculative is not None else async_scheduling_default() \
             if args["async_scheduling"] is None else args["async_scheduling"]
-        self._expert_parallel(parallel, eplb)
+        self._balance(eplb)
         # routed-traffic counters (engine/parallel/traffic.py), wrapped around the dispatchers (local or expert-
         # parallel) before any graph is captured
         self.traffic = ExpertTraffic.install(self.model) if args["expert_traffic"] else None
@@ -153,7 +150,8 @@ class LLM:
         """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant), and
         speculation (its step-rate table given, else profiled on this runner now)."""
         # expert-parallel steps read host values between ranks (engine/parallel/expert_parallel.py): eager
-        graphs = not self._args["enforce_eager"] and not self._args["enable_expert_parallel"]
+        # so do host-resident engram tables (each forward gathers rows on the host: models/deepseek_v41/host_table.py)
+        graphs = not self._args["enforce_eager"] and not self._args["enable_expert_parallel"] and not self._host_tables
         runner = ModelRunner(self.model, manager.pools, cuda_graphs=graphs,
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
                              fixed_context=kernels.invariant, speculative=self.speculative)
@@ -179,26 +177,51 @@ class LLM:
         self.context_parallel_prefills = 0        # this rank's requests whose prompt was prefilled over its group
         return parallel, eplb, device if self.ranks is None else self.ranks.device(device)
 
-    def _expert_parallel(self, parallel: ParallelConfig, eplb: EplbConfig | None) -> None:
+    def _model(self, model, device: str, dtype: torch.dtype, qat_fake_quant: bool, parallel: ParallelConfig,
+               eplb: EplbConfig | None) -> torch.nn.Module:
+        """The model this rank runs: a checkpoint loaded sharded (each expert-parallel rank allocates and reads only
+        its experts, docs/parallel.md), or a built one (random:..., passed in) that then keeps its experts."""
+        args = self._args
+        model = resolve_model(model, device, dtype, args["expert_storage"], qat_fake_quant, args["projection_storage"])
+        self._dispatchers = []                                # this rank's expert-parallel dispatchers
+        if not isinstance(model, torch.nn.Module):
+            return load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
+                              keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"],
+                              projection_storage=args["projection_storage"],
+                              engram_table_device=args["engram_table_device"],
+                              prepare=lambda m: self._hold_experts(m, parallel, eplb))
+        self._hold_experts(model, parallel, eplb)
+        if self._host_tables:
+            keep_engram_tables_on_host(model, device.startswith("cuda"))
+        return model
+
+    def _hold_experts(self, model: torch.nn.Module, parallel: ParallelConfig, eplb: EplbConfig | None) -> None:
         """Expert parallelism: this rank keeps 1/N of every MoE layer's routed experts, or of its physical slots
-        under an EPLB placement (engine/parallel/, docs/parallel.md)."""
+        under an EPLB placement (engine/parallel/, docs/parallel.md). Run on the unmaterialized model before a
+        checkpoint loads (the loader then reads only these experts), or on a built model (random:..., passed in)."""
         if not parallel.enable_expert_parallel:
             return
-        if self._args["keep_quantized"]:
-            raise DeepInferError("enable_expert_parallel=True with keep_quantized=True: quantized expert weights "
-                                 "cannot be split over ranks yet; drop keep_quantized")
+        if any(m.quantized for m in model.modules() if isinstance(m, Experts)):
+            raise DeepInferError("enable_expert_parallel=True with a built model that keeps its quantized expert "
+                                 "weights (keep_quantized): they cannot be split over ranks once loaded; pass the "
+                                 "checkpoint directory instead, which each rank loads sharded")
+        if self._args["keep_quantized"] and eplb is not None and eplb.step_interval:
+            raise DeepInferError("keep_quantized=True with EPLB rebalancing: a rebalance moves the dense expert "
+                                 "weights between ranks, not the attached quantized ones; drop keep_quantized or set "
+                                 "eplb_config step_interval=0 (a static placement)")
         dispatcher = DISPATCHERS[parallel.expert_dispatch]
-
-        made = []
 
         def make(name: str, n_experts: int):
             placement = None if eplb is None else layer_placement(eplb, name, n_experts, self.ranks.size)
-            made.append(dispatcher(n_experts, self.ranks, placement=placement))
-            return made[-1]
-        drafting = self.model.drafting      # draft layers stay whole: a draft block runs without collectives
-        use_expert_parallel(self.model, make, drafting.modules if drafting is not None else ())
+            self._dispatchers.append(dispatcher(n_experts, self.ranks, placement=placement))
+            return self._dispatchers[-1]
+        drafting = model.drafting      # draft layers stay whole: a draft block runs without collectives
+        use_expert_parallel(model, make, drafting.modules if drafting is not None else ())
+
+    def _balance(self, eplb: EplbConfig | None) -> None:
+        """EPLB's live rebalancing over the dispatchers, once the weights are in place."""
         if eplb is not None and eplb.step_interval:
-            self.balancer = ExpertBalancer(eplb, made, self.ranks)
+            self.balancer = ExpertBalancer(eplb, self._dispatchers, self.ranks)
 
     def with_kernel_backend(self, name: str) -> "LLM":
         """This engine under another kernel backend set (kernels/registry.py BACKEND_SETS): `self` when it already runs

@@ -25,6 +25,7 @@ from deepinfer.kernels.quant import dequantize_fp4, dequantize_fp8_blocks, scale
 from ..errors import CheckpointError
 from ..models.deepseek_v41.engram import dequantize_engram_rows
 from ..models.common.layers import Fp8Linear, Linear, QuantizedWeight
+from .held_experts import held_experts
 from .names import V41, EXPERTS_HF, checkpoint_tensors, ds_to_hf, hf_to_ds, is_vision_tensor, split_expert_name
 from .random_init import ENGRAM_ROW_BLOCK, is_engram_table, is_fp32_tensor
 
@@ -103,6 +104,8 @@ class CheckpointLoader:
         self.family = model.cfg.model_type
         self.vision_skipped = 0
         self.targets = checkpoint_tensors(model)
+        self.held = held_experts(model)       # experts stack -> its held experts (expert parallelism: this rank's)
+        self.held_elsewhere = 0               # expert tensors left to the ranks that hold them (never read here)
         self.block = model.cfg.quant.weight_block_size if model.cfg.quant else (128, 128)
         self.expected = self._expected_names()
         self.seen: set[str] = set()
@@ -119,7 +122,7 @@ class CheckpointLoader:
 
     def _expected_names(self) -> set[str]:
         """Every tensor (DeepSeek spelling, experts per index, no scales except FP4-resident experts') the
-        model needs."""
+        model needs: every expert of a layer, held here or not, so that a missing one is one line on every rank."""
         names = set()
         for name, t in self.targets.items():
             if ".ffn.experts.w" in name:
@@ -130,19 +133,18 @@ class CheckpointLoader:
                         break
                 else:
                     leaf = "weight"
-                names.update(f"{base}.{j}.{w}.{leaf}" for j in range(t.shape[0]))
+                names.update(f"{base}.{j}.{w}.{leaf}" for j in range(self.held[base].n_experts))
             else:
                 names.add(name)
         return names
 
     def load(self) -> None:
         shards = shard_map(self.ckpt_dir)
-        device = str(self.model.device)
         hf_scheme = None
         for shard, listed in shards.items():
             path = self.ckpt_dir / shard
             try:
-                with safe_open(str(path), framework="pt", device=device) as f:
+                with safe_open(str(path), framework="pt") as f:      # memory-mapped; each read lands on the host
                     keys = list(f.keys())
                     if listed is not None and set(listed) - set(keys):
                         missing = sorted(set(listed) - set(keys))[:3]
@@ -156,7 +158,7 @@ class CheckpointLoader:
                             continue
                         # V4.1's two spellings differ by a prefix only: decide per tensor.
                         hf = key.startswith(("model.", "lm_head.")) if self.family == V41 else hf_scheme
-                        self._take(key, f.get_tensor(key), hf, path)
+                        self._read(f, key, hf, path)
                 self._check_finite(path)
             except SafetensorError as err:
                 raise CheckpointError(f"shard {path} is corrupt or truncated ({err}); re-download it") from None
@@ -164,6 +166,8 @@ class CheckpointLoader:
                 raise CheckpointError(f"shard {path} could not be read ({err}); re-download it") from None
         if self.vision_skipped:
             log.info("skipped %d vision tensors (text-only model)", self.vision_skipped)
+        if self.held_elsewhere:
+            log.info("left %d routed-expert tensors unread: other expert-parallel ranks hold them", self.held_elsewhere)
         self._drop_float_engram_scales()
         if self.pending:
             self._report_pending()
@@ -173,6 +177,28 @@ class CheckpointLoader:
         if missing:
             raise CheckpointError(f"checkpoint {self.ckpt_dir} is missing {len(missing)} tensor(s) the config needs, "
                                   f"e.g. {missing[:3]}; check config.json matches the weights")
+
+    def _read(self, f, key: str, hf: bool, path: Path) -> None:
+        """One tensor of an open shard: skipped unread when another rank holds its expert (it counts as present),
+        read row by row for transformers' stacked V4 experts (only the held rows), else read whole onto the device
+        of the tensor it fills (the model's; the host for host-resident engram tables)."""
+        name = hf_to_ds(key, self.family) if hf else key
+        expert = split_expert_name(name) if name is not None else None
+        held = self.held.get(expert[0]) if expert is not None else None
+        if held is not None and held.elsewhere(expert[1]):
+            self.seen.add(name)
+            self.held_elsewhere += 1
+            return
+        if hf and self.family != V41 and name is not None and name.rsplit(".", 1)[-1] in EXPERTS_HF:
+            return self._take_hf_experts(name, key, f.get_slice(key), path)
+        self._take(key, f.get_tensor(key).to(self._device_for(name)), hf, path)
+
+    def _device_for(self, name: str | None) -> torch.device:
+        """Where a read tensor is dequantized and checked: its target's device (a scale: its weight's)."""
+        if name is not None and name.endswith(".scale"):
+            name = name[: -len(".scale")] + ".weight"
+        target = self._param_for(name) if name is not None else None
+        return target.device if target is not None else self.model.device
 
     def _drop_float_engram_scales(self) -> None:
         """An engram table stored in a float dtype is already dequantized: its `embed.scale` (transformers
@@ -212,9 +238,6 @@ class CheckpointLoader:
             if name is None:
                 raise CheckpointError(f"{path}: unexpected tensor {key} (not part of a {self.family} model)")
             if self.family != V41:
-                stem = name.rsplit(".", 1)[-1]
-                if stem in EXPERTS_HF:
-                    return self._take_hf_experts(name, key, tensor, path)
                 fp8 = self._fp8_module(name)
                 if fp8 is not None:
                     return self._take_fp8(name, tensor, path, fp8)
@@ -247,12 +270,13 @@ class CheckpointLoader:
 
     def _resident_target(self, key: str):
         """(buffer, expert index) when `key` is a routed expert's FP4 weight or scale and the model keeps
-        experts FP4-resident (expert_storage="fp4"); else None."""
+        experts FP4-resident (expert_storage="fp4"); else None. An expert index outside the layer's experts is
+        left to the plain path, which calls it unexpected."""
         expert = split_expert_name(key)
         if expert is None or expert[3] not in ("weight", "scale"):
             return None
         buf = self.targets.get(f"{expert[0]}.{expert[2]}_{'fp4' if expert[3] == 'weight' else 'scale'}")
-        return None if buf is None else (buf, expert[1])
+        return None if buf is None or not self.held[expert[0]].slots_of(expert[1]) else (buf, expert[1])
 
     def _take_resident(self, key: str, tensor: torch.Tensor, path: Path, buf: torch.Tensor, j: int) -> None:
         """Copy the on-disk bytes as they are: packed e2m1 (int8) weights, e8m0 scales."""
@@ -267,11 +291,13 @@ class CheckpointLoader:
                                   f"{tuple(buf.shape[1:])} (packed FP4 expert)")
         if key in self.seen:
             raise CheckpointError(f"{path}: tensor {key} appears twice in the checkpoint")
+        slots = self.held[split_expert_name(key)[0]].slots_of(j)
         with torch.no_grad():
-            buf[j].copy_(tensor.view(torch.uint8))
+            for slot in slots:                     # an EPLB replica: the same bytes in two slots
+                buf[slot].copy_(tensor.view(torch.uint8))
         self.seen.add(key)
         if is_scale:
-            self._count_nonfinite(key, buf[j], "e8m0")
+            self._count_nonfinite(key, buf[slots[0]], "e8m0")
 
     def _fp8_module(self, key: str) -> Fp8Linear | None:
         """The Fp8Linear (projection_storage="fp8") whose `.weight` or `.scale` `key` names, else None."""
@@ -364,7 +390,11 @@ class CheckpointLoader:
         if param is None or name not in self.expected:
             raise CheckpointError(f"{path}: unexpected tensor {key} (not part of this model's config; "
                                   f"check config.json matches the weights)")
-        dest = param[expert[1]] if expert else param
+        slots = self.held[expert[0]].slots_of(expert[1]) if expert else ()
+        if expert and not slots:
+            raise CheckpointError(f"{path}: unexpected tensor {key} (not part of this model's config; "
+                                  f"check config.json matches the weights)")
+        dest = param[slots[0]] if expert else param
         if tuple(value.shape) != tuple(dest.shape):
             raise CheckpointError(f"{path}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
         if param.dtype.is_floating_point != value.dtype.is_floating_point or (
@@ -382,6 +412,8 @@ class CheckpointLoader:
         if name.endswith("tid2eid"):
             self._check_tid2eid(value, key, path)
         with torch.no_grad():
+            for slot in slots[1:]:                 # an EPLB replica held twice on this rank
+                param[slot].copy_(value)
             dest.copy_(value)
         self.seen.add(name)
         if dest.dtype.is_floating_point:
@@ -438,10 +470,11 @@ class CheckpointLoader:
         per shard, not one per tensor. Only a non-finite total (a bad tensor, or, harmlessly, finite sums
         overflowing) makes `_check_finite` count each of that shard's tensors exactly to name the culprit."""
         if kind in NAN_BYTES:    # uint8 ops only: every device has them for any byte tensor
-            term = NAN_BYTES[kind](loaded.view(torch.uint8)).sum()
+            term = NAN_BYTES[kind](loaded.view(torch.uint8)).sum().to(self.model.device)   # host tables: one device
             self._nan_scales = term if self._nan_scales is None else self._nan_scales + term
         else:
-            term = loaded.sum(dtype=torch.float64 if loaded.dtype == torch.float64 else torch.float32)
+            term = loaded.sum(dtype=torch.float64 if loaded.dtype == torch.float64 else torch.float32
+                              ).to(self.model.device)
             self._nonfinite = term if self._nonfinite is None else self._nonfinite + term
         self._finite_checked.append((key, loaded, kind))
 
@@ -478,18 +511,24 @@ class CheckpointLoader:
             if isinstance(module, Linear):
                 module.quantized = quantized
 
-    def _take_hf_experts(self, name: str, key: str, tensor: torch.Tensor, path: Path) -> None:
-        """`...experts.gate_up_proj` [E, 2I, D] -> w1 (first I rows), w3; `down_proj` [E, D, I] -> w2."""
+    def _take_hf_experts(self, name: str, key: str, stacked, path: Path) -> None:
+        """`...experts.gate_up_proj` [E, 2I, D] -> w1 (first I rows), w3; `down_proj` [E, D, I] -> w2. `stacked`:
+        the shard's slice handle; only the held experts' rows are read (expert parallelism: this rank's)."""
         base, stem = name.rsplit(".", 1)
         parts = EXPERTS_HF[stem]
-        pieces = tensor.chunk(len(parts), dim=1) if len(parts) > 1 else (tensor,)
-        param = self.targets.get(f"{base}.{parts[0]}")
-        if param is None or tensor.shape[0] != param.shape[0]:
-            raise CheckpointError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, which does not fit "
-                                  f"{'no experts' if param is None else param.shape[0]} experts of this config")
-        for part, piece in zip(parts, pieces):
-            for j in range(piece.shape[0]):
-                self._assign(f"{base}.{j}.{part}.weight", piece[j], key, path)
+        shape = tuple(stacked.get_shape())
+        held = self.held.get(base)
+        if held is None or shape[0] != held.n_experts:
+            raise CheckpointError(f"{path}: tensor {key} has shape {shape}, which does not fit "
+                                  f"{'no experts' if held is None else held.n_experts} experts of this config")
+        for j in sorted(held.slots):
+            rows = stacked[j:j + 1][0].to(self._device_for(f"{base}.{parts[0]}"))      # [len(parts) * I | D, ...]
+            pieces = rows.chunk(len(parts), dim=0) if len(parts) > 1 else (rows,)
+            for part, piece in zip(parts, pieces):
+                self._assign(f"{base}.{j}.{part}.weight", piece, key, path)
+        self.held_elsewhere += len(parts) * (held.n_experts - len(held.slots))
+        self.seen.update(f"{base}.{j}.{part}.weight" for j in range(held.n_experts) if held.elsewhere(j)
+                         for part in parts)
 
 
 def _nonfinite_count(t: torch.Tensor, kind: str = "float") -> int:

@@ -18,12 +18,15 @@ MODEL_CLASSES = {"deepseek_v4": DeepseekV4ForCausalLM, "deepseek_v41": DeepseekV
 
 
 def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                qat_fake_quant: bool = True, projection_storage: str = "dense", **options) -> torch.nn.Module:
+                qat_fake_quant: bool = True, projection_storage: str = "dense", prepare=None,
+                **options) -> torch.nn.Module:
     """Allocate the model on `device` without initializing it (weights come from a checkpoint or
     init_random_weights); built on the meta device first so nothing is materialized twice.
     projection_storage="fp8": the projections the release stores as FP8 blocks stay FP8 (layers.Fp8Linear,
     DeepSeek's W8A8 recipe; wo_a excepted, as DeepSeek's reference runs it); "dense" (default): every weight in
-    the compute dtype, as transformers runs them."""
+    the compute dtype, as transformers runs them. prepare(model), when given, runs on the unmaterialized model: what
+    it shrinks or moves (an expert-parallel rank's expert slots, host-resident engram tables) is never allocated on
+    `device`."""
     check_projection_storage(projection_storage, cfg)
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.model_type](cfg, dtype=dtype, qat_fake_quant=qat_fake_quant, **options)
@@ -32,6 +35,8 @@ def build_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = to
             # wo_a stays dense: DeepSeek's convert.py dequantizes it, its grouped einsum runs in BF16
             fp8_projections(model, lambda name: is_fp8_weight(name, cfg.model_type), cfg.quant.weight_block_size[0],
                             keep_dense=("attn.wo_a",))
+    if prepare is not None:        # outside the meta context: what it computes (placements) holds real values
+        prepare(model)
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

@@ -58,6 +58,10 @@ class LocalDispatch:
         self.name = name                     # a label for routing records (label_dispatchers sets module names)
         self.logical_to_physical: torch.Tensor | None = None   # EPLB hook: [E_logical] int64 -> physical slot
 
+    def held_experts(self) -> list[int]:
+        """The logical expert of each local slot: all of them, in order (the checkpoint loader reads these)."""
+        return list(range(self.n_experts))
+
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
         """x [N, D], weights [N, k], ids [N, k] (logical expert ids) -> the N*k rows grouped by expert."""
         record(self.name, ids)
