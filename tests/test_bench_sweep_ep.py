@@ -163,3 +163,17 @@ def test_expert_parallel_sweep_under_torchrun(tmp_path, dispatch, eplb):
     rows = _torchrun_sweep(tmp_path, {**EP2, "engine_args": {**EP2["engine_args"], **extra}}, "ep2")
     _check_rows(rows, tmp_path / "r" / "1" / "ep2", dispatch,
                 None if eplb is None else {"window_size": 1000, "load": None, **eplb})
+
+
+def test_generate_local_on_one_rank_is_generate():
+    """The engine API the sweep's ranks use: this rank's own prompts, no gather; an empty share runs nothing."""
+    from deepinfer import LLM, SamplingParams
+    llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=256, max_model_len=64)
+    prompts = [{"prompt_token_ids": [20 + i, 31, 47, 9 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    local = llm.generate_local(prompts, params)
+    assert [o.outputs[0].token_ids for o in local] == [o.outputs[0].token_ids
+                                                       for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(o.outputs[0].token_ids) == 3 and o.finished for o in local)
+    before = llm.stats.steps
+    assert llm.generate_local([]) == [] and llm.stats.steps == before      # one rank: no idle steps to meet
