@@ -269,10 +269,44 @@ class LLM:
         One SamplingParams for all prompts or one per prompt. Returns one RequestOutput per prompt, in order."""
         refuse_unsupported("generate", unsupported_args, "prompts, sampling_params, use_tqdm")
         check_flag("use_tqdm", use_tqdm)
-        prompts = prompt_list(prompts)
+        groups = self._request_groups(prompt_list(prompts), sampling_params)
+        # attention data parallelism: prompt i runs on rank i mod N; every rank made every request (the same
+        # seeds as one rank draws) and returns every output
+        mine = groups if self.ranks is None else groups[self.ranks.rank::self.ranks.size]
+        # context parallelism: every rank prefills every long prompt's share together, the owner keeps the seat
+        computed = {} if self.cp_group is None else prefill_prompts(self.engine, self.ranks, self.cp_group,
+                                                                    [reqs for *_, reqs in groups], self.cp_min_tokens)
+        self.context_parallel_prefills += len(computed)
+        self._run([r for *_, reqs in mine for r in reqs], use_tqdm, computed)
+        outputs = [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in mine]
+        if self.ranks is None:
+            return outputs
+        shares = self.ranks.gather_objects(outputs)
+        return [shares[i % self.ranks.size][i // self.ranks.size] for i in range(len(groups))]
+
+    def generate_local(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                       use_tqdm: bool = False) -> list[RequestOutput]:
+        """This rank's own prompts (generate's forms, or an empty list), run on this rank only and returned here only (no
+        gather): for callers that split requests over the ranks themselves (the bench harness, as vLLM's
+        data-parallel ranks each take their own requests). Under expert parallelism every rank must call it
+        together, each with its own share: the lockstep loop (`_run`) steps until every rank is done, a rank with
+        nothing left running idle steps. With one rank it is `generate` without the single-prompt forms."""
+        check_flag("use_tqdm", use_tqdm)
+        if self.cp_group is not None:
+            # a context-parallel prefill is a collective over the same prompt on every rank; here each rank holds
+            # different prompts
+            raise DeepInferError("generate_local cannot run context-parallel prefill (each rank holds its own "
+                                 "prompts); build the LLM with prefill_context_parallel_size=1 or call generate")
+        none = isinstance(prompts, (list, tuple)) and not prompts          # a rank without a share: idle steps
+        groups = [] if none else self._request_groups(prompt_list(prompts), sampling_params)
+        self._run([r for *_, reqs in groups for r in reqs], use_tqdm)
+        return [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in groups]
+
+    def _request_groups(self, prompts: list, sampling_params) -> list[tuple]:
+        """Every prompt checked before any work, then (request id, text, ids, its n requests) per prompt."""
         params = sampling_params_list(sampling_params, len(prompts))
         encoded = [encode_prompt(i, p, self.tokenizer, self.model.cfg.vocab_size, self.max_model_len)
-                   for i, p in enumerate(prompts)]                    # every request checked before any work
+                   for i, p in enumerate(prompts)]
         for i, sp in enumerate(params):
             self._check_params(i, sp)
         compiled = self._compile_grammars(params)                   # every schema compiled before any work
@@ -283,18 +317,7 @@ class LLM:
             reqs = [self._request(rid, ids, sp, j, self._grammars.matcher(compiled[i]) if i in compiled else None)
                     for j in range(sp.n)]
             groups.append((rid, text, ids, reqs))
-        # attention data parallelism: prompt i runs on rank i mod N; every rank made every request (the same
-        # seeds as one rank draws) and returns every output
-        mine = groups if self.ranks is None else groups[self.ranks.rank::self.ranks.size]
-        computed = {} if self.cp_group is None else prefill_prompts(self.engine, self.ranks, self.cp_group,
-                                                                    [reqs for *_, reqs in groups], self.cp_min_tokens)
-        self.context_parallel_prefills += len(computed)
-        self._run([r for *_, reqs in mine for r in reqs], use_tqdm, computed)
-        outputs = [self._output(rid, text, ids, reqs) for rid, text, ids, reqs in mine]
-        if self.ranks is None:
-            return outputs
-        shares = self.ranks.gather_objects(outputs)
-        return [shares[i % self.ranks.size][i // self.ranks.size] for i in range(len(groups))]
+        return groups
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, **unsupported_args) -> list[RequestOutput]:

@@ -6,7 +6,9 @@ A point of a role with r ranks runs on ranks 0..r-1 of the launch: its c concurr
 min(r, c) replicas (replica i holds c_i = c // active (+1 for the first c % active) of them and gets the same
 share of the point's requests), every replica starts after one barrier, and rank 0 gathers the request timings
 (relative to that barrier, so one clock) and writes the row. Throughput per GPU divides by r, the role's size.
-Expert parallelism (ep > 1) needs the engine's parallelism work and is refused with one line.
+A role with ep > 1 is instead one expert-parallel engine over the launch's ranks (LLM(data_parallel_size=r,
+enable_expert_parallel=True) on every rank, sharing this module's process group): the same split of requests,
+but every rank steps in lockstep (LLM.generate_local), a rank without a share running idle steps.
 Backend: NCCL on GPUs, gloo on CPU (the CI test runs two CPU ranks)."""
 
 from __future__ import annotations
@@ -37,15 +39,22 @@ def from_env() -> Ranks:
 
 
 def init(device: str) -> Ranks:
-    """Join the launch's process group (NCCL for cuda, gloo for cpu); a no-op for one process."""
+    """Join the launch's process group (NCCL for cuda, gloo for cpu); a no-op for one process. An expert-parallel
+    engine built later joins this same group (engine/parallel/ranks.join finds it initialized and checks its size
+    and backend), so the harness and the engine share one transport; its timeout is the engine's default."""
     ranks = from_env()
     if ranks.world > 1:
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
+
+        from deepinfer.llm import ENGINE_DEFAULTS
         if device == "cuda":
             torch.cuda.set_device(ranks.local_rank)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device == "cuda" else "gloo")
+            dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=ENGINE_DEFAULTS["distributed_timeout_s"]))
     return ranks
 
 

@@ -31,6 +31,7 @@ from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
 from .traffic import traffic_fields
+from .expert_balance import balance_fields
 from .bench import OnError, RunFolder, record_point
 from .rows import (METHOD_VERSION, SCHEMA_VERSION, RowStore, environment, identity, kernel_fields, run_dir_guard,
                    run_id_for)
@@ -76,12 +77,29 @@ def check_topology(cfg: SweepConfig) -> None:
                 f"the sweep asks for {want} {mode} ranks but this launch has {found} ({where}); launch it across "
                 f"nodes with torchrun (e.g. torchrun --nnodes {-(-want // 8)} --nproc-per-node 8 ... "
                 f"$(which deepinfer-bench) sweep ...), or lower --{mode}-ranks")
-        if want > 1 and cfg.topology.ep > 1:
-            raise TopologyError(f"ep={cfg.topology.ep}: expert parallelism needs the engine's parallelism work, not "
-                                f"in this build; multi-rank points run one data-parallel replica per rank: set ep: 1")
         if want > 1 and not os.environ.get("WORLD_SIZE"):
             raise TopologyError(f"{want} {mode} ranks: run one process per rank with torchrun, e.g. torchrun "
                                 f"--nproc-per-node {want} $(which deepinfer-bench) sweep ...")
+    _check_expert_parallel_launch(cfg, found)
+
+
+def _check_expert_parallel_launch(cfg: SweepConfig, found: int) -> None:
+    """An expert-parallel role is one engine over every rank of the launch (the engine's data_parallel_size is
+    WORLD_SIZE), so the launch has exactly its ranks and every role that runs is that same engine."""
+    ep = cfg.ep_ranks
+    if ep == 1:
+        return
+    for mode in cfg.modes:
+        if cfg.topology.ranks(mode) != ep:
+            ep_mode = next(m for m in cfg.modes if cfg.topology.ep_of(m) == ep)
+            raise TopologyError(f"topology: the {ep_mode} role runs one expert-parallel engine over the launch's "
+                                f"{ep} ranks (ep {cfg.topology.ep}), and the {mode} role has {mode}_ranks="
+                                f"{cfg.topology.ranks(mode)}: run the roles as two sweeps (mode: prefill / mode: "
+                                f"decode), or give both roles {ep} ranks")
+    if found != ep:
+        raise TopologyError(f"topology ep={cfg.topology.ep}: the expert-parallel engine spans every rank of the "
+                            f"launch, and this launch has {found}: start {ep} processes (torchrun --nproc-per-node "
+                            f"(x --nnodes) = {ep})")
 
 
 def build_llm(cfg: SweepConfig, device: str | None = None, spec: str = "", model=None):
@@ -90,13 +108,17 @@ def build_llm(cfg: SweepConfig, device: str | None = None, spec: str = "", model
     built (the settings of a sweep share it)."""
     from deepinfer import LLM
     from deepinfer.api import resolve_model
-    args, device = dict(cfg.engine_args), device or cfg.device
+    args = dict(cfg.engine_args)
+    # under expert parallelism the engine takes `cuda` and gives each rank its own GPU itself (parallel.ranks.join)
+    device = cfg.device if cfg.ep_ranks > 1 or device is None else device
     if model is None:
         model = resolve_model(cfg.model, device, cfg.dtype, args.get("expert_storage", "dense"),
                               projection_storage=args.get("projection_storage", "dense"))
     if cfg.speculative:
         args["speculative"] = cfg.speculative_value(spec)
     args.setdefault("expert_traffic", True)          # every row says how the model routed (harness/traffic.py)
+    if cfg.ep_ranks > 1:                             # one engine over the launch's ranks (it joins their group)
+        args.update(data_parallel_size=cfg.ep_ranks, enable_expert_parallel=True)
     return LLM(model=model, device=device, dtype=cfg.dtype, seed=cfg.seed, **args)
 
 
@@ -117,7 +139,7 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
     if ranks.world == 1:
         records, duration = _measure(llm, work, warmup, point.concurrency)
     else:
-        records, duration = _measure_replicas(llm, work, warmup, point, ranks)
+        records, duration = _measure_ranks(llm, work, warmup, point, ranks)
     metrics = compute_metrics(records, duration=duration, num_gpus=point.ranks)
     stats = llm.stats                    # this rank's engine, over the timed requests
     engine_stats = {k: getattr(stats, k) for k in ENGINE_STAT_KEYS}
@@ -127,52 +149,77 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
            "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
            "ttfts": [r.token_times[0] - r.start if r.success and r.token_times else 0.0 for r in records],
            "itls": [chunk_gaps(r) if r.success else [] for r in records]}
-    return {**metrics.to_row(), "engine_stats": engine_stats, **traffic_fields(stats)}, raw
+    return {**metrics.to_row(), "engine_stats": engine_stats, **traffic_fields(stats),
+            **_balance(llm, ranks)}, raw
+
+
+def _balance(llm, ranks: Ranks) -> dict:
+    """Balancedness of an expert-parallel point (harness/expert_balance.py) from every rank's traffic counters
+    (gathered: every rank calls it); None values for an engine without expert parallelism."""
+    if not llm.engine.config.lockstep or llm.traffic is None:
+        return balance_fields([], {})
+    return balance_fields(gather(ranks, llm.traffic.loads()), llm.traffic.expert_parallel_placement())
 
 
 def _measure(llm, work: Workload, warmup: Workload, concurrency: int) -> tuple[list[RequestTiming], float]:
     """Warm-up (unmeasured), then the timed requests at `concurrency` on this engine."""
-    seats, budget = llm.engine.num_seats, llm.engine.max_num_batched_tokens
-    if concurrency > min(seats, budget):
-        raise DeepInferError(f"concurrency {concurrency} exceeds what the engine can run at once ({seats} "
-                             f"seats in the state pools, {budget}-token step budget): raise engine_args "
-                             f"max_num_seqs / max_num_batched_tokens (or the memory budget)")
+    _check_concurrency(llm, concurrency)
     if warmup.prompts:
         run_workload(llm, warmup, concurrency)
     llm.engine.reset_stats()             # the point's engine_stats count the timed requests only
     return run_workload(llm, work, concurrency)
 
 
-def _measure_replicas(llm, work: Workload, warmup: Workload, point: SweepPoint, ranks: Ranks):
+def _check_concurrency(llm, concurrency: int) -> None:
+    seats, budget = llm.engine.num_seats, llm.engine.max_num_batched_tokens
+    if concurrency > min(seats, budget):
+        raise DeepInferError(f"concurrency {concurrency} exceeds what the engine can run at once ({seats} "
+                             f"seats in the state pools, {budget}-token step budget): raise engine_args "
+                             f"max_num_seqs / max_num_batched_tokens (or the memory budget)")
+
+
+def _measure_ranks(llm, work: Workload, warmup: Workload, point: SweepPoint, ranks: Ranks):
     """This rank's share of the point (none when the point's role has fewer ranks or concurrency), started after a
-    barrier; timings relative to it are gathered, so every replica's requests sit on one clock."""
+    barrier; timings relative to it are gathered, so every rank's requests sit on one clock.
+
+    Data-parallel replicas run their shares apart, and a failure is gathered, so no rank waits forever. One
+    expert-parallel engine (lockstep) steps on every rank together: every rank runs the warm-up and the timed
+    part (LLM.generate_local), a rank without a share running idle steps until the others are done, and a failure
+    inside them is raised (the other ranks' next collective fails with one line, docs/parallel.md)."""
     parts = split(point.concurrency, point.num_prompts, point.ranks)
     mine = parts[ranks.rank] if ranks.rank < len(parts) else None
+    c, a, b = mine if mine is not None else (0, 0, 0)
+    share = Workload(work.prompts[a:b], work.output_lens[a:b])
+    lockstep = llm.engine.config.lockstep
+    steps = lockstep or mine is not None         # whether this rank's engine steps during the point
+    _check_concurrency(llm, parts[0][0])         # the largest share, on every rank alike, before any step
     error, records, duration = None, [], 0.0
-    if mine is not None:
-        c, a, b = mine
-        sub = Workload(work.prompts[a:b], work.output_lens[a:b])
-        try:
-            if warmup.prompts:
-                run_workload(llm, warmup, c)
-        except Exception as e:           # noqa: BLE001  reported through the gather, so no rank waits forever
-            error = f"{type(e).__name__}: {e}"
+    if steps and warmup.prompts:
+        error, _ = _caught(lambda: run_workload(llm, warmup if c else Workload([], []), c, local=True), lockstep)
     barrier(ranks)
     llm.engine.reset_stats()             # a rank without a share reports an idle engine
     t0 = time.perf_counter()
-    if mine is not None and error is None:
-        try:
-            got, _ = _measure(llm, sub, Workload([], []), c)
-            records = [RequestTiming(r.start - t0, [t - t0 for t in r.token_times], r.input_tokens,
-                                     r.output_tokens, r.success) for r in got]
-            duration = time.perf_counter() - t0
-        except Exception as e:           # noqa: BLE001
-            error = f"{type(e).__name__}: {e}"
+    if steps and error is None:
+        error, got = _caught(lambda: run_workload(llm, share, c, local=True), lockstep)
+        duration = time.perf_counter() - t0
+        records = [RequestTiming(r.start - t0, [t - t0 for t in r.token_times], r.input_tokens, r.output_tokens,
+                                 r.success) for r in (got[0] if got else [])]
     everyone = gather(ranks, (error, records, duration))
     failed = [f"rank {i}: {err}" for i, (err, _, _) in enumerate(everyone) if err]
     if failed:
         raise DeepInferError("; ".join(failed))
     return [r for _, recs, _ in everyone for r in recs], max(d for _, _, d in everyone)
+
+
+def _caught(fn, lockstep: bool) -> tuple[str | None, object]:
+    """(None, fn()), or (fn's error as one line, None) for a replica, whose failure goes through the gather; under
+    lockstep it is raised: the other ranks are inside the engine's collectives, not at the gather."""
+    if lockstep:
+        return None, fn()
+    try:
+        return None, fn()
+    except Exception as e:               # noqa: BLE001  reported through the gather, so no rank waits forever
+        return f"{type(e).__name__}: {e}", None
 
 
 def run_sweep(cfg: SweepConfig, report_dir: str | os.PathLike, run_id: str | None = None, resume: bool = False,
@@ -205,7 +252,7 @@ def _run_sweep(cfg: SweepConfig, ranks: Ranks, report_dir, run_id, resume, conti
         store = _on_main(ranks, lambda: folder.open(yaml.safe_dump(cfg.to_dict(), sort_keys=False), env))
         for n, (spec, points) in enumerate(groups.items()):
             if n:
-                model = llm.model
+                model = llm.model if cfg.ep_ranks == 1 else None     # an expert-parallel model holds its shard only
                 del llm
                 free_device_memory()
                 llm = build_llm(cfg, ranks.device(cfg.device), spec, model)
@@ -243,7 +290,8 @@ def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore
     warn = (lambda line: log.warning(line.strip())) if store is not None else None
     for i, point in todo:
         fields = {"mode": point.mode, "isl": point.isl, "osl": point.osl, "concurrency": point.concurrency,
-                  "num_prompts": point.num_prompts, "warmup": point.warmup, "gpus": point.ranks}
+                  "num_prompts": point.num_prompts, "warmup": point.warmup, "gpus": point.ranks,
+                  **parallel_fields(cfg, point.mode)}
         t0 = time.perf_counter()
         row = record_point(store, identity, point.key, fields, lambda: run_point(llm, cfg, point, i, ranks),
                            on_error, warn)
@@ -253,6 +301,19 @@ def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore
             bar.update(1)
     if bar is not None:
         bar.close()
+
+
+def parallel_fields(cfg: SweepConfig, mode: str) -> dict:
+    """How a point's role ran (every row, failed ones too): its ep and dp widths, whether it was one expert-parallel
+    engine, that engine's dispatch backend and EPLB settings (defaults filled in; None when off)."""
+    from deepinfer.llm import ENGINE_DEFAULTS
+    from deepinfer.parallel.balancer import DEFAULTS as EPLB_DEFAULTS
+    ep = cfg.topology.ep_of(mode)
+    args = cfg.engine_args
+    eplb = {**EPLB_DEFAULTS, **args["eplb_config"]} if ep > 1 and args.get("enable_eplb") else None
+    return {"ep": ep, "dp": cfg.topology.dp_of(mode), "expert_parallel": ep > 1,
+            "expert_dispatch": args.get("expert_dispatch", ENGINE_DEFAULTS["expert_dispatch"]) if ep > 1 else None,
+            "eplb": eplb}
 
 
 def _on_main(ranks: Ranks, fn):

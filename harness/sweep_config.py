@@ -18,6 +18,7 @@ from typing import Any
 
 from deepinfer.cache.pools import KV_CACHE_DTYPES
 from deepinfer.errors import DeepInferError, did_you_mean
+from deepinfer.parallel.ranks import DISPATCH_BACKENDS
 from deepinfer.validate import DTYPE_NAMES as DTYPES
 from deepinfer.validate import EXPERT_STORAGE, PROJECTION_STORAGE, check_model_spec
 
@@ -31,11 +32,14 @@ TOP_KEYS = ("name", "model", "device", "dtype", "engine_args", "mode", "scenario
             "concurrency", "num_prompts_per_concurrency", "warmup", "seed", "speculative")
 REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
 # engine argument -> kind: "int" (>= 1), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE),
-# "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES)
+# "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES), "dispatch" (DISPATCH_BACKENDS); the
+# expert-parallel ones (EXPERT_PARALLEL_ARGS) only with a role that runs expert parallelism (topology ep > 1)
 ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max_model_len": "int",
                     "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
                     "projection_storage": "projection", "block_size": "int", "kv_cache_dtype": "kv_cache_dtype",
-                    "speculative": "speculative"}
+                    "speculative": "speculative", "expert_dispatch": "dispatch", "enable_eplb": "bool",
+                    "eplb_config": "eplb"}
+EXPERT_PARALLEL_ARGS = ("expert_dispatch", "enable_eplb", "eplb_config")
 SCENARIO_KEYS = ("isl", "osl")
 TOPOLOGY_KEYS = ("prefill_ranks", "decode_ranks", "ep", "dp")
 LADDER_KEYS = ("start", "stop")
@@ -65,6 +69,15 @@ class Topology:
     def ranks(self, mode: str) -> int:
         """GPUs a point of `mode` ("prefill" or "decode") runs on: the per-GPU denominator."""
         return self.prefill_ranks if mode == "prefill" else self.decode_ranks
+
+    def ep_of(self, mode: str) -> int:
+        """The role's expert-parallel width: ep capped at its ranks (1, or its ranks: checked at parse)."""
+        return min(self.ep, self.ranks(mode))
+
+    def dp_of(self, mode: str) -> int:
+        """The role's attention data-parallel width: every rank runs its own attention (no tensor parallelism,
+        so EP = DP x TP = DP), so it is the role's ranks whatever dp says (1 or the ranks: checked at parse)."""
+        return self.ranks(mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +119,12 @@ class SweepConfig:
     @property
     def modes(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.mode == "both" else (self.mode,)
+
+    @property
+    def ep_ranks(self) -> int:
+        """The expert-parallel width of the roles that run: 1 (none), or the ranks of the one expert-parallel
+        engine a launch builds (harness/sweep.py check_topology makes every running role that engine)."""
+        return max(self.topology.ep_of(m) for m in self.modes)
 
     def points(self) -> list[SweepPoint]:
         """Every point in run order: for each mode (prefill first), each scenario (file order), each
@@ -211,6 +230,7 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
     warmup = v.integer(data.get("warmup", 0), "warmup", 0)
     seed = v.integer(data.get("seed", 0), "seed", 0)
     _check_engine_fits(v, model, engine_args, concurrency, topology)
+    _check_parallel(v, topology, modes, engine_args)
     speculative = v.speculative(data["speculative"], "speculative", model) if "speculative" in data else ()
     if speculative and "speculative" in engine_args:
         raise v.error("speculative", "give speculative decoding either in engine_args (every point) or as the "
@@ -245,6 +265,31 @@ def _check_engine_fits(v, model: str, engine_args: dict, concurrency: dict, topo
             raise v.error(f"concurrency", f"{mode} concurrency {max(ladder)} needs {worst} sequences per replica "
                                           f"({ranks} rank(s)) but engine_args allow {seats} (max_num_seqs / "
                                           f"max_num_batched_tokens); raise them or lower the concurrency")
+
+
+def _check_parallel(v, topology: Topology, modes: tuple[str, ...], engine_args: dict) -> None:
+    """ep and dp against each role that runs (docs/bench.md): with no tensor parallelism EP = DP x TP = DP, so a
+    role's (capped) ep is 1 or its ranks, and its dp likewise; the expert-parallel engine arguments need a role
+    that runs expert parallelism, and EPLB's settings are the engine's (one line each)."""
+    from deepinfer.parallel.balancer import eplb_config
+    for mode in modes:
+        r = topology.ranks(mode)
+        for key in ("ep", "dp"):
+            width = min(getattr(topology, key), r)
+            if width not in (1, r):
+                raise v.error(f"topology.{key}", f"got {getattr(topology, key)}; the {mode} role has {mode}_ranks="
+                                                 f"{r}: with no tensor parallelism (EP = DP x TP, TP = 1) {key} "
+                                                 f"must be 1 or the role's ranks ({r})")
+    expert_parallel = any(topology.ep_of(m) > 1 for m in modes)
+    given = [k for k in EXPERT_PARALLEL_ARGS if k in engine_args]
+    if given and not expert_parallel:
+        raise v.error(f"engine_args.{given[0]}", "configures expert parallelism, and no role runs it: set topology "
+                                                 "ep to a role's ranks (> 1), or drop it")
+    if expert_parallel:
+        try:
+            eplb_config(engine_args.get("enable_eplb", False), engine_args.get("eplb_config"), True, set(given))
+        except DeepInferError as e:
+            raise v.error("engine_args", str(e)) from None
 
 
 def doubling_ladder(start: int, stop: int) -> tuple[int, ...]:
@@ -378,6 +423,10 @@ class Validator:
                 self.choice(val, p, PROJECTION_STORAGE)
             elif kind == "kv_cache_dtype":
                 self.choice(val, p, KV_CACHE_DTYPES)
+            elif kind == "dispatch":
+                self.choice(val, p, DISPATCH_BACKENDS)
+            elif kind == "eplb":
+                self.mapping(val, p, "num_redundant_experts, and optionally window_size, step_interval, load")
         if "max_num_seqs" in d and "max_num_batched_tokens" in d and d["max_num_batched_tokens"] < d["max_num_seqs"]:
             raise self.error(f"{path}.max_num_batched_tokens", f"got {d['max_num_batched_tokens']}; must be >= "
                                                                f"max_num_seqs ({d['max_num_seqs']})")

@@ -53,22 +53,25 @@ def client_send_times(t0: float, finished: list[float], concurrency: int) -> lis
     return [t0 if k < concurrency else max(t0, done[k - concurrency]) for k in range(len(finished))]
 
 
-def run_workload(llm, work: Workload, concurrency: int) -> tuple[list[RequestTiming], float]:
+def run_workload(llm, work: Workload, concurrency: int, local: bool = False) -> tuple[list[RequestTiming], float]:
     """Run every request (greedy, exactly its drawn output length) at the given concurrency; returns per-request
     records and the wall duration (run_requests)."""
     params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in work.output_lens]
-    _, records, duration = run_requests(llm, work.prompts, params, concurrency)
+    _, records, duration = run_requests(llm, work.prompts, params, concurrency, local)
     return records, duration
 
 
-def run_requests(llm, prompts: list[list[int]], params: list, concurrency: int):
+def run_requests(llm, prompts: list[list[int]], params: list, concurrency: int, local: bool = False):
     """Token-id prompts with their SamplingParams at the given concurrency -> (RequestOutputs, per-request
     records, wall duration). A request's clock starts when the client would send it (client_send_times), so time
-    queued in the engine (for step budget or state blocks) counts in its TTFT, as vLLM's client measures."""
+    queued in the engine (for step budget or state blocks) counts in its TTFT, as vLLM's client measures.
+    local: this rank's own share of a multi-rank point (LLM.generate_local; possibly none, at concurrency 0,
+    where an expert-parallel rank runs idle steps until the others are done)."""
     import time
-    with seats(llm, concurrency):
+    generate = llm.generate_local if local else llm.generate
+    with seats(llm, concurrency) if prompts else contextlib.nullcontext():
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         duration = time.perf_counter() - t0
     sent = client_send_times(t0, [o.metrics[0].finished_time for o in outs], concurrency)
     return outs, [RequestTiming(start, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids),

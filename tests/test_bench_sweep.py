@@ -81,8 +81,8 @@ def test_concurrency_beyond_the_engine_is_refused_by_the_file(tmp_path):
 def test_topology_errors(tmp_path, monkeypatch):
     with pytest.raises(TopologyError, match="asks for 64 decode ranks but this launch has 1 .*torchrun"):
         run_sweep(parse_sweep({**MICRO, "topology": {"decode_ranks": 64}}), tmp_path, progress=False)
-    monkeypatch.setenv("WORLD_SIZE", "2")            # ranks exist, but expert parallelism is not built
-    with pytest.raises(TopologyError, match="ep=2: expert parallelism .* set ep: 1"):
+    monkeypatch.setenv("WORLD_SIZE", "2")            # one expert-parallel engine spans the launch: both roles
+    with pytest.raises(TopologyError, match="the decode role runs one expert-parallel engine .* two sweeps"):
         run_sweep(parse_sweep({**MICRO, "topology": {"decode_ranks": 2, "ep": 2}}), tmp_path, progress=False)
 
 

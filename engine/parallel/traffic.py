@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import Dispatched, counting
-from .expert_parallel import RankDispatched
+from .expert_parallel import ExpertSlots, RankDispatched
 
 
 def uniform_touched(n_experts: int, top_k: int, rows: float) -> float:
@@ -58,6 +58,7 @@ class ExpertTraffic:
         self.load = [torch.zeros(e, dtype=torch.long, device=device) for e in n_experts]
         self.sums = torch.zeros(len(names), 4, dtype=torch.float64, device=device)   # touched, forwards, exp, rows
         self.top_k = [0] * len(names)
+        self.dispatchers: list = []          # the wrapped dispatcher of each layer (install)
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> "ExpertTraffic":
@@ -74,6 +75,7 @@ class ExpertTraffic:
         traffic = cls([n for n, _ in moes], [m.dispatch.n_experts for _, m in moes], device)
         for i, (_, m) in enumerate(moes):
             m.dispatch = CountingDispatch(m.dispatch, traffic, i)
+        traffic.dispatchers = [m.dispatch.inner for _, m in moes]
         return traffic
 
     def count(self, layer: int, counts: torch.Tensor, rows: int, top_k: int) -> None:
@@ -92,6 +94,24 @@ class ExpertTraffic:
         for t in self.load:
             t.zero_()
         self.sums.zero_()
+
+    def loads(self) -> dict[str, dict]:
+        """Per layer: `load` [E] (this rank's rows' pairs per logical expert), `rows` routed and `top_k` (0 before
+        any forward), as host values (one sync): what a sum over expert-parallel ranks and their placement turn
+        into pairs per rank."""
+        rows = self.sums[:, 3].cpu().tolist()
+        return {name: {"load": load.cpu().tolist(), "rows": int(r), "top_k": k}
+                for name, load, r, k in zip(self.names, self.load, rows, self.top_k)}
+
+    def expert_parallel_placement(self) -> dict[str, dict]:
+        """Per expert-parallel layer (draft layers stay whole: not listed): `ranks` and `phy2log` (EPLB's physical
+        slot -> logical expert now; None: slot = expert, rank r holds [r E/N, (r+1) E/N))."""
+        out = {}
+        for name, d in zip(self.names, self.dispatchers):
+            if isinstance(d, ExpertSlots):
+                out[name] = {"ranks": d.shard.size,
+                             "phy2log": None if d.placement is None else d.placement.phy2log.cpu().tolist()}
+        return out
 
     def summary(self) -> dict:
         """Host numbers per layer and in total (module doc); empty when nothing was counted."""
