@@ -66,7 +66,7 @@ def test_balance_fields_sum_ranks_and_skip_unrouted_and_local_layers():
     ({"topology": {"decode_ranks": 2}, "engine_args": {**EP2["engine_args"], "expert_dispatch": "alltoall"}},
      r"engine_args\.expert_dispatch: configures expert parallelism, and no role runs it"),
     ({"engine_args": {**EP2["engine_args"], "expert_dispatch": "nvshmem"}},
-     r"engine_args\.expert_dispatch: got 'nvshmem'; allowed: allgather, alltoall"),
+     r"engine_args\.expert_dispatch: got 'nvshmem'; allowed: allgather, alltoall, nccl_ep, deepep"),
     ({"engine_args": {**EP2["engine_args"], "eplb_config": {"num_redundant_experts": 2}}},
      r"engine_args: eplb_config configures EPLB: set enable_eplb"),
     ({"engine_args": {**EP2["engine_args"], "enable_eplb": True, "eplb_config": {"window": 3}}},

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,24 @@ def test_bad_parallel_settings_are_one_line(kw, match, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(DeepInferError, match=match):
         LLM("random:deepseek_v4:tiny:2", device="cpu", skip_tokenizer_init=True, **kw)
+
+
+@pytest.mark.parametrize("backend, module", [("nccl_ep", "nccl.ep"), ("deepep", "deep_ep")])
+def test_device_count_dispatch_is_refused_in_one_line(backend, module, monkeypatch):
+    """The nccl4py EP / DeepEP slot: one line naming the library when it does not import, and one line saying the
+    backend is not built when it does (a stand-in module), both before any rank waits on another."""
+    from deepinfer import LLM
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    kw = dict(device="cpu", skip_tokenizer_init=True, data_parallel_size=2, enable_expert_parallel=True,
+              expert_dispatch=backend)
+    monkeypatch.setitem(sys.modules, module, None)           # None in sys.modules: the import fails
+    with pytest.raises(DeepInferError, match=rf"expert_dispatch='{backend}' needs .*`import {module}` fails here "
+                                             r".*use one of \['allgather', 'alltoall'\]"):
+        LLM("random:deepseek_v4:tiny:2", **kw)
+    monkeypatch.setitem(sys.modules, module, types.ModuleType(module))
+    with pytest.raises(DeepInferError, match=rf"expert_dispatch='{backend}': {module} imports, but deepinfer's "
+                                             r"backend on it is not built yet"):
+        LLM("random:deepseek_v4:tiny:2", **kw)
 
 
 def test_expert_shard_buckets():

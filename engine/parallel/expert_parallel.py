@@ -28,7 +28,7 @@ from deepinfer.kernels.routing import permute
 
 from ..errors import DeepInferError
 from .dispatch import Dispatched, counting, record
-from .ranks import DISPATCH_BACKENDS, Ranks
+from .ranks import BUILT_DISPATCH, Ranks
 
 
 @dataclass
@@ -211,7 +211,7 @@ class AllToAllDispatch(_ExpertParallel):
 
 
 DISPATCHERS = {"allgather": AllGatherDispatch, "alltoall": AllToAllDispatch}
-assert tuple(DISPATCHERS) == DISPATCH_BACKENDS
+assert tuple(DISPATCHERS) == BUILT_DISPATCH
 
 
 def _combine_own(pairs: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype: torch.dtype | None):

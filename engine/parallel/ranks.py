@@ -10,6 +10,7 @@ bounded by the process group's timeout, so a rank that dies ends the others with
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -159,7 +160,11 @@ def join(config: ParallelConfig, device: str) -> Ranks | None:
     return Ranks(dist.get_rank(), n, local_rank, backend)
 
 
-DISPATCH_BACKENDS = ("allgather", "alltoall")      # engine/parallel/expert_parallel.py DISPATCHERS
+DISPATCH_BACKENDS = ("allgather", "alltoall", "nccl_ep", "deepep")
+BUILT_DISPATCH = ("allgather", "alltoall")         # engine/parallel/expert_parallel.py DISPATCHERS
+# the device-count backends: the library each needs (its import name, what to install)
+DEVICE_COUNT_DISPATCH = {"nccl_ep": ("nccl.ep", "nccl4py's EP API (nccl4py[cu13] with libnccl_ep)"),
+                         "deepep": ("deep_ep", "DeepEP (built from its repository; PyPI's deep-ep is a placeholder)")}
 
 
 def parallel_config(args: dict, given: set[str]) -> ParallelConfig:
@@ -180,6 +185,8 @@ def parallel_config(args: dict, given: set[str]) -> ParallelConfig:
     if "expert_dispatch" in given and not ep:
         raise DeepInferError("expert_dispatch chooses how expert-parallel ranks exchange rows: set "
                              "enable_expert_parallel=True or drop it")
+    if backend in DEVICE_COUNT_DISPATCH:
+        _refuse_device_count_dispatch(backend)
     timeout = args["distributed_timeout_s"]
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise DeepInferError(f"distributed_timeout_s={timeout!r} must be a number of seconds > 0")
@@ -192,6 +199,22 @@ def parallel_config(args: dict, given: set[str]) -> ParallelConfig:
         raise DeepInferError("speculative with prefill_context_parallel_size is not validated yet (a context-parallel "
                              "prefill keeps no draft rings): drop one of them")
     return ParallelConfig(n, ep, backend, float(timeout), c, at_least)
+
+
+def _refuse_device_count_dispatch(backend: str) -> None:
+    """The slot for a backend whose split sizes stay on the device (no host read per MoE layer, so steps can be
+    graphed): one line when its library is missing, and one line when it is present, since the backend on it
+    needs a multi-GPU machine to be validated against allgather / alltoall (docs/parallel.md)."""
+    module, what = DEVICE_COUNT_DISPATCH[backend]
+    try:
+        importlib.import_module(module)
+    except Exception as e:                          # missing, or present but failing to load its native library
+        raise DeepInferError(f"expert_dispatch={backend!r} needs {what}, and `import {module}` fails here "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); install "
+                             f"it or use one of {list(BUILT_DISPATCH)}") from None
+    raise DeepInferError(f"expert_dispatch={backend!r}: {module} imports, but deepinfer's backend on it is not built "
+                         f"yet (it waits for a multi-GPU machine to be validated on); use one of "
+                         f"{list(BUILT_DISPATCH)}")
 
 
 def _check_context_parallel(n: int, ep: bool, c, at_least, given: set[str]) -> None:
