@@ -19,6 +19,19 @@ from .models.deepseek_v41.host_table import host_engram_tables, keep_engram_tabl
 from .validate import EMBEDDED, check_expert_storage, check_model_spec, parse_dtype, random_spec_arch
 
 log = logging.getLogger("deepinfer")
+# LLM arguments that place a family's own weights, passed to load_model as they are (the runtime names none)
+WEIGHT_PLACEMENT_DEFAULTS = {"engram_table_device": None}
+
+
+def host_resident_weights(device: str, args: dict) -> bool:
+    """Whether the placement arguments put weights in host memory (their forwards read the host: no CUDA graphs);
+    a bad value is one line before the model loads."""
+    return host_engram_tables(device, args["engram_table_device"])
+
+
+def keep_weights_on_host(model: torch.nn.Module, pin: bool) -> None:
+    """A built model's host-resident weights moved to host memory (pinned: a GPU run, for faster row copies)."""
+    keep_engram_tables_on_host(model, pin)
 
 def load_model(path_or_id: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, qat_fake_quant: bool = True,

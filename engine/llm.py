@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import torch
 
-from .api import load_model
+from .api import WEIGHT_PLACEMENT_DEFAULTS, host_resident_weights, keep_weights_on_host, load_model
 from .errors import DeepInferError
 from .cache.manager import StateManager
 from .core import EngineConfig, EngineCore, unsupported
@@ -37,7 +37,6 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
 from .models.common.moe import Experts, set_expert_act_quant, use_expert_parallel
-from .models.deepseek_v41.host_table import host_engram_tables, keep_engram_tables_on_host
 from .parallel.balancer import EplbConfig, ExpertBalancer, eplb_config, layer_placement
 from .parallel.context_parallel import prefill_prompts
 from .parallel.expert_parallel import DISPATCHERS
@@ -57,7 +56,7 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
                    "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None,
                    "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None,
-                   "engram_table_device": None}
+                   **WEIGHT_PLACEMENT_DEFAULTS}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
 
@@ -106,7 +105,7 @@ class LLM:
         check_projection_storage(args["projection_storage"])
         check_kv_cache_dtype(args["kv_cache_dtype"])
         built = isinstance(model, torch.nn.Module)
-        self._host_tables = host_engram_tables(device, args["engram_table_device"])   # a bad value: one line now
+        self._host_weights = host_resident_weights(device, args)   # a bad value: one line now
         self.model = self._model(model, device, dtype, qat_fake_quant, parallel, eplb)
         if built and "projection_storage" in engine_args \
                 and projection_storage_of(self.model) != args["projection_storage"]:
@@ -150,8 +149,8 @@ class LLM:
         """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant), and
         speculation (its step-rate table given, else profiled on this runner now)."""
         # expert-parallel steps read host values between ranks (engine/parallel/expert_parallel.py): eager
-        # so do host-resident engram tables (each forward gathers rows on the host: models/deepseek_v41/host_table.py)
-        graphs = not self._args["enforce_eager"] and not self._args["enable_expert_parallel"] and not self._host_tables
+        # so do host-resident weights (each forward gathers their rows on the host: api.host_resident_weights)
+        graphs = not self._args["enforce_eager"] and not self._args["enable_expert_parallel"] and not self._host_weights
         runner = ModelRunner(self.model, manager.pools, cuda_graphs=graphs,
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
                              fixed_context=kernels.invariant, speculative=self.speculative)
@@ -188,11 +187,11 @@ class LLM:
             return load_model(model, device=device, dtype=dtype, qat_fake_quant=qat_fake_quant,
                               keep_quantized=args["keep_quantized"], expert_storage=args["expert_storage"],
                               projection_storage=args["projection_storage"],
-                              engram_table_device=args["engram_table_device"],
+                              **{k: args[k] for k in WEIGHT_PLACEMENT_DEFAULTS},
                               prepare=lambda m: self._hold_experts(m, parallel, eplb))
         self._hold_experts(model, parallel, eplb)
-        if self._host_tables:
-            keep_engram_tables_on_host(model, device.startswith("cuda"))
+        if self._host_weights:
+            keep_weights_on_host(model, device.startswith("cuda"))
         return model
 
     def _hold_experts(self, model: torch.nn.Module, parallel: ParallelConfig, eplb: EplbConfig | None) -> None:
