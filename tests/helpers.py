@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,3 +111,25 @@ def needs_gpu_memory(gib: float, what: str) -> None:
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     if total < gib:
         pytest.skip(f"needs {gib:.0f} GiB of GPU memory ({what}); this card has {total:.0f} GiB")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun() -> list[str]:
+    """The torchrun launcher of this interpreter's environment (or the module form)."""
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run_worker(worker: Path, spec: dict, out_dir: Path, nproc: int | None,
+               timeout_s: float = 240) -> tuple[subprocess.CompletedProcess, object]:
+    """A tests/distributed worker (argv: output path, JSON spec) as one plain process (nproc None) or nproc ranks
+    under torchrun, one thread each -> (the process, the JSON rank 0 wrote, or None when it wrote none)."""
+    out = out_dir / f"out-{nproc}-{os.urandom(4).hex()}.json"
+    launch = [sys.executable] if nproc is None else [*torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([*launch, str(worker), str(out), json.dumps(spec)], capture_output=True, text=True,
+                       timeout=timeout_s, env=env, cwd=ROOT)
+    return r, (json.loads(out.read_text()) if out.exists() else None)

@@ -6,15 +6,11 @@ compression windows of every ratio, in two pieces (the second reads the first's 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .test_parallel import _torchrun
+from .helpers import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed" / "cp_prefill_worker.py"
@@ -32,13 +28,9 @@ CASES = {
 
 
 def _run(spec: dict, nproc: int, tmp_path: Path) -> list[dict]:
-    out = tmp_path / "out.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    r = subprocess.run([*_torchrun(), "--standalone", "--nproc-per-node", str(nproc), str(WORKER), str(out),
-                        json.dumps(spec)], capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    r, got = run_worker(WORKER, spec, tmp_path, nproc, TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
+    return got
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -61,14 +53,9 @@ ENGINE_CASES = {"v4-dp2-cp2": ("random:deepseek_v4:tiny:4", 2, 2), "v41-dp2-cp2"
 
 
 def _generate(spec: dict, nproc: int | None, tmp_path: Path) -> dict:
-    out = tmp_path / f"gen-{nproc}.json"
-    launch = [sys.executable] if nproc is None else [*_torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    r = subprocess.run([*launch, str(GENERATE_WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
-                       timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    r, got = run_worker(GENERATE_WORKER, spec, tmp_path, nproc, TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
+    return got
 
 
 @pytest.mark.parametrize("case", sorted(ENGINE_CASES))

@@ -6,8 +6,6 @@ Launch mistakes end every rank with one line."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import types
@@ -18,26 +16,17 @@ import torch
 
 from deepinfer.errors import DeepInferError
 
+from .helpers import run_worker
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed" / "generate_worker.py"
 PROMPTS = [[5 + i, 9, 11 + i, 13, 7 + i, 21, 30 + i, 2][: 3 + i % 6] for i in range(7)]
 TIMEOUT_S = 240
 
 
-def _torchrun() -> list[str]:
-    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def _run(spec: dict, tmp_path: Path, nproc: int | None) -> tuple[subprocess.CompletedProcess, list | None]:
     """The worker as one plain process (nproc None) or nproc ranks under torchrun -> (the process, rank 0's rows)."""
-    out = tmp_path / f"out-{nproc}-{os.urandom(4).hex()}.json"
-    launch = [sys.executable] if nproc is None else [*_torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    r = subprocess.run([*launch, str(WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
-                       timeout=TIMEOUT_S, env=env, cwd=ROOT)
-    return r, (json.loads(out.read_text()) if out.exists() else None)
+    return run_worker(WORKER, spec, tmp_path, nproc, TIMEOUT_S)
 
 
 def _spec(model: str, **kw) -> dict:

@@ -10,9 +10,6 @@ under sharding, host tables equal on-device ones bitwise."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -22,6 +19,8 @@ import torch
 from deepinfer.checkpoint.names import split_expert_name
 from deepinfer.errors import DeepInferError
 
+from .helpers import run_worker
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed" / "load_worker.py"
 PROMPTS = [[5 + i, 9, 11 + i, 13, 7 + i, 21, 30 + i, 2][: 3 + i % 6] for i in range(5)]
@@ -30,22 +29,11 @@ TIMEOUT_S = 240
 DRAFT = "mtp."                   # V4's MTP layer, V4.1's DSpark stages: whole on every rank
 
 
-def _torchrun() -> list[str]:
-    import shutil
-    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def _run(spec: dict, out_dir: Path, nproc: int | None) -> dict:
     """The worker as one plain process (nproc None) or nproc ranks under torchrun -> rank 0's JSON."""
-    out = out_dir / f"out-{nproc}-{os.urandom(4).hex()}.json"
-    launch = [sys.executable] if nproc is None else [*_torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    r = subprocess.run([*launch, str(WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
-                       timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    r, got = run_worker(WORKER, spec, out_dir, nproc, TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
+    return got
 
 
 @pytest.fixture(scope="module")
