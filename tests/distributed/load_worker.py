@@ -133,4 +133,12 @@ def main(out_path: str, spec: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    try:
+        code = main(sys.argv[1], sys.argv[2])
+    finally:
+        # the process group's threads joined before the interpreter exits (left to the destructors, gloo can
+        # abort at exit under load: "terminate called without an active exception")
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
