@@ -43,12 +43,5 @@ def main(out_path: str, spec: str) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main(sys.argv[1], sys.argv[2])
-    finally:
-        # the process group's threads joined before the interpreter exits (left to the destructors, gloo can
-        # abort at exit under load: "terminate called without an active exception")
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.exit(code)
+    from worker_exit import run          # this folder is on sys.path: the script's own
+    run(main)
