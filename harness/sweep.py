@@ -51,6 +51,20 @@ DEFAULT_SWEEP = {
 }
 
 
+# What `deepinfer-bench sweep --decode-ranks 64` projects when no sweep file is given (the published charts' shape:
+# 4 prefill and 64 decode ranks, V4.1-Flash, DSpark off / fixed / confidence; docs/projection.md).
+PUBLISHED_SWEEP = {
+    "name": "published-v41-flash", "model": "deepseek-ai/DeepSeek-V4.1-Flash-1017", "device": "cuda",
+    "dtype": "bfloat16",
+    "engine_args": {"expert_storage": "fp4", "expert_dispatch": "deepep", "max_num_batched_tokens": 16384,
+                    "max_num_seqs": 256},
+    "mode": "both", "scenarios": [{"isl": 1024, "osl": 1024}, {"isl": 8192, "osl": 1024}], "range_ratio": 0.8,
+    "topology": {"prefill_ranks": 4, "decode_ranks": 64, "ep": 64},
+    "concurrency": {"prefill": {"start": 1, "stop": 64}, "decode": {"start": 1, "stop": 16384}},
+    "speculative": ["off", {"schedule": "fixed"}, {"schedule": "confidence"}],
+}
+
+
 class TopologyError(DeepInferError):
     """The sweep asks for more ranks than this launch has."""
 
@@ -63,6 +77,27 @@ def ranks_found(device: str) -> tuple[int, str]:
         import torch
         return torch.cuda.device_count(), "local GPUs"
     return 1, "one CPU process"
+
+
+def projection_reason(cfg: SweepConfig, project: bool = False, measure: bool = False) -> str | None:
+    """Why this sweep is projected instead of measured (the notice line), or None: --project forces it; otherwise a
+    GPU sweep of a model the projection knows (a flash-width random model, a released id), launched without
+    torchrun on a machine with fewer GPUs than a role's ranks. --measure, CPU sweeps (their ranks are torchrun
+    processes) and other models keep the measured path and its refusals."""
+    if project:
+        return "--project: every point is projected (docs/projection.md)"
+    if measure or os.environ.get("WORLD_SIZE") or not cfg.device.startswith("cuda"):
+        return None
+    from .projection.sources import projectable
+    if not projectable(cfg.model):
+        return None
+    found, where = ranks_found(cfg.device)
+    short = [(m, cfg.topology.ranks(m)) for m in cfg.modes if cfg.topology.ranks(m) > max(found, 1)]
+    if not short:
+        return None
+    asks = ", ".join(f"{n} {m}" for m, n in short)
+    return (f"this machine has {found} ({where}) and the sweep asks for {asks} ranks: every point is projected "
+            f"from committed calibration rows (docs/projection.md); --measure refuses instead")
 
 
 def check_topology(cfg: SweepConfig) -> None:

@@ -54,7 +54,7 @@ def test_packaged_comm_data_fits_its_sweeps():
     """The one series with a token sweep (DeepEP low-latency dispatch on 8 x H100) is a line within 5% at each of
     its 5 points (2 parameters), and the RDMA table's bandwidth at EP >= 64 is the ConnectX-7 link's (~50 GB/s)."""
     data = comm.load()
-    assert data["version"] == 1 and all(s["source"] for s in data["series"])
+    assert data["version"] == 2 and all(s["source"] for s in data["series"])
     fits = comm.fit(data["series"])
     sweep = fits[("deepep_ll", "nvlink", "dispatch")]
     assert len(sweep.residuals) == 5 and max(map(abs, sweep.residuals)) < 0.05
@@ -62,6 +62,11 @@ def test_packaged_comm_data_fits_its_sweeps():
     for op in ("dispatch", "combine"):
         rdma = fits[("deepep_ll", "rdma", op)]
         assert all(38e9 < rdma.beta[ep] < 60e9 for ep in (64, 128, 256))
+    # DeepEP's normal kernels: a bandwidth table, taken as published with no floor
+    normal = fits[("deepep_normal", "rdma", "dispatch")]
+    assert normal.alpha_from == "stated" and normal.beta[64] == 51e9 and normal.alpha_us == 0
+    assert normal.time(64, 51e9 * 1e-6).us == pytest.approx(1.0)
+    assert normal.time(64, 1.0).flags == ("alpha 0 us as the source states",)
 
 
 # ---- hardware profiles ----
@@ -101,14 +106,25 @@ def test_calibration_interpolates_and_flags(tmp_path):
     assert mid.busy_ms == pytest.approx(6.5)
     # busiest rank: max pairs 20 + 30 over own 10 + 30
     assert cal.lookup(8, 16, 1000).busiest_over_own == pytest.approx(50 / 40)
-    far = cal.lookup(8, 256, 500)
-    assert far.busy_ms == pytest.approx(5.0)
-    assert any("batch 256 outside the measured 16-64" in f for f in far.flags)
+    far = cal.lookup(8, 256, 500)                               # the line through batch 16 and 64: 5 + 192 x 3 / 48
+    assert far.busy_ms == pytest.approx(17.0)
+    assert any("batch 256 above the measured 16-64: the line through batch 16 and 64" in f for f in far.flags)
     assert any("context 500 outside the measured 1000-3000" in f for f in far.flags)
+    assert cal.lookup(8, 8, 1000).busy_ms == pytest.approx(2.0)     # below the smallest batch: its value
     eager = cal.lookup(1, 16, 1000)                             # eager: median x (1 - idle)
     assert eager.busy_ms == pytest.approx(1.0) and any("eager rows" in f for f in eager.flags)
     with pytest.raises(DeepInferError, match=r"no EP 16 rank view \(it has EP \[1, 8\]\)"):
         cal.lookup(16, 16, 1000)
+
+
+def test_calibration_scales_context_by_the_state_bytes(tmp_path):
+    row = _row(8, 16, 1000, 2.0)
+    row["bytes"] = {"experts": 250, "state": 500, "total": 1000}
+    cal = _calibration(tmp_path, [row])
+    # context 3000: state 500 -> 1500 bytes, total 1000 -> 2000: twice the time, said in the flags
+    long = cal.lookup(8, 16, 3000)
+    assert long.busy_ms == pytest.approx(4.0) and long.total_bytes == pytest.approx(2000)
+    assert any("context 1000's time x its roofline bytes at 3000 (2x)" in f for f in long.flags)
 
 
 def test_calibration_refuses_unusable_runs(tmp_path):

@@ -3,9 +3,11 @@
 
 A row gives the GPU-busy time of rank R's step: the median of a graphed step, or the median x (1 - GPU idle fraction)
 of an eager one (the launch gaps of an eager step are the host's, not the deployment's; flagged `eager`). Queries
-interpolate linearly in batch, then in context, between measured points of the same EP size; a query outside the
-measured batches or contexts takes the nearest measured edge and is flagged, and an EP size that was not measured is
-refused (EP changes which experts and how many pairs a rank holds: it is measured, not interpolated)."""
+interpolate linearly in batch, then in context, between measured points of the same EP size. Outside the measured
+points, and flagged in the result: a batch above the largest continues the line through the two largest (below the
+smallest: the smallest's value); a context outside the measured ones scales the nearest one's time by the step's
+roofline bytes with the state bytes in proportion to context (decode is memory-bound). An EP size that was not
+measured is refused (EP changes which experts and how many pairs a rank holds: it is measured, not interpolated)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Point:
     busiest_over_own: float       # pairs of the busiest rank / this rank's pairs, summed over MoE layers (1 at EP 1)
     total_bytes: float            # the step's roofline bytes
     eager: bool
+    state_bytes: float = 0.0      # the roofline bytes of the rows' state (grows with context)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def point_of(row: dict) -> Point:
         ratio = sum(max(v["pairs_per_rank"]) for v in layers.values()) / max(own, 1)
     nbytes = row["bytes"]
     return Point(ep, row["batch"], row["context"], busy, nbytes["experts"] / nbytes["total"], ratio,
-                 nbytes["total"], eager)
+                 nbytes["total"], eager, nbytes.get("state", 0.0))
 
 
 @dataclass
@@ -79,7 +82,7 @@ class Calibration:
         first = rows[0]
         if len({(r["model"], r["hardware"]) for r in rows}) > 1:
             raise DeepInferError(f"{path}: rows of several models or devices; calibrate from one step run")
-        return cls(first["model"], first["hardware"], first["layers"], first["run_id"], first["started"],
+        return cls(first["model"], first["hardware"], first["layers"], Path(folder).name, first["started"],
                    [point_of(r) for r in rows])
 
     def ep_sizes(self) -> list[int]:
@@ -92,24 +95,39 @@ class Calibration:
                                  f"{self.ep_sizes()}); run `deepinfer-bench step --ep {ep} ...` on this model")
         flags: list[str] = []
         contexts = sorted({p.context for p in pts})
-        c_lo, c_hi, wc = _bracket(contexts, context, "context", flags)
+        c_lo, c_hi, wc = _bracket(contexts, context, "context", flags, extend=False)
         at = [self._at_context(pts, c, batch, flags) for c in (c_lo, c_hi)]
-        mix = [(1 - wc) * a + wc * b for a, b in zip(at[0], at[1])]
+        busy, fraction, busiest, total, state = [(1 - wc) * a + wc * b for a, b in zip(at[0], at[1])]
+        if c_lo == c_hi and context != c_lo:
+            # memory-bound: the time follows the bytes, whose state part grows with context
+            scale = (total + state * (context / c_lo - 1)) / total
+            busy, total = busy * scale, total * scale
+            flags.append(f"context {context:g}: context {c_lo}'s time x its roofline bytes at {context:g} "
+                         f"({scale:.3g}x)")
         if any(p.eager for p in pts):
             flags.append("eager rows: busy time = median x (1 - GPU idle)")
-        return Lookup(*mix, flags=tuple(dict.fromkeys(flags)))
+        return Lookup(busy, fraction, busiest, total, flags=tuple(dict.fromkeys(flags)))
 
     @staticmethod
     def _at_context(pts: list[Point], context: int, batch: float, flags: list[str]) -> tuple[float, ...]:
+        """(busy_ms, expert_fraction, busiest_over_own, total_bytes, state_bytes) at `context`, over batch."""
         row = {p.batch: p for p in pts if p.context == context}
-        b_lo, b_hi, wb = _bracket(sorted(row), batch, "batch", flags)
+        b_lo, b_hi, wb = _bracket(sorted(row), batch, "batch", flags, extend=True)
         lo, hi = row[b_lo], row[b_hi]
-        return tuple((1 - wb) * getattr(lo, f) + wb * getattr(hi, f)
-                     for f in ("busy_ms", "expert_fraction", "busiest_over_own", "total_bytes"))
+        line = [(1 - wb) * getattr(lo, f) + wb * getattr(hi, f) for f in ("busy_ms", "total_bytes", "state_bytes")]
+        # shares stay the largest batch's where the line is continued past it
+        ws = min(wb, 1.0)
+        shares = [(1 - ws) * getattr(lo, f) + ws * getattr(hi, f) for f in ("expert_fraction", "busiest_over_own")]
+        return line[0], shares[0], shares[1], line[1], line[2]
 
 
-def _bracket(measured: list[int], x: float, what: str, flags: list[str]) -> tuple[int, int, float]:
-    """(lower, upper, weight of upper) for linear interpolation; outside: the nearest edge, flagged."""
+def _bracket(measured: list[int], x: float, what: str, flags: list[str], extend: bool) -> tuple[int, int, float]:
+    """(lower, upper, weight of upper) for linear interpolation. Above the largest, with `extend` and two points:
+    the two largest and a weight above 1 (the line continued); otherwise outside: the nearest edge. Both flagged."""
+    if extend and x > measured[-1] and len(measured) > 1:
+        lo, hi = measured[-2], measured[-1]
+        flags.append(f"{what} {x:g} above the measured {measured[0]}-{hi}: the line through {what} {lo} and {hi}")
+        return lo, hi, (x - lo) / (hi - lo)
     if x <= measured[0] or x >= measured[-1]:
         edge = measured[0] if x <= measured[0] else measured[-1]
         if x != edge:

@@ -7,7 +7,8 @@ alpha: the floor a call pays whatever it sends (launch, signalling), the interce
 the points of one EP size measured at several token counts; a series measured at one token count takes its
 backend's alpha from a series that has one (said in `alpha_from`). beta(EP): the bandwidth each point implies once
 alpha is paid, interpolated in log2(EP) between the measured sizes. A query outside the measured EP sizes takes the
-nearest size's beta and is flagged, never extrapolated silently."""
+nearest size's beta and is flagged, never extrapolated silently. A bandwidth table (DeepEP's normal kernels) gives
+beta(EP) directly and its floor as the source states it (form "bandwidth")."""
 
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ class AlphaBeta:
     op: str
     alpha_us: float
     beta: dict[int, float]               # EP size -> bytes per second after alpha
-    alpha_from: str                      # "fit" or the series whose alpha this one takes
+    alpha_from: str                      # "fit", "stated" (a bandwidth table) or the series whose alpha it takes
     residuals: list[float] = field(default_factory=list)     # (model - measured) / measured per point
     source: str = ""
 
     def time(self, ep: int, nbytes: float) -> Estimate:
         sizes = sorted(self.beta)
-        flags = [] if self.alpha_from == "fit" else [f"alpha from {self.alpha_from}"]
+        flags = [] if self.alpha_from == "fit" else \
+            [f"alpha {self.alpha_us:g} us as the source states"] if self.alpha_from == "stated" else \
+            [f"alpha from {self.alpha_from}"]
         if ep <= sizes[0] or ep >= sizes[-1]:
             near = sizes[0] if ep <= sizes[0] else sizes[-1]
             if ep != near:
@@ -83,10 +86,14 @@ def _own_alpha(s: dict) -> float | None:
 
 def fit(series: list[dict]) -> dict[tuple[str, str, str], AlphaBeta]:
     """(backend, link, op) -> its fitted AlphaBeta."""
-    alphas = {(s["backend"], s["link"], s["op"]): _own_alpha(s) for s in series}
+    alphas = {(s["backend"], s["link"], s["op"]): _own_alpha(s) for s in series if s.get("form") != "bandwidth"}
     out = {}
     for s in series:
         key = (s["backend"], s["link"], s["op"])
+        if s.get("form") == "bandwidth":         # a bandwidth table: beta as published, the floor as stated
+            out[key] = AlphaBeta(*key, float(s["alpha_us"]), {ep: gbps * 1e9 for ep, _, gbps in s["points"]},
+                                 "stated", [0.0] * len(s["points"]), s["source"])
+            continue
         alpha, came = alphas[key], "fit"
         if alpha is None:
             donors = [(k, a) for k, a in alphas.items() if k[0] == s["backend"] and a is not None]

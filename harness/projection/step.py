@@ -37,6 +37,17 @@ class ModelShape:
         return tokens * self.top_k * self.hidden * 2
 
 
+def overlapped(compute_ms: float, comm_ms: float, layers: int, overlap: str) -> float:
+    """A step of `layers` layers whose compute and exchange total compute_ms and comm_ms. Two micro-batches: one's
+    exchange runs under the other's compute; what is not hidden is the larger side's excess plus half a layer of
+    the smaller (the pipeline's fill). "none": they add up."""
+    if overlap not in OVERLAPS:
+        raise DeepInferError(f"overlap={overlap!r}: use one of {list(OVERLAPS)}")
+    if overlap == "none":
+        return compute_ms + comm_ms
+    return max(compute_ms, comm_ms) + min(compute_ms, comm_ms) / (2 * layers)
+
+
 @dataclass(frozen=True)
 class Projected:
     step_ms: float
@@ -53,14 +64,21 @@ class Projected:
 
 def project_decode(cal: Calibration, measured_on: Profile, target: Profile, shape: ModelShape,
                    comm: dict[str, AlphaBeta], ep: int, batch: int, context: int,
-                   overlap: str = "two_micro_batches", tokens_per_step: float = 1.0) -> Projected:
+                   overlap: str = "two_micro_batches", tokens_per_step: float = 1.0,
+                   query_len: int = 1) -> Projected:
     """The decode step of one rank holding `batch` sequences at `context` positions in an EP-`ep` deployment on
     `target` GPUs. comm: op ("dispatch", "combine") -> the fitted series of the backend on `target.link(ep)`.
-    tokens_per_step: tokens each sequence gains per step (1; a speculative step's accepted length)."""
+    tokens_per_step: tokens each sequence gains per step (1; a speculative step's accepted length); query_len:
+    tokens each sequence feeds the step (1; a verify step's drafts + 1)."""
     if overlap not in OVERLAPS:
         raise DeepInferError(f"overlap={overlap!r}: use one of {list(OVERLAPS)}")
-    look = cal.lookup(ep, batch, context)
+    tokens = batch * query_len           # rows through the dense layers and the experts
+    look = cal.lookup(ep, tokens, context)
     flags = list(look.flags)
+    if query_len > 1:
+        # a verify step reads each row's state once, not query_len times: as a decode step of tokens rows it
+        # overcounts the attention reads (small at decode contexts, where weights dominate the bytes)
+        flags.append(f"verify step of {batch} x {query_len} tokens read as a decode step of {tokens} rows")
     # full depth: the LM head's bytes are paid once per step, the rest per layer (decode reads, roughly by bytes)
     head = min(shape.vocab * shape.hidden * 2 / look.total_bytes, 1.0)
     depth = head + (1 - head) * shape.layers / cal.layers
@@ -73,18 +91,13 @@ def project_decode(cal: Calibration, measured_on: Profile, target: Profile, shap
     compute = look.busy_ms * depth * busiest * gpu
     micro = 2 if overlap == "two_micro_batches" else 1
     per_layer = 0.0
-    for op, nbytes in (("dispatch", shape.dispatch_bytes(batch / micro)), ("combine", shape.combine_bytes(batch / micro))):
+    for op, nbytes in (("dispatch", shape.dispatch_bytes(tokens / micro)),
+                       ("combine", shape.combine_bytes(tokens / micro))) if ep > 1 else ():   # EP 1: no exchange
         est = comm[op].time(ep, nbytes)
         flags += [f"{op}: {f}" for f in est.flags]
         per_layer += est.us * micro / 1e3
     comm_ms = per_layer * shape.layers
-    if overlap == "none":
-        exposed = comm_ms
-        step = compute + comm_ms
-    else:
-        # two micro-batches: one's exchange runs under the other's compute; what is not hidden is the larger
-        # side's excess plus half a layer of the smaller (the pipeline's fill)
-        step = max(compute, comm_ms) + min(compute, comm_ms) / (2 * shape.layers)
-        exposed = step - compute
+    step = overlapped(compute, comm_ms, shape.layers, overlap)
+    exposed = step - compute
     return Projected(step, compute, comm_ms, exposed, batch * tokens_per_step / step * 1e3,
                      tokens_per_step / step * 1e3, tuple(dict.fromkeys(flags)))
