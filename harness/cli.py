@@ -14,6 +14,7 @@ from deepinfer.kernels.registry import BACKEND_SETS
 from deepinfer.validate import PROJECTION_STORAGE
 
 from .checks import CHECK_MODES
+from .cli_projection import plan_cmd, projection
 from .cli_options import (DEVICE_HELP, check_resume, device_option, dtype_option, echo_rows, expert_storage_option,
                           index_hint, model_option, not_blank, not_blank_each, report_dir_option, run_dir_options,
                           run_id_option, seed_option, stacked)
@@ -34,6 +35,7 @@ def cli() -> None:
   deepinfer-bench sweep sweeps/h200-v4-flash-4l.yaml --run-id h200-v4-flash-4l
   deepinfer-bench sweep sweeps/h200-v4-flash-4l.yaml --run-id h200-v4-flash-4l --resume
   torchrun --nproc-per-node 2 $(which deepinfer-bench) sweep sweeps/h200x2-v4-flash-4l-dp.yaml
+  deepinfer-bench sweep --decode-ranks 64                 # projected: V4.1-Flash at 4 prefill / 64 decode ranks
 
 The run goes to REPORT_DIR/1/RUN_ID/ (under reports/: git-ignored until published with git add -f);
 reports/index.md is rewritten by deepinfer-bench report only.""")
@@ -49,29 +51,62 @@ reports/index.md is rewritten by deepinfer-bench report only.""")
 @click.option("--no-progress", is_flag=True)
 @click.option("--no-report", is_flag=True, help="write rows only; make the charts later with deepinfer-bench report "
                                                 "(e.g. where plotly and a browser are installed)")
+@click.option("--project", is_flag=True, help="project every point instead of measuring it (docs/projection.md); "
+                                              "without a sweep file: the published shape (V4.1-Flash, 4 / 64 ranks)")
+@click.option("--measure", is_flag=True, help="measure only: refuse where this launch lacks the sweep's ranks")
+@click.option("--hardware", default=None, callback=not_blank,
+              help="projection: the GPU profile projected (H200, H100, H800, B200, GB200) [default: the calibration's]")
+@click.option("--calibration", default=None, callback=not_blank,
+              help="projection: the rank-view step run that calibrates decode [default: the best under REPORT_DIR]")
 def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir, run_id, resume, continue_on_error,
-              no_progress, no_report) -> None:
+              no_progress, no_report, project, measure, hardware, calibration) -> None:
     """Run SWEEP_FILE (a sweeps/*.yaml definition; default: the tiny CPU sweep) and write one row per point, then
-    the run's summary.csv and charts."""
-    from .sweep import default_sweep, run_sweep
+    the run's summary.csv and charts. Where this machine lacks the sweep's ranks (and the model is one the
+    projection knows), every point is projected instead, with a notice line (docs/projection.md)."""
+    from .sweep import PUBLISHED_SWEEP, default_sweep, projection_reason, run_sweep
     from .sweep_config import load_sweep, parse_sweep
-    cfg = load_sweep(sweep_file) if sweep_file is not None else default_sweep()
+    if project and measure:
+        raise click.UsageError("--project and --measure contradict each other: give one")
     check_resume(resume, run_id, has_out=False)
     overrides = {k: v for k, v in (("model", model), ("device", device)) if v is not None}
     topo = {k: v for k, v in (("prefill_ranks", prefill_ranks), ("decode_ranks", decode_ranks)) if v is not None}
-    if overrides or topo:
+
+    def with_overrides(cfg):
+        if not (overrides or topo):
+            return cfg
         d = cfg.to_dict()
         d.update(overrides)
         d["topology"] = {**d["topology"], **topo}
-        cfg = parse_sweep(d, f"{cfg.source} (with command-line overrides)")
-    run_dir = run_sweep(cfg, report_dir, run_id, resume, continue_on_error, progress=not no_progress)
+        return parse_sweep(d, f"{cfg.source} (with command-line overrides)")
+    cfg = with_overrides(load_sweep(sweep_file) if sweep_file is not None else default_sweep())
     from .ranks import from_env
+    if sweep_file is None and not measure and not from_env().world > 1 and (project or any(
+            n > 1 for n in topo.values())):
+        # the tiny default has nothing to project: ranks beyond the launch ask for the published shape
+        cfg = with_overrides(parse_sweep(PUBLISHED_SWEEP, "<the published shape sweep>"))
+    reason = projection_reason(cfg, project, measure)
+    if reason is not None:
+        from .projection.sweep import run_projected_sweep
+        click.echo(f"notice: {reason}")
+        run_dir = run_projected_sweep(cfg, report_dir, run_id, resume, hardware, calibration, echo=click.echo)
+    elif hardware or calibration:
+        raise click.UsageError("--hardware and --calibration set up a projection; this sweep is measured (add "
+                               "--project to project it)")
+    else:
+        run_dir = run_sweep(cfg, report_dir, run_id, resume, continue_on_error, progress=not no_progress)
     if not from_env().main:                          # a torchrun launch: rank 0 reports
         return
     written = []
     if not no_report:
         from .report import report_run
         written = report_run(run_dir)
+        if reason is not None:                       # the published charts from every run's rows, this one's too
+            from .published_charts import write_published
+            charts, missing = write_published(Path(report_dir), cfg.topology.prefill_ranks, cfg.topology.decode_ranks,
+                                              (), png=True)
+            written += charts
+            for line in missing:
+                click.echo(line)
     rows = [r for r in _rows(run_dir) if r["status"] == "ok"]
     click.echo(f"{len(rows)} points in {run_dir}; " + (", ".join(p.name for p in written) if written else
                                                        f"no report: deepinfer-bench report {run_dir.name}"))
@@ -91,17 +126,24 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
   deepinfer-bench report 20250101-120000-tiny-cpu          # one run's summary.csv and charts, and the index
   deepinfer-bench report --all --no-png                   # every run under reports/, HTML and CSV only
   git add -f reports/1/RUN && deepinfer-bench report --all # publish a run: list it in reports/index.md
-  deepinfer-bench report NEW --against OLD                  # NEW's charts, and NEW against OLD in one chart each""")
+  deepinfer-bench report NEW --against OLD                  # NEW's charts, and NEW against OLD in one chart each
+  deepinfer-bench report --published                      # reports/published/: prefill (4 ranks), decode (64)""")
 @click.argument("run_ids", nargs=-1, callback=not_blank_each)
 @click.option("--all", "all_runs", is_flag=True, help="every run under the report dir")
 @report_dir_option()
 @click.option("--no-png", is_flag=True, help="HTML and CSV only")
 @click.option("--against", "against", multiple=True, callback=not_blank_each,
               help="an earlier run to chart the named run against (repeatable): <mode>_vs_<run>.html / .png")
-def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
+@click.option("--published", is_flag=True,
+              help="only the published charts, from every run's rows (or RUN_IDS'): <report dir>/published/")
+@click.option("--prefill-ranks", type=Count(1), default=None,
+              help="--published: the prefill chart's ranks [default: 4]")
+@click.option("--decode-ranks", type=Count(1), default=None,
+              help="--published: the decode chart's ranks [default: 64]")
+def report_cmd(run_ids, all_runs, report_dir, no_png, against, published, prefill_ranks, decode_ranks) -> None:
     """Regenerate summary.csv and the Pareto charts of RUN_IDS (or --all) from their stored rows, and the index
     (reports/index.md: the only command that writes it). A corrupt row in a named run is an error before anything
-    is written; with --all such a run is listed as unreadable."""
+    is written; with --all such a run is listed as unreadable. --published writes the published charts instead."""
     from deepinfer.errors import DeepInferError
 
     from .report import bench_table, comparison_charts, ok_rows, report_run, sweep_runs, write_index
@@ -111,6 +153,11 @@ def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
         raise DeepInferError(f"no report directory {root}: run a sweep first, or pass --report-dir")
     if all_runs and run_ids:
         raise click.UsageError(f"name RUN_IDS or pass --all, not both (got {', '.join(run_ids)} and --all)")
+    if published:
+        _report_published(root, run_ids, no_png, against, prefill_ranks, decode_ranks)
+        return
+    if prefill_ranks is not None or decode_ranks is not None:
+        raise click.UsageError("--prefill-ranks and --decode-ranks choose the published charts' rows: add --published")
     if against and len(run_ids) != 1:
         raise click.UsageError("--against compares one named run with earlier ones: name exactly one RUN_ID")
     runs = sweep_runs(root)
@@ -145,6 +192,19 @@ def report_cmd(run_ids, all_runs, report_dir, no_png, against) -> None:
         for line in ([f"{run_dir}: its table"] if table else []) + [f"  {line}" for line in table]:
             click.echo(line)
     click.echo(f"index: {write_index(root)}")
+
+
+def _report_published(root: Path, run_ids, no_png, against, prefill_ranks, decode_ranks) -> None:
+    """report --published: the two published charts and points.csv, from every run's rows (RUN_IDS: theirs)."""
+    from .published_charts import DECODE_RANKS, PREFILL_RANKS, write_published
+    if against:
+        raise click.UsageError("--against charts one run against another; --published pools the runs: use one")
+    written, missing = write_published(root, prefill_ranks or PREFILL_RANKS, decode_ranks or DECODE_RANKS,
+                                       tuple(run_ids), png=not no_png)
+    for line in missing:
+        click.echo(line)
+    if written:
+        click.echo("published: " + ", ".join(str(p) for p in written))
 
 
 @cli.command("step", epilog="""Example (one H200, bf16 V4 flash-width, 4 layers):
@@ -486,6 +546,10 @@ def _num(value, fmt: str) -> str:
 def _rows(run_dir):
     from .rows import read_rows
     return read_rows(run_dir)
+
+
+cli.add_command(projection)          # deepinfer-bench projection validate (harness/cli_projection.py)
+cli.add_command(plan_cmd)            # deepinfer-bench plan (harness/cli_projection.py)
 
 
 def main() -> None:

@@ -80,11 +80,13 @@ def pareto_figure(rows: list[dict], mode: str, title: str, by_run: bool = False)
     return fig
 
 
-def _write_figure(fig, stem: Path, div_id: str, png: bool) -> tuple[list[Path], bool]:
-    """stem.html (plotly.js from reports/plotly.min.js) and, when png, stem.png -> (written, png still on: False
-    once kaleido could not start a browser, with one warning)."""
+def _write_figure(fig, stem: Path, div_id: str, png: bool, plotly_js: str = "../../plotly.min.js"
+                  ) -> tuple[list[Path], bool]:
+    """stem.html (plotly.js from reports/plotly.min.js: `plotly_js` is that file relative to stem's directory, a
+    run directory by default) and, when png, stem.png -> (written, png still on: False once kaleido could not start
+    a browser, with one warning)."""
     html, image = stem.parent / f"{stem.name}.html", stem.parent / f"{stem.name}.png"   # a run id may hold dots
-    atomic_write_text(html, fig.to_html(include_plotlyjs="../../plotly.min.js", full_html=True, div_id=div_id,
+    atomic_write_text(html, fig.to_html(include_plotlyjs=plotly_js, full_html=True, div_id=div_id,
                                         config={"displaylogo": False}))
     written = [html]
     if png:
@@ -108,11 +110,17 @@ def write_charts(run_dir: Path, rows: list[dict], png: bool = True) -> list[Path
         fig = pareto_figure(rows, mode, f"{run_id}: {mode} Pareto")
         files, png_ok = _write_figure(fig, run_dir / f"{mode}_pareto", f"{mode}-pareto", png_ok)
         written += files
-    root_js = run_dir.parent.parent / "plotly.min.js"       # one copy for every run: <root>/plotly.min.js
-    if written and not root_js.exists():
+    if written:
+        write_plotly_js(run_dir.parent.parent)
+    return written
+
+
+def write_plotly_js(report_root: Path) -> None:
+    """<root>/plotly.min.js, when missing: one copy for every chart under the root."""
+    root_js = report_root / "plotly.min.js"
+    if not root_js.exists():
         import plotly
         atomic_write_text(root_js, (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text())
-    return written
 
 
 EVAL_DIR = "eval"            # deepinfer-eval's runs: <root>/eval/<run_id>/

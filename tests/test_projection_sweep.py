@@ -17,10 +17,11 @@ from deepinfer.harness.projection.comm import AlphaBeta
 from deepinfer.harness.projection.prefill import per_token_ms, project_prefill_step, schedule
 from deepinfer.harness.projection.sources import PrefillCalibration, PrefillPoint, projectable, target_model
 from deepinfer.harness.projection.step import ModelShape
-from deepinfer.harness.projection.sweep import run_projected_sweep
+from deepinfer.harness.projection.sweep import decode_step, run_projected_sweep
 from deepinfer.harness.rows import read_rows
 from deepinfer.harness.sweep import PUBLISHED_SWEEP, projection_reason
 from deepinfer.harness.sweep_config import parse_sweep
+from deepinfer.speculative.config import speculative_config
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "random:deepseek_v41:flash:8"            # the calibration rows below are of this family at 4 layers
@@ -172,3 +173,36 @@ def test_decode_ranks_64_on_cpu_from_committed_calibration(tmp_path, monkeypatch
     assert (tmp_path / "published" / "prefill.html").exists() and (tmp_path / "published" / "decode.html").exists()
     res = CliRunner().invoke(cli, ["sweep", "--decode-ranks", "64", "--measure", "--report-dir", str(tmp_path)])
     assert res.exit_code != 0 and "asks for 64 decode ranks" in str(res.exception)
+
+
+# ---- plan ----
+def test_plan_picks_the_best_fitting_deployment(tmp_path, monkeypatch):
+    from deepinfer.harness.projection.plan import parse_tpot, plan, table
+    monkeypatch.chdir(tmp_path)
+    _calibration_runs(tmp_path)
+    for r in (tmp_path / "1" / "step-rv").glob("rows.jsonl"):           # EP 1 rows name the model's bytes
+        rows = [json.loads(line) for line in r.read_text().splitlines()]
+        for row in rows:
+            row["expert_bytes_all"] = 8e9
+            row["bytes"]["dense_weights"] = 2e9
+        r.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert parse_tpot("30ms") == 30 and parse_tpot("0.05s") == 50 and parse_tpot("20") == 20
+    with pytest.raises(DeepInferError, match="--slo-tpot 'fast'"):
+        parse_tpot("fast")
+    proj, cands = plan(8, MODEL, 50.0, tmp_path)
+    fit = [c for c in cands if c.tok_s_per_gpu is not None]
+    assert fit and fit == sorted(fit, key=lambda c: -c.tok_s_per_gpu)
+    assert {c.ep for c in cands} == {1, 2, 4, 8}
+    assert all("not calibrated" in c.why for c in cands if c.ep in (2, 4))
+    for c in fit:                            # the SLO holds at the chosen batch, and one more sequence breaks it
+        assert c.tpot_ms <= 50.0 and c.replicas * c.ep == 8
+        if c.batch_per_rank < 1024 and not c.why:
+            spec = None if c.spec_mode == "none" else speculative_config({"schedule": c.spec_mode.split("-")[1]}, 5,
+                                                                           "dspark")
+            assert decode_step(proj, c.ep, c.batch_per_rank + 1, 1024 + 512, spec).tpot_s * 1e3 > 50.0
+    lines = table(cands, 3)
+    assert lines[1].split()[0] == "1" and any("EP 4 not calibrated" in line for line in lines)
+    res = CliRunner().invoke(cli, ["plan", "--gpus", "8", "--model", MODEL, "--slo-tpot", "50ms", "--report-dir",
+                                   str(tmp_path), "--run-id", "pl"])
+    assert res.exit_code == 0, res.output
+    assert len(read_rows(tmp_path / "1" / "pl")) == len(cands)

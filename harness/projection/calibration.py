@@ -3,9 +3,11 @@
 
 A row gives the GPU-busy time of rank R's step: the median of a graphed step, or the median x (1 - GPU idle fraction)
 of an eager one (the launch gaps of an eager step are the host's, not the deployment's; flagged `eager`). Queries
-interpolate linearly in batch, then in context, between measured points of the same EP size. Outside the measured
-points, and flagged in the result: a batch above the largest continues the line through the two largest (below the
-smallest: the smallest's value); a context outside the measured ones scales the nearest one's time by the step's
+interpolate in batch, then linearly in context, between measured points of the same EP size. In batch the time is
+linear in the step's roofline bytes, whose expert part grows with the share of the rank's experts a batch touches
+under balanced routing (1 - (1 - top_k / experts) ^ pairs: it saturates, so a line in batch would miss between
+points far apart). Outside the measured points, and flagged in the result: a batch above the largest continues the
+line through the two largest (below the smallest: the smallest's value); a context outside the measured ones scales the nearest one's time by the step's
 roofline bytes with the state bytes in proportion to context (decode is memory-bound). An EP size that was not
 measured is refused (EP changes which experts and how many pairs a rank holds: it is measured, not interpolated)."""
 
@@ -30,6 +32,18 @@ class Point:
     total_bytes: float            # the step's roofline bytes
     eager: bool
     state_bytes: float = 0.0      # the roofline bytes of the rows' state (grows with context)
+    pick: float = 0.0             # the chance one routed pair lands on a given expert of this rank (top_k / experts)
+    pairs_per_seq: float = 0.0    # routed pairs this rank's experts receive per sequence of its batch (per layer)
+
+    def touched(self, batch: float) -> float:
+        """The expected share of this rank's experts a step at `batch` touches under balanced routing."""
+        return 1 - (1 - self.pick) ** (self.pairs_per_seq * batch) if self.pick else 1.0
+
+    def bytes_at(self, batch: float) -> float:
+        """This point's roofline bytes moved to `batch`: the experts' by the share touched, the state's by rows."""
+        experts = self.expert_fraction * self.total_bytes
+        dense = self.total_bytes - experts - self.state_bytes
+        return dense + experts * self.touched(batch) / self.touched(self.batch) + self.state_bytes * batch / self.batch
 
 
 @dataclass(frozen=True)
@@ -56,8 +70,13 @@ def point_of(row: dict) -> Point:
         own = sum(v["pairs_per_rank"][row["ep_rank"]] for v in layers.values())
         ratio = sum(max(v["pairs_per_rank"]) for v in layers.values()) / max(own, 1)
     nbytes = row["bytes"]
+    traffic = list(((row.get("expert_traffic") or {}).get("layers") or {}).values())
+    pick = pairs = 0.0
+    if traffic:              # rank views record the rank's own experts and the pairs they received (top_k 1 each)
+        pick = sum(t["top_k"] / t["experts"] for t in traffic) / len(traffic)
+        pairs = sum(t["rows"] for t in traffic) / len(traffic) / row["batch"]
     return Point(ep, row["batch"], row["context"], busy, nbytes["experts"] / nbytes["total"], ratio,
-                 nbytes["total"], eager, nbytes.get("state", 0.0))
+                 nbytes["total"], eager, nbytes.get("state", 0.0), pick, pairs)
 
 
 @dataclass
@@ -69,6 +88,8 @@ class Calibration:
     run: str
     started: str
     points: list[Point]
+    weight_bytes: dict | None = None    # at the calibrated depth: "dense" (every rank's), "experts" (all routed),
+                                        # "state_per_token" (one sequence's state per position); None: not recorded
 
     @classmethod
     def from_run(cls, folder: str | Path) -> "Calibration":
@@ -82,8 +103,14 @@ class Calibration:
         first = rows[0]
         if len({(r["model"], r["hardware"]) for r in rows}) > 1:
             raise DeepInferError(f"{path}: rows of several models or devices; calibrate from one step run")
+        weights = None
+        plain = [r for r in rows if (r.get("ep_size") or 1) == 1 and "expert_bytes_all" in r and r["context"]]
+        if plain:                # an EP 1 row holds the whole model: what a deployment's ranks divide
+            r = plain[0]
+            weights = {"dense": r["bytes"]["dense_weights"], "experts": r["expert_bytes_all"],
+                       "state_per_token": r["bytes"].get("state", 0) / (r["batch"] * r["context"])}
         return cls(first["model"], first["hardware"], first["layers"], Path(folder).name, first["started"],
-                   [point_of(r) for r in rows])
+                   [point_of(r) for r in rows], weights)
 
     def ep_sizes(self) -> list[int]:
         return sorted({p.ep for p in self.points})
@@ -110,10 +137,16 @@ class Calibration:
 
     @staticmethod
     def _at_context(pts: list[Point], context: int, batch: float, flags: list[str]) -> tuple[float, ...]:
-        """(busy_ms, expert_fraction, busiest_over_own, total_bytes, state_bytes) at `context`, over batch."""
+        """(busy_ms, expert_fraction, busiest_over_own, total_bytes, state_bytes) at `context`, over batch: linear in
+        the step's roofline bytes between the measured batches around it (decode is memory-bound, and the bytes
+        of the experts grow with the share a batch touches, which saturates), the bytes taken from the upper point
+        moved to each batch."""
         row = {p.batch: p for p in pts if p.context == context}
         b_lo, b_hi, wb = _bracket(sorted(row), batch, "batch", flags, extend=True)
         lo, hi = row[b_lo], row[b_hi]
+        if b_lo != b_hi:
+            at = [hi.bytes_at(b) for b in (b_lo, batch, b_hi)]
+            wb = (at[1] - at[0]) / (at[2] - at[0]) if at[2] != at[0] else wb
         line = [(1 - wb) * getattr(lo, f) + wb * getattr(hi, f) for f in ("busy_ms", "total_bytes", "state_bytes")]
         # shares stay the largest batch's where the line is continued past it
         ws = min(wb, 1.0)

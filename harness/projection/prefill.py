@@ -50,7 +50,8 @@ def per_token_ms(cal: PrefillCalibration, prompt_len: float, flags: list[str]) -
 
 
 def project_prefill_step(cal: PrefillCalibration, measured_on: Profile, target: Profile, shape: ModelShape, comm,
-                         ep: int, tokens: float, prompt_len: float, overlap: str = "two_micro_batches") -> PrefillStep:
+                         ep: int, tokens: float, prompt_len: float, overlap: str = "two_micro_batches",
+                         overlap_share: float = 1.0) -> PrefillStep:
     """One rank's prefill step of `tokens` tokens of `prompt_len`-token prompts in an EP-`ep` role on `target`
     GPUs; comm: op -> the fitted series of the prefill backend on target.link(ep) (unused at EP 1: no exchange)."""
     flags: list[str] = []
@@ -66,7 +67,7 @@ def project_prefill_step(cal: PrefillCalibration, measured_on: Profile, target: 
             est = comm[op].time(ep, nbytes)
             flags += [f"{op}: {f}" for f in est.flags]
             comm_ms += est.us * micro / 1e3 * shape.layers
-    step = overlapped(compute, comm_ms, shape.layers, overlap) if ep > 1 else compute
+    step = overlapped(compute, comm_ms, shape.layers, overlap, overlap_share) if ep > 1 else compute
     return PrefillStep(step, compute, comm_ms, tuple(dict.fromkeys(flags)))
 
 

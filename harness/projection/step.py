@@ -37,15 +37,17 @@ class ModelShape:
         return tokens * self.top_k * self.hidden * 2
 
 
-def overlapped(compute_ms: float, comm_ms: float, layers: int, overlap: str) -> float:
+def overlapped(compute_ms: float, comm_ms: float, layers: int, overlap: str, overlap_share: float = 1.0) -> float:
     """A step of `layers` layers whose compute and exchange total compute_ms and comm_ms. Two micro-batches: one's
-    exchange runs under the other's compute; what is not hidden is the larger side's excess plus half a layer of
-    the smaller (the pipeline's fill). "none": they add up."""
+    exchange runs under the other's compute, hiding at most the smaller side less half a layer of it (the
+    pipeline's fill); `overlap_share` is the share of that a deployment achieves (1: all of it; the published
+    deployments hide less: harness/projection/validate.py fits it). "none": they add up."""
     if overlap not in OVERLAPS:
         raise DeepInferError(f"overlap={overlap!r}: use one of {list(OVERLAPS)}")
     if overlap == "none":
         return compute_ms + comm_ms
-    return max(compute_ms, comm_ms) + min(compute_ms, comm_ms) / (2 * layers)
+    smaller = min(compute_ms, comm_ms)
+    return compute_ms + comm_ms - overlap_share * (smaller - smaller / (2 * layers))
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,12 @@ class Projected:
 def project_decode(cal: Calibration, measured_on: Profile, target: Profile, shape: ModelShape,
                    comm: dict[str, AlphaBeta], ep: int, batch: int, context: int,
                    overlap: str = "two_micro_batches", tokens_per_step: float = 1.0,
-                   query_len: int = 1) -> Projected:
+                   query_len: int = 1, overlap_share: float = 1.0) -> Projected:
     """The decode step of one rank holding `batch` sequences at `context` positions in an EP-`ep` deployment on
     `target` GPUs. comm: op ("dispatch", "combine") -> the fitted series of the backend on `target.link(ep)`.
     tokens_per_step: tokens each sequence gains per step (1; a speculative step's accepted length); query_len:
-    tokens each sequence feeds the step (1; a verify step's drafts + 1)."""
+    tokens each sequence feeds the step (1; a verify step's drafts + 1); overlap_share: the share of the hideable exchange
+    the overlap hides (step.overlapped)."""
     if overlap not in OVERLAPS:
         raise DeepInferError(f"overlap={overlap!r}: use one of {list(OVERLAPS)}")
     tokens = batch * query_len           # rows through the dense layers and the experts
@@ -97,7 +100,7 @@ def project_decode(cal: Calibration, measured_on: Profile, target: Profile, shap
         flags += [f"{op}: {f}" for f in est.flags]
         per_layer += est.us * micro / 1e3
     comm_ms = per_layer * shape.layers
-    step = overlapped(compute, comm_ms, shape.layers, overlap)
+    step = overlapped(compute, comm_ms, shape.layers, overlap, overlap_share)
     exposed = step - compute
     return Projected(step, compute, comm_ms, exposed, batch * tokens_per_step / step * 1e3,
                      tokens_per_step / step * 1e3, tuple(dict.fromkeys(flags)))

@@ -42,6 +42,8 @@ class Projection:
     prefill: PrefillCalibration | None = None
     prefill_on: hw.Profile | None = None
     overlap: str = "two_micro_batches"
+    overlap_share: float = 1.0                      # of the hideable exchange (fitted: validate.fitted_overlap)
+    error_band: float | None = None                 # the published anchors' largest leave-one-out error
 
     def comm(self, phase: str, ep: int) -> tuple[dict, list[str]]:
         if ep == 1:
@@ -55,10 +57,13 @@ class Projection:
                                            "measured_on": c.hardware, "profile": on.name, "layers": c.layers}
         return {"version": PROJECTION_VERSION, "hardware": self.hardware.name,
                 "hardware_version": self.hardware.version, "hardware_source": self.hardware.compute_source,
-                "dispatch": self.dispatch, "overlap": self.overlap, "layers": self.shape.layers,
+                "dispatch": self.dispatch, "overlap": self.overlap, "overlap_share": self.overlap_share,
+                "layers": self.shape.layers,
                 "calibration": {"decode": cal(self.decode, self.decode_on),
                                 "prefill": cal(self.prefill, self.prefill_on)},
-                "error_band": "not established for V4 / V4.1 (docs/projection.md, Validation)"}
+                "error_band": None if self.error_band is None else
+                f"+-{self.error_band:.0%} on the published V3-class anchors (leave one out); not established for "
+                f"V4 / V4.1 at scale (docs/projection.md, Validation)"}
 
 
 def _profile_of(device_name: str, what: str) -> hw.Profile:
@@ -73,17 +78,26 @@ def build_projection(cfg: SweepConfig, report_dir, hardware: str | None = None, 
                      ) -> Projection:
     """The projection of `cfg`'s model and roles, calibrated from the runs under `report_dir` (`calibration`: the
     decode calibration run's id), onto `hardware` (a profile name; default: the decode calibration's GPU)."""
-    target = target_model(cfg.model)
-    dispatch = cfg.engine_args.get("expert_dispatch", DEFAULT_DISPATCH)
+    return projection_for(cfg.model, cfg.engine_args.get("expert_dispatch", DEFAULT_DISPATCH), cfg.modes,
+                          report_dir, hardware, calibration)
+
+
+def projection_for(model: str, dispatch: str, modes, report_dir, hardware: str | None = None,
+                   calibration: str | None = None) -> Projection:
+    """The projection of `model` for the roles `modes` ("prefill", "decode") with the engine's `dispatch`."""
+    target = target_model(model)
     if dispatch not in PROJECTED_DISPATCH:
         raise DeepInferError(f"expert_dispatch={dispatch!r} has no published series to project it with; use one of "
                              f"{sorted(PROJECTED_DISPATCH)} (or leave it out: {DEFAULT_DISPATCH})")
-    decode = decode_calibration(report_dir, target, calibration) if "decode" in cfg.modes else None
-    prefill = prefill_calibration(report_dir, target) if "prefill" in cfg.modes else None
+    decode = decode_calibration(report_dir, target, calibration) if "decode" in modes else None
+    prefill = prefill_calibration(report_dir, target) if "prefill" in modes else None
     decode_on = _profile_of(decode.hardware, "decode") if decode else None
     prefill_on = _profile_of(prefill.hardware, "prefill") if prefill else None
     profile = hw.profile(hardware) if hardware else (decode_on or prefill_on)
-    return Projection(target, ModelShape.of(target.cfg), profile, dispatch, decode, decode_on, prefill, prefill_on)
+    from .validate import fitted_overlap
+    share, band = fitted_overlap()
+    return Projection(target, ModelShape.of(target.cfg), profile, dispatch, decode, decode_on, prefill, prefill_on,
+                      overlap_share=share, error_band=band)
 
 
 def _speculative(cfg: SweepConfig, point: SweepPoint):
@@ -100,19 +114,27 @@ def _survival(spec) -> tuple[tuple[float, ...], str]:
     return CURVES[DEFAULT_ACCEPTANCE], f"acceptance: the dspark bench's {DEFAULT_ACCEPTANCE} curve"
 
 
-def decode_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint) -> dict:
-    """A decode point: each rank of the role holds ceil(c / ranks) sequences at the mean context of their
-    generation; a speculative setting verifies k drafts a step (fixed: all; confidence / budget: the k whose
-    accepted tokens per step time is best at this load, read off the acceptance curve) and commits AL(k)."""
-    ep = cfg.topology.ep_of("decode")
-    batch = math.ceil(point.concurrency / point.ranks)
-    context = mean_len(point.isl, cfg.range_ratio) + mean_len(point.osl, cfg.range_ratio) / 2
+@dataclass(frozen=True)
+class DecodeStep:
+    projected: object               # step.Projected of the chosen verify length
+    verified_drafts: int
+    accepted: float                 # tokens a sequence commits a step
+    flags: tuple[str, ...]
+
+    @property
+    def tpot_s(self) -> float:
+        return self.projected.step_ms / self.accepted / 1e3
+
+
+def decode_step(proj: Projection, ep: int, batch: int, context: float, spec) -> DecodeStep:
+    """One decode step of a rank holding `batch` sequences at `context`: without speculation one token a step; with
+    it, k drafts verified a step (fixed: all; confidence / budget: the k whose accepted tokens per step time is
+    best at this load, read off the acceptance curve) committing AL(k) = 1 + s_1 + .. + s_k."""
     comm, flags = proj.comm("decode", ep)
 
     def step(k: int, accepted: float):
         return project_decode(proj.decode, proj.decode_on, proj.hardware, proj.shape, comm, ep, batch,
-                              round(context), proj.overlap, accepted, k + 1)
-    spec = _speculative(cfg, point)
+                              round(context), proj.overlap, accepted, k + 1, proj.overlap_share)
     if spec is None:
         best, k, accepted = step(0, 1.0), 0, 1.0
     else:
@@ -126,16 +148,23 @@ def decode_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint) -> dict
             flags.append(f"{spec.schedule} schedule: the drafts verified per step are the k in 0..{len(survival)} "
                          f"with the most accepted tokens per step time at this load")
         best, k, accepted = max(((step(k, al), k, al) for k, al in options), key=lambda t: t[0].output_tok_s_per_gpu)
-    tpot = best.step_ms / accepted / 1e3                # seconds per output token of one sequence
+    return DecodeStep(best, k, accepted, tuple(dict.fromkeys(flags + list(best.flags))))
+
+
+def decode_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint) -> dict:
+    """A decode point: each rank of the role holds ceil(c / ranks) sequences at the mean context of their
+    generation (decode_step)."""
+    batch = math.ceil(point.concurrency / point.ranks)
+    context = mean_len(point.isl, cfg.range_ratio) + mean_len(point.osl, cfg.range_ratio) / 2
+    got = decode_step(proj, cfg.topology.ep_of("decode"), batch, context, _speculative(cfg, point))
     osl = mean_len(point.osl, cfg.range_ratio)
-    waves = math.ceil(point.num_prompts / point.concurrency)
-    duration = waves * osl * tpot
-    out = point.concurrency * accepted / (best.step_ms / 1e3)
-    fields = _metrics(point, cfg, duration, output_throughput=out, tpot=tpot, ttfts=None, e2el=osl * tpot)
-    return {**fields, "projected_step": {**best.fields(), "batch_per_rank": batch, "context": round(context),
-                                         "verified_drafts": k, "accepted_per_step": accepted},
-            "flags": list(dict.fromkeys(flags + list(best.flags) +
-                                        ["decode role only: TTFT belongs to the prefill role's rows"]))}
+    duration = math.ceil(point.num_prompts / point.concurrency) * osl * got.tpot_s
+    out = point.concurrency * got.accepted / (got.projected.step_ms / 1e3)
+    fields = _metrics(point, cfg, duration, output_throughput=out, tpot=got.tpot_s, ttfts=None,
+                      e2el=osl * got.tpot_s)
+    return {**fields, "projected_step": {**got.projected.fields(), "batch_per_rank": batch, "context": round(context),
+                                         "verified_drafts": got.verified_drafts, "accepted_per_step": got.accepted},
+            "flags": list(got.flags) + ["decode role only: TTFT belongs to the prefill role's rows"]}
 
 
 def prefill_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint, index: int) -> dict:
@@ -157,7 +186,7 @@ def prefill_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint, index:
     def step_ms(tokens: float) -> float:
         if tokens not in steps:
             steps[tokens] = project_prefill_step(proj.prefill, proj.prefill_on, proj.hardware, proj.shape, comm, ep,
-                                                 tokens, prompt_len, proj.overlap)
+                                                 tokens, prompt_len, proj.overlap, proj.overlap_share)
         return steps[tokens].step_ms
     plan = schedule(lens, point.concurrency, point.ranks, budget, step_ms)
     for s in steps.values():
