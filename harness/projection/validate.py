@@ -217,12 +217,12 @@ def own_rows(a: dict, bound: float, report_dir: Path) -> list[Row]:
             way = "under" if pred < p.busy_ms else "over"
             grow = [q for q in rest.points if q.ep == p.ep and q.context == p.context and q.batch in (lo, hi)]
             b_lo, b_hi = sorted(grow, key=lambda q: q.batch)
+            rate = [q.total_bytes / q.busy_ms / 1e9 for q in (b_lo, p, b_hi)]      # TB/s: bytes per ms / 1e9
             cause = (f"interpolation in roofline bytes between the measured batches {lo} and {hi} ({hi / lo:g}x apart) "
                      f"{way}-predicts the step at batch {p.batch}: measured {p.busy_ms:.2f} ms, interpolated "
-                     f"{pred:.2f} ms; from batch {lo} to {hi} the bytes grow {b_hi.total_bytes / b_lo.total_bytes:.2f}x "
-                     f"and the time {b_hi.busy_ms / b_lo.busy_ms:.2f}x: the step is not memory-bound over that span "
-                     f"(launch- or compute-bound at the larger batch), so a grid of every power of two would bracket "
-                     f"it")
+                     f"{pred:.2f} ms; the step is not linear in its bytes over that span (it reads {rate[0]:.2f}, "
+                     f"{rate[1]:.2f} and {rate[2]:.2f} TB/s at batch {lo}, {p.batch} and {hi}: launch, compute or "
+                     f"kernel efficiency change with the batch), so a grid of every power of two would bracket it")
             if p.eager:
                 cause += "; eager rows: busy time = median x (1 - GPU idle fraction) of a 5-step trace"
         rows.append(Row(f"{a['id']} ep{p.ep} b{p.batch} c{p.context}", "own", gpu, p.ep, p.batch,
