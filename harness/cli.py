@@ -63,7 +63,7 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
     """Run SWEEP_FILE (a sweeps/*.yaml definition; default: the tiny CPU sweep) and write one row per point, then
     the run's summary.csv and charts. Where this machine lacks the sweep's ranks (and the model is one the
     projection knows), every point is projected instead, with a notice line (docs/projection.md)."""
-    from .sweep import PUBLISHED_SWEEP, default_sweep, projection_reason, run_sweep
+    from .sweep import default_sweep, projection_reason, published_sweep, run_sweep
     from .sweep_config import load_sweep, parse_sweep
     if project and measure:
         raise click.UsageError("--project and --measure contradict each other: give one")
@@ -82,13 +82,16 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
     from .ranks import from_env
     if sweep_file is None and not measure and not from_env().world > 1 and (project or any(
             n > 1 for n in topo.values())):
-        # the tiny default has nothing to project: ranks beyond the launch ask for the published shape
-        cfg = with_overrides(parse_sweep(PUBLISHED_SWEEP, "<the published shape sweep>"))
+        # the tiny default has nothing to project: ranks beyond the launch ask for the published shape at those ranks
+        shape = published_sweep(prefill_ranks, decode_ranks)
+        cfg = parse_sweep({**shape, **overrides}, "<the published shape sweep>")
     reason = projection_reason(cfg, project, measure)
     if reason is not None:
         from .projection.sweep import run_projected_sweep
         click.echo(f"notice: {reason}")
-        run_dir = run_projected_sweep(cfg, report_dir, run_id, resume, hardware, calibration, echo=click.echo)
+        from .bench import OnError
+        run_dir = run_projected_sweep(cfg, report_dir, run_id, resume, hardware, calibration,
+                                      OnError(continue_on_error), echo=click.echo)
     elif hardware or calibration:
         raise click.UsageError("--hardware and --calibration set up a projection; this sweep is measured (add "
                                "--project to project it)")
@@ -100,10 +103,9 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
     if not no_report:
         from .report import report_run
         written = report_run(run_dir)
-        if reason is not None:                       # the published charts from every run's rows, this one's too
+        if reason is not None:                       # the published charts (4 / 64 ranks) from every run's rows
             from .published_charts import write_published
-            charts, missing = write_published(Path(report_dir), cfg.topology.prefill_ranks, cfg.topology.decode_ranks,
-                                              (), png=True)
+            charts, missing = write_published(Path(report_dir), png=True)
             written += charts
             for line in missing:
                 click.echo(line)

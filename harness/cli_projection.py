@@ -51,17 +51,17 @@ def validate_cmd(report_dir, hardware_file, comm_file, anchors_file) -> None:
   deepinfer-bench plan --gpus 64 --model V4-Flash --slo-tpot 50ms --hardware H800 --isl 8192 --osl 1024
 
 Every candidate is projected (docs/projection.md, "Plan"); its rows go to REPORT_DIR/1/RUN_ID/rows.jsonl.""")
-@click.option("--gpus", type=int, required=True, help="GPUs to deploy decode on")
+@click.option("--gpus", type=click.IntRange(1), required=True, help="GPUs to deploy decode on")
 @click.option("--model", default="V4.1-Flash", show_default=True, callback=not_blank,
               help="V4.1-Flash, V4-Flash, or random:ARCH:flash:LAYERS")
 @click.option("--slo-tpot", required=True, callback=not_blank, help="time per output token to meet: 30ms, 0.03s")
 @click.option("--hardware", default=None, callback=not_blank,
               help="the GPU profile (H200, H100, H800, B200, GB200) [default: the calibration's]")
-@click.option("--isl", type=int, default=1024, show_default=True, help="prompt tokens")
-@click.option("--osl", type=int, default=1024, show_default=True, help="output tokens")
+@click.option("--isl", type=click.IntRange(1), default=1024, show_default=True, help="prompt tokens")
+@click.option("--osl", type=click.IntRange(1), default=1024, show_default=True, help="output tokens")
 @click.option("--calibration", default=None, callback=not_blank,
               help="the rank-view step run that calibrates decode [default: the best under REPORT_DIR]")
-@click.option("--top", type=int, default=5, show_default=True, help="candidates that fit to list")
+@click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="candidates that fit to list")
 @report_dir_option()
 @click.option("--run-id", default=None, callback=not_blank, help="the rows' run directory [default: plan-<time>]")
 def plan_cmd(gpus, model, slo_tpot, hardware, isl, osl, calibration, top, report_dir, run_id) -> None:
@@ -71,14 +71,15 @@ def plan_cmd(gpus, model, slo_tpot, hardware, isl, osl, calibration, top, report
 
     from .projection.plan import parse_tpot, plan, table
     from .projection.sweep import PROJECTION_VERSION
-    from .rows import SCHEMA_VERSION, RowStore, environment, identity, run_dir_guard, run_id_for
+    from .rows import SCHEMA_VERSION, RowStore, environment, identity, refuse_existing_rows, run_dir_guard, run_id_for
     slo = parse_tpot(slo_tpot)
+    folder = Path(report_dir) / SCHEMA_VERSION / run_id_for(run_id, "plan")
+    refuse_existing_rows(folder, resumable=False)
     proj, candidates = plan(gpus, model, slo, report_dir, hardware, isl, osl, calibration)
     click.echo(f"{gpus} x {proj.hardware.name}, {model}, TPOT <= {slo:g} ms, ISL {isl} / OSL {osl}: projected "
                f"(calibration {proj.decode.run}; error band {proj.fields()['error_band']})")
     for line in table(candidates, top):
         click.echo(line)
-    folder = Path(report_dir) / SCHEMA_VERSION / run_id_for(run_id, "plan")
     with run_dir_guard(folder):
         store = RowStore(folder)
         base = identity(environment(), "projection-" + PROJECTION_VERSION, bench="plan", model=model, gpus=gpus,

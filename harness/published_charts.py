@@ -178,8 +178,15 @@ def write_points(path: Path, chosen: dict[str, list[dict]]) -> Path:
 def _series(rows: list[dict]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(tuple(r.get(k) for k in SERIES_KEYS), []).append(r)
+        groups.setdefault(tuple(_gpu(r.get(k)) if k == "hardware" else r.get(k) for k in SERIES_KEYS), []).append(r)
     return groups
+
+
+def _gpu(name):
+    """A GPU as the hardware profiles name it ("NVIDIA H200" and a projected row's "H200" alike), else as given."""
+    from .projection.hardware import match
+    found = match(name) if isinstance(name, str) else None
+    return found.name if found is not None else name
 
 
 def _order(r: dict) -> tuple:

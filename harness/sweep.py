@@ -65,6 +65,17 @@ PUBLISHED_SWEEP = {
 }
 
 
+def published_sweep(prefill_ranks: int | None = None, decode_ranks: int | None = None) -> dict:
+    """PUBLISHED_SWEEP at other role sizes: the decode role one EP engine over its ranks, and the ladders the same per
+    rank (prefill up to 16 prompts a rank, decode up to 256 sequences a rank)."""
+    topo = dict(PUBLISHED_SWEEP["topology"])
+    topo.update({k: v for k, v in (("prefill_ranks", prefill_ranks), ("decode_ranks", decode_ranks)) if v})
+    topo["ep"] = topo["decode_ranks"]
+    ladder = {"prefill": {"start": 1, "stop": 16 * topo["prefill_ranks"]},
+              "decode": {"start": 1, "stop": 256 * topo["decode_ranks"]}}
+    return {**PUBLISHED_SWEEP, "topology": topo, "concurrency": ladder}
+
+
 class TopologyError(DeepInferError):
     """The sweep asks for more ranks than this launch has."""
 
@@ -96,8 +107,9 @@ def projection_reason(cfg: SweepConfig, project: bool = False, measure: bool = F
     if not short:
         return None
     asks = ", ".join(f"{n} {m}" for m, n in short)
-    return (f"this machine has {found} ({where}) and the sweep asks for {asks} ranks: every point is projected "
-            f"from committed calibration rows (docs/projection.md); --measure refuses instead")
+    return (f"this launch has {found} rank{'s' if found != 1 else ''} ({where}) and the sweep asks for {asks} ranks: "
+            f"every point is projected from committed calibration rows (docs/projection.md); --measure refuses "
+            f"instead")
 
 
 def check_topology(cfg: SweepConfig) -> None:

@@ -124,7 +124,8 @@ def test_calibration_scales_context_by_the_state_bytes(tmp_path):
     # context 3000: state 500 -> 1500 bytes, total 1000 -> 2000: twice the time, said in the flags
     long = cal.lookup(8, 16, 3000)
     assert long.busy_ms == pytest.approx(4.0) and long.total_bytes == pytest.approx(2000)
-    assert any("context 1000's time x its roofline bytes at 3000 (2x)" in f for f in long.flags)
+    assert long.flags == ("context 3000 outside the measured 1000-1000: context 1000's time x its roofline bytes at "
+                          "3000 (2x)",)
 
 
 def test_calibration_refuses_unusable_runs(tmp_path):
@@ -151,7 +152,7 @@ def test_projected_step_by_hand(tmp_path):
     assert none.compute_ms == pytest.approx(compute)
     assert none.comm_ms == pytest.approx((disp + comb) * 8 / 1e3)
     assert none.step_ms == pytest.approx(compute + none.comm_ms)
-    assert none.output_tok_s_per_gpu == pytest.approx(16 / none.step_ms * 1e3)
+    assert none.output_tok_s_per_rank == pytest.approx(16 / none.step_ms * 1e3)
     two = project_decode(cal, h, h, shape, fits, 8, 16, 1000)
     comm_two = 2 * (10 + (shape.dispatch_bytes(8) + shape.combine_bytes(8)) / 1e3) * 8 / 1e3
     assert two.comm_ms == pytest.approx(comm_two)

@@ -68,6 +68,7 @@ def test_prefill_step_by_hand():
 # ---- the sweep ----
 def _step_row(run, **kw):
     row = {"bench": "step", "status": "ok", "model": "random:deepseek_v41:flash:4", "hardware": "NVIDIA H200",
+           "precision": "bfloat16",
            "layers": 4, "run_id": run, "started": "2026-12-06T00:00:00+00:00", "graphed": True,
            "gpu_idle_fraction": 0.01, "kernel_backend": "triton", "query_len": 1, "context": 1024,
            "bytes": {"experts": 400.0, "state": 100.0, "total": 1000.0}, "expert_parallel": None, "ep_rank": 0}
@@ -116,10 +117,16 @@ def test_projected_rows_complete_and_resumable(tmp_path, monkeypatch):
     step = off["projected_step"]["step_ms"] / 1e3
     assert off["projected_step"]["batch_per_rank"] == 8 and off["median_tpot"] == pytest.approx(step)
     assert off["output_tput_per_gpu"] == pytest.approx(64 / step / 8) and off["median_intvty"] == pytest.approx(1 / step)
-    # the confidence schedule never does worse than fixed or off at the same load
-    conf = decode["dspark-confidence-5/decode/isl1024-osl256/c512"]
-    assert conf["output_tput_per_gpu"] >= max(decode["dspark-fixed-5/decode/isl1024-osl256/c512"]["output_tput_per_gpu"],
-                                              decode["none/decode/isl1024-osl256/c512"]["output_tput_per_gpu"]) - 1e-9
+    # ITL is the step (a speculative step's tokens arrive together); TPOT the step over its tokens
+    assert fixed["median_itl"] == pytest.approx(fixed["projected_step"]["step_ms"] / 1e3)
+    assert fixed["median_tpot"] == pytest.approx(fixed["median_itl"] / fixed["projected_step"]["accepted_per_step"])
+    # the confidence schedule verifies every draft at light load and fewer once the verify rows cost more than they
+    # bring (the calibration's step grows with rows: 1 + b / 64 ms)
+    light, heavy = (decode[f"dspark-confidence-5/decode/isl1024-osl256/c{c}"]["projected_step"] for c in (8, 512))
+    assert light["verified_drafts"] == 5 and heavy["verified_drafts"] < 5
+    # a prefill point's TTFTs are its schedule's: 4 prompts on 2 ranks, one wave, each rank one prompt a step
+    pre = next(r for r in rows if r["key"] == "none/prefill/isl1024-osl256/c4")
+    assert pre["p99_ttft"] >= pre["median_ttft"] > 0 and pre["p99_e2el"] == pytest.approx(pre["p99_ttft"])
     # resumable: a run cut after 5 rows finishes the other 10 and keeps the first 5 as they were
     lines = (run / "rows.jsonl").read_text().splitlines(keepends=True)
     (run / "rows.jsonl").write_text("".join(lines[:5]))
@@ -144,6 +151,14 @@ def test_projection_refuses_what_it_cannot_project(tmp_path, monkeypatch):
     bad = {**SMALL, "engine_args": {"expert_dispatch": "allgather"}}
     with pytest.raises(DeepInferError, match="expert_dispatch='allgather' has no published series"):
         run_projected_sweep(parse_sweep(bad), tmp_path, "y", echo=lambda line: None)
+    # checked before anything is written: an EP size the calibration lacks, numerics it did not run
+    wide = {**SMALL, "topology": {"prefill_ranks": 2, "decode_ranks": 16, "ep": 16}}
+    with pytest.raises(DeepInferError, match=r"the decode role runs EP 16.*rank views at EP \[1, 8\]"):
+        run_projected_sweep(parse_sweep(wide), tmp_path, "z", echo=lambda line: None)
+    fp32 = {**SMALL, "dtype": "float32"}
+    with pytest.raises(DeepInferError, match="precision float32 \\(the calibration: bfloat16\\)"):
+        run_projected_sweep(parse_sweep(fp32), tmp_path, "w", echo=lambda line: None)
+    assert not any((tmp_path / "1" / r).exists() for r in "xyzw")
 
 
 def test_when_a_sweep_is_projected(monkeypatch):
@@ -166,7 +181,7 @@ def test_decode_ranks_64_on_cpu_from_committed_calibration(tmp_path, monkeypatch
     res = CliRunner().invoke(cli, ["sweep", "--decode-ranks", "64", "--report-dir", str(tmp_path), "--run-id", "p",
                                    "--no-progress"])
     assert res.exit_code == 0, res.output
-    assert res.output.startswith("notice: this machine has") and "projected" in res.output
+    assert res.output.startswith("notice: this launch has") and "projected" in res.output
     rows = read_rows(tmp_path / "1" / "p")
     assert len(rows) == len(parse_sweep(PUBLISHED_SWEEP).points()) and all(r["status"] == "ok" for r in rows)
     assert {r["gpus"] for r in rows if r["mode"] == "decode"} == {64} and all(r["is_projected"] for r in rows)

@@ -14,7 +14,7 @@ measured is refused (EP changes which experts and how many pairs a rank holds: i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer.errors import DeepInferError
@@ -55,6 +55,11 @@ class Lookup:
     flags: tuple[str, ...]
 
 
+def run_settings(row: dict) -> dict:
+    """The numerics a step row ran with, as a sweep names them."""
+    return {k: row[k] for k in ("expert_storage", "precision") if row.get(k) is not None}
+
+
 def point_of(row: dict) -> Point:
     """A step row -> its calibration point."""
     ep = row.get("ep_size") or 1
@@ -90,6 +95,7 @@ class Calibration:
     points: list[Point]
     weight_bytes: dict | None = None    # at the calibrated depth: "dense" (every rank's), "experts" (all routed),
                                         # "state_per_token" (one sequence's state per position); None: not recorded
+    settings: dict = field(default_factory=dict)    # the numerics it ran: expert_storage, precision
 
     @classmethod
     def from_run(cls, folder: str | Path) -> "Calibration":
@@ -110,7 +116,7 @@ class Calibration:
             weights = {"dense": r["bytes"]["dense_weights"], "experts": r["expert_bytes_all"],
                        "state_per_token": r["bytes"].get("state", 0) / (r["batch"] * r["context"])}
         return cls(first["model"], first["hardware"], first["layers"], Path(folder).name, first["started"],
-                   [point_of(r) for r in rows], weights)
+                   [point_of(r) for r in rows], weights, run_settings(first))
 
     def ep_sizes(self) -> list[int]:
         return sorted({p.ep for p in self.points})
@@ -122,15 +128,15 @@ class Calibration:
                                  f"{self.ep_sizes()}); run `deepinfer-bench step --ep {ep} ...` on this model")
         flags: list[str] = []
         contexts = sorted({p.context for p in pts})
-        c_lo, c_hi, wc = _bracket(contexts, context, "context", flags, extend=False)
+        c_lo, c_hi, wc = _bracket(contexts, context, "context", [], extend=False)     # flagged below when outside
         at = [self._at_context(pts, c, batch, flags) for c in (c_lo, c_hi)]
         busy, fraction, busiest, total, state = [(1 - wc) * a + wc * b for a, b in zip(at[0], at[1])]
         if c_lo == c_hi and context != c_lo:
             # memory-bound: the time follows the bytes, whose state part grows with context
             scale = (total + state * (context / c_lo - 1)) / total
             busy, total = busy * scale, total * scale
-            flags.append(f"context {context:g}: context {c_lo}'s time x its roofline bytes at {context:g} "
-                         f"({scale:.3g}x)")
+            flags.append(f"context {context:g} outside the measured {contexts[0]}-{contexts[-1]}: context {c_lo}'s "
+                         f"time x its roofline bytes at {context:g} ({scale:.3g}x)")
         if any(p.eager for p in pts):
             flags.append("eager rows: busy time = median x (1 - GPU idle)")
         return Lookup(busy, fraction, busiest, total, flags=tuple(dict.fromkeys(flags)))

@@ -39,6 +39,7 @@ class AlphaBeta:
     alpha_from: str                      # "fit", "stated" (a bandwidth table) or the series whose alpha it takes
     residuals: list[float] = field(default_factory=list)     # (model - measured) / measured per point
     source: str = ""
+    measured_on: str = ""                # the series' hardware as the data file names it
 
     def time(self, ep: int, nbytes: float) -> Estimate:
         sizes = sorted(self.beta)
@@ -92,7 +93,7 @@ def fit(series: list[dict]) -> dict[tuple[str, str, str], AlphaBeta]:
         key = (s["backend"], s["link"], s["op"])
         if s.get("form") == "bandwidth":         # a bandwidth table: beta as published, the floor as stated
             out[key] = AlphaBeta(*key, float(s["alpha_us"]), {ep: gbps * 1e9 for ep, _, gbps in s["points"]},
-                                 "stated", [0.0] * len(s["points"]), s["source"])
+                                 "stated", [0.0] * len(s["points"]), s["source"], s.get("hardware", ""))
             continue
         alpha, came = alphas[key], "fit"
         if alpha is None:
@@ -108,7 +109,8 @@ def fit(series: list[dict]) -> dict[tuple[str, str, str], AlphaBeta]:
                 raise DeepInferError(f"comm series {'/'.join(key)}: {us} us at EP {ep} is under its floor "
                                      f"{alpha:.1f} us")
             beta.setdefault(ep, []).append(_series_bytes(s, tokens) / ((us - alpha) * 1e-6))
-        ab = AlphaBeta(*key, alpha, {ep: sum(v) / len(v) for ep, v in beta.items()}, came, source=s["source"])
+        ab = AlphaBeta(*key, alpha, {ep: sum(v) / len(v) for ep, v in beta.items()}, came, source=s["source"],
+                       measured_on=s.get("hardware", ""))
         ab.residuals = [ab.time(ep, _series_bytes(s, t)).us / us - 1 for ep, t, us in s["points"]]
         out[key] = ab
     return out

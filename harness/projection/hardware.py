@@ -5,6 +5,7 @@ published, or a measured profile scaled by a published ratio: docs/projection.md
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 
@@ -64,7 +65,7 @@ def profile(name: str, path=None) -> Profile:
 
 def match(device_name: str, path=None) -> Profile | None:
     """The profile of a GPU as torch names it ('NVIDIA H200', 'NVIDIA H100 80GB HBM3'), or None."""
-    words = device_name.upper().replace("-", " ").split()
+    words = re.split(r"[^A-Z0-9]+", device_name.upper())
     for k, p in profiles(path).items():
         if k.upper() in words:
             return p

@@ -11,12 +11,12 @@ redundant slots, and context parallelism changes prefill, not the decode TPOT th
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from deepinfer.errors import DeepInferError
 
 from .sweep import Projection, decode_step, projection_for
-from .sources import RELEASED
 
 ALIASES = {"v4.1-flash": "deepseek-ai/DeepSeek-V4.1-Flash-1017", "v4-flash": "deepseek-ai/DeepSeek-V4-Flash"}
 MODES = ("off", "fixed", "confidence")
@@ -50,9 +50,12 @@ def parse_tpot(text: str) -> float:
     """'30ms', '30', '0.03s' -> milliseconds."""
     t = text.strip().lower()
     try:
-        return float(t[:-2]) if t.endswith("ms") else float(t[:-1]) * 1e3 if t.endswith("s") else float(t)
+        ms = float(t[:-2]) if t.endswith("ms") else float(t[:-1]) * 1e3 if t.endswith("s") else float(t)
     except ValueError:
-        raise DeepInferError(f"--slo-tpot {text!r}: give a time per output token such as 30ms or 0.03s") from None
+        ms = math.nan
+    if not (math.isfinite(ms) and ms > 0):
+        raise DeepInferError(f"--slo-tpot {text!r}: give a positive time per output token such as 30ms or 0.03s")
+    return ms
 
 
 def _weights_and_state(proj: Projection, ep: int, context: float) -> tuple[float, float]:
@@ -72,17 +75,15 @@ def plan(gpus: int, model: str, slo_tpot_ms: float, report_dir, hardware: str | 
          osl: int = 1024, calibration: str | None = None, modes=MODES) -> tuple[Projection, list[Candidate]]:
     """Every candidate, best first (the ones that fit, by tok/s per GPU; then the others)."""
     from deepinfer.speculative.config import speculation_label, speculative_config
-    from deepinfer.validate import drafter_of_spec
-    if gpus < 1:
-        raise DeepInferError(f"--gpus {gpus}: give at least 1")
-    if slo_tpot_ms <= 0:
+    if gpus < 1 or isl < 1 or osl < 1:
+        raise DeepInferError(f"--gpus {gpus} --isl {isl} --osl {osl}: give at least 1 of each")
+    if not (math.isfinite(slo_tpot_ms) and slo_tpot_ms > 0):
         raise DeepInferError(f"--slo-tpot {slo_tpot_ms:g} ms: give a positive time")
     spec_model = model_id(model)
     proj = projection_for(spec_model, "deepep", ("decode",), report_dir, hardware, calibration)
     context = isl + osl / 2                                 # the mean context of a generation
     memory = proj.hardware.memory_gib * 2 ** 30 * MEMORY_USE
-    drafter = drafter_of_spec(spec_model if spec_model in RELEASED or ":" in spec_model else "tiny")
-    specs = {m: speculative_config(False if m == "off" else {"schedule": m}, 5, drafter) for m in modes}
+    specs = {m: speculative_config(False if m == "off" else {"schedule": m}, 5, proj.target.drafter) for m in modes}
     out = []
     for ep in (e for e in range(1, gpus + 1) if gpus % e == 0):
         for mode, spec in specs.items():

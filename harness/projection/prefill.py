@@ -56,12 +56,16 @@ def project_prefill_step(cal: PrefillCalibration, measured_on: Profile, target: 
     GPUs; comm: op -> the fitted series of the prefill backend on target.link(ep) (unused at EP 1: no exchange)."""
     flags: list[str] = []
     compute = tokens * per_token_ms(cal, prompt_len, flags) * shape.layers / cal.layers
+    if shape.layers != cal.layers:
+        flags.append(f"prefill compute scaled from the calibration's {cal.layers} layers to {shape.layers}")
     if target.name != measured_on.name:
         compute *= measured_on.bf16_flops_per_s / target.bf16_flops_per_s
         flags.append(f"prefill compute scaled from {measured_on.name} to {target.name} by GEMM rate")
     comm_ms = 0.0
     if ep > 1:
         micro = 2 if overlap == "two_micro_batches" else 1
+        flags.append("exchange counted per expert copy (DeepEP's normal kernels send one per destination rank and "
+                     "none to their own: an overestimate at small EP)")
         for op, nbytes in (("dispatch", shape.dispatch_bytes(tokens / micro)),
                            ("combine", shape.combine_bytes(tokens / micro))):
             est = comm[op].time(ep, nbytes)

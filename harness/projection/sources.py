@@ -5,14 +5,16 @@ profiles and the dispatch / combine series of its backend (docs/projection.md, "
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deepinfer.errors import DeepInferError
 
 from . import comm as comm_data
-from .calibration import Calibration
+from .calibration import Calibration, run_settings
 from .comm import AlphaBeta
+from .hardware import Profile
+from .hardware import match as hw_match
 
 # hub ids of the released checkpoints -> (arch, preset): their shapes are the presets' at full depth
 RELEASED = {"deepseek-ai/DeepSeek-V4.1-Flash-1017": ("deepseek_v41", "flash"),
@@ -31,6 +33,12 @@ class Target:
     arch: str
     preset: str
     cfg: object
+
+    @property
+    def drafter(self) -> str:
+        """The draft method its family speculates with (DSpark for V4.1, MTP for V4)."""
+        from deepinfer.config import CONFIG_CLASSES
+        return CONFIG_CLASSES[self.arch].DRAFT_METHOD
 
 
 def target_model(spec: str) -> Target:
@@ -117,6 +125,7 @@ class PrefillCalibration:
     run: str
     started: str
     points: tuple[PrefillPoint, ...]
+    settings: dict = field(default_factory=dict)    # the numerics it ran: expert_storage, precision
 
 
 def prefill_calibration(report_dir, target: Target, run: str | None = None) -> PrefillCalibration:
@@ -140,7 +149,7 @@ def prefill_calibration(report_dir, target: Target, run: str | None = None) -> P
         runs[r["query_len"]] = r["run_id"]
     return PrefillCalibration(first["model"], first["hardware"], first["layers"],
                               "+".join(sorted(set(runs.values()))), max(r["started"] for r in rows),
-                              tuple(points[t] for t in sorted(points)))
+                              tuple(points[t] for t in sorted(points)), run_settings(first))
 
 
 def _pick(report_dir, target: Target, run, select, what: str, rank, how: str) -> Path:
@@ -160,9 +169,11 @@ def _pick(report_dir, target: Target, run, select, what: str, rank, how: str) ->
     return max(found, key=lambda fr: rank(fr[1]))[0]
 
 
-def comm_series(backend: str, link: str, path=None) -> tuple[dict[str, AlphaBeta], list[str]]:
-    """op -> the fitted series of `backend` on `link`, and the flags of what stood in: a missing op takes the other
-    op's fit (its alpha and bandwidth, at its own message size)."""
+def comm_series(backend: str, target: Profile, ep: int, path=None) -> tuple[dict[str, AlphaBeta], list[str]]:
+    """op -> the fitted series of `backend` on the link an EP-`ep` group of `target` GPUs exchanges over, and the
+    flags of what stood in: a missing op takes the other op's fit (its alpha and bandwidth, at its own message
+    size); a series measured on other hardware has its bandwidth scaled by the target's link rate over its own."""
+    link = target.link(ep)
     fits = comm_data.fit(comm_data.load(path)["series"])
     have = {op: fits[(backend, link, op)] for op in ("dispatch", "combine") if (backend, link, op) in fits}
     if not have:
@@ -175,4 +186,13 @@ def comm_series(backend: str, link: str, path=None) -> tuple[dict[str, AlphaBeta
             other = next(iter(have))
             have[op] = have[other]
             flags.append(f"{op}: {backend}/{link} {other}'s fit (no {op} series published)")
+    rate = "nvlink_bytes_per_s" if link == "nvlink" else "scaleout_bytes_per_s"
+    for op, ab in have.items():
+        source = hw_match(ab.measured_on)
+        if source is None or source.name == target.name:
+            continue
+        ratio = getattr(target, rate) / getattr(source, rate)
+        flags.append(f"{op}: measured on {ab.measured_on}; bandwidth x{ratio:.3g} for the {target.name}'s {link}")
+        if ratio != 1:
+            have[op] = replace(ab, beta={e: b * ratio for e, b in ab.beta.items()})
     return have, flags

@@ -56,7 +56,7 @@ class Projected:
     compute_ms: float            # the busiest rank, full depth, target GPU
     comm_ms: float               # every MoE layer's dispatch + combine, both micro-batches
     exposed_comm_ms: float       # what the overlap leaves on the step
-    output_tok_s_per_gpu: float
+    output_tok_s_per_rank: float     # of the rank holding the batch (idle ranks of a deployment are not counted)
     output_tok_s_per_user: float
     flags: tuple[str, ...]
 
@@ -85,6 +85,8 @@ def project_decode(cal: Calibration, measured_on: Profile, target: Profile, shap
     # full depth: the LM head's bytes are paid once per step, the rest per layer (decode reads, roughly by bytes)
     head = min(shape.vocab * shape.hidden * 2 / look.total_bytes, 1.0)
     depth = head + (1 - head) * shape.layers / cal.layers
+    if shape.layers != cal.layers:
+        flags.append(f"compute scaled from the calibration's {cal.layers} layers to {shape.layers} ({depth:.3g}x)")
     # the busiest rank: the routed-expert share of the step grows with its pairs over this rank's
     busiest = 1 + look.expert_fraction * (look.busiest_over_own - 1)
     # another GPU: decode is memory-bound, so the step scales with the measured copy rates' ratio

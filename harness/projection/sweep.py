@@ -10,8 +10,11 @@ run: finished points are skipped, the settings must match."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from deepinfer.errors import DeepInferError
 
@@ -20,10 +23,10 @@ from ..rows import SCHEMA_VERSION, environment, identity, run_dir_guard, run_id_
 from ..sweep_config import SweepConfig, SweepPoint
 from . import hardware as hw
 from .calibration import Calibration
-from .prefill import mean_len, project_prefill_step, schedule
+from .prefill import PrefillStep, mean_len, project_prefill_step, schedule
 from .sources import (DEFAULT_DISPATCH, PROJECTED_DISPATCH, PrefillCalibration, Target, comm_series,
                       decode_calibration, prefill_calibration, target_model)
-from .step import ModelShape, project_decode
+from .step import ModelShape, Projected, project_decode
 
 PROJECTION_VERSION = "1"
 PROJECTION_SETTINGS = "projection.json"
@@ -48,7 +51,28 @@ class Projection:
     def comm(self, phase: str, ep: int) -> tuple[dict, list[str]]:
         if ep == 1:
             return {}, []
-        return comm_series(PROJECTED_DISPATCH[self.dispatch][phase], self.hardware.link(ep))
+        return comm_series(PROJECTED_DISPATCH[self.dispatch][phase], self.hardware, ep)
+
+    def check(self, cfg: SweepConfig) -> None:
+        """Before anything is written: every role's EP size is calibrated and its exchange has published series,
+        and the sweep's numerics are the calibration's (one line each, else)."""
+        for mode in cfg.modes:
+            ep = cfg.topology.ep_of(mode)
+            if mode == "decode" and ep not in self.decode.ep_sizes():
+                raise DeepInferError(f"the decode role runs EP {ep}, and the calibration run {self.decode.run} has "
+                                     f"rank views at EP {self.decode.ep_sizes()}: measure it with `deepinfer-bench "
+                                     f"step --ep {ep} --rank 0 ...`, or pick a calibrated size")
+            self.comm(mode, ep)
+        runs = {"decode": self.decode, "prefill": self.prefill}
+        for mode in cfg.modes:
+            cal = runs[mode]
+            asked = {"expert_storage": cfg.engine_args.get("expert_storage", "dense"), "precision": cfg.dtype}
+            differ = {k: (v, cal.settings.get(k)) for k, v in asked.items()
+                      if cal.settings.get(k) is not None and cal.settings[k] != v}
+            if differ:
+                said = ", ".join(f"{k} {a} (the calibration: {b})" for k, (a, b) in differ.items())
+                raise DeepInferError(f"the sweep's {said} differ from the {mode} calibration run {cal.run}'s: "
+                                     f"project with its settings, or calibrate with yours")
 
     def fields(self) -> dict:
         """The `projection` field of every row: where each term came from."""
@@ -116,7 +140,7 @@ def _survival(spec) -> tuple[tuple[float, ...], str]:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    projected: object               # step.Projected of the chosen verify length
+    projected: Projected            # the step at the chosen verify length
     verified_drafts: int
     accepted: float                 # tokens a sequence commits a step
     flags: tuple[str, ...]
@@ -147,7 +171,7 @@ def decode_step(proj: Projection, ep: int, batch: int, context: float, spec) -> 
         else:
             flags.append(f"{spec.schedule} schedule: the drafts verified per step are the k in 0..{len(survival)} "
                          f"with the most accepted tokens per step time at this load")
-        best, k, accepted = max(((step(k, al), k, al) for k, al in options), key=lambda t: t[0].output_tok_s_per_gpu)
+        best, k, accepted = max(((step(k, al), k, al) for k, al in options), key=lambda t: t[0].output_tok_s_per_rank)
     return DecodeStep(best, k, accepted, tuple(dict.fromkeys(flags + list(best.flags))))
 
 
@@ -160,8 +184,8 @@ def decode_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint) -> dict
     osl = mean_len(point.osl, cfg.range_ratio)
     duration = math.ceil(point.num_prompts / point.concurrency) * osl * got.tpot_s
     out = point.concurrency * got.accepted / (got.projected.step_ms / 1e3)
-    fields = _metrics(point, cfg, duration, output_throughput=out, tpot=got.tpot_s, ttfts=None,
-                      e2el=osl * got.tpot_s)
+    fields = _metrics(point, cfg, duration, output_throughput=out, tpot=got.tpot_s,
+                      itl=got.projected.step_ms / 1e3, ttfts=None, e2el=osl * got.tpot_s)
     return {**fields, "projected_step": {**got.projected.fields(), "batch_per_rank": batch, "context": round(context),
                                          "verified_drafts": got.verified_drafts, "accepted_per_step": got.accepted},
             "flags": list(got.flags) + ["decode role only: TTFT belongs to the prefill role's rows"]}
@@ -176,7 +200,7 @@ def prefill_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint, index:
     ep = cfg.topology.ep_of("prefill")
     budget = cfg.engine_args.get("max_num_batched_tokens", ENGINE_DEFAULTS["max_num_batched_tokens"])
     comm, flags = proj.comm("prefill", ep)
-    steps: dict[float, object] = {}
+    steps: dict[float, PrefillStep] = {}
 
     seed = cfg.seed * 1_000_003 + index
     lens = [len(p) for p in random_workload(point.num_prompts, point.isl, 1, cfg.range_ratio, proj.shape.vocab,
@@ -193,18 +217,18 @@ def prefill_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint, index:
         flags += list(s.flags)
     flags += list(plan.flags) + ["balanced routing assumed (every rank's experts get T x top_k / EP pairs)"]
     fields = _metrics(point, cfg, plan.duration, output_throughput=point.num_prompts / plan.duration, tpot=None,
-                      ttfts=plan.ttfts, e2el=None, input_tokens=sum(lens))
+                      itl=None, ttfts=plan.ttfts, e2el=np.asarray(plan.ttfts), input_tokens=sum(lens))
     full = step_ms(budget)
     return {**fields, "projected_step": {"tokens": budget, "step_ms": full, "compute_ms": steps[budget].compute_ms,
                                          "comm_ms": steps[budget].comm_ms},
             "flags": list(dict.fromkeys(flags))}
 
 
-def _metrics(point: SweepPoint, cfg: SweepConfig, duration: float, output_throughput: float, tpot, ttfts, e2el,
+def _metrics(point: SweepPoint, cfg: SweepConfig, duration: float, output_throughput: float, tpot, itl, ttfts, e2el,
              input_tokens: float | None = None) -> dict:
     """The measured row's metric fields (harness/metrics.py names; seconds) from a projected point. Every request of
-    a decode point runs at the same step time, so its TPOT percentiles are one value."""
-    import numpy as np
+    a decode point runs at the same step time, so its TPOT percentiles are one value; its ITL is the step (a
+    speculative step delivers its accepted tokens together, as the measured chunks do)."""
     inputs = input_tokens if input_tokens is not None else point.num_prompts * mean_len(point.isl, cfg.range_ratio)
     outputs = output_throughput * duration
     row = {"completed": point.num_prompts, "failed": 0, "total_input_tokens": round(inputs),
@@ -215,7 +239,7 @@ def _metrics(point: SweepPoint, cfg: SweepConfig, duration: float, output_throug
     row["tput_per_gpu"] = row["total_token_throughput"] / point.ranks
     row["output_tput_per_gpu"] = output_throughput / point.ranks
     row["input_tput_per_gpu"] = row["input_throughput"] / point.ranks
-    stats = {"ttft": None if ttfts is None else np.asarray(ttfts), "tpot": tpot, "itl": tpot, "e2el": e2el}
+    stats = {"ttft": None if ttfts is None else np.asarray(ttfts), "tpot": tpot, "itl": itl, "e2el": e2el}
     for name, value in stats.items():
         arr = value if isinstance(value, np.ndarray) else None
         for stat, pct in (("mean", None), ("median", 50), ("p90", 90), ("p99", 99)):
@@ -244,10 +268,13 @@ def _check_resume(folder: RunFolder, settings: dict) -> set[str]:
 
 
 def run_projected_sweep(cfg: SweepConfig, report_dir, run_id: str | None = None, resume: bool = False,
-                        hardware: str | None = None, calibration: str | None = None, progress: bool = True,
-                        echo=print) -> Path:
+                        hardware: str | None = None, calibration: str | None = None,
+                        on_error: OnError = OnError(), echo=print) -> Path:
     """Project every point of `cfg` not yet done; returns the run directory (docs/projection.md)."""
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise DeepInferError("a projection runs in one process: launch it without torchrun")
     proj = build_projection(cfg, report_dir, hardware, calibration)      # a missing calibration: nothing written
+    proj.check(cfg)
     run_id = run_id_for(run_id, cfg.name + "-projected")
     folder = RunFolder(Path(report_dir) / SCHEMA_VERSION / run_id, PROJECTION_SETTINGS, resume)
     settings = {"sweep": cfg.to_dict(), "projection": proj.fields()}
@@ -279,5 +306,5 @@ def run_projected_sweep(cfg: SweepConfig, report_dir, run_id: str | None = None,
             fields["expert_dispatch"] = proj.dispatch if fields["ep"] > 1 else None
             measure = (lambda p=point: decode_fields(proj, cfg, p)) if point.mode == "decode" else \
                 (lambda p=point, i=i: prefill_fields(proj, cfg, p, i))
-            record_point(store, base, point.key, fields, measure, OnError(continue_on_error=True))
+            record_point(store, base, point.key, fields, measure, on_error)
     return folder.path
