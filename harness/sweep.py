@@ -51,16 +51,19 @@ DEFAULT_SWEEP = {
 }
 
 
-# What `deepinfer-bench sweep --decode-ranks 64` projects when no sweep file is given (the published charts' shape:
-# 4 prefill and 64 decode ranks, V4.1-Flash, DSpark off / fixed / confidence; docs/projection.md).
+# What `deepinfer-bench sweep --decode-ranks 64` projects when no sweep file is given: the upstream charts' shape,
+# 4 prefill and 64 decode ranks, V4.1-Flash, DSpark off / fixed / confidence (= sweeps/v41-flash-published.yaml, by
+# test; docs/projection.md).
 PUBLISHED_SWEEP = {
-    "name": "published-v41-flash", "model": "deepseek-ai/DeepSeek-V4.1-Flash-1017", "device": "cuda",
+    "name": "v41-flash-published", "model": "deepseek-ai/DeepSeek-V4.1-Flash-1017", "device": "cuda",
     "dtype": "bfloat16",
-    "engine_args": {"expert_storage": "fp4", "expert_dispatch": "deepep", "max_num_batched_tokens": 16384,
-                    "max_num_seqs": 256},
-    "mode": "both", "scenarios": [{"isl": 1024, "osl": 1024}, {"isl": 8192, "osl": 1024}], "range_ratio": 0.8,
-    "topology": {"prefill_ranks": 4, "decode_ranks": 64, "ep": 64},
+    "engine_args": {"expert_storage": "fp4", "expert_dispatch": "deepep", "max_model_len": 9216, "max_num_seqs": 256,
+                    "max_num_batched_tokens": 16384, "gpu_memory_utilization": 0.9},
+    "mode": "both",
+    "scenarios": [{"isl": 1024, "osl": 1024}, {"isl": 8192, "osl": 1024}, {"isl": 1024, "osl": 8192}],
+    "range_ratio": 0.8, "topology": {"prefill_ranks": 4, "decode_ranks": 64, "ep": 64, "dp": 64},
     "concurrency": {"prefill": {"start": 1, "stop": 64}, "decode": {"start": 1, "stop": 16384}},
+    "num_prompts_per_concurrency": 10, "warmup": 16, "seed": 0,
     "speculative": ["off", {"schedule": "fixed"}, {"schedule": "confidence"}],
 }
 
@@ -70,7 +73,7 @@ def published_sweep(prefill_ranks: int | None = None, decode_ranks: int | None =
     rank (prefill up to 16 prompts a rank, decode up to 256 sequences a rank)."""
     topo = dict(PUBLISHED_SWEEP["topology"])
     topo.update({k: v for k, v in (("prefill_ranks", prefill_ranks), ("decode_ranks", decode_ranks)) if v})
-    topo["ep"] = topo["decode_ranks"]
+    topo["ep"] = topo["dp"] = topo["decode_ranks"]
     ladder = {"prefill": {"start": 1, "stop": 16 * topo["prefill_ranks"]},
               "decode": {"start": 1, "stop": 256 * topo["decode_ranks"]}}
     return {**PUBLISHED_SWEEP, "topology": topo, "concurrency": ladder}

@@ -161,6 +161,11 @@ def test_projection_refuses_what_it_cannot_project(tmp_path, monkeypatch):
     assert not any((tmp_path / "1" / r).exists() for r in "xyzw")
 
 
+def test_published_shape_is_the_sweep_file():
+    from deepinfer.harness.sweep_config import load_sweep
+    assert parse_sweep(PUBLISHED_SWEEP).to_dict() == load_sweep(REPO / "sweeps" / "v41-flash-published.yaml").to_dict()
+
+
 def test_when_a_sweep_is_projected(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     published = parse_sweep(PUBLISHED_SWEEP)

@@ -77,9 +77,9 @@ def test_published_shape():
     assert cfg.model == "deepseek-ai/DeepSeek-V4.1-Flash-1017"
     assert (cfg.topology.prefill_ranks, cfg.topology.decode_ranks) == (4, 64)
     assert [(s.isl, s.osl) for s in cfg.scenarios["decode"]] == [(1024, 1024), (8192, 1024), (1024, 8192)]
-    assert cfg.concurrency["decode"][-1] == 512
+    assert cfg.concurrency["decode"][-1] == 16384 and cfg.engine_args["expert_dispatch"] == "deepep"
     keys = [p.key for p in cfg.points()]
-    assert "decode/isl1024-osl8192/c512" in keys and "prefill/isl8192-osl1024/c64" in keys
+    assert "dspark-confidence-5/decode/isl1024-osl8192/c16384" in keys and "none/prefill/isl8192-osl1024/c64" in keys
     assert {p.ranks for p in cfg.points() if p.mode == "decode"} == {64}
     assert {p.ranks for p in cfg.points() if p.mode == "prefill"} == {4}
 

@@ -229,16 +229,14 @@ def project_ops(shape: MlaMoeShape, dep: Deployment, target: Profile, profiles: 
     if dep.ep > 1:
         link = target.link(dep.ep)
         shaped = ModelShape(shape.hidden, shape.vocab, exchanging, shape.top_k)
+        missing = [op for op in ("dispatch", "combine") if (dep.backend, link, op) not in comm]
+        if missing:
+            raise DeepInferError(f"comm.json has no {dep.backend}/{link}/{missing[0]} series for EP {dep.ep} on "
+                                 f"{target.name}")
+        ops = {op: comm[(dep.backend, link, op)] for op in ("dispatch", "combine")}
         micro = dep.micro_batches
-        for layers, rows in ((shape.moe_layers, dep.batch * dep.query_tokens / micro),
-                             (dep.draft_layers, dep.batch / micro)):
-            for op, nbytes in (("dispatch", shaped.dispatch_bytes(rows)), ("combine", shaped.combine_bytes(rows))):
-                key = (dep.backend, link, op)
-                if key not in comm:
-                    raise DeepInferError(f"comm.json has no {'/'.join(key)} series for EP {dep.ep} on {target.name}")
-                est = comm[key].time(dep.ep, nbytes)
-                flags += [f"{op}: {f}" for f in est.flags]
-                comm_ms += layers * micro * est.us / 1e3
+        comm_ms = (shaped.exchange_ms(ops, dep.ep, dep.batch * dep.query_tokens, micro, flags, shape.moe_layers)
+                   + shaped.exchange_ms(ops, dep.ep, dep.batch, micro, flags, dep.draft_layers))
     step = overlapped(compute, comm_ms, exchanging, dep.overlap)
     serial = compute + comm_ms
     per_gpu = dep.batch * dep.tokens_per_step * 1e3

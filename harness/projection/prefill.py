@@ -63,14 +63,9 @@ def project_prefill_step(cal: PrefillCalibration, measured_on: Profile, target: 
         flags.append(f"prefill compute scaled from {measured_on.name} to {target.name} by GEMM rate")
     comm_ms = 0.0
     if ep > 1:
-        micro = 2 if overlap == "two_micro_batches" else 1
         flags.append("exchange counted per expert copy (DeepEP's normal kernels send one per destination rank and "
                      "none to their own: an overestimate at small EP)")
-        for op, nbytes in (("dispatch", shape.dispatch_bytes(tokens / micro)),
-                           ("combine", shape.combine_bytes(tokens / micro))):
-            est = comm[op].time(ep, nbytes)
-            flags += [f"{op}: {f}" for f in est.flags]
-            comm_ms += est.us * micro / 1e3 * shape.layers
+        comm_ms = shape.exchange_ms(comm, ep, tokens, 2 if overlap == "two_micro_batches" else 1, flags)
     step = overlapped(compute, comm_ms, shape.layers, overlap, overlap_share) if ep > 1 else compute
     return PrefillStep(step, compute, comm_ms, tuple(dict.fromkeys(flags)))
 

@@ -90,12 +90,12 @@ def _family(row: dict) -> tuple[str, str] | None:
     return (parts[1], parts[2]) if len(parts) >= 4 and parts[0] == "random" else None
 
 
-def _decode_rank(rows: list[dict]) -> tuple:
+def _decode_preference(rows: list[dict]) -> tuple:
     """Best decode calibration first: graphed steps, then more rank-view points, then the newest."""
     return (all(r.get("graphed") for r in rows), len(rows), max(r.get("started", "") for r in rows))
 
 
-def _prefill_rank(rows: list[dict]) -> tuple:
+def _prefill_preference(rows: list[dict]) -> tuple:
     """Best prefill calibration first: the fast kernels (not the reference backend), then the newest."""
     return (all(r.get("kernel_backend") not in (None, "reference") for r in rows),
             max(r.get("started", "") for r in rows))
@@ -104,7 +104,7 @@ def _prefill_rank(rows: list[dict]) -> tuple:
 def decode_calibration(report_dir, target: Target, run: str | None = None) -> Calibration:
     """The rank-view run that calibrates decode (`run`: its id; None: the best one of this model family)."""
     folder = _pick(report_dir, target, run, lambda rows: [r for r in rows if r.get("ep_size") and
-                                                          r.get("query_len") == 1], "decode", _decode_rank,
+                                                          r.get("query_len") == 1], "decode", _decode_preference,
                    "deepinfer-bench step --model random:{arch}:{preset}:4 --batch 1,16,64,256 --context 1024 "
                    "--ep 1,2,8,64 --rank 0")
     return Calibration.from_run(folder)
@@ -132,14 +132,14 @@ def prefill_calibration(report_dir, target: Target, run: str | None = None) -> P
     """The prefill points (rows `prefill-t<T>` of step runs) that calibrate prefill: those of run `run`, or those of
     every run of this family on the best run's GPU and kernel class (the newest row of each T wins)."""
     select = lambda rows: [r for r in rows if str(r.get("key", "")).startswith("prefill-")]   # noqa: E731
-    best = _pick(report_dir, target, run, select, "prefill", _prefill_rank,
+    best = _pick(report_dir, target, run, select, "prefill", _prefill_preference,
                  "deepinfer-bench step --model random:{arch}:{preset}:4 --prefill 2048,8192")
     first = select(_step_rows(best))[0]
     rows = []
     for folder in ([best] if run is not None else _runs(report_dir)):
         mine = select(_step_rows(folder))
         if mine and _family(mine[0]) == _family(first) and mine[0]["hardware"] == first["hardware"] \
-                and _prefill_rank(mine)[0] == _prefill_rank([first])[0] and mine[0]["layers"] == first["layers"]:
+                and _prefill_preference(mine)[0] == _prefill_preference([first])[0] and mine[0]["layers"] == first["layers"]:
             rows += [{**r, "run_id": folder.name} for r in mine]       # the folder names the run in reports/
     points, runs = {}, {}
     for r in sorted(rows, key=lambda r: r.get("started", "")):      # the newest row of each T wins

@@ -36,6 +36,18 @@ class ModelShape:
         """BF16 expert outputs back to one rank."""
         return tokens * self.top_k * self.hidden * 2
 
+    def exchange_ms(self, comm: dict, ep: int, tokens: float, micro: int, flags: list[str],
+                    layers: int | None = None) -> float:
+        """Dispatch + combine of `tokens` tokens a step in `micro` micro-batches over `layers` MoE layers (default:
+        every layer), in ms; comm: op -> its AlphaBeta. What stood in for data goes to `flags`."""
+        per_layer = 0.0
+        for op, nbytes in (("dispatch", self.dispatch_bytes(tokens / micro)),
+                           ("combine", self.combine_bytes(tokens / micro))):
+            est = comm[op].time(ep, nbytes)
+            flags += [f"{op}: {f}" for f in est.flags]
+            per_layer += est.us * micro / 1e3
+        return per_layer * (self.layers if layers is None else layers)
+
 
 def overlapped(compute_ms: float, comm_ms: float, layers: int, overlap: str, overlap_share: float = 1.0) -> float:
     """A step of `layers` layers whose compute and exchange total compute_ms and comm_ms. Two micro-batches: one's
@@ -95,13 +107,7 @@ def project_decode(cal: Calibration, measured_on: Profile, target: Profile, shap
         flags.append(f"compute scaled from {measured_on.name} to {target.name} by memory bandwidth")
     compute = look.busy_ms * depth * busiest * gpu
     micro = 2 if overlap == "two_micro_batches" else 1
-    per_layer = 0.0
-    for op, nbytes in (("dispatch", shape.dispatch_bytes(tokens / micro)),
-                       ("combine", shape.combine_bytes(tokens / micro))) if ep > 1 else ():   # EP 1: no exchange
-        est = comm[op].time(ep, nbytes)
-        flags += [f"{op}: {f}" for f in est.flags]
-        per_layer += est.us * micro / 1e3
-    comm_ms = per_layer * shape.layers
+    comm_ms = shape.exchange_ms(comm, ep, tokens, micro, flags) if ep > 1 else 0.0     # EP 1: no exchange
     step = overlapped(compute, comm_ms, shape.layers, overlap, overlap_share)
     exposed = step - compute
     return Projected(step, compute, comm_ms, exposed, batch * tokens_per_step / step * 1e3,
