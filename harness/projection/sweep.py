@@ -217,7 +217,7 @@ def prefill_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint, index:
         flags += list(s.flags)
     flags += list(plan.flags) + ["balanced routing assumed (every rank's experts get T x top_k / EP pairs)"]
     fields = _metrics(point, cfg, plan.duration, output_throughput=point.num_prompts / plan.duration, tpot=None,
-                      itl=None, ttfts=plan.ttfts, e2el=np.asarray(plan.ttfts), input_tokens=sum(lens))
+                      itl=None, ttfts=plan.ttfts, e2el=plan.ttfts, input_tokens=sum(lens))
     full = step_ms(budget)
     return {**fields, "projected_step": {"tokens": budget, "step_ms": full, "compute_ms": steps[budget].compute_ms,
                                          "comm_ms": steps[budget].comm_ms},
@@ -226,32 +226,21 @@ def prefill_fields(proj: Projection, cfg: SweepConfig, point: SweepPoint, index:
 
 def _metrics(point: SweepPoint, cfg: SweepConfig, duration: float, output_throughput: float, tpot, itl, ttfts, e2el,
              input_tokens: float | None = None) -> dict:
-    """The measured row's metric fields (harness/metrics.py names; seconds) from a projected point. Every request of
-    a decode point runs at the same step time, so its TPOT percentiles are one value; its ITL is the step (a
-    speculative step delivers its accepted tokens together, as the measured chunks do)."""
+    """The measured row's metric fields (harness/metrics.py's BenchMetrics.to_row, so the same names, seconds and NaN
+    for a metric without samples) from a projected point. A latency is a list of samples (prefill TTFTs) or one
+    value every request shares (a decode point's TPOT: all its requests run at the same step), or None (no sample:
+    a decode row's TTFT belongs to the prefill role). ITL is the step (a speculative step's tokens arrive
+    together, as the measured chunks do)."""
+    from ..metrics import BenchMetrics, summarize
     inputs = input_tokens if input_tokens is not None else point.num_prompts * mean_len(point.isl, cfg.range_ratio)
-    outputs = output_throughput * duration
-    row = {"completed": point.num_prompts, "failed": 0, "total_input_tokens": round(inputs),
-           "total_output_tokens": round(outputs), "duration": duration,
-           "request_throughput": point.num_prompts / duration, "input_throughput": inputs / duration,
-           "output_throughput": output_throughput, "total_token_throughput": inputs / duration + output_throughput,
-           "num_gpus": point.ranks}
-    row["tput_per_gpu"] = row["total_token_throughput"] / point.ranks
-    row["output_tput_per_gpu"] = output_throughput / point.ranks
-    row["input_tput_per_gpu"] = row["input_throughput"] / point.ranks
-    stats = {"ttft": None if ttfts is None else np.asarray(ttfts), "tpot": tpot, "itl": itl, "e2el": e2el}
-    for name, value in stats.items():
-        arr = value if isinstance(value, np.ndarray) else None
-        for stat, pct in (("mean", None), ("median", 50), ("p90", 90), ("p99", 99)):
-            if arr is not None:
-                v = float(arr.mean()) if pct is None else float(np.percentile(arr, pct))
-            else:
-                v = value
-            row[f"{stat}_{name}"] = v
-        row[f"std_{name}"] = float(arr.std()) if arr is not None else (0.0 if value is not None else None)
-    for key in [k for k in row if k.endswith("_tpot") and not k.startswith("std_")]:
-        row[key[:-len("tpot")] + "intvty"] = None if not row[key] else 1 / row[key]
-    return row
+
+    def stat(value):
+        return summarize([] if value is None else list(value) if isinstance(value, (list, np.ndarray)) else [value])
+    metrics = BenchMetrics(point.num_prompts, 0, round(inputs), round(output_throughput * duration), duration,
+                           point.num_prompts / duration, inputs / duration, output_throughput,
+                           inputs / duration + output_throughput, point.ranks,
+                           stat(ttfts), stat(tpot), stat(itl), stat(e2el))
+    return metrics.to_row()
 
 
 def _check_resume(folder: RunFolder, settings: dict) -> set[str]:
