@@ -99,9 +99,10 @@ class RankViewDispatch(ExpertSlots):
         w = torch.cat([weights.reshape(-1), others.weights.to(weights.dtype)])
         local, offsets, order, inverse, w = permute(slots.view(-1, 1), w.view(-1, 1), self.shard.count + 1,
                                                     self.bucket(x.device))
-        record(self.name, local[local < self.shard.count].view(-1, 1))       # the local slots this rank computes
-        if n not in self.stats and not _capturing(x):
-            self.stats[n] = self._exchange(n, k, own, others, x)
+        if not _capturing(x):            # a boolean mask reads the host: traffic is recorded by the eager steps
+            record(self.name, local[local < self.shard.count].view(-1, 1))   # the local slots this rank computes
+            if n not in self.stats:
+                self.stats[n] = self._exchange(n, k, own, others, x)
         return Dispatched(x=x.index_select(0, rows[order]), weights=w, offsets=offsets[:self.shard.count + 1],
                           expert_ids=local.clamp(max=self.shard.count - 1), order=order, inverse=inverse,
                           n_rows=n, top_k=k)

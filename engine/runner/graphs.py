@@ -95,6 +95,13 @@ class StepGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         self.last_rows = 0                 # rows the last replayed step ran (its graph's, padding included)
 
+    def clear(self) -> None:
+        """Forget every graph, and their memory pool with them: once its last graph is gone the allocator releases
+        a private pool, and capturing into a released pool's handle fails (an allocator assert), so later
+        captures take a fresh one."""
+        self.graphs.clear()
+        self.mempool = torch.cuda.graph_pool_handle()
+
     def varlen_rows(self, segments: int, rows: int) -> int | None:
         """The rows a variable-length step of `segments` segments and `rows` rows runs as (its graph's padded row
         count: the row ladder, capped at max_rows), or None when it runs eagerly (above the ladders)."""

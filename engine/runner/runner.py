@@ -167,7 +167,7 @@ class ModelRunner:
         """Forget the captured step graphs (the model's modules changed under them, as a rank view changes its
         MoE layers: a replay would run the old ones); the next step of each shape captures anew."""
         if self.graphs is not None:
-            self.graphs.graphs.clear()
+            self.graphs.clear()
 
     @torch.inference_mode()
     def shared_forward(self, slot: int, start: int, tokens: torch.Tensor, share) -> torch.Tensor:
