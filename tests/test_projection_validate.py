@@ -102,7 +102,7 @@ def test_projected_step_sums_ops_and_overlaps_as_project_decode(data):
 def test_validation_reruns_and_writes_the_table(tmp_path):
     rows, provenance = run_validation(ROOT / "reports")
     kinds = {r.kind for r in rows}
-    assert kinds == {"published", "own"} and "anchors.json v1" in provenance
+    assert kinds == {"published", "own"} and "anchors.json v2" in provenance
     ids = {r.anchor for r in rows}
     assert {"deepseek-v3-production", "lmsys-96xh100-ep72", "vllm-h200-wide-ep", "sglang-4xh200-v4-flash"} <= ids
     for r in rows:            # every row: within its bound, or a cause
