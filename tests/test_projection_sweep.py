@@ -140,6 +140,18 @@ def test_projected_rows_complete_and_resumable(tmp_path, monkeypatch):
     assert faster[-1]["hardware"] == "B200" and any("compute scaled from H200 to B200" in f for f in faster[-1]["flags"])
 
 
+def test_released_checkpoint_rows_calibrate_their_family(tmp_path, monkeypatch):
+    from deepinfer.harness.projection.sources import decode_calibration
+    monkeypatch.chdir(tmp_path)
+    _calibration_runs(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "1" / "step-rv" / "rows.jsonl").read_text().splitlines()]
+    (tmp_path / "1" / "step-real").mkdir()
+    (tmp_path / "1" / "step-real" / "rows.jsonl").write_text("".join(
+        json.dumps({**r, "model": "deepseek-ai/DeepSeek-V4.1-Flash-1017", "layers": 40}) + "\n" for r in rows))
+    cal = decode_calibration(tmp_path, target_model(MODEL), "step-real")
+    assert cal.run == "step-real" and cal.layers == 40
+
+
 def test_projection_refuses_what_it_cannot_project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DeepInferError, match="no decode calibration of deepseek_v41/flash"):

@@ -85,7 +85,10 @@ def _step_rows(run: Path) -> list[dict]:
 
 
 def _family(row: dict) -> tuple[str, str] | None:
+    """(arch, preset) of the model a step row measured: a random spec's, or a released checkpoint's."""
     spec = row.get("model", "")
+    if spec in RELEASED:
+        return RELEASED[spec]
     parts = spec.split(":") if isinstance(spec, str) else []
     return (parts[1], parts[2]) if len(parts) >= 4 and parts[0] == "random" else None
 
