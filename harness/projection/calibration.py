@@ -60,6 +60,13 @@ def run_settings(row: dict) -> dict:
     return {k: row[k] for k in ("expert_storage", "precision") if row.get(k) is not None}
 
 
+def busy_ms(row: dict) -> float:
+    """A step row's GPU-busy time: the median of a graphed step; median x (1 - GPU idle fraction) of an eager one
+    with a trace (the launch gaps of an eager step are the host's); the median where there is no trace."""
+    idle = row.get("gpu_idle_fraction")
+    return row["step_ms_median"] * (1 - idle if idle is not None and not row.get("graphed") else 1)
+
+
 def point_of(row: dict) -> Point:
     """A step row -> its calibration point."""
     ep = row.get("ep_size") or 1
@@ -68,7 +75,7 @@ def point_of(row: dict) -> Point:
     if eager and idle is None:
         raise DeepInferError(f"row {row.get('key')}: an eager step without a GPU trace has no busy time; rerun "
                              f"with --trace-steps > 0")
-    busy = row["step_ms_median"] * (1 - idle if eager else 1)
+    busy = busy_ms(row)
     ratio = 1.0
     layers = (row.get("expert_parallel") or {}).get("layers") or {}
     if layers:

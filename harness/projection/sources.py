@@ -11,7 +11,7 @@ from pathlib import Path
 from deepinfer.errors import DeepInferError
 
 from . import comm as comm_data
-from .calibration import Calibration, run_settings
+from .calibration import Calibration, busy_ms, run_settings
 from .comm import AlphaBeta
 from .hardware import Profile
 from .hardware import match as hw_match
@@ -146,9 +146,7 @@ def prefill_calibration(report_dir, target: Target, run: str | None = None) -> P
             rows += [{**r, "run_id": folder.name} for r in mine]       # the folder names the run in reports/
     points, runs = {}, {}
     for r in sorted(rows, key=lambda r: r.get("started", "")):      # the newest row of each T wins
-        idle = r.get("gpu_idle_fraction")
-        busy = r["step_ms_median"] * (1 - idle if idle is not None and not r.get("graphed") else 1)
-        points[r["query_len"]] = PrefillPoint(r["query_len"], busy)
+        points[r["query_len"]] = PrefillPoint(r["query_len"], busy_ms(r))
         runs[r["query_len"]] = r["run_id"]
     return PrefillCalibration(first["model"], first["hardware"], first["layers"],
                               "+".join(sorted(set(runs.values()))), max(r["started"] for r in rows),
