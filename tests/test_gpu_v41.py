@@ -66,7 +66,14 @@ def test_flash_stack_runs_on_one_gpu():
     steps = torch.cat([extend(model, [ids[t:t + 1]], [state])[0] for t in range(512, 544)])
     full = compute_logits(model, ids[None].cuda())[0]
     assert torch.isfinite(steps).all() and steps.std() > 0
-    assert (last[0] - full[511]).abs().max().item() < 0.5
+    # bf16 at released widths: GEMMs of other row counts round differently, and a router near a top-k tie turns
+    # that into another expert. The floor is the same position through the full forward at two lengths (causal:
+    # the same math, other shapes); the truncated prefill may differ from the full forward by at most twice that.
+    floor = (compute_logits(model, ids[None, :512].cuda())[0, 511] - full[511]).abs().max().item()
+    truncated = (last[0] - full[511]).abs().max().item()
+    print(f"\n[v41 flash 9L] position 511: truncated prefill vs full forward {truncated:.3f}, full forward at 512 vs "
+          f"544 tokens {floor:.3f}, logit scale {full[511].abs().max().item():.2f}")
+    assert truncated <= max(2 * floor, 0.5)
     agree = (steps.argmax(-1) == full[512:].argmax(-1)).float().mean().item()
     per_token = state.nbytes()
     y, _, drafts = extend_and_draft(model, [ids[:512]], [new_state(model)])

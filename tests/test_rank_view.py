@@ -183,6 +183,29 @@ def test_step_bench_rank_view_bad_input(tmp_path, args, line):
                watch=[tmp_path])
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41"])
+def test_probe_rewind_lets_a_position_run_again(arch):
+    """A decode step run twice at the same positions: V4.1's engram look-back ring (max_ngram - 1 rows) lost its
+    oldest position to the first run's write, so the second differs unless the probe rewinds; V4's rings (windows
+    that never read the overwritten row) give equal steps either way. Rewound, the logits are bitwise the first's."""
+    from deepinfer import LLM
+    from deepinfer.checkpoint.make import embedded_tiny_dir
+    from deepinfer.runner.probe import StepProbe
+    llm = LLM(embedded_tiny_dir(arch), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64)
+    probe = StepProbe(llm, batch_size=4, context_len=16)
+    runner = llm.engine.runner
+    try:
+        with torch.inference_mode():
+            first = runner.run_shape(probe.inputs, graphed=False).clone()
+            again = runner.run_shape(probe.inputs, graphed=False).clone()
+            probe.rewind()
+            rewound = runner.run_shape(probe.inputs, graphed=False)
+    finally:
+        probe.close()
+    assert torch.equal(rewound, first)
+    assert torch.equal(again, first) == (arch == "deepseek_v4")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41"])
@@ -207,14 +230,18 @@ def test_gpu_view_step_replays_as_a_cuda_graph(arch):
             runner.drop_graphs()
             with rank_view(llm.model, 4, 1, pool, keep_whole=keep_whole) as view:
                 eager = runner.run_shape(probe.inputs, graphed=False).clone()
+                probe.rewind()                  # each step sees the seeded state (V4.1's look-back: probe.rewind)
                 first = runner.run_shape(probe.inputs).clone()
+                probe.rewind()
                 again = runner.run_shape(probe.inputs).clone()
                 assert view.exchange(8)["pairs_received"] > 0
             assert runner.graphs.graphs                      # it replayed a captured graph
             torch.testing.assert_close(first, eager, rtol=1e-5, atol=1e-5)
             assert torch.equal(first, again)
             runner.drop_graphs()
-            whole = runner.run_shape(probe.inputs, graphed=False)
+            probe.rewind()
+            whole = runner.run_shape(probe.inputs, graphed=False).clone()
+            probe.rewind()
             torch.testing.assert_close(runner.run_shape(probe.inputs), whole, rtol=1e-5, atol=1e-5)
             assert not torch.allclose(whole, eager, rtol=1e-3, atol=1e-3)   # the view did change the step
     finally:

@@ -40,6 +40,7 @@ class StepProbe:
             raise DeepInferError(f"the state pools hold {seated} of {batch_size} sequences of {context_len + query_len}"
                                  f" positions; raise gpu_memory_utilization / state_memory_bytes or lower the batch")
         self.slots = [self.manager.slot(r) for r in self.rids]
+        self._seeded = [self.runner.pools.snapshot(s) for s in self.slots]     # rewind()'s state
         self.batch_size, self.context_len, self.query_len = batch_size, context_len, query_len
         dev = self.model.device
         g = torch.Generator(device="cpu").manual_seed(seed)
@@ -70,6 +71,14 @@ class StepProbe:
         with use(self.kernels):
             logits = self.runner.run_shape(self.inputs, graphed=not eager)
         return logits.argmax(dim=-1)
+
+    def rewind(self) -> None:
+        """Give the probe's slots back the ring state they were seeded with. A step writes its positions' rows, and
+        a ring of n rows holding positions p-n..p-1 loses p-n to the write of p: V4.1's engram look-back (n-1 rows,
+        read as p-n+1..p) then sees another token when the same position runs again. Steps compared for their
+        values rewind first; timed steps need not (the values do not change the time)."""
+        for slot, rows in zip(self.slots, self._seeded):
+            self.runner.pools.restore(slot, rows)
 
     def close(self) -> None:
         for rid in self.rids:
