@@ -40,6 +40,8 @@ from .scheduler.scheduler import SeatManager
 from .speculative.speculation import Speculation
 from .stats import Counters, EngineStats, graph_count, runner_fields
 
+PREFIX_COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_replayed_tokens", "prefix_evicted_blocks")
+
 
 class Runner(Protocol):
     """What the core needs of a runner (runner/runner.ModelRunner is one)."""
@@ -66,7 +68,13 @@ class StateCache(SeatManager, Protocol):
 
     def usage(self) -> dict:
         """EngineStats' state fields: num_seats, free_seats, num_blocks, free_blocks, block_tokens, state_bytes,
-        state_summary (None where it keeps no such thing)."""
+        state_summary, prefix_caching and the prefix counts (None where it keeps no such thing)."""
+
+    def cache_blocks(self, rid: str, tokens: list[int]) -> None:
+        """`rid`'s positions 0 .. len(tokens)-1 are computed with these committed tokens (prefix caching)."""
+
+    def forget_prefixes(self) -> None:
+        """The model changed under the state: no cached prefix may be served again."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +261,9 @@ class EngineCore:
         plan, out = self._in_flight
         self._in_flight = None
         results = out.resolve()
+        for row in plan.rows:                         # prefill pieces (no sampled row): their blocks are computed
+            if not row.num_logits and row.request.status is Status.RUNNING:
+                self.manager.cache_blocks(row.request_id, row.request.tokens(0, row.start + row.n))
         accepted = self.speculation.apply(plan, out.speculation()) if self.speculation is not None else None
         now, c, finished = time.perf_counter(), self._counters, []
         for i, (row, toks, lps) in enumerate(results):
@@ -273,6 +284,8 @@ class EngineCore:
             if row.n == row.num_logits:
                 c.decode_rows += 1
                 c.decode_row_tokens += kept
+            if r.status is Status.RUNNING:            # its blocks this row completed join the prefix cache
+                self.manager.cache_blocks(r.request_id, r.tokens(0, row.start + row.n - fed + (took if fed else 0)))
             if r.finish_reason is not None:
                 self.scheduler.finish(r)
                 c.requests_finished += 1
@@ -289,6 +302,7 @@ class EngineCore:
         """The model's modules were swapped (a rank view of expert parallelism opened or closed): the captured
         step graphs would replay the old ones, so they are dropped and each shape captures anew."""
         self.runner.drop_graphs()
+        self.manager.forget_prefixes()
 
     # ---- statistics ----
     @property
@@ -296,10 +310,14 @@ class EngineCore:
         """A snapshot: counters since the engine was built or reset_stats(), and what it holds now."""
         runner = runner_fields(self.runner)
         runner["graph_replays"] -= self._base["graph_replays"]
+        usage = self.manager.usage()
+        for key in PREFIX_COUNTERS:                  # counted since the build: since reset_stats here
+            if usage.get(key) is not None:
+                usage[key] -= self._base.get(key) or 0
         return EngineStats(**dataclasses.asdict(self._counters),
                            preemptions=self.scheduler.num_preemptions - self._base["preemptions"],
                            kernel_backend=self.kernels.name, kernel_backends=dict(self.kernels.backends),
-                           async_scheduling=self.async_scheduling, **runner, **self.manager.usage(),
+                           async_scheduling=self.async_scheduling, **runner, **usage,
                            expert_traffic=self.traffic.summary() if self.traffic is not None else None)
 
     def reset_stats(self) -> None:
@@ -309,8 +327,10 @@ class EngineCore:
             self.speculation.reset_counts()
         if self.traffic is not None:
             self.traffic.reset()
+        usage = self.manager.usage()
         self._base = {"preemptions": self.scheduler.num_preemptions,
-                      "graph_replays": runner_fields(self.runner)["graph_replays"]}
+                      "graph_replays": runner_fields(self.runner)["graph_replays"],
+                      **{k: usage.get(k) for k in PREFIX_COUNTERS}}
 
 
 def _count_positions(counts: list, n: int) -> None:

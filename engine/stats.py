@@ -51,6 +51,19 @@ class EngineStats(Counters):
     state_bytes: int | None = None   # bytes of the state pools
     state_summary: str | None = None  # the start-up log line of the state manager
     expert_traffic: dict | None = None  # LLM(expert_traffic=True): per MoE layer, parallel/traffic.ExpertTraffic
+    # prefix caching (cache/prefix.py; None when off): counted like the counters above, and what it holds now
+    prefix_caching: bool = False
+    prefix_queried_tokens: int | None = None    # tokens of the sequences that started looking for a cached prefix
+    prefix_hit_tokens: int | None = None        # of those, positions served from cached blocks
+    prefix_replayed_tokens: int | None = None   # positions bounded replay recomputed for the rings of those hits
+    prefix_evicted_blocks: int | None = None    # cached blocks given to new allocations
+    prefix_cached_blocks: int | None = None     # blocks the cache holds now (shared or idle)
+    prefix_replay_tokens: int | None = None     # the replay length R of this model and state layout
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Hit tokens over queried tokens (None: prefix caching off or nothing queried)."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

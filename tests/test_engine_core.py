@@ -57,7 +57,17 @@ class FakeManager:
         self.cache: dict[str, list[int]] = {}
         self.rollbacks: list[tuple[str, int]] = []
 
-    def reserve(self, rid: str, num_tokens: int) -> bool:
+    def match_prefix(self, rid: str, tokens: list[int]):
+        return None                      # the fake cache shares no prefix
+
+    def cache_blocks(self, rid: str, tokens: list[int]) -> None:
+        pass
+
+    def forget_prefixes(self) -> None:
+        pass
+
+    def reserve(self, rid: str, num_tokens: int, hit=None) -> bool:
+        assert hit is None
         slot, blocks = self.owned.get(rid, (None, []))
         need = math.ceil(num_tokens / self.block_tokens) - len(blocks)
         if (slot is None and not self.free_slots) or need > len(self.free_blocks):

@@ -218,7 +218,8 @@ class ForwardBatch:
     def write_entries(self, store: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, ratio: int,
                       new: torch.Tensor) -> None:
         """Entries new [C, w] closed by `rows` (entry p // ratio of each row's sequence) into store
-        [NB, E, w]; invalid ones to scratch block 0."""
+        [NB, E, w]; invalid ones, and those below their slot's write floor (a prefix hit's replay), to scratch
+        block 0."""
         per_block = store.shape[1]
         block, at = self._cached(("entry_rows", id(rows), id(valid), ratio, per_block),
                                  lambda: self._entry_rows(rows, valid, ratio, per_block))[:2]
@@ -227,10 +228,12 @@ class ForwardBatch:
     def _entry_rows(self, rows: torch.Tensor, valid: torch.Tensor, ratio: int, per_block: int):
         """(store block, row in the block) of the entries `rows` close, and rows / valid themselves (kept alive with
         the step's cache, so the ids in its key stay theirs): the stores of one ratio share them."""
-        j = self.positions[rows] // ratio
+        pos, slot = self.positions[rows], self.row_slot[rows]
+        j = pos // ratio
         col = (j * ratio) // self.pools.block_tokens
-        block = self.pools.block_table[self.row_slot[rows], col.clamp(max=self.pools.max_blocks - 1)].long()
-        return torch.where(valid, block, SCRATCH), j % per_block, rows, valid
+        block = self.pools.block_table[slot, col.clamp(max=self.pools.max_blocks - 1)].long()
+        kept = valid & (pos >= self.pools.write_floor[slot])       # below the floor: a shared block's entry
+        return torch.where(kept, block, SCRATCH), j % per_block, rows, valid
 
     def entry_index(self, ratio: int, per_block: int) -> torch.Tensor:
         """[N, J] rows of the flattened entry store [NB * per_block, w] of entries 0 .. J-1 of each row's

@@ -5,7 +5,11 @@ model and a profiled forward already use (the engine does the profiling), else o
 at `max_model_len` capped at DEFAULT_CPU_BYTES. The pools must hold at least one sequence of max_model_len;
 seats (slots) are cut to what the budget leaves after that. A sequence owns one slot while it runs and
 ceil(tokens / block_tokens) blocks; when a step needs blocks none are free, the scheduler preempts.
-Snapshots keep a sequence's slot-fixed state at a position (speculative rollback, prefix caching)."""
+Snapshots keep a sequence's slot-fixed state at a position (speculative rollback).
+
+With prefix caching (cache/prefix.py) a sequence's first blocks may be cached ones it shares, its computed blocks
+are registered as the engine applies each step (cache_blocks), and blocks the cache holds unreferenced are free
+space: an allocation takes a free block first, else evicts the least recently used cached one."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 
 from ..errors import DeepInferError
 from .pools import PoolLayout, StatePools
+from .prefix import PrefixCache, PrefixHit
 
 log = logging.getLogger("deepinfer")
 DEFAULT_CPU_BYTES = 4 << 30
@@ -22,9 +27,12 @@ DEFAULT_CPU_BYTES = 4 << 30
 
 class StateManager:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None,
-                 block_size: int | None = None, kv_cache_dtype: str = "auto", ring_slack: int = 0):
+                 block_size: int | None = None, kv_cache_dtype: str = "auto", ring_slack: int = 0,
+                 prefix_salt: bytes | None = None, idle_rings: tuple[str, ...] = ()):
         """model: anything with state_spec(), dtype and device (the cache knows the model by its spec only).
-        ring_slack: extra positions per ring (PoolLayout; speculative decoding's longest draft)."""
+        ring_slack: extra positions per ring (PoolLayout; speculative decoding's longest draft). prefix_salt: turns
+        prefix caching on, hashing blocks under this salt (what the state was computed by); idle_rings: rings no
+        step writes (a drafter's when the engine does not draft), which a replay need not rebuild."""
         layout = PoolLayout.for_model(model, block_size, kv_cache_dtype, ring_slack)
         device = model.device
         self.layout, self.max_model_len = layout, max_model_len
@@ -48,6 +56,11 @@ class StateManager:
         self.free_blocks = list(range(blocks, 0, -1))
         self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
         self.snapshots: dict[str, tuple[int, dict]] = {}      # request id -> (num_tokens, ring copies)
+        self.prefix = None if prefix_salt is None else PrefixCache(
+            layout.block_tokens, replay_tokens(layout, idle_rings), prefix_salt)
+        self.registered: dict[str, tuple[int, bytes | None]] = {}   # request id -> (blocks registered, their chain)
+        self.floors: set[str] = set()                        # request ids whose slot has a write floor
+        self.queried: dict[str, int] = {}                    # request id -> tokens its last match looked up
         self.summary = (
             f"state pools ({self._storage_note(layout)}): "
             f"{layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
@@ -72,34 +85,81 @@ class StateManager:
         return self.owned[rid][0]
 
     def usage(self) -> dict:
-        """Seats, blocks and bytes (EngineStats' state fields)."""
+        """Seats, blocks and bytes (EngineStats' state fields), and the prefix cache's counts (None: off)."""
+        counts = self.prefix.counts() if self.prefix is not None else dict.fromkeys(PrefixCache.COUNTS)
         return {"num_seats": self.num_slots, "free_seats": len(self.free_slots), "num_blocks": self.pools.num_blocks,
                 "free_blocks": len(self.free_blocks), "block_tokens": self.layout.block_tokens,
-                "state_bytes": int(self.pools.nbytes()), "state_summary": self.summary}
+                "state_bytes": int(self.pools.nbytes()), "state_summary": self.summary,
+                "prefix_caching": self.prefix is not None, **counts}
 
-    def reserve(self, rid: str, num_tokens: int) -> bool:
-        """Make `rid` own a slot and the blocks for num_tokens positions; False (nothing taken) if they
-        are not free."""
+    def match_prefix(self, rid: str, tokens: list[int]) -> PrefixHit | None:
+        """The cached prefix a sequence about to start could share (nothing is taken: reserve(..., hit) takes it)."""
+        if self.prefix is None or rid in self.owned:
+            return None
+        self.queried[rid] = len(tokens)              # counted once the sequence starts (reserve)
+        return self.prefix.match(tokens)
+
+    def reserve(self, rid: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make `rid` own a slot and the blocks for num_tokens positions, its first ones `hit`'s shared blocks (a
+        sequence that owns nothing yet); False (nothing taken) if they are not free."""
         slot, blocks = self.owned.get(rid, (None, []))
-        need = self.layout.blocks_for(num_tokens) - len(blocks)
-        if (slot is None and not self.free_slots) or need > len(self.free_blocks):
+        shared = list(hit.blocks) if hit is not None and slot is None else []
+        need = self.layout.blocks_for(num_tokens) - len(blocks) - len(shared)
+        spare = len(self.free_blocks) + (self.prefix.evictable - sum(b in self.prefix.idle for b in shared)
+                                         if self.prefix is not None else 0)
+        if (slot is None and not self.free_slots) or need > spare:
             return False
         if slot is None:
             slot = self.free_slots.pop()
-        if need > 0:
-            new = [self.free_blocks.pop() for _ in range(need)]
-            self.pools.block_table[slot, len(blocks):len(blocks) + need] = torch.tensor(
+            if rid in self.queried:
+                self.prefix.queried_tokens += self.queried.pop(rid)
+        if shared:
+            self.prefix.acquire(hit)
+            self.registered[rid] = (len(shared), self.prefix.blocks[shared[-1]].digest)
+            self.pools.write_floor[slot] = hit.tokens
+            self.floors.add(rid)
+        new = shared + [self._take_block() for _ in range(max(need, 0))]
+        if new:
+            self.pools.block_table[slot, len(blocks):len(blocks) + len(new)] = torch.tensor(
                 new, dtype=torch.int32).to(self.pools.device, non_blocking=True)
             blocks = blocks + new
         self.owned[rid] = (slot, blocks)
         return True
 
+    def _take_block(self) -> int:
+        return self.free_blocks.pop() if self.free_blocks else self.prefix.evict()
+
+    def cache_blocks(self, rid: str, tokens: list[int]) -> None:
+        """`rid`'s positions 0 .. len(tokens)-1 are computed with these committed tokens: register its blocks they
+        fill (prefix caching; a no-op without it or for a sequence that holds no blocks now)."""
+        if self.prefix is None or rid not in self.owned:
+            return
+        blocks = self.owned[rid][1]
+        done, parent = self.registered.get(rid, (0, None))
+        bt = self.layout.block_tokens
+        full = min(len(tokens) // bt, len(blocks))
+        for k in range(done, full):
+            parent = self.prefix.register(blocks[k], parent, tokens[k * bt:(k + 1) * bt])
+        if full > done:
+            self.registered[rid] = (full, parent)
+
+    def forget_prefixes(self) -> None:
+        """The model changed under the cached state (a rank view): no block may be served again."""
+        if self.prefix is not None:
+            self.free_blocks.extend(self.prefix.clear())
+            self.registered.clear()
+
     def release(self, rid: str) -> None:
         self.snapshots.pop(rid, None)
+        self.registered.pop(rid, None)
         slot, blocks = self.owned.pop(rid, (None, []))
         if slot is None:
             return
-        self.free_blocks.extend(reversed(blocks))
+        cached = {b for b in blocks if self.prefix.release(b)} if self.prefix is not None else set()
+        self.free_blocks.extend(b for b in reversed(blocks) if b not in cached)
+        if rid in self.floors:
+            self.floors.discard(rid)
+            self.pools.write_floor[slot] = 0
         self.free_slots.append(slot)
         # NOTE: the table row keeps stale ids: the next owner overwrites the columns it uses, and entries past a
         # row's own count are never attended (hidden by position), so stale ids are never read.
@@ -127,3 +187,8 @@ class StateManager:
         num_tokens, snap = self.snapshots[rid]
         self.pools.restore(self.slot(rid), snap)
         return num_tokens
+
+
+def replay_tokens(layout: PoolLayout, idle_rings: tuple[str, ...] = ()) -> int:
+    """Positions a prefix hit replays (cache/prefix.py): the longest ring's rows plus its depth."""
+    return max((layout.ring_rows(r) + r.depth for r in layout.spec.rings if r.name not in idle_rings), default=0)

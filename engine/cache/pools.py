@@ -7,6 +7,7 @@ From the model's StateSpec (cache/spec.py):
                                     j*ratio .. j*ratio + ratio-1) lives at block_table[slot, j*ratio // bt],
                                     row j % (bt/ratio); every entry stream shares the one block table
   block_table    [S, max_blocks]    int32: a sequence's block k (positions k*bt .. (k+1)*bt - 1) -> pool block
+  write_floor    [S]                int64: entries closed below it are not written (a prefix hit's shared blocks)
 Slot 0 and block 0 are scratch: padding rows of a CUDA-graph batch and writes that must go nowhere land there,
 and nothing real ever reads them. The pools know nothing of the model beyond the spec.
 
@@ -120,6 +121,9 @@ class StatePools:
         self.entries = {e.name: self._allocate(e, (num_blocks + 1, layout.block_tokens // e.ratio))
                         for e in layout.spec.entries}
         self.block_table = torch.zeros(S, self.max_blocks, dtype=torch.int32, device=self.device)
+        # [S] int64: a slot's entries below this position are a prefix hit's shared blocks, which no step writes
+        # (its bounded replay runs those positions again for the rings only: cache/prefix.py)
+        self.write_floor = torch.zeros(S, dtype=torch.long, device=self.device)
 
     def _allocate(self, kind, lead: tuple[int, int]):
         """[*lead, width] in the kind's dtype, or a PackedStore of records [*lead, record_bytes]."""

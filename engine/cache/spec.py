@@ -6,12 +6,16 @@ Two kinds, which are all the cache needs to size, allocate, snapshot and restore
   Entries  per block of positions, growing with the sequence: one entry per `ratio` positions
            (compressed KV entries, indexer keys)
 A kind's dtype is "compute" (the model's dtype), "accum" (>= fp32: buffers the reference keeps in fp32) or
-"int64" (token-derived ids). A kind the attention or the indexer reads may name `packed`, the release's FP8 / FP4
+"int64" (token-derived ids). A ring's `depth` is how far back its rows' values reach through the layers below it:
+position p of a layer-l window depends on the first layer's inputs at p - depth .. p (each window attention below
+reaches W - 1 positions back, a token look-back n - 1), which is what bounded replay must recompute before a
+prefix-cache hit (cache/prefix.py: replay_tokens). A kind the attention or the indexer reads may name `packed`, the release's FP8 / FP4
 cache record for it (kernels/kv_formats.py): the pools store those records when the engine is built with
 kv_cache_dtype="fp8", else the compute dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -29,6 +33,7 @@ class Ring:
     width: int        # values per position
     dtype: str = "compute"
     packed: KVFormat | None = None      # the record kv_cache_dtype="fp8" stores instead
+    depth: int = 0    # positions before a row whose first-layer inputs its value depends on (module docstring)
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,10 @@ class StateSpec:
     def of(cls, kinds) -> "StateSpec":
         kinds = list(kinds)
         return cls(tuple(k for k in kinds if isinstance(k, Ring)), tuple(k for k in kinds if isinstance(k, Entries)))
+
+    def with_depths(self, depth_of) -> "StateSpec":
+        """The spec with each ring's depth set to depth_of(ring name) (the model knows its layers' reach)."""
+        return StateSpec(tuple(dataclasses.replace(r, depth=depth_of(r.name)) for r in self.rings), self.entries)
 
     def block_multiple(self) -> int:
         """Positions per block must be a multiple of every entry ratio."""

@@ -5,7 +5,10 @@ Each step: running sequences first (in admission order; a row feeds every positi
 not yet planned: the rest of its prompt, its newest token, its draft tokens; cut to what the budget leaves),
 then waiting sequences while seats, budget and blocks remain. A sequence's blocks are reserved before the step
 that needs them; when none are free the most recently admitted sequences are preempted (slot and blocks freed,
-back to the front of the queue, recomputed later from prompt + outputs). `num_computed` advances when a step
+back to the front of the queue, recomputed later from prompt + outputs). A sequence that starts (or restarts)
+with a cached prefix (prefix caching, cache/prefix.py) starts at its replay: num_computed = the hit minus the
+replay length, vLLM's rule of counting a hit as computed, less what bounded replay recomputes; prompt-logprob
+requests never take a hit (they need every prompt position's logits). `num_computed` advances when a step
 is planned: with asynchronous scheduling the next step is planned while this one runs, its sampled tokens
 still in flight (Request.num_inflight).
 
@@ -38,13 +41,18 @@ class SeatManager(Protocol):
     per running request and room for its positions."""
     num_slots: int
 
-    def reserve(self, rid: str, num_tokens: int) -> bool:
-        """Own a slot and the blocks for positions 0..num_tokens-1; False (nothing taken) when not free."""
+    def reserve(self, rid: str, num_tokens: int, hit=None) -> bool:
+        """Own a slot and the blocks for positions 0..num_tokens-1 (the first ones `hit`'s shared blocks); False
+        (nothing taken) when not free."""
 
     def release(self, rid: str) -> None:
         """Give its slot and blocks back (no-op when it holds none)."""
 
     def slot(self, rid: str) -> int: ...
+
+    def match_prefix(self, rid: str, tokens: list[int]):
+        """A cached prefix (cache/prefix.PrefixHit: its positions, where its replay starts) a sequence about to start
+        could share, or None; nothing is taken until reserve(rid, n, hit)."""
 
     def snapshot_unless_slack(self, rid: str, num_tokens: int, drafts: int) -> None:
         """Before a verify row of `drafts` drafts from position num_tokens: keep what a rollback must restore."""
@@ -97,8 +105,16 @@ class Scheduler:
                 budget -= n
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            n = self._chunk(req, budget, 0) if req.num_inflight == 0 else 0
-            if n == 0 or not self.manager.reserve(req.request_id, n):
+            if req.num_inflight or req in preempted:   # not back in the step that preempted it: a step in flight
+                break                                  # may still hold rows of its old seat
+            hit = self.manager.match_prefix(req.request_id, req.tokens(0, req.num_tokens)) \
+                if req.num_computed == 0 and req.params.prompt_logprobs is None else None
+            start = req.num_computed
+            if hit is not None:                  # the cached blocks hold [0, hit.tokens); the replay starts before
+                req.num_computed = hit.replay_start
+            n = self._chunk(req, budget, 0)
+            if n == 0 or not self.manager.reserve(req.request_id, req.num_computed + n, hit):
+                req.num_computed = start
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING

@@ -28,3 +28,16 @@ class FlatBatchLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
+
+    def layer_depths(self, engram_layers=(), lookback: int = 0) -> tuple[list[int], int]:
+        """How far back each layer's input reaches through the layers below (cache/spec.py's Ring.depth): depth[l] of
+        layer l's input (after an engram at l, which reads `lookback` earlier tokens), and the final streams'. Each
+        sliding-window attention reaches window - 1 positions back; compressed entries and index keys are
+        per-position state a prefix hit keeps, so they add nothing."""
+        depths, depth = [], 0
+        for layer in range(self.cfg.num_hidden_layers):
+            if layer in engram_layers:
+                depth = max(depth, lookback)
+            depths.append(depth)
+            depth += self.cfg.sliding_window - 1
+        return depths, depth

@@ -103,7 +103,9 @@ class DeepseekV4ForCausalLM(FlatBatchLM, HyperHead):
     def state_spec(self) -> StateSpec:
         """Every layer's per-sequence state, and the NextN drafter's (mtp.py) when the checkpoint has one."""
         kinds = [k for i, b in enumerate(self.layers) for k in b.attn.state_kinds(i)]
-        return StateSpec.of(kinds + (mtp.state_kinds(self) if self.drafting is not None else []))
+        depths, final = self.layer_depths()
+        return StateSpec.of(kinds + (mtp.state_kinds(self) if self.drafting is not None else [])).with_depths(
+            lambda name: mtp.ring_depth(name, final) if name.startswith("mtp.") else depths[int(name.split(".")[0])])
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [Q]: the step's query rows (batch says whose and where; every row but under context parallelism,

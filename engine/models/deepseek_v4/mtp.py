@@ -50,6 +50,12 @@ def state_kinds(model) -> list:
     return [*model.mtp[0].attn.state_kinds(LAYER), Ring(STREAMS, 1, cfg.hc_mult * cfg.hidden_size)]
 
 
+def ring_depth(name: str, final: int) -> int:
+    """Ring.depth of the drafter's rings: the streams ring holds the target's last streams (depth `final`, the
+    whole stack's); the window's latent at t-1 pairs them with the token at t (one position further back)."""
+    return final if name == STREAMS else final + 1
+
+
 def observe(model, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
     """After the target's layers: streams [N, hc, D] of the step's rows, input_ids [N]. Writes the latent of
     (streams at t-1, x_t) at t-1 for each row at t (each segment's last window positions), then each row's

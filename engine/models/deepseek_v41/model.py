@@ -65,7 +65,14 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
             kinds.append(Ring("engram", self.cfg.engram_max_ngram_size - 1, 1, "int64"))
         if self.drafting is not None:
             kinds += [Ring(name, self.cfg.sliding_window, self.cfg.head_dim) for name in self.drafting.rings]
-        return StateSpec.of(kinds)
+        depths, _ = self.layer_depths(self.cfg.engram_layer_ids, self.cfg.engram_max_ngram_size - 1)
+        drafts = max((depths[t] for t in self.cfg.dspark_target_layer_ids), default=0)   # the stages' features
+
+        def depth(name: str) -> int:
+            if name == "engram":
+                return 0                        # token ids: every replayed position writes its own
+            return drafts if name.startswith("mtp.") else depths[int(name.split(".")[0])]
+        return StateSpec.of(kinds).with_depths(depth)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [Q]: the step's query rows (batch says whose and where; every row but under context parallelism,

@@ -1,0 +1,155 @@
+"""Prefix caching over the append-only state: content-hashed entry blocks shared between sequences, the
+slot-fixed rings rebuilt by bounded replay (docs/prefix-cache.md).
+
+A sequence's state (cache/spec.py) is per-block entries (compressed KV, index keys of positions k*bt ..
+(k+1)*bt - 1 in its block k), which never change once those positions are computed, and per-slot rings (windows,
+compressors' open windows, look-backs, draft rings), which every position rewrites. A block whose positions are
+computed with committed tokens can be shared, read-only, by every later sequence with the same tokens up to its
+end: its hash chains the hashes of the blocks before it and a salt (the model's config and dtype, its tokenizer
+binding, the kernel table, the state dtype), so equal hashes mean equal prefixes under equal numerics; each block
+keeps its token ids and its parent's hash, so a hit is verified token by token and a collision cannot mix
+sequences. The hit granularity is one block (block_tokens positions, a multiple of every compression ratio).
+
+Rings are not stored per block. A sequence that hits H positions replays [H - R, H): those positions run as a
+prefill whose entry writes are dropped below the write floor H (the cached blocks hold those entries, and a shared
+block is never written), and leave every ring as a full prefill would. R = max over rings of (rows + depth): the
+replay's first rows read windows and look-backs the new slot does not hold, each sliding window above carries
+that error W - 1 positions further (spec.Ring.depth), and R is the shortest replay whose errors all end before
+the positions the rings keep. Hits of at most R positions are not taken (the replay would recompute them all).
+
+Blocks: a block the cache knows has a reference count (sequences whose tables hold it); at zero it stays in the
+pool, evictable, least recently used first, until an allocation needs it. Blocks are registered when a step's
+results are applied (core._apply): their positions computed and their tokens committed (a verify row's rejected
+positions are not). A sequence that computed a block another had already registered keeps its copy unregistered
+(freed with it)."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A prefix a waiting sequence can start from: the cached blocks of its first `tokens` positions, and the
+    position its replay starts at (tokens - replay)."""
+    blocks: tuple[int, ...]
+    tokens: int
+    replay_start: int
+
+
+@dataclass
+class _Block:
+    digest: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+class PrefixCache:
+    COUNTS = ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_replayed_tokens", "prefix_evicted_blocks",
+              "prefix_cached_blocks", "prefix_replay_tokens")
+
+    def __init__(self, block_tokens: int, replay_tokens: int, salt: bytes):
+        self.block_tokens, self.replay_tokens, self.salt = block_tokens, replay_tokens, salt
+        self.blocks: dict[int, _Block] = {}          # pool block -> what it holds
+        self.by_digest: dict[bytes, int] = {}
+        self.refs: dict[int, int] = {}               # registered block -> sequences holding it
+        self.idle: OrderedDict[int, None] = OrderedDict()   # registered, unreferenced: oldest use first
+        self.queried_tokens = self.hit_tokens = self.replayed_tokens = self.evicted_blocks = 0
+
+    # ---- hashing ----
+    def digest(self, parent: bytes | None, tokens) -> bytes:
+        """The chained hash of one block of token ids after the block whose digest is `parent` (None: the first)."""
+        h = hashlib.blake2b(self.salt if parent is None else parent, digest_size=16)
+        h.update(array("q", tokens).tobytes())
+        return h.digest()
+
+    # ---- lookup ----
+    def match(self, tokens: list[int]) -> PrefixHit | None:
+        """The longest cached prefix of `tokens` worth taking: whole blocks, leaving at least one position to
+        compute (the sequence samples from it), longer than the replay."""
+        bt = self.block_tokens
+        found, parent = [], None
+        for k in range((len(tokens) - 1) // bt):
+            piece = tokens[k * bt:(k + 1) * bt]
+            d = self.digest(parent, piece)
+            block = self.by_digest.get(d)
+            if block is None:
+                break
+            held = self.blocks[block]
+            if held.parent != (parent or b"") or held.tokens != tuple(piece):     # a hash collision: not ours
+                break
+            found.append(block)
+            parent = d
+        hit = len(found) * bt
+        if hit <= self.replay_tokens:
+            return None
+        return PrefixHit(tuple(found), hit, hit - self.replay_tokens)
+
+    def chain(self, tokens: list[int], blocks: int) -> bytes | None:
+        """The digest of the first `blocks` blocks of `tokens` (None for none)."""
+        parent = None
+        for k in range(blocks):
+            parent = self.digest(parent, tokens[k * self.block_tokens:(k + 1) * self.block_tokens])
+        return parent
+
+    # ---- references ----
+    def acquire(self, hit: PrefixHit) -> None:
+        for block in hit.blocks:
+            self.refs[block] += 1
+            self.idle.pop(block, None)
+        self.hit_tokens += hit.tokens
+        self.replayed_tokens += hit.tokens - hit.replay_start
+
+    def release(self, block: int) -> bool:
+        """A sequence lets go of `block`: True if the cache keeps it (registered), False if it is the caller's to
+        free."""
+        if block not in self.blocks:
+            return False
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.idle[block] = None
+        return True
+
+    def register(self, block: int, parent: bytes | None, tokens: list[int]) -> bytes:
+        """A sequence's block, computed with committed `tokens` after the chain `parent`: cached unless an equal
+        one already is (then the sequence keeps it unregistered). Returns its digest (the next block's parent)."""
+        d = self.digest(parent, tokens)
+        if d not in self.by_digest and block not in self.blocks:
+            self.blocks[block] = _Block(d, parent or b"", tuple(tokens))
+            self.by_digest[d] = block
+            self.refs[block] = 1
+        return d
+
+    # ---- memory ----
+    @property
+    def evictable(self) -> int:
+        return len(self.idle)
+
+    def evict(self) -> int:
+        """The least recently used unreferenced block, forgotten and handed to the caller."""
+        block, _ = self.idle.popitem(last=False)
+        self._forget(block)
+        self.evicted_blocks += 1
+        return block
+
+    def clear(self) -> list[int]:
+        """Forget every block (the model changed under them); returns the unreferenced ones, now free. Referenced
+        ones stay with their sequences, unregistered."""
+        free = list(self.idle)
+        for block in list(self.blocks):
+            self._forget(block)
+        self.idle.clear()
+        return free
+
+    def _forget(self, block: int) -> None:
+        held = self.blocks.pop(block)
+        del self.by_digest[held.digest], self.refs[block]
+
+    def counts(self) -> dict:
+        """EngineStats' prefix fields (COUNTS, in order): tokens queried / hit / replayed and blocks evicted since
+        the engine was built, blocks cached now, the replay length."""
+        return dict(zip(self.COUNTS, (self.queried_tokens, self.hit_tokens, self.replayed_tokens,
+                                      self.evicted_blocks, len(self.blocks), self.replay_tokens)))
