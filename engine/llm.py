@@ -10,6 +10,7 @@ that core, `llm.stats` its statistics."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 
 import numpy as np
@@ -56,6 +57,7 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
                    "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None,
                    "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None,
+                   "enable_prefix_caching": False,
                    **WEIGHT_PLACEMENT_DEFAULTS}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
@@ -84,7 +86,7 @@ class LLM:
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise DeepInferError(f"gpu_memory_utilization={util!r} must be a number in (0, 1]")
         for name in ("enforce_eager", "async_scheduling", "keep_quantized", "skip_tokenizer_init", "expert_act_quant",
-                     "expert_traffic"):
+                     "expert_traffic", "enable_prefix_caching"):
             check_flag(name, args[name], none_ok=name == "async_scheduling")
         check_flag("qat_fake_quant", qat_fake_quant)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -139,8 +141,11 @@ class LLM:
             log.warning("batch-invariant mode reads every block column: with max_model_len=%d each row's entry "
                         "lists cover the whole length; set max_model_len to what the run needs", self.max_model_len)
         slack = self.speculative.num_speculative_tokens if self.speculative else 0
+        drafts_idle = drafting.rings if drafting is not None and self.speculative is None else ()
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
-                               args["block_size"], args["kv_cache_dtype"], ring_slack=slack)
+                               args["block_size"], args["kv_cache_dtype"], ring_slack=slack,
+                               prefix_salt=self._prefix_salt(kernels) if args["enable_prefix_caching"] else None,
+                               idle_rings=drafts_idle)
         self.engine = self._build_engine(kernels, manager)
         self._next_id = 0
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
@@ -371,6 +376,19 @@ class LLM:
         """Whether to step again: this engine has work, or (expert parallelism, lockstep) any rank has."""
         mine = self.engine.has_unfinished()
         return mine if not self.engine.config.lockstep else self.ranks.any(mine)
+
+    def _prefix_salt(self, kernels: KernelTable) -> bytes:
+        """What a cached block's state was computed by (cache/prefix.py): the model's family, config and dtype, its
+        weights' storage, the tokenizer binding its engram hashes read, the kernel table, the state's dtype."""
+        h = hashlib.blake2b(digest_size=16)
+        m = self.model
+        for part in (type(m).__name__, repr(m.cfg), str(m.dtype), self._args["expert_storage"],
+                     self._args["projection_storage"], kernels.name, self._args["kv_cache_dtype"]):
+            h.update(part.encode() + b"\0")
+        hasher = getattr(m, "hasher", None)
+        if hasher is not None:                                   # V4.1: token -> compressed id, from the tokenizer
+            h.update(hasher.tables(torch.device("cpu")).token_map.numpy().tobytes())
+        return h.digest()
 
     def _state_budget(self, kernels: KernelTable) -> int | None:
         """Bytes for the state pools: explicit, else (GPU) gpu_memory_utilization of the device minus the peak

@@ -27,6 +27,7 @@ not depend on its neighbours."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -111,6 +112,9 @@ class Scheduler:
                 if req.num_computed == 0 and req.params.prompt_logprobs is None else None
             start = req.num_computed
             if hit is not None:                  # the cached blocks hold [0, hit.tokens); the replay starts before
+                a = self.chunk_align             # (on the piece grid: the full prefill's pieces from there on)
+                if a is not None:
+                    hit = dataclasses.replace(hit, replay_start=hit.replay_start // a * a)
                 req.num_computed = hit.replay_start
             n = self._chunk(req, budget, 0)
             if n == 0 or not self.manager.reserve(req.request_id, req.num_computed + n, hit):
