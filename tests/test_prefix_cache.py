@@ -1,0 +1,256 @@
+"""Prefix caching (engine/cache/prefix.py, docs/prefix-cache.md): the block cache on its own, then whole engines
+(tiny V4 and V4.1 on CPU): outputs with a hit equal outputs without the cache (greedy in the default mode, bitwise
+logprobs in batch-invariant mode) wherever the prompts part, after eviction and preemption, for concurrent sharers
+and with speculative decoding; the state after a replay equals a full prefill's and a replay one position shorter
+does not; stats and the write floor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.cache.prefix import PrefixCache
+from deepinfer.checkpoint.make import embedded_tiny_dir
+from deepinfer.kernels.kv_formats import raw
+
+ARCHS = ["deepseek_v4", "deepseek_v41"]
+BT = 16                                  # blocks of 16 positions (the tiny models' compress ratios divide 16)
+HIT = 112                                # 7 blocks: longer than either tiny model's replay (V4 61, V4.1 71)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _llm(arch: str, cache: bool, **kw) -> LLM:
+    args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                block_size=BT, enable_prefix_caching=cache)
+    return LLM(embedded_tiny_dir(arch), **{**args, **kw})
+
+
+def _run(llm: LLM, prompts: list[list[int]], n: int = 8) -> list:
+    sp = SamplingParams(max_tokens=n, temperature=0, logprobs=1)
+    return [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def _logprobs(out) -> list[float]:
+    return [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+
+
+# ---------------------------------------------------------------------------------------------- the block cache
+
+def test_blocks_chain_verify_and_evict_least_recently_used():
+    cache = PrefixCache(block_tokens=4, replay_tokens=4, salt=b"model")
+    toks = list(range(100, 113))                              # 3 whole blocks + 1
+    parent = None
+    for block, k in zip((7, 8, 9), range(3)):
+        parent = cache.register(block, parent, toks[4 * k:4 * k + 4])
+    hit = cache.match(toks)
+    assert hit.blocks == (7, 8, 9) and hit.tokens == 12 and hit.replay_start == 8
+    assert cache.match(toks[:12]).tokens == 8                # one position is always left to compute
+    assert cache.match(toks[:5]) is None                     # 4 positions: not longer than the replay
+    assert cache.match(toks[:4] + [1] + toks[5:]) is None    # parts inside the second block: 4, not > 4
+    assert cache.match(toks[:8] + [1] + toks[9:]).blocks == (7, 8)
+    assert PrefixCache(4, 4, b"another model").match(toks) is None        # the salt is part of every hash
+    # references: the registering sequence holds each block; released, they become evictable, oldest first
+    assert cache.evictable == 0
+    for block in (9, 7, 8):
+        assert cache.release(block)
+    assert not cache.release(42)                              # never registered: the caller frees it
+    assert [cache.evict() for _ in range(3)] == [9, 7, 8] and cache.evicted_blocks == 3
+    assert cache.match(toks) is None and not cache.blocks
+
+
+def test_a_hash_collision_is_not_a_hit(monkeypatch):
+    cache = PrefixCache(block_tokens=4, replay_tokens=0, salt=b"m")
+    monkeypatch.setattr(cache, "digest", lambda parent, tokens: b"same")     # every block hashes alike
+    cache.register(3, None, [1, 2, 3, 4])
+    assert cache.match([9, 9, 9, 9, 9]) is None               # its tokens are checked, not only its hash
+    assert cache.match([1, 2, 3, 4, 5]).blocks == (3,)
+
+
+def test_a_second_copy_of_a_block_stays_its_owners():
+    cache = PrefixCache(block_tokens=2, replay_tokens=0, salt=b"m")
+    d = cache.register(1, None, [5, 6])
+    assert cache.register(2, None, [5, 6]) == d and 2 not in cache.blocks
+    assert not cache.release(2) and cache.release(1)
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("backend", ["reference", "invariant"])
+def test_outputs_with_a_hit_equal_outputs_without(arch, backend):
+    """Prompts that part from a cached one at several offsets inside a block (and inside compression windows):
+    greedy tokens equal the cache-free engine's; batch-invariant logprobs are bitwise equal."""
+    base = _tokens(160, 0)
+    parted = [base[:cut] + _tokens(20, 10 + cut) for cut in (97, 99, 105, 111, 112, 118)]
+    got, want = _llm(arch, True, kernel_backend=backend), _llm(arch, False, kernel_backend=backend)
+    _run(got, [base[:140]])
+    got.engine.reset_stats()
+    hits = []
+    for prompt in parted:
+        a, b = _run(got, [prompt])[0], _run(want, [prompt])[0]
+        assert a.token_ids == b.token_ids
+        if backend == "invariant":
+            assert _logprobs(a) == _logprobs(b)
+        hits.append(got.engine.stats.prefix_hit_tokens)
+    stats = got.engine.stats
+    assert stats.prefix_caching and stats.prefix_queried_tokens == sum(len(p) for p in parted)
+    assert hits == [96, 192, 288, 384, 496, 608]             # cumulative: 6 blocks for the first four, then 7
+    assert stats.prefix_replayed_tokens >= 6 * stats.prefix_replay_tokens
+    assert 0 < stats.prefix_hit_rate < 1
+
+
+def _ring_state(llm: LLM, slot: int, end: int) -> dict[str, torch.Tensor]:
+    """Every ring's rows of positions end - span .. end - 1 (its declared span) in `slot`."""
+    pools = llm.engine.manager.pools
+    out = {}
+    for name, ring in pools.rings.items():
+        t, span = raw(ring), pools.spans[name]
+        rows = torch.tensor([p % t.shape[1] for p in range(end - span, end)])
+        out[name] = t[slot, rows].clone()
+    return out
+
+
+def _state_at(llm: LLM, prompt: list[int], at: int) -> dict[str, torch.Tensor]:
+    """The rings of the prompt's sequence once its positions 0 .. at-1 are computed (a step's piece ends there),
+    seen before the next step launches."""
+    seen, last = {}, {}
+
+    def observe(rows):
+        row = last.get("row")
+        if row is not None and row.start + row.n == at and "state" not in seen:
+            seen["state"] = _ring_state(llm, row.slot, at)
+        last["row"] = rows[0] if rows else None
+    llm.engine.step_observers.append(observe)
+    try:
+        _run(llm, [prompt], n=2)
+    finally:
+        llm.engine.step_observers.remove(observe)
+    return seen["state"]
+
+
+def _full_prefill_state(arch: str, prompt: list[int]) -> dict[str, torch.Tensor]:
+    return _state_at(_llm(arch, False, max_num_batched_tokens=BT), prompt, HIT)      # pieces of 16 end at 112
+
+
+def _replayed_state(llm: LLM, replay: int, base: list[int]) -> dict[str, torch.Tensor]:
+    """The rings at 112 after a hit of 112 whose replay is `replay` positions, in one piece (the engine has the
+    prefix cached; each call's prompt has a tail of its own, so its blocks never lengthen the next call's hit)."""
+    llm.engine.manager.prefix.replay_tokens = replay
+    llm.engine.scheduler.max_tokens = replay
+    before = llm.engine.stats.prefix_hit_tokens
+    got = _state_at(llm, base[:HIT] + _tokens(20, 1000 + before), HIT)
+    assert llm.engine.stats.prefix_hit_tokens - before == HIT
+    return got
+
+
+@pytest.mark.parametrize("arch,rings", [("deepseek_v4", ("0.window", "1.window", "1.kv.pending_kv")),
+                                        ("deepseek_v41", ("engram", "0.window", "1.window"))])
+def test_a_ring_needs_its_rows_plus_depth_of_replay(arch, rings):
+    """After a hit of 112 positions, a replay of a ring's rows + depth positions leaves it as a full prefill does
+    (to float noise: the pieces differ); one position less leaves a row of it wrong by far more. Each window below
+    a ring adds W - 1 to its depth (spec.Ring.depth), and the replay is the largest rows + depth (next test)."""
+    base = _tokens(160, 1)
+    prompt = base[:HIT] + _tokens(20, 2)
+    want = _full_prefill_state(arch, prompt)
+    llm = _llm(arch, True)
+    _run(llm, [base[:140]])
+    layout = llm.engine.manager.layout
+    need = {r.name: layout.ring_rows(r) + r.depth for r in layout.spec.rings}
+    for name in rings:
+        diffs = [(_replayed_state(llm, need[name] - s, base)[name].double() - want[name].double()
+                  ).abs().max().item() for s in (0, 1)]
+        assert diffs[0] < 1e-4 < 1e-2 < diffs[1], (name, need[name], diffs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_replay_rebuilds_every_ring(arch):
+    """With the engine's replay R (the largest rows + depth) every ring equals a full prefill's at the hit. One
+    position less breaks V4's (3 windows deep); V4.1's deepest chain (9 windows) carries the error of one stale
+    position through 9 attentions, below float32's resolution, so there R - 1 is not observable (the per-ring
+    test above checks the rule itself)."""
+    base = _tokens(160, 1)
+    prompt = base[:HIT] + _tokens(20, 2)
+    want = _full_prefill_state(arch, prompt)
+    llm = _llm(arch, True)
+    _run(llm, [base[:140]])
+    replay = llm.engine.manager.prefix.replay_tokens
+    for shorten in (0, 1) if arch == "deepseek_v4" else (0,):
+        got = _replayed_state(llm, replay - shorten, base)
+        diff = max((got[n].double() - want[n].double()).abs().max().item() for n in want)
+        assert diff < 1e-4 if not shorten else diff > 1e-2, (shorten, diff)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch):
+    """A state budget of a few sequences: cached blocks are evicted for new ones, requests are preempted and come
+    back (hitting what they computed); several requests share one cached prefix in the same steps. Batch-invariant
+    outputs equal the cache-free engine's throughout (the schedules differ: a hit starts later)."""
+    shared = _tokens(HIT, 3)
+    waves = [[shared + _tokens(20, 100 + 10 * w + i) for i in range(3)] for w in range(2)]
+    waves.append([_tokens(130, 200 + i) for i in range(3)])                 # unrelated: evicts
+    budget = dict(state_memory_bytes=_budget(arch, 3, 4), kernel_backend="invariant")  # 20 blocks, 3 x 10 asked
+    got, want = _llm(arch, True, **budget), _llm(arch, False, **budget)
+    for wave in waves:
+        assert [o.token_ids for o in _run(got, wave, n=24)] == [o.token_ids for o in _run(want, wave, n=24)]
+    s = got.engine.stats
+    assert s.prefix_hit_tokens > 0 and s.prefix_evicted_blocks > 0 and s.preemptions > 0, s
+
+
+def _budget(arch: str, seats: int, extra_blocks: int) -> int:
+    """State bytes that StateManager cuts into `seats` seats and the blocks of one max_model_len sequence plus
+    `extra_blocks` (its sizing: a scratch slot and block, one whole sequence, then seats and blocks)."""
+    m = _llm(arch, False).engine.manager
+    lay, blocks = m.layout, m.layout.blocks_for(m.max_model_len)
+    slot = lay.bytes_per_slot() + 4 * blocks
+    return slot + lay.bytes_per_block() + (slot + blocks * lay.bytes_per_block()) + (seats - 1) * slot \
+        + extra_blocks * lay.bytes_per_block()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hits_with_speculative_decoding(arch):
+    """The drafter's rings are replayed too (their depth counts): speculative outputs with a hit equal the
+    cache-free engine's (greedy)."""
+    spec = {"schedule": "fixed", "num_speculative_tokens": 2}
+    base = _tokens(160, 4)
+    got, want = (_llm(arch, c, speculative=spec, kernel_backend="invariant") for c in (True, False))
+    rings = got.model.drafting.rings
+    m = got.engine.manager
+    assert m.prefix.replay_tokens == max(m.layout.ring_rows(r) + r.depth for r in m.layout.spec.rings)
+    assert any(r.name in rings for r in m.layout.spec.rings
+               if m.layout.ring_rows(r) + r.depth == m.prefix.replay_tokens)
+    for prompt in (base[:140], base[:HIT] + _tokens(20, 5)):
+        assert _run(got, [prompt], n=16)[0].token_ids == _run(want, [prompt], n=16)[0].token_ids
+    assert got.engine.stats.prefix_hit_tokens == HIT
+
+
+def test_a_changed_model_forgets_its_prefixes_and_stats_reset():
+    llm = _llm("deepseek_v4", True)
+    prompt = _tokens(130, 6)
+    _run(llm, [prompt]), _run(llm, [prompt])
+    assert llm.engine.stats.prefix_hit_tokens == 128 and llm.engine.stats.prefix_cached_blocks > 0
+    llm.engine.modules_changed()
+    assert llm.engine.stats.prefix_cached_blocks == 0
+    llm.engine.reset_stats()
+    _run(llm, [prompt])
+    s = llm.engine.stats
+    assert s.prefix_hit_tokens == 0 and s.prefix_queried_tokens == 130 and s.prefix_hit_rate == 0
+
+
+def test_prompt_logprobs_never_take_a_hit():
+    llm = _llm("deepseek_v4", True)
+    prompt = _tokens(130, 7)
+    _run(llm, [prompt])
+    llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert llm.engine.stats.prefix_hit_tokens == 0
+
+
+def test_off_by_default_and_bad_values_are_one_line():
+    from deepinfer.errors import DeepInferError
+    llm = _llm("deepseek_v4", False)
+    assert not llm.engine.stats.prefix_caching and llm.engine.stats.prefix_hit_rate is None
+    with pytest.raises(DeepInferError, match="enable_prefix_caching"):
+        _llm("deepseek_v4", "yes")
