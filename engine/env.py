@@ -38,6 +38,11 @@ VARIABLES = {
     "DEEPINFER_ASYNC_SCHEDULING": Var("flag", True, doc="plan step N+1 while the device runs step N"),
     "DEEPINFER_YOCO_PREFILL": Var("flag", True, doc="V4.1 YOCO-truncated prefill of last-logit pieces"),
     "DEEPINFER_YOCO_PREFILL_MIN_TOKENS": Var("int", 2, minimum=1, doc="shorter pieces run untruncated"),
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": Var("choice", "exact", choices=("exact", "compact"),
+                                                  doc="exact: the shrinking suffix (outputs unchanged); compact: the "
+                                                      "last KEEP_TOKENS rows from the last KV source on "
+                                                      "(DeepInfer's approximation; docs/prefix-cache.md)"),
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": Var("int", 140, minimum=1, doc="rows compact truncation keeps"),
     "DEEPINFER_USE_NEXTN_DECODE": Var("int", None, minimum=0, maximum=5, doc="speculative decoding with up to N "
                                       "drafts a step (0 = off; 5: the drafters' largest block) when "
                                       "LLM(speculative=) is not given"),
@@ -120,6 +125,12 @@ def yoco_prefill() -> bool:
 
 def yoco_prefill_min_tokens() -> int:
     return read("DEEPINFER_YOCO_PREFILL_MIN_TOKENS")
+
+
+def yoco_keep_tokens() -> int | None:
+    """Rows compact YOCO truncation keeps, or None in the exact mode (the default)."""
+    return read("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS") if read("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE") == "compact" \
+        else None
 
 
 def hf_model_dir() -> str | None:

@@ -13,7 +13,8 @@ Rows write rings only for the last `span` positions of their segment (the others
 must go nowhere land on scratch slot / block 0.
 
 A ragged batch may mark segments `last_only`: only their last row's output is needed, so a model that can
-(V4.1's YOCO truncation) runs its later layers on a shrinking suffix of those segments (`keep_last`).
+(V4.1's YOCO truncation) runs its later layers on a shrinking suffix of those segments (`keep_last`), or, with
+`keep_tokens` (compact truncation, approximate), on their last keep_tokens rows.
 
 Three ways to build one: `ragged` (host lists of any segment sizes; compact per-step lists, e.g. only the rows
 that close a compressor window), `uniform` (G segments of q rows from device tensors, static shapes: what a
@@ -35,7 +36,7 @@ class ForwardBatch:
                  row_seg: torch.Tensor, row_pos: torch.Tensor, seg_first_row: torch.Tensor, seg_ends: torch.Tensor,
                  ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None,
                  last_only: list[bool] | None = None, root_rows: int | None = None, draft_rings: bool = False,
-                 row_share=None):
+                 row_share=None, keep_tokens: int | None = None):
         self.pools = pools
         self.seg_slots, self.seg_starts = seg_slots, seg_starts       # [G] int64
         self.row_seg, self.positions = row_seg, row_pos               # [N] int64
@@ -47,6 +48,7 @@ class ForwardBatch:
         self.ctx_blocks = ctx_blocks
         self.host = host                                              # (slots, starts, lens) when ragged
         self.last_only = last_only                                    # [G] host flags, ragged only
+        self.keep_tokens = keep_tokens      # compact truncation: a last_only segment's rows kept (None: exact)
         self.root_rows = self.num_rows if root_rows is None else root_rows   # rows of the step's full batch
         self.draft_rings = draft_rings                                # keep the model's draft rings current
         self.shared: dict = {}                                        # per-step products layers share (V4.1 groups)
@@ -57,7 +59,7 @@ class ForwardBatch:
     @classmethod
     def ragged(cls, pools: StatePools, slots: list[int], starts: list[int], lens: list[int],
                ctx_blocks: int, last_only: list[bool] | None = None, root_rows: int | None = None,
-               draft_rings: bool = False, row_share=None) -> "ForwardBatch":
+               draft_rings: bool = False, row_share=None, keep_tokens: int | None = None) -> "ForwardBatch":
         """row_share: the rows are shared over context-parallel ranks (parallel/context_parallel.py: its `rows` [Q]
         are the rows this rank computes, its `gather(x [Q, ...]) -> [N, ...]` every rank's)."""
         dev = pools.device
@@ -70,7 +72,7 @@ class ForwardBatch:
         seg = seg.to(dev, non_blocking=True)
         rows = torch.stack([row_seg, row_pos]).to(dev, non_blocking=True)
         return cls(pools, seg[0], seg[1], rows[0], rows[1], seg[2], seg[3], ctx_blocks,
-                   (list(slots), list(starts), list(lens)), last_only, root_rows, draft_rings, row_share)
+                   (list(slots), list(starts), list(lens)), last_only, root_rows, draft_rings, row_share, keep_tokens)
 
     def keep_last(self, keep: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
         """The batch of each segment's last keep[g] rows, and those rows' indices [M] in this batch."""
@@ -80,7 +82,7 @@ class ForwardBatch:
             rows.extend(range(o + n - k, o + n))
             o += n
         sub = ForwardBatch.ragged(self.pools, slots, [a + n - k for a, n, k in zip(starts, lens, keep)], list(keep),
-                                  self.ctx_blocks, self.last_only, self.root_rows)
+                                  self.ctx_blocks, self.last_only, self.root_rows, keep_tokens=self.keep_tokens)
         sub.shared = self.shared                 # the source group's products outlive the cut
         return sub, torch.tensor(rows, dtype=torch.long).to(self.positions.device, non_blocking=True)
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..cache.forward_batch import ForwardBatch
-from ..env import yoco_prefill, yoco_prefill_min_tokens
+from ..env import yoco_keep_tokens, yoco_prefill, yoco_prefill_min_tokens
 from ..parallel.dispatch import idle_step
 from deepinfer.kernels.sampling import gumbel_argmax
 
@@ -100,15 +100,18 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model, pools, cuda_graphs: bool, max_graph_batch: int, fixed_context: bool = False,
                  truncate_prefill: bool | None = None, truncate_min_tokens: int | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, truncate_keep: int | None = None):
         """pools: the state pools the steps run over (cache/pools.StatePools); truncate_prefill (default
         DEEPINFER_YOCO_PREFILL): mark pieces that need at most their last row's logits `last_only`, which a model
         that can (V4.1's exact YOCO truncation) runs on a shrinking suffix; pieces shorter than truncate_min_tokens
-        (default DEEPINFER_YOCO_PREFILL_MIN_TOKENS) are not marked."""
+        (default DEEPINFER_YOCO_PREFILL_MIN_TOKENS) are not marked; truncate_keep: the rows compact truncation keeps
+        (default: DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE and _KEEP_TOKENS, whose default is the exact mode)."""
         self.model, self.pools = model, pools
         self.fixed_context = fixed_context          # batch-invariant mode: every row reads all block columns
         self.truncate = yoco_prefill() if truncate_prefill is None else truncate_prefill
         self.truncate_min_tokens = yoco_prefill_min_tokens() if truncate_min_tokens is None else truncate_min_tokens
+        # truncated pieces keep a constant KEEP rows (compact, approximate) or the exact shrinking suffix (None)
+        self.truncate_keep = yoco_keep_tokens() if truncate_keep is None else truncate_keep
         # speculation: variable-length verify steps of up to max_graph_batch rows of drafts + 1 tokens are graphs too
         max_rows = max_graph_batch * (speculative.num_speculative_tokens + 1) if speculative else None
         self.graphs = StepGraphs(self.static_logits, model.device, max_graph_batch, max_rows) \
@@ -209,7 +212,8 @@ class ModelRunner:
                 self.ran_rows = self.graphs.last_rows
                 return logits, None
         fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx,
-                                 self._last_only(inputs), draft_rings=self.keep_draft_rings)
+                                 self._last_only(inputs), draft_rings=self.keep_draft_rings,
+                                 keep_tokens=self.truncate_keep)
         return None, self.model.forward(inputs.tokens, fb)
 
     def _last_only(self, inputs: StepInputs) -> list[bool] | None:

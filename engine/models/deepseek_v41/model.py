@@ -13,7 +13,9 @@ through its own window, so the last token's logits need layer l's outputs on the
 [t - (L-1-l)(W-1), t] only (L layers, window W). Each layer therefore runs its queries, attention
 output and MoE on that shrinking suffix; its window KV comes from its (one step longer) input
 suffix, and the last KV source still compresses every token. Exact, and it leaves every window
-state as a full prefill would (docs/model-v41.md).
+state as a full prefill would (docs/model-v41.md). Compact truncation (ForwardBatch.keep_tokens, DeepInfer's
+DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=compact) keeps a constant last KEEP rows instead: approximate, since the
+first kept rows of each later layer attend to window positions that layer never computed.
 """
 
 from __future__ import annotations
@@ -139,11 +141,13 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
 
     def _truncated_counts(self, batch: ForwardBatch, layer: int) -> list[int] | None:
         """Query rows each segment keeps at `layer` under YOCO truncation (None: every row, nothing to cut):
-        a last_only segment keeps the positions within (L-1-layer)(W-1) of its last one."""
+        a last_only segment keeps the positions within (L-1-layer)(W-1) of its last one (exact), or its last
+        batch.keep_tokens (compact: DeepInfer's approximation, docs/prefix-cache.md)."""
         cfg = self.cfg
         if batch.last_only is None or layer < cfg.truncation_start or not any(batch.last_only):
             return None
-        span = (cfg.num_hidden_layers - 1 - layer) * (cfg.sliding_window - 1)
+        span = (cfg.num_hidden_layers - 1 - layer) * (cfg.sliding_window - 1) if batch.keep_tokens is None \
+            else batch.keep_tokens - 1
         lens = batch.host[2]
         keep = [min(n, span + 1) if cut else n for n, cut in zip(lens, batch.last_only)]
         return None if keep == lens else keep
