@@ -30,13 +30,14 @@ from .metrics import RequestTiming, chunk_gaps, compute_metrics
 from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
+from .prefix_fields import prefix_fields
 from .traffic import traffic_fields
 from .expert_balance import balance_fields
 from .bench import OnError, RunFolder, record_point
 from .rows import (METHOD_VERSION, SCHEMA_VERSION, RowStore, environment, identity, kernel_fields, run_dir_guard,
                    run_id_for)
 from .sweep_config import SweepConfig, SweepPoint, parse_sweep
-from .workload import Workload, random_workload, run_workload
+from .workload import Workload, random_workload, run_turns, run_workload
 
 log = logging.getLogger("deepinfer")
 ENGINE_STAT_KEYS = ("steps", "preemptions", "graph_replays", "fed_tokens", "committed_tokens", "max_step_rows",
@@ -184,9 +185,21 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
     vocab = llm.model.cfg.vocab_size
     osl = 1 if point.mode == "prefill" else point.osl
     seed = cfg.seed * 1_000_003 + index
-    work = random_workload(point.num_prompts, point.isl, osl, cfg.range_ratio, vocab, seed)
-    warmup = random_workload(point.warmup, point.isl, osl, cfg.range_ratio, vocab, seed + 7919)
-    if ranks.world == 1:
+    work = random_workload(point.num_prompts, point.isl, osl, cfg.range_ratio, vocab, seed, shared=point.shared,
+                           prefix_seed=seed)
+    warmup = random_workload(point.warmup, point.isl, osl, cfg.range_ratio, vocab, seed + 7919,
+                             shared=point.shared, prefix_seed=seed)
+    sent, held = work.prompts, work.prompts          # what the timed requests sent, and left in the state
+    if point.turns > 1 and ranks.world > 1:
+        raise DeepInferError(f"turns: {point.turns}: multi-turn points run on one rank; drop turns or the launch's "
+                             f"other ranks")
+    if point.turns > 1:
+        _check_concurrency(llm, point.concurrency)
+        if warmup.prompts:
+            run_workload(llm, warmup, point.concurrency)
+        llm.engine.reset_stats()
+        records, duration, sent, held = run_turns(llm, work, point.turns, point.concurrency, vocab, seed)
+    elif ranks.world == 1:
         records, duration = _measure(llm, work, warmup, point.concurrency)
     else:
         records, duration = _measure_ranks(llm, work, warmup, point, ranks)
@@ -200,7 +213,7 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
            "ttfts": [r.token_times[0] - r.start if r.success and r.token_times else 0.0 for r in records],
            "itls": [chunk_gaps(r) if r.success else [] for r in records]}
     return {**metrics.to_row(), "engine_stats": engine_stats, **traffic_fields(stats),
-            **_balance(llm, ranks)}, raw
+            **prefix_fields(stats, sent, held, before=warmup.prompts), **_balance(llm, ranks)}, raw
 
 
 def _balance(llm, ranks: Ranks) -> dict:
@@ -341,7 +354,7 @@ def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore
     for i, point in todo:
         fields = {"mode": point.mode, "isl": point.isl, "osl": point.osl, "concurrency": point.concurrency,
                   "num_prompts": point.num_prompts, "warmup": point.warmup, "gpus": point.ranks,
-                  **parallel_fields(cfg, point.mode)}
+                  "shared_prefix": point.shared, "turns": point.turns, **parallel_fields(cfg, point.mode)}
         t0 = time.perf_counter()
         row = record_point(store, identity, point.key, fields, lambda: run_point(llm, cfg, point, i, ranks),
                            on_error, warn)

@@ -38,9 +38,9 @@ ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max
                     "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
                     "projection_storage": "projection", "block_size": "int", "kv_cache_dtype": "kv_cache_dtype",
                     "speculative": "speculative", "expert_dispatch": "dispatch", "enable_eplb": "bool",
-                    "eplb_config": "eplb"}
+                    "eplb_config": "eplb", "enable_prefix_caching": "bool"}
 EXPERT_PARALLEL_ARGS = ("expert_dispatch", "enable_eplb", "eplb_config")
-SCENARIO_KEYS = ("isl", "osl")
+SCENARIO_KEYS = ("isl", "osl", "shared", "turns")
 TOPOLOGY_KEYS = ("prefill_ranks", "decode_ranks", "ep", "dp")
 LADDER_KEYS = ("start", "stop")
 
@@ -53,10 +53,23 @@ class SweepConfigError(DeepInferError, ValueError):
 class Scenario:
     isl: int            # nominal input length; each prompt is range_ratio..1 x isl tokens
     osl: int            # output length (ignore_eos)
+    shared: float = 0.0  # the fraction of isl every prompt of the point starts with (agent traffic: one system
+                         # prompt and tools, a varying tail; 0: InferenceX's random prompts)
+    turns: int = 1       # conversation turns: turn t resends turn t-1's prompt and output plus isl new tokens
 
     @property
     def label(self) -> str:
-        return f"isl{self.isl}-osl{self.osl}"
+        return scenario_label(self.isl, self.osl, self.shared, self.turns)
+
+    def to_dict(self) -> dict:
+        return {"isl": self.isl, "osl": self.osl, **({"shared": self.shared} if self.shared else {}),
+                **({"turns": self.turns} if self.turns > 1 else {})}
+
+
+def scenario_label(isl: int, osl: int, shared: float = 0.0, turns: int = 1) -> str:
+    """isl1024-osl128, with -shared90 / -turns4 for the shared-prefix workloads."""
+    return (f"isl{isl}-osl{osl}" + (f"-shared{round(shared * 100)}" if shared else "")
+            + (f"-turns{turns}" if turns > 1 else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +103,13 @@ class SweepPoint:
     warmup: int         # warm-up requests before the timed ones, excluded from metrics
     ranks: int          # GPUs of this point's role
     spec: str = ""      # the speculative setting's label when the sweep has a `speculative` axis (key prefix)
+    shared: float = 0.0  # Scenario.shared
+    turns: int = 1       # Scenario.turns
 
     @property
     def key(self) -> str:
         head = f"{self.spec}/" if self.spec else ""
-        return f"{head}{self.mode}/isl{self.isl}-osl{self.osl}/c{self.concurrency}"
+        return f"{head}{self.mode}/{scenario_label(self.isl, self.osl, self.shared, self.turns)}/c{self.concurrency}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +145,7 @@ class SweepConfig:
         """Every point in run order: for each mode (prefill first), each scenario (file order), each
         concurrency (ascending). Keys are unique."""
         return [SweepPoint(mode, s.isl, s.osl, c, self.num_prompts_per_concurrency * c, self.warmup,
-                           self.topology.ranks(mode), label)
+                           self.topology.ranks(mode), label, s.shared, s.turns)
                 for label in ([lab for lab, _ in self.speculative] or [""])
                 for mode in self.modes for s in self.scenarios[mode] for c in self.concurrency[mode]]
 
@@ -146,7 +161,7 @@ class SweepConfig:
             return {m: [item(v) for v in by_mode[m]] for m in self.modes}
         return {"name": self.name, "model": self.model, "device": self.device, "dtype": self.dtype,
                 "engine_args": dict(self.engine_args), "mode": self.mode,
-                "scenarios": per_mode(self.scenarios, lambda s: {"isl": s.isl, "osl": s.osl}),
+                "scenarios": per_mode(self.scenarios, Scenario.to_dict),
                 "range_ratio": self.range_ratio, "topology": dataclasses.asdict(self.topology),
                 "concurrency": per_mode(self.concurrency, int), "num_prompts_per_concurrency": self.num_prompts_per_concurrency,
                 "warmup": self.warmup, "seed": self.seed,
@@ -441,11 +456,18 @@ class Validator:
         for i, item in enumerate(x):
             p = f"{path}[{i}]"
             self.mapping(item, p, "isl: input tokens, osl: output tokens")
-            self.keys(item, p, SCENARIO_KEYS, SCENARIO_KEYS)
-            s = Scenario(self.integer(item["isl"], f"{p}.isl", 1), self.integer(item["osl"], f"{p}.osl", 1))
-            if max_model_len is not None and s.isl + s.osl > max_model_len:
-                raise self.error(p, f"isl + osl = {s.isl + s.osl} exceeds engine_args.max_model_len "
-                                    f"({max_model_len}); allowed: isl + osl <= max_model_len")
+            self.keys(item, p, SCENARIO_KEYS, ("isl", "osl"))
+            shared = item.get("shared", 0)
+            if isinstance(shared, bool) or not isinstance(shared, (int, float)) or not 0 <= shared < 1:
+                raise self.error(f"{p}.shared", f"got {shared!r}; allowed: a fraction of isl in [0, 1) that every "
+                                                f"prompt of the point shares")
+            s = Scenario(self.integer(item["isl"], f"{p}.isl", 1), self.integer(item["osl"], f"{p}.osl", 1),
+                         float(shared), self.integer(item.get("turns", 1), f"{p}.turns", 1))
+            longest = s.turns * (s.isl + s.osl)           # the last turn resends every turn before it
+            if max_model_len is not None and longest > max_model_len:
+                what = "isl + osl" if s.turns == 1 else "turns x (isl + osl)"
+                raise self.error(p, f"{what} = {longest} exceeds engine_args.max_model_len ({max_model_len}); "
+                                    f"allowed: {what} <= max_model_len")
             if s in out:
                 raise self.error(p, f"duplicates scenarios[{out.index(s)}] ({s.label}); each scenario once")
             out.append(s)

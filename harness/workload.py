@@ -28,14 +28,18 @@ class Workload:
 
 
 def random_workload(n: int, isl: int, osl: int, range_ratio: float, vocab_size: int, seed: int,
-                    reserved_ids: int = 16) -> Workload:
-    """n random-token requests; ids below `reserved_ids` (specials) are never drawn."""
+                    reserved_ids: int = 16, shared: float = 0.0, prefix_seed: int | None = None) -> Workload:
+    """n random-token requests; ids below `reserved_ids` (specials) are never drawn. shared: every prompt starts
+    with the same round(shared x isl) tokens (drawn from prefix_seed, default the seed: a point's warm-up and timed
+    requests pass one, so they share them), then its own random tail to its drawn length."""
     if not 0 < range_ratio <= 1:
         raise ValueError(f"range_ratio={range_ratio} must be in (0, 1]")
     rng = np.random.default_rng(seed)
     in_lens = rng.integers(math.ceil(range_ratio * isl), isl + 1, size=n)
     out_lens = rng.integers(math.ceil(range_ratio * osl), osl + 1, size=n)
-    prompts = [rng.integers(reserved_ids, vocab_size, size=int(k)).tolist() for k in in_lens]
+    head = np.random.default_rng([seed if prefix_seed is None else prefix_seed, 1]).integers(reserved_ids, vocab_size, size=round(shared * isl)).tolist()
+    prompts = [head + rng.integers(reserved_ids, vocab_size, size=max(int(k) - len(head), 1)).tolist()
+               for k in in_lens]
     return Workload(prompts, [int(k) for k in out_lens])
 
 
@@ -76,3 +80,24 @@ def run_requests(llm, prompts: list[list[int]], params: list, concurrency: int, 
     sent = client_send_times(t0, [o.metrics[0].finished_time for o in outs], concurrency)
     return outs, [RequestTiming(start, list(o.metrics[0].token_times), len(p), len(o.outputs[0].token_ids),
                                 o.finished) for start, o, p in zip(sent, outs, prompts)], duration
+
+
+def run_turns(llm, work: Workload, turns: int, concurrency: int, vocab_size: int, seed: int,
+              reserved_ids: int = 16) -> tuple[list[RequestTiming], float, list[list[int]], list[list[int]]]:
+    """Multi-turn chat: every conversation of `work` runs `turns` turns; turn t's prompt is turn t-1's prompt and
+    output plus a new user message as long as the conversation's first prompt (random tokens). The turns run one
+    after another, the conversations of a turn at `concurrency`. Returns every turn's records, the summed wall
+    time, the prompts in the order they were sent and what each left in the state (prompt + output)."""
+    rng = np.random.default_rng([seed, 2])
+    prompts, records, duration, sent, held = list(work.prompts), [], 0.0, [], []
+    params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in work.output_lens]
+    for turn in range(turns):
+        outs, recs, took = run_requests(llm, prompts, params, concurrency)
+        records += recs
+        duration += took
+        sent += prompts
+        held += [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        if turn + 1 < turns:
+            prompts = [p + list(o.outputs[0].token_ids) + rng.integers(reserved_ids, vocab_size, size=len(first)).tolist()
+                       for p, o, first in zip(prompts, outs, work.prompts)]
+    return records, duration, sent, held

@@ -262,6 +262,10 @@ def run_projected_sweep(cfg: SweepConfig, report_dir, run_id: str | None = None,
     """Project every point of `cfg` not yet done; returns the run directory (docs/projection.md)."""
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise DeepInferError("a projection runs in one process: launch it without torchrun")
+    cached = sorted({s.label for ss in cfg.scenarios.values() for s in ss if s.shared or s.turns > 1})
+    if cached:
+        raise DeepInferError(f"scenarios {cached} share prefixes, which the projection does not model (it prices "
+                             f"every prompt token): measure them, or drop shared / turns")
     proj = build_projection(cfg, report_dir, hardware, calibration)      # a missing calibration: nothing written
     proj.check(cfg)
     run_id = run_id_for(run_id, cfg.name + "-projected")
