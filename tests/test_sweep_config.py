@@ -233,6 +233,12 @@ def test_unknown_and_missing_keys(data, path, hint):
     (sweep(scenarios=[{"isl": 1, "osl": 2}, {"isl": 1, "osl": 2}]), "scenarios[1]", "duplicates scenarios[0]"),
     (sweep(engine_args={"max_model_len": 1024}, scenarios=[{"isl": 128, "osl": 32}, {"isl": 1000, "osl": 32}]),
      "scenarios[1]", "isl + osl = 1032 exceeds engine_args.max_model_len (1024)"),
+    (sweep(scenarios=[{"isl": 8, "osl": 2, "shared": 1.0}]), "scenarios[0].shared", "in [0, 1)"),
+    (sweep(scenarios=[{"isl": 8, "osl": 2, "shared": "half"}]), "scenarios[0].shared", "in [0, 1)"),
+    (sweep(scenarios=[{"isl": 8, "osl": 2, "turns": 0}]), "scenarios[0].turns", "integer >= 1"),
+    (sweep(engine_args={"max_model_len": 100}, scenarios=[{"isl": 40, "osl": 10, "turns": 3}]),
+     "scenarios[0]", "turns x (isl + osl) = 150 exceeds engine_args.max_model_len (100)"),
+    (sweep(engine_args={"enable_prefix_caching": "on"}), "engine_args.enable_prefix_caching", "true or false"),
     (sweep(range_ratio=0), "range_ratio", "(0, 1]"),
     (sweep(range_ratio="0.8"), "range_ratio", "must be a number"),
     (sweep(topology={"ep": 0}), "topology.ep", "integer >= 1"),
@@ -316,3 +322,11 @@ def test_speculative_axis_multiplies_points_and_labels_them():
 def test_bad_speculative_settings(data, path, hint):
     msg = error_of(data)
     assert f": {path}: " in msg and hint in msg, msg
+
+
+def test_shared_prefix_scenarios_key_and_round_trip():
+    cfg = parse_sweep(sweep(scenarios=[{"isl": 64, "osl": 4}, {"isl": 64, "osl": 4, "shared": 0.9},
+                                       {"isl": 64, "osl": 4, "turns": 3}], concurrency=[1], mode="prefill"))
+    assert [p.key for p in cfg.points()] == ["prefill/isl64-osl4/c1", "prefill/isl64-osl4-shared90/c1",
+                                             "prefill/isl64-osl4-turns3/c1"]
+    assert parse_sweep(cfg.to_dict()).points() == cfg.points()
