@@ -379,14 +379,14 @@ class LLM:
 
     def _prefix_salt(self, kernels: KernelTable) -> bytes:
         """What a cached block's state was computed by (cache/prefix.py): the model's family, config and dtype, its
-        weights' storage, the tokenizer binding its engram hashes read, the kernel table, the state's dtype."""
+        weights' storage, the tokenizer binding its hashed lookups read, the kernel table, the state's dtype."""
         h = hashlib.blake2b(digest_size=16)
         m = self.model
         for part in (type(m).__name__, repr(m.cfg), str(m.dtype), self._args["expert_storage"],
                      self._args["projection_storage"], kernels.name, self._args["kv_cache_dtype"]):
             h.update(part.encode() + b"\0")
         hasher = getattr(m, "hasher", None)
-        if hasher is not None:                                   # V4.1: token -> compressed id, from the tokenizer
+        if hasher is not None:                                   # token -> compressed id, from the tokenizer
             h.update(hasher.tables(torch.device("cpu")).token_map.numpy().tobytes())
         return h.digest()
 

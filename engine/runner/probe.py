@@ -74,8 +74,8 @@ class StepProbe:
 
     def rewind(self) -> None:
         """Give the probe's slots back the ring state they were seeded with. A step writes its positions' rows, and
-        a ring of n rows holding positions p-n..p-1 loses p-n to the write of p: V4.1's engram look-back (n-1 rows,
-        read as p-n+1..p) then sees another token when the same position runs again. Steps compared for their
+        a ring of n rows holding positions p-n..p-1 loses p-n to the write of p: a token look-back ring (n rows read
+        as the n positions before p) then sees another token when the same position runs again. Steps compared for their
         values rewind first; timed steps need not (the values do not change the time)."""
         for slot, rows in zip(self.slots, self._seeded):
             self.runner.pools.restore(slot, rows)

@@ -14,7 +14,7 @@ through its own window, so the last token's logits need layer l's outputs on the
 output and MoE on that shrinking suffix; its window KV comes from its (one step longer) input
 suffix, and the last KV source still compresses every token. Exact, and it leaves every window
 state as a full prefill would (docs/model-v41.md). Compact truncation (ForwardBatch.keep_tokens, DeepInfer's
-DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=compact) keeps a constant last KEEP rows instead: approximate, since the
+compact mode: docs/prefix-cache.md) keeps a constant last KEEP rows instead: approximate, since the
 first kept rows of each later layer attend to window positions that layer never computed.
 """
 
