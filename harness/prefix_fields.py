@@ -15,8 +15,8 @@ FIELDS = ("prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "prefi
 
 
 def ideal_hits(sequences: list[list[int]], prompts: list[list[int]], block_tokens: int) -> list[int]:
-    """Per prompt (in send order; sequences[i] is what request i leaves cached: its prompt, or prompt + output):
-    the positions of its whole blocks an earlier request's sequence began with."""
+    """Per prompt (in send order; sequences[i] is the tokens request i computed: its prompt, or its prompt and
+    output less the last output token): the positions of its whole blocks an earlier request's sequence began with."""
     seen: set[bytes] = set()
     out = []
     for prompt, seq in zip(prompts, sequences):

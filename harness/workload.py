@@ -87,7 +87,8 @@ def run_turns(llm, work: Workload, turns: int, concurrency: int, vocab_size: int
     """Multi-turn chat: every conversation of `work` runs `turns` turns; turn t's prompt is turn t-1's prompt and
     output plus a new user message as long as the conversation's first prompt (random tokens). The turns run one
     after another, the conversations of a turn at `concurrency`. Returns every turn's records, the summed wall
-    time, the prompts in the order they were sent and what each left in the state (prompt + output)."""
+    time, the prompts in the order they were sent and the positions each computed (prompt + output less its last
+    token, which is sampled, never fed)."""
     rng = np.random.default_rng([seed, 2])
     prompts, records, duration, sent, held = list(work.prompts), [], 0.0, [], []
     params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in work.output_lens]
@@ -96,7 +97,7 @@ def run_turns(llm, work: Workload, turns: int, concurrency: int, vocab_size: int
         records += recs
         duration += took
         sent += prompts
-        held += [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        held += [p + list(o.outputs[0].token_ids)[:-1] for p, o in zip(prompts, outs)]
         if turn + 1 < turns:
             prompts = [p + list(o.outputs[0].token_ids) + rng.integers(reserved_ids, vocab_size, size=len(first)).tolist()
                        for p, o, first in zip(prompts, outs, work.prompts)]

@@ -61,6 +61,7 @@ class StateManager:
         self.registered: dict[str, tuple[int, bytes | None]] = {}   # request id -> (blocks registered, their chain)
         self.floors: set[str] = set()                        # request ids whose slot has a write floor
         self.queried: dict[str, int] = {}                    # request id -> tokens its last match looked up
+        self.stale: set[str] = set()                         # request ids computed under a forgotten model
         self.summary = (
             f"state pools ({self._storage_note(layout)}): "
             f"{layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
@@ -132,7 +133,7 @@ class StateManager:
     def cache_blocks(self, rid: str, tokens: list[int]) -> None:
         """`rid`'s positions 0 .. len(tokens)-1 are computed with these committed tokens: register its blocks they
         fill (prefix caching; a no-op without it or for a sequence that holds no blocks now)."""
-        if self.prefix is None or rid not in self.owned:
+        if self.prefix is None or rid not in self.owned or rid in self.stale:
             return
         blocks = self.owned[rid][1]
         done, parent = self.registered.get(rid, (0, None))
@@ -144,18 +145,23 @@ class StateManager:
             self.registered[rid] = (full, parent)
 
     def forget_prefixes(self) -> None:
-        """The model changed under the cached state (a rank view): no block may be served again."""
+        """The model changed under the cached state (a rank view): no block may be served again, and the running
+        sequences' blocks (computed by the old model) are never registered."""
         if self.prefix is not None:
             self.free_blocks.extend(self.prefix.clear())
             self.registered.clear()
+            self.stale.update(self.owned)
 
     def release(self, rid: str) -> None:
         self.snapshots.pop(rid, None)
         self.registered.pop(rid, None)
+        self.queried.pop(rid, None)
+        self.stale.discard(rid)
         slot, blocks = self.owned.pop(rid, (None, []))
         if slot is None:
             return
-        cached = {b for b in blocks if self.prefix.release(b)} if self.prefix is not None else set()
+        # last block first: a chain's tail turns evictable before its head (a head serves more prefixes)
+        cached = {b for b in reversed(blocks) if self.prefix.release(b)} if self.prefix is not None else set()
         self.free_blocks.extend(b for b in reversed(blocks) if b not in cached)
         if rid in self.floors:
             self.floors.discard(rid)

@@ -57,6 +57,7 @@ class PrefixCache:
         self.by_digest: dict[bytes, int] = {}
         self.refs: dict[int, int] = {}               # registered block -> sequences holding it
         self.idle: OrderedDict[int, None] = OrderedDict()   # registered, unreferenced: oldest use first
+        self.retired: dict[int, int] = {}            # forgotten by clear() while held -> sequences still holding it
         self.queried_tokens = self.hit_tokens = self.replayed_tokens = self.evicted_blocks = 0
 
     # ---- hashing ----
@@ -104,8 +105,14 @@ class PrefixCache:
         self.replayed_tokens += hit.tokens - hit.replay_start
 
     def release(self, block: int) -> bool:
-        """A sequence lets go of `block`: True if the cache keeps it (registered), False if it is the caller's to
-        free."""
+        """A sequence lets go of `block`: True if the cache keeps it (registered, or retired and still held by
+        another sequence), False if it is the caller's to free."""
+        if block in self.retired:
+            self.retired[block] -= 1
+            if self.retired[block] == 0:
+                del self.retired[block]
+                return False
+            return True
         if block not in self.blocks:
             return False
         self.refs[block] -= 1
@@ -137,9 +144,11 @@ class PrefixCache:
 
     def clear(self) -> list[int]:
         """Forget every block (the model changed under them); returns the unreferenced ones, now free. Referenced
-        ones stay with their sequences, unregistered."""
+        ones stay with the sequences holding them, retired: never matched again, freed by their last release."""
         free = list(self.idle)
         for block in list(self.blocks):
+            if self.refs[block] > 0:
+                self.retired[block] = self.retired.get(block, 0) + self.refs[block]
             self._forget(block)
         self.idle.clear()
         return free
