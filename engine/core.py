@@ -40,7 +40,8 @@ from .scheduler.scheduler import SeatManager
 from .speculative.speculation import Speculation
 from .stats import Counters, EngineStats, graph_count, runner_fields
 
-PREFIX_COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_replayed_tokens", "prefix_evicted_blocks")
+PREFIX_COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_replayed_tokens", "prefix_evicted_blocks",
+                   "prefix_snapshot_hits")
 
 
 class Runner(Protocol):
@@ -72,6 +73,9 @@ class StateCache(SeatManager, Protocol):
 
     def cache_blocks(self, rid: str, tokens: list[int]) -> None:
         """`rid`'s positions 0 .. len(tokens)-1 are computed with these committed tokens (prefix caching)."""
+
+    def keep_boundaries(self, rows, align: int | None) -> None:
+        """After a step's launch: keep the rings of its rows that end at a block boundary (prefix caching)."""
 
     def forget_prefixes(self) -> None:
         """The model changed under the state: no cached prefix may be served again."""
@@ -244,6 +248,7 @@ class EngineCore:
         captures = graph_count(self.runner) if self.speculation is not None else 0
         out = self.runner.execute(plan, prev, read_prev if prev is not None and self._samples_from_host(plan)
                                   else None)
+        self.manager.keep_boundaries(plan.rows, self.scheduler.chunk_align)   # queued after this step's forward
         for row, entries in out.prompt_logprobs:
             self.processor.record_prompt_logprobs(row.request, entries)
         c, fed = self._counters, plan.num_tokens

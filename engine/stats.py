@@ -57,8 +57,10 @@ class EngineStats(Counters):
     prefix_hit_tokens: int | None = None        # of those, positions served from cached blocks
     prefix_replayed_tokens: int | None = None   # positions bounded replay recomputed for the rings of those hits
     prefix_evicted_blocks: int | None = None    # cached blocks given to new allocations
+    prefix_snapshot_hits: int | None = None     # hits that started from a ring snapshot (replaying less or nothing)
     prefix_cached_blocks: int | None = None     # blocks the cache holds now (shared or idle)
     prefix_replay_tokens: int | None = None     # the replay length R of this model and state layout
+    prefix_snapshots: int | None = None         # ring snapshots held now
 
     @property
     def prefix_hit_rate(self) -> float | None:

@@ -10,7 +10,8 @@ import hashlib
 from array import array
 
 FIELDS = ("prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_hit_rate", "prefix_ideal_tokens",
-          "prefix_ideal_rate", "prefix_replayed_tokens", "prefix_evicted_blocks", "prefix_replay_tokens",
+          "prefix_ideal_rate", "prefix_replayed_tokens", "prefix_evicted_blocks", "prefix_snapshot_hits",
+          "prefix_replay_tokens",
           "prefill_tokens_computed")
 
 
@@ -52,5 +53,6 @@ def prefix_fields(stats, prompts: list[list[int]], sequences: list[list[int]], b
             "prefix_hit_tokens": stats.prefix_hit_tokens, "prefix_hit_rate": stats.prefix_hit_rate,
             "prefix_ideal_tokens": ideal, "prefix_ideal_rate": ideal / sent if sent else None,
             "prefix_replayed_tokens": stats.prefix_replayed_tokens,
-            "prefix_evicted_blocks": stats.prefix_evicted_blocks, "prefix_replay_tokens": stats.prefix_replay_tokens,
+            "prefix_evicted_blocks": stats.prefix_evicted_blocks, "prefix_snapshot_hits": stats.prefix_snapshot_hits,
+            "prefix_replay_tokens": stats.prefix_replay_tokens,
             "prefill_tokens_computed": sent - hit + replayed}

@@ -201,8 +201,9 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
         records, duration, sent, held = run_turns(llm, work, point.turns, point.concurrency, vocab, seed)
     elif ranks.world == 1:
         records, duration = _measure(llm, work, warmup, point.concurrency)
-    else:
-        records, duration = _measure_ranks(llm, work, warmup, point, ranks)
+    else:                                # the prefix fields: this rank's engine over its share
+        records, duration, sent = _measure_ranks(llm, work, warmup, point, ranks)
+        held = sent
     metrics = compute_metrics(records, duration=duration, num_gpus=point.ranks)
     stats = llm.stats                    # this rank's engine, over the timed requests
     engine_stats = {k: getattr(stats, k) for k in ENGINE_STAT_KEYS}
@@ -248,7 +249,8 @@ def _measure_ranks(llm, work: Workload, warmup: Workload, point: SweepPoint, ran
     Data-parallel replicas run their shares apart, and a failure is gathered, so no rank waits forever. One
     expert-parallel engine (lockstep) steps on every rank together: every rank runs the warm-up and the timed
     part (LLM.generate_local), a rank without a share running idle steps until the others are done, and a failure
-    inside them is raised (the other ranks' next collective fails with one line, docs/parallel.md)."""
+    inside them is raised (the other ranks' next collective fails with one line, docs/parallel.md). Returns every
+    rank's records, the longest duration and this rank's prompts."""
     parts = split(point.concurrency, point.num_prompts, point.ranks)
     mine = parts[ranks.rank] if ranks.rank < len(parts) else None
     c, a, b = mine if mine is not None else (0, 0, 0)
@@ -271,7 +273,7 @@ def _measure_ranks(llm, work: Workload, warmup: Workload, point: SweepPoint, ran
     failed = [f"rank {i}: {err}" for i, (err, _, _) in enumerate(everyone) if err]
     if failed:
         raise DeepInferError("; ".join(failed))
-    return [r for _, recs, _ in everyone for r in recs], max(d for _, _, d in everyone)
+    return [r for _, recs, _ in everyone for r in recs], max(d for _, _, d in everyone), share.prompts
 
 
 def _caught(fn, lockstep: bool) -> tuple[str | None, object]:

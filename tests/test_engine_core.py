@@ -57,10 +57,13 @@ class FakeManager:
         self.cache: dict[str, list[int]] = {}
         self.rollbacks: list[tuple[str, int]] = []
 
-    def match_prefix(self, rid: str, tokens: list[int]):
+    def match_prefix(self, rid: str, tokens: list[int], align=None):
         return None                      # the fake cache shares no prefix
 
     def cache_blocks(self, rid: str, tokens: list[int]) -> None:
+        pass
+
+    def keep_boundaries(self, rows, align) -> None:
         pass
 
     def forget_prefixes(self) -> None:

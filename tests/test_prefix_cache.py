@@ -116,14 +116,28 @@ def test_a_released_chain_is_evicted_tail_first():
 
 # ---------------------------------------------------------------------------------------------- engines
 
+def _no_snapshots(llm: LLM) -> LLM:
+    """Keep no ring snapshots (and drop those kept): every hit replays R (the path the replay rule's tests check)."""
+    prefix = llm.engine.manager.prefix
+    prefix.free_seats.extend(prefix.snapshots.values())
+    prefix.snapshots.clear()
+    llm.engine.manager.keep_boundaries = lambda rows, align: None
+    return llm
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend", ["reference", "invariant"])
-def test_outputs_with_a_hit_equal_outputs_without(arch, backend):
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_outputs_with_a_hit_equal_outputs_without(arch, backend, snapshots):
     """Prompts that part from a cached one at several offsets inside a block (and inside compression windows):
-    greedy tokens equal the cache-free engine's; batch-invariant logprobs are bitwise equal."""
+    greedy tokens equal the cache-free engine's; batch-invariant logprobs are bitwise equal. Without snapshots
+    every hit replays R; with them (the cached prompt's pieces and decode rows left snapshots at 64, 128, 144)
+    the hits start from a snapshot and replay less."""
     base = _tokens(160, 0)
     parted = [base[:cut] + _tokens(20, 10 + cut) for cut in (97, 99, 105, 111, 112, 118)]
     got, want = _llm(arch, True, kernel_backend=backend), _llm(arch, False, kernel_backend=backend)
+    if not snapshots:
+        _no_snapshots(got)
     _run(got, [base[:140]])
     got.engine.reset_stats()
     hits = []
@@ -136,7 +150,10 @@ def test_outputs_with_a_hit_equal_outputs_without(arch, backend):
     stats = got.engine.stats
     assert stats.prefix_caching and stats.prefix_queried_tokens == sum(len(p) for p in parted)
     assert hits == [96, 192, 288, 384, 496, 608]             # cumulative: 6 blocks for the first four, then 7
-    assert stats.prefix_replayed_tokens >= 6 * stats.prefix_replay_tokens
+    if snapshots:
+        assert stats.prefix_snapshot_hits == 6 and stats.prefix_replayed_tokens < 6 * stats.prefix_replay_tokens
+    else:
+        assert stats.prefix_snapshot_hits == 0 and stats.prefix_replayed_tokens >= 6 * stats.prefix_replay_tokens
     assert 0 < stats.prefix_hit_rate < 1
 
 
@@ -176,6 +193,7 @@ def _full_prefill_state(arch: str, prompt: list[int]) -> dict[str, torch.Tensor]
 def _replayed_state(llm: LLM, replay: int, base: list[int]) -> dict[str, torch.Tensor]:
     """The rings at 112 after a hit of 112 whose replay is `replay` positions, in one piece (the engine has the
     prefix cached; each call's prompt has a tail of its own, so its blocks never lengthen the next call's hit)."""
+    _no_snapshots(llm)
     llm.engine.manager.prefix.replay_tokens = replay
     llm.engine.scheduler.max_tokens = replay
     before = llm.engine.stats.prefix_hit_tokens
@@ -219,6 +237,66 @@ def test_the_replay_rebuilds_every_ring(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_snapshot_serves_the_next_hit_without_replay(arch):
+    """Agent traffic (one head, new tails): the first hit replays from the cold prompt's snapshot at 64 and ends its
+    first piece at the hit (112), where its rings are kept; the next hit starts there and replays nothing. Greedy
+    outputs equal the cache-free engine's."""
+    head = _tokens(HIT, 20)
+    prompts = [head + _tokens(20, 21 + i) for i in range(3)]
+    got, want = _llm(arch, True), _llm(arch, False)
+    seen = []
+    for prompt in prompts:
+        assert _run(got, [prompt])[0].token_ids == _run(want, [prompt])[0].token_ids
+        s = got.engine.stats
+        seen.append((s.prefix_hit_tokens, s.prefix_snapshot_hits, s.prefix_replayed_tokens))
+    assert seen == [(0, 0, 0), (HIT, 1, HIT - 64), (2 * HIT, 2, HIT - 64)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rings_from_a_snapshot_equal_a_full_prefill(arch):
+    """Batch-invariant kernels: a sequence started from the snapshot at 112 has, after its next piece (at 128),
+    every ring bitwise a full prefill's."""
+    base = _tokens(160, 1)
+    prompt = base[:HIT] + _tokens(20, 2)
+    want = _state_at(_llm(arch, False, kernel_backend="invariant"), prompt, HIT + BT)
+    llm = _llm(arch, True, kernel_backend="invariant")
+    _run(llm, [base[:140]])                               # pieces of 16: snapshots at every block boundary
+    got = _state_at(llm, prompt, HIT + BT)
+    s = llm.engine.stats
+    assert s.prefix_snapshot_hits == 1 and s.prefix_hit_tokens == HIT and s.prefix_replayed_tokens == 0
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_conversation_resumes_from_its_decode_snapshot(arch):
+    """Multi-turn chat: the decode row that ended at 128 left a snapshot; the next turn (the conversation so far
+    and a new message) starts there and replays nothing. Greedy outputs equal the cache-free engine's."""
+    first = _tokens(100, 30)
+    got, want = _llm(arch, True), _llm(arch, False)
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)     # computed: 100 + 29 positions
+    a = got.generate([first], sp, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == want.generate([first], sp, use_tqdm=False)[0].outputs[0].token_ids
+    second = first + list(a.token_ids) + _tokens(10, 31)
+    assert _run(got, [second])[0].token_ids == _run(want, [second])[0].token_ids
+    s = got.engine.stats
+    assert s.prefix_hit_tokens == 128 and s.prefix_snapshot_hits == 1 and s.prefix_replayed_tokens == 0
+
+
+def test_snapshots_are_bounded_and_go_with_their_blocks():
+    llm = _llm("deepseek_v4", True, state_memory_bytes=_budget("deepseek_v4", 2, 0))
+    m = llm.engine.manager
+    seats = m.pools.snapshot_seats
+    assert seats == m.num_slots == 2
+    for i in range(6):                                    # unrelated prompts: blocks evicted, snapshots with them
+        _run(llm, [_tokens(120, 40 + i)])
+        assert len(m.prefix.snapshots) + len(m.prefix.free_seats) == seats and not m.kept
+        assert all(d in m.prefix.by_digest for d in m.prefix.snapshots)
+    assert llm.engine.stats.prefix_evicted_blocks > 0
+    m.forget_prefixes()
+    assert not m.prefix.snapshots and sorted(m.prefix.free_seats) == list(range(seats))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch):
     """A state budget of a few sequences: cached blocks are evicted for new ones, requests are preempted and come
     back (hitting what they computed); several requests share one cached prefix in the same steps. Batch-invariant
@@ -237,10 +315,11 @@ def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch):
 def _budget(arch: str, seats: int, extra_blocks: int) -> int:
     """State bytes that StateManager cuts into `seats` seats and the blocks of one max_model_len sequence plus
     `extra_blocks` (its sizing: a scratch slot and block, one whole sequence, then seats and blocks)."""
-    m = _llm(arch, False).engine.manager
+    m = _llm(arch, True).engine.manager                     # with a ring snapshot seat per seat
     lay, blocks = m.layout, m.layout.blocks_for(m.max_model_len)
-    slot = lay.bytes_per_slot() + 4 * blocks
-    return slot + lay.bytes_per_block() + (slot + blocks * lay.bytes_per_block()) + (seats - 1) * slot \
+    slot = 2 * lay.bytes_per_slot() + 4 * blocks
+    scratch = lay.bytes_per_slot() + lay.bytes_per_block() + 4 * blocks
+    return scratch + (slot + blocks * lay.bytes_per_block()) + (seats - 1) * slot \
         + extra_blocks * lay.bytes_per_block()
 
 

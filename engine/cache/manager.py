@@ -9,7 +9,10 @@ Snapshots keep a sequence's slot-fixed state at a position (speculative rollback
 
 With prefix caching (cache/prefix.py) a sequence's first blocks may be cached ones it shares, its computed blocks
 are registered as the engine applies each step (cache_blocks), and blocks the cache holds unreferenced are free
-space: an allocation takes a free block first, else evicts the least recently used cached one."""
+space: an allocation takes a free block first, else evicts the least recently used cached one. Each seat then
+brings a ring snapshot seat (its bytes come out of the budget like the seat's): keep_boundaries copies a
+sequence's rings where a step leaves it at a block boundary, cache_blocks publishes the copy once those positions'
+blocks are registered, and a hit through a snapshot starts from it."""
 
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ class StateManager:
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
         table_bytes = 4 * per_seq_blocks                                    # the slot's block-table row
-        full_seq = layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block() + table_bytes
+        snap = prefix_salt is not None and bool(layout.spec.rings)          # a ring snapshot seat per seat
+        full_seq = (1 + snap) * layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block() + table_bytes
         scratch = layout.bytes_per_slot() + layout.bytes_per_block() + table_bytes     # slot 0 and block 0
         given = min(max_num_seqs * full_seq + scratch, DEFAULT_CPU_BYTES) if memory_bytes is None else memory_bytes
         memory_bytes = given - scratch
@@ -47,21 +51,22 @@ class StateManager:
                 f"the state budget ({given / 2**20:.1f} MiB) cannot hold one sequence of max_model_len="
                 f"{max_model_len} ({full_seq / 2**20:.1f} MiB): raise state_memory_bytes / gpu_memory_utilization "
                 f"or lower max_model_len")
-        slot_bytes = layout.bytes_per_slot() + table_bytes
+        slot_bytes = (1 + snap) * layout.bytes_per_slot() + table_bytes
         slots = int(min(max_num_seqs, 1 + (memory_bytes - full_seq) // slot_bytes))
         blocks = (memory_bytes - slots * slot_bytes) // max(layout.bytes_per_block(), 1)
         blocks = int(min(blocks, slots * per_seq_blocks)) if layout.spec.entries else 0
-        self.pools = StatePools(layout, slots, blocks, max_model_len, device)
+        self.pools = StatePools(layout, slots, blocks, max_model_len, device, snapshot_seats=snap * slots)
         self.free_slots = list(range(slots, 0, -1))       # pop() hands out slot 1 first
         self.free_blocks = list(range(blocks, 0, -1))
         self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
         self.snapshots: dict[str, tuple[int, dict]] = {}      # request id -> (num_tokens, ring copies)
         self.prefix = None if prefix_salt is None else PrefixCache(
-            layout.block_tokens, replay_tokens(layout, idle_rings), prefix_salt)
+            layout.block_tokens, replay_tokens(layout, idle_rings), prefix_salt, self.pools.snapshot_seats)
         self.registered: dict[str, tuple[int, bytes | None]] = {}   # request id -> (blocks registered, their chain)
         self.floors: set[str] = set()                        # request ids whose slot has a write floor
         self.queried: dict[str, int] = {}                    # request id -> tokens its last match looked up
         self.stale: set[str] = set()                         # request ids computed under a forgotten model
+        self.kept: dict[str, list[tuple[int, int]]] = {}     # request id -> (boundary, seat): rings not published yet
         self.summary = (
             f"state pools ({self._storage_note(layout)}): "
             f"{layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
@@ -93,12 +98,13 @@ class StateManager:
                 "state_bytes": int(self.pools.nbytes()), "state_summary": self.summary,
                 "prefix_caching": self.prefix is not None, **counts}
 
-    def match_prefix(self, rid: str, tokens: list[int]) -> PrefixHit | None:
-        """The cached prefix a sequence about to start could share (nothing is taken: reserve(..., hit) takes it)."""
+    def match_prefix(self, rid: str, tokens: list[int], align: int | None = None) -> PrefixHit | None:
+        """The cached prefix a sequence about to start could share, through snapshots at multiples of `align` only
+        (nothing is taken: reserve(..., hit) takes it)."""
         if self.prefix is None or rid in self.owned:
             return None
         self.queried[rid] = len(tokens)              # counted once the sequence starts (reserve)
-        return self.prefix.match(tokens)
+        return self.prefix.match(tokens, align)
 
     def reserve(self, rid: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make `rid` own a slot and the blocks for num_tokens positions, its first ones `hit`'s shared blocks (a
@@ -119,6 +125,8 @@ class StateManager:
             self.registered[rid] = (len(shared), self.prefix.blocks[shared[-1]].digest)
             self.pools.write_floor[slot] = hit.tokens
             self.floors.add(rid)
+            if hit.snapshot is not None:
+                self.pools.put_rings(hit.snapshot, slot)
         new = shared + [self._take_block() for _ in range(max(need, 0))]
         if new:
             self.pools.block_table[slot, len(blocks):len(blocks) + len(new)] = torch.tensor(
@@ -139,10 +147,42 @@ class StateManager:
         done, parent = self.registered.get(rid, (0, None))
         bt = self.layout.block_tokens
         full = min(len(tokens) // bt, len(blocks))
+        chain = {done: parent}
         for k in range(done, full):
-            parent = self.prefix.register(blocks[k], parent, tokens[k * bt:(k + 1) * bt])
+            parent = chain[k + 1] = self.prefix.register(blocks[k], parent, tokens[k * bt:(k + 1) * bt])
         if full > done:
             self.registered[rid] = (full, parent)
+        waiting = []
+        for at, seat in self.kept.pop(rid, ()):
+            if chain.get(at // bt) is not None:
+                self.prefix.publish(chain[at // bt], seat)
+            elif at // bt > full:                          # not registered yet: the step is not applied
+                waiting.append((at, seat))
+            else:
+                self.prefix.free_seats.append(seat)
+        if waiting:
+            self.kept[rid] = waiting
+
+    def keep_boundaries(self, rows, align: int | None = None) -> None:
+        """After a step's launch: each running sequence of `rows` (ScheduledRow) that feeds no drafts and ends at a
+        block boundary (a multiple of `align` too, when given) has its rings copied to a snapshot seat, published
+        by cache_blocks when those positions' blocks are registered."""
+        if self.prefix is None or not self.pools.snapshot_seats:
+            return
+        bt = self.layout.block_tokens
+        for row in rows:
+            end = row.start + row.n
+            if row.draft_ids or end % bt or (align and end % align) or row.request_id not in self.owned \
+                    or row.request_id in self.stale:
+                continue
+            seat = self.prefix.snapshot_seat()
+            if seat is None:
+                return
+            self.pools.keep_rings(self.slot(row.request_id), seat)
+            self.kept.setdefault(row.request_id, []).append((end, seat))
+
+    def _drop_kept(self, rid: str) -> None:
+        self.prefix.free_seats.extend(seat for _, seat in self.kept.pop(rid, ()))
 
     def forget_prefixes(self) -> None:
         """The model changed under the cached state (a rank view): no block may be served again, and the running
@@ -151,12 +191,16 @@ class StateManager:
             self.free_blocks.extend(self.prefix.clear())
             self.registered.clear()
             self.stale.update(self.owned)
+            for rid in list(self.kept):
+                self._drop_kept(rid)
 
     def release(self, rid: str) -> None:
         self.snapshots.pop(rid, None)
         self.registered.pop(rid, None)
         self.queried.pop(rid, None)
         self.stale.discard(rid)
+        if self.prefix is not None:
+            self._drop_kept(rid)
         slot, blocks = self.owned.pop(rid, (None, []))
         if slot is None:
             return

@@ -107,10 +107,11 @@ class PoolLayout:
 
 class StatePools:
     """The pool tensors (on `device`) for `num_slots` sequences (+ scratch slot 0) and `num_blocks` entry blocks
-    (+ scratch block 0); `max_blocks` = blocks of a max_model_len sequence."""
+    (+ scratch block 0); `max_blocks` = blocks of a max_model_len sequence; `snapshot_seats` copies of every ring
+    (prefix caching's ring snapshots at block boundaries, cache/prefix.py)."""
 
     def __init__(self, layout: PoolLayout, num_slots: int, num_blocks: int, max_model_len: int,
-                 device: torch.device):
+                 device: torch.device, snapshot_seats: int = 0):
         self.layout, self.device = layout, device
         self.num_slots, self.num_blocks = num_slots, num_blocks
         self.block_tokens = layout.block_tokens
@@ -124,6 +125,9 @@ class StatePools:
         # [S] int64: a slot's entries below this position are a prefix hit's shared blocks, which no step writes
         # (its bounded replay runs those positions again for the rings only: cache/prefix.py)
         self.write_floor = torch.zeros(S, dtype=torch.long, device=self.device)
+        self.snapshot_seats = snapshot_seats
+        self.ring_snapshots = {r.name: self._allocate(r, (snapshot_seats, layout.ring_rows(r)))
+                               for r in layout.spec.rings} if snapshot_seats else {}
 
     def _allocate(self, kind, lead: tuple[int, int]):
         """[*lead, width] in the kind's dtype, or a PackedStore of records [*lead, record_bytes]."""
@@ -134,7 +138,8 @@ class StatePools:
                            self.layout.dtype)
 
     def nbytes(self) -> int:
-        tensors = [raw(t) for t in (*self.rings.values(), *self.entries.values())] + [self.block_table]
+        tensors = [raw(t) for t in (*self.rings.values(), *self.entries.values(), *self.ring_snapshots.values())] \
+            + [self.block_table]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- a sequence's slot-fixed state: what speculative rollback and prefix caching restore ----
@@ -147,3 +152,14 @@ class StatePools:
             raise DeepInferError("internal: a snapshot of another state layout was restored")
         for name, ring in self.rings.items():
             raw(ring)[slot].copy_(snapshot[name])
+
+    def keep_rings(self, slot: int, seat: int) -> None:
+        """Copy `slot`'s rings into snapshot seat `seat` (queued on the current stream: the state after the steps
+        launched so far)."""
+        torch._foreach_copy_([raw(t)[seat] for t in self.ring_snapshots.values()],
+                             [raw(self.rings[n])[slot] for n in self.ring_snapshots])
+
+    def put_rings(self, seat: int, slot: int) -> None:
+        """Copy snapshot seat `seat` into `slot`'s rings."""
+        torch._foreach_copy_([raw(self.rings[n])[slot] for n in self.ring_snapshots],
+                             [raw(t)[seat] for t in self.ring_snapshots.values()])

@@ -17,6 +17,12 @@ replay's first rows read windows and look-backs the new slot does not hold, each
 that error W - 1 positions further (spec.Ring.depth), and R is the shortest replay whose errors all end before
 the positions the rings keep. Hits of at most R positions are not taken (the replay would recompute them all).
 
+Ring snapshots: where a sequence's computed positions ended exactly at a block boundary B (a step's piece or
+decode row ended there), the manager copies its rings into a snapshot seat, published under the chain digest of
+B once those blocks are registered. A hit whose chain passes a snapshot at B >= H - R starts at B instead: the
+rings are copied in and [B, H) replays (nothing when B = H). Snapshot seats are few (one per sequence seat), the
+least recently used goes first, and a snapshot goes with its block.
+
 Blocks: a block the cache knows has a reference count (sequences whose tables hold it); at zero it stays in the
 pool, evictable, least recently used first, until an allocation needs it. Blocks are registered when a step's
 results are applied (core._apply): their positions computed and their tokens committed (a verify row's rejected
@@ -33,11 +39,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """A prefix a waiting sequence can start from: the cached blocks of its first `tokens` positions, and the
-    position its replay starts at (tokens - replay)."""
+    """A prefix a waiting sequence can start from: the cached blocks of its first `tokens` positions, the position
+    its replay starts at, and the snapshot seat holding the rings there (None: the replay rebuilds them from
+    tokens - R)."""
     blocks: tuple[int, ...]
     tokens: int
     replay_start: int
+    snapshot: int | None = None
 
 
 @dataclass
@@ -49,16 +57,18 @@ class _Block:
 
 class PrefixCache:
     COUNTS = ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_replayed_tokens", "prefix_evicted_blocks",
-              "prefix_cached_blocks", "prefix_replay_tokens")
+              "prefix_snapshot_hits", "prefix_cached_blocks", "prefix_replay_tokens", "prefix_snapshots")
 
-    def __init__(self, block_tokens: int, replay_tokens: int, salt: bytes):
+    def __init__(self, block_tokens: int, replay_tokens: int, salt: bytes, snapshot_seats: int = 0):
         self.block_tokens, self.replay_tokens, self.salt = block_tokens, replay_tokens, salt
         self.blocks: dict[int, _Block] = {}          # pool block -> what it holds
         self.by_digest: dict[bytes, int] = {}
         self.refs: dict[int, int] = {}               # registered block -> sequences holding it
         self.idle: OrderedDict[int, None] = OrderedDict()   # registered, unreferenced: oldest use first
         self.retired: dict[int, int] = {}            # forgotten by clear() while held -> sequences still holding it
-        self.queried_tokens = self.hit_tokens = self.replayed_tokens = self.evicted_blocks = 0
+        self.snapshots: OrderedDict[bytes, int] = OrderedDict()   # chain digest -> snapshot seat: oldest use first
+        self.free_seats = list(range(snapshot_seats - 1, -1, -1))
+        self.queried_tokens = self.hit_tokens = self.replayed_tokens = self.evicted_blocks = self.snapshot_hits = 0
 
     # ---- hashing ----
     def digest(self, parent: bytes | None, tokens) -> bytes:
@@ -68,11 +78,12 @@ class PrefixCache:
         return h.digest()
 
     # ---- lookup ----
-    def match(self, tokens: list[int]) -> PrefixHit | None:
+    def match(self, tokens: list[int], align: int | None = None) -> PrefixHit | None:
         """The longest cached prefix of `tokens` worth taking: whole blocks, leaving at least one position to
-        compute (the sequence samples from it), longer than the replay."""
+        compute (the sequence samples from it), longer than the replay or passing a snapshot; a snapshot counts
+        only at a multiple of `align` (batch-invariant mode's piece grid)."""
         bt = self.block_tokens
-        found, parent = [], None
+        found, parent, snap = [], None, (0, None)
         for k in range((len(tokens) - 1) // bt):
             piece = tokens[k * bt:(k + 1) * bt]
             d = self.digest(parent, piece)
@@ -84,7 +95,12 @@ class PrefixCache:
                 break
             found.append(block)
             parent = d
+            if d in self.snapshots and (align is None or (k + 1) * bt % align == 0):
+                snap = ((k + 1) * bt, self.snapshots[d])
         hit = len(found) * bt
+        at, seat = snap
+        if seat is not None and at >= hit - self.replay_tokens:
+            return PrefixHit(tuple(found), hit, at, seat)
         if hit <= self.replay_tokens:
             return None
         return PrefixHit(tuple(found), hit, hit - self.replay_tokens)
@@ -103,6 +119,9 @@ class PrefixCache:
             self.idle.pop(block, None)
         self.hit_tokens += hit.tokens
         self.replayed_tokens += hit.tokens - hit.replay_start
+        if hit.snapshot is not None:
+            self.snapshot_hits += 1
+            self.snapshots.move_to_end(self.blocks[hit.blocks[hit.replay_start // self.block_tokens - 1]].digest)
 
     def release(self, block: int) -> bool:
         """A sequence lets go of `block`: True if the cache keeps it (registered, or retired and still held by
@@ -130,6 +149,23 @@ class PrefixCache:
             self.refs[block] = 1
         return d
 
+    # ---- ring snapshots ----
+    def snapshot_seat(self) -> int | None:
+        """A seat for a new snapshot: a free one, else the least recently used snapshot's (None: no seats)."""
+        if self.free_seats:
+            return self.free_seats.pop()
+        if self.snapshots:
+            return self.snapshots.popitem(last=False)[1]
+        return None
+
+    def publish(self, digest: bytes, seat: int) -> None:
+        """The rings in `seat` are the state after the chain `digest`'s positions: serve them (a digest that has a
+        snapshot already, or is not cached, gives the seat back)."""
+        if digest in self.snapshots or digest not in self.by_digest:
+            self.free_seats.append(seat)
+        else:
+            self.snapshots[digest] = seat
+
     # ---- memory ----
     @property
     def evictable(self) -> int:
@@ -146,6 +182,8 @@ class PrefixCache:
         """Forget every block (the model changed under them); returns the unreferenced ones, now free. Referenced
         ones stay with the sequences holding them, retired: never matched again, freed by their last release."""
         free = list(self.idle)
+        self.free_seats.extend(self.snapshots.values())
+        self.snapshots.clear()
         for block in list(self.blocks):
             if self.refs[block] > 0:
                 self.retired[block] = self.retired.get(block, 0) + self.refs[block]
@@ -156,9 +194,13 @@ class PrefixCache:
     def _forget(self, block: int) -> None:
         held = self.blocks.pop(block)
         del self.by_digest[held.digest], self.refs[block]
+        seat = self.snapshots.pop(held.digest, None)
+        if seat is not None:
+            self.free_seats.append(seat)
 
     def counts(self) -> dict:
-        """EngineStats' prefix fields (COUNTS, in order): tokens queried / hit / replayed and blocks evicted since
-        the engine was built, blocks cached now, the replay length."""
+        """EngineStats' prefix fields (COUNTS, in order): tokens queried / hit / replayed, blocks evicted and hits
+        served from a snapshot since the engine was built, blocks cached now, the replay length, snapshots held."""
         return dict(zip(self.COUNTS, (self.queried_tokens, self.hit_tokens, self.replayed_tokens,
-                                      self.evicted_blocks, len(self.blocks), self.replay_tokens)))
+                                      self.evicted_blocks, self.snapshot_hits, len(self.blocks), self.replay_tokens,
+                                      len(self.snapshots))))

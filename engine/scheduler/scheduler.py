@@ -7,7 +7,8 @@ then waiting sequences while seats, budget and blocks remain. A sequence's block
 that needs them; when none are free the most recently admitted sequences are preempted (slot and blocks freed,
 back to the front of the queue, recomputed later from prompt + outputs). A sequence that starts (or restarts)
 with a cached prefix (prefix caching, cache/prefix.py) starts at its replay: num_computed = the hit minus the
-replay length, vLLM's rule of counting a hit as computed, less what bounded replay recomputes; prompt-logprob
+replay length, vLLM's rule of counting a hit as computed, less what bounded replay recomputes (its first piece
+ends at the hit, where the cache keeps the rings for the next request sharing it); prompt-logprob
 requests never take a hit (they need every prompt position's logits). `num_computed` advances when a step
 is planned: with asynchronous scheduling the next step is planned while this one runs, its sampled tokens
 still in flight (Request.num_inflight).
@@ -51,9 +52,10 @@ class SeatManager(Protocol):
 
     def slot(self, rid: str) -> int: ...
 
-    def match_prefix(self, rid: str, tokens: list[int]):
+    def match_prefix(self, rid: str, tokens: list[int], align: int | None = None):
         """A cached prefix (cache/prefix.PrefixHit: its positions, where its replay starts) a sequence about to start
-        could share, or None; nothing is taken until reserve(rid, n, hit)."""
+        could share, or None (ring snapshots only at multiples of `align`); nothing is taken until reserve(rid, n,
+        hit)."""
 
     def snapshot_unless_slack(self, rid: str, num_tokens: int, drafts: int) -> None:
         """Before a verify row of `drafts` drafts from position num_tokens: keep what a rollback must restore."""
@@ -108,7 +110,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_inflight or req in preempted:   # not back in the step that preempted it: a step in flight
                 break                                  # may still hold rows of its old seat
-            hit = self.manager.match_prefix(req.request_id, req.tokens(0, req.num_tokens)) \
+            hit = self.manager.match_prefix(req.request_id, req.tokens(0, req.num_tokens), self.chunk_align) \
                 if req.num_computed == 0 and req.params.prompt_logprobs is None else None
             start = req.num_computed
             if hit is not None:                  # the cached blocks hold [0, hit.tokens); the replay starts before
@@ -117,6 +119,9 @@ class Scheduler:
                     hit = dataclasses.replace(hit, replay_start=hit.replay_start // a * a)
                 req.num_computed = hit.replay_start
             n = self._chunk(req, budget, 0)
+            if hit is not None and self.chunk_align is None and req.num_computed < hit.tokens:
+                n = min(n, hit.tokens - req.num_computed)    # the replay's piece ends at the hit: its rings are
+                #                                              snapshotted there for the next request sharing it
             if n == 0 or not self.manager.reserve(req.request_id, req.num_computed + n, hit):
                 req.num_computed = start
                 break
