@@ -64,7 +64,7 @@ class FakeManager:
         pass
 
     def keep_boundaries(self, rows, align) -> None:
-        pass
+        """No prefix cache, so no ring snapshots to keep."""
 
     def forget_prefixes(self) -> None:
         pass

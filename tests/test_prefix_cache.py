@@ -268,6 +268,25 @@ def test_rings_from_a_snapshot_equal_a_full_prefill(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_replay_keeps_no_snapshot_before_its_hit(arch):
+    """Batch-invariant pieces of 16: a replay's pieces end at block boundaries below the hit, where its rings are
+    not yet exact; rings are copied (and a seat taken, perhaps from a good snapshot) only from the hit on."""
+    base = _tokens(160, 1)
+    llm = _llm(arch, True, kernel_backend="invariant")
+    m = _no_snapshots(llm).engine.manager
+    _run(llm, [base[:140]])                               # cached blocks, no snapshots: the next hit replays
+    del m.keep_boundaries                                 # the manager's own again
+    copies, keep = [], m.pools.keep_rings
+    m.pools.keep_rings = lambda slot, seat: (copies.append(seat), keep(slot, seat))
+    prompt = base[:HIT] + _tokens(20, 2)
+    _run(llm, [prompt])
+    assert len(copies) == 2                               # at 112 and 128: none while replaying 48 .. 112
+    assert llm.engine.stats.prefix_replayed_tokens >= m.prefix.replay_tokens
+    kept = [k * BT for k in range(1, len(prompt) // BT + 1) if m.prefix.chain(prompt, k) in m.prefix.snapshots]
+    assert kept == [HIT, HIT + BT]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_conversation_resumes_from_its_decode_snapshot(arch):
     """Multi-turn chat: the decode row that ended at 128 left a snapshot; the next turn (the conversation so far
     and a new message) starts there and replays nothing. Greedy outputs equal the cache-free engine's."""

@@ -63,7 +63,7 @@ class StateManager:
         self.prefix = None if prefix_salt is None else PrefixCache(
             layout.block_tokens, replay_tokens(layout, idle_rings), prefix_salt, self.pools.snapshot_seats)
         self.registered: dict[str, tuple[int, bytes | None]] = {}   # request id -> (blocks registered, their chain)
-        self.floors: set[str] = set()                        # request ids whose slot has a write floor
+        self.floors: dict[str, int] = {}                     # request id -> its slot's write floor (the hit)
         self.queried: dict[str, int] = {}                    # request id -> tokens its last match looked up
         self.stale: set[str] = set()                         # request ids computed under a forgotten model
         self.kept: dict[str, list[tuple[int, int]]] = {}     # request id -> (boundary, seat): rings not published yet
@@ -124,7 +124,7 @@ class StateManager:
             self.prefix.acquire(hit)
             self.registered[rid] = (len(shared), self.prefix.blocks[shared[-1]].digest)
             self.pools.write_floor[slot] = hit.tokens
-            self.floors.add(rid)
+            self.floors[rid] = hit.tokens
             if hit.snapshot is not None:
                 self.pools.put_rings(hit.snapshot, slot)
         new = shared + [self._take_block() for _ in range(max(need, 0))]
@@ -159,21 +159,22 @@ class StateManager:
             elif at // bt > full:                          # not registered yet: the step is not applied
                 waiting.append((at, seat))
             else:
-                self.prefix.free_seats.append(seat)
+                self.prefix.return_seat(seat)
         if waiting:
             self.kept[rid] = waiting
 
     def keep_boundaries(self, rows, align: int | None = None) -> None:
         """After a step's launch: each running sequence of `rows` (ScheduledRow) that feeds no drafts and ends at a
-        block boundary (a multiple of `align` too, when given) has its rings copied to a snapshot seat, published
-        by cache_blocks when those positions' blocks are registered."""
+        block boundary (a multiple of `align` too, when given) at or past its hit has its rings copied to a
+        snapshot seat, published by cache_blocks when those positions' blocks are registered. A replay's rings
+        are exact only from the hit on (before it they lack what the replay has not yet covered)."""
         if self.prefix is None or not self.pools.snapshot_seats:
             return
         bt = self.layout.block_tokens
         for row in rows:
             end = row.start + row.n
             if row.draft_ids or end % bt or (align and end % align) or row.request_id not in self.owned \
-                    or row.request_id in self.stale:
+                    or row.request_id in self.stale or end < self.floors.get(row.request_id, 0):
                 continue
             seat = self.prefix.snapshot_seat()
             if seat is None:
@@ -182,7 +183,8 @@ class StateManager:
             self.kept.setdefault(row.request_id, []).append((end, seat))
 
     def _drop_kept(self, rid: str) -> None:
-        self.prefix.free_seats.extend(seat for _, seat in self.kept.pop(rid, ()))
+        for _, seat in self.kept.pop(rid, ()):
+            self.prefix.return_seat(seat)
 
     def forget_prefixes(self) -> None:
         """The model changed under the cached state (a rank view): no block may be served again, and the running
@@ -207,8 +209,7 @@ class StateManager:
         # last block first: a chain's tail turns evictable before its head (a head serves more prefixes)
         cached = {b for b in reversed(blocks) if self.prefix.release(b)} if self.prefix is not None else set()
         self.free_blocks.extend(b for b in reversed(blocks) if b not in cached)
-        if rid in self.floors:
-            self.floors.discard(rid)
+        if self.floors.pop(rid, None) is not None:
             self.pools.write_floor[slot] = 0
         self.free_slots.append(slot)
         # NOTE: the table row keeps stale ids: the next owner overwrites the columns it uses, and entries past a

@@ -162,9 +162,13 @@ class PrefixCache:
         """The rings in `seat` are the state after the chain `digest`'s positions: serve them (a digest that has a
         snapshot already, or is not cached, gives the seat back)."""
         if digest in self.snapshots or digest not in self.by_digest:
-            self.free_seats.append(seat)
+            self.return_seat(seat)
         else:
             self.snapshots[digest] = seat
+
+    def return_seat(self, seat: int) -> None:
+        """A seat from snapshot_seat() that holds nothing to serve."""
+        self.free_seats.append(seat)
 
     # ---- memory ----
     @property
@@ -196,7 +200,7 @@ class PrefixCache:
         del self.by_digest[held.digest], self.refs[block]
         seat = self.snapshots.pop(held.digest, None)
         if seat is not None:
-            self.free_seats.append(seat)
+            self.return_seat(seat)
 
     def counts(self) -> dict:
         """EngineStats' prefix fields (COUNTS, in order): tokens queried / hit / replayed, blocks evicted and hits
