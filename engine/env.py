@@ -92,6 +92,14 @@ def read(name: str):
     return raw
 
 
+def settings() -> dict:
+    """The DEEPINFER_* engine switches this process set, by name (their rule's values), for rows: a figure taken
+    under a non-default switch (compact YOCO truncation, async scheduling off, ...) says so. Paths and build
+    switches are left out (no machine paths in rows; build switches do not change a built engine)."""
+    return {name: read(name) for name, var in VARIABLES.items()
+            if var.kind not in ("path", "build") and _raw(name) is not None}
+
+
 def check_environment() -> None:
     """Read every DEEPINFER_* variable under its rule, before any work: a bad value or an unknown DEEPINFER_* name
     (a typo would otherwise be ignored) is one error line."""

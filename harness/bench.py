@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from deepinfer.env import settings
 from deepinfer.errors import DeepInferError
 
 from .rows import RowStore, atomic_write_text, done_keys, read_rows, refuse_existing_rows, utc_now
@@ -53,9 +54,19 @@ class RunFolder:
             why = compare(self.settings_path.read_text()) if compare is not None else None
             if why:
                 raise DeepInferError(why)
+            self._check_engine_env()
         else:
             refuse_existing_rows(self.path, self.resumable)
         return done_keys(read_rows(self.path))       # a corrupt row stops here, before the model loads
+
+    def _check_engine_env(self) -> None:
+        """A resumed run keeps the DEEPINFER_* switches its rows were taken under (env.json; runs from before
+        rows recorded them are not checked)."""
+        env_path = self.path / "env.json"
+        stored = json.loads(env_path.read_text()).get("engine_env") if env_path.exists() else None
+        if stored is not None and stored != settings():
+            raise DeepInferError(f"--resume: {self.path} was run with DEEPINFER_* switches {stored or 'none'}, this "
+                                 f"process has {settings() or 'none'}; set the same, or start a new --run-id")
 
     def open(self, settings_text: str | None = None, env: dict | None = None) -> RowStore:
         """Once the engine is built: the folder, its settings file and (for a new run, or a resumed one without

@@ -26,6 +26,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from deepinfer.env import settings
 from deepinfer.errors import DeepInferError
 
 from .traffic import traffic_warning
@@ -119,17 +120,18 @@ def hardware() -> dict:
 
 
 def environment() -> dict:
-    return {"git": git_state(), "packages": package_versions(), "hardware": hardware(), "time": utc_now()}
+    return {"git": git_state(), "packages": package_versions(), "hardware": hardware(), "time": utc_now(),
+            "engine_env": settings()}
 
 
 def identity(env: dict, method_version: str, *, packages: bool = True, hardware_info: bool = False,
              **fields) -> dict:
     """The fields every row of a run carries: the row layout and measuring method, where it ran (hardware, the
-    code's git state and, unless packages=False, package versions; hardware_info: the whole hardware dict) and
-    the bench's own `fields` (model, device, settings). `env`: environment() of the run."""
+    code's git state and, unless packages=False, package versions; hardware_info: the whole hardware dict), the
+    DEEPINFER_* switches set (engine_env) and the bench's own `fields` (model, device, settings). `env`: environment() of the run."""
     row = {"schema_version": SCHEMA_VERSION, "method_version": method_version,
            "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
-           "git_dirty": env["git"]["dirty"]}
+           "git_dirty": env["git"]["dirty"], "engine_env": env.get("engine_env", {})}
     if packages:
         row["packages"] = env["packages"]
     if hardware_info:

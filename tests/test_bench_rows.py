@@ -100,9 +100,12 @@ def test_unwritable_report_dir_is_one_line(tmp_path):
         RowStore(blocker / "run")
 
 
-def test_environment_identity():
+def test_environment_identity(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "0")
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", "/")          # a path: never in a row
     env = environment()
-    assert set(env) == {"git", "packages", "hardware", "time"}
+    assert set(env) == {"git", "packages", "hardware", "time", "engine_env"}
+    assert env["engine_env"] == {"DEEPINFER_ASYNC_SCHEDULING": False}
     assert env["packages"]["torch"] and env["hardware"]["cpu_count"] >= 1
     assert set(env["git"]) == {"sha", "dirty"}
 

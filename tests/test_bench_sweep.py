@@ -70,6 +70,32 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
     assert len(failed) == len(keys) and all(r["status"] == "failed" and "no memory" in r["error"] for r in failed)
 
 
+def test_rows_record_the_engine_switches_and_resume_keeps_them(tmp_path, monkeypatch):
+    """A row taken under a DEEPINFER_* switch says so (engine_env); resuming under other switches is refused, so
+    one run never mixes rows of two engines."""
+    cfg = parse_sweep({**MICRO, "concurrency": [1], "scenarios": [{"isl": 16, "osl": 4}, {"isl": 24, "osl": 4}]})
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    real = sweep_mod.run_point
+
+    def one_then_dies(llm, cfg, point, index, ranks):
+        if index == 1:
+            raise KeyboardInterrupt
+        return real(llm, cfg, point, index, ranks)
+    monkeypatch.setattr(sweep_mod, "run_point", one_then_dies)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(cfg, tmp_path, "e1", progress=False)
+    rows = RowStore(tmp_path / "1" / "e1").rows()
+    assert [r["engine_env"] for r in rows] == [{"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact"}]
+    monkeypatch.setattr(sweep_mod, "run_point", real)
+    monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
+    with pytest.raises(DeepInferError, match="was run with DEEPINFER_\\* switches .*compact.*this process has none"):
+        run_sweep(cfg, tmp_path, "e1", resume=True, progress=False)
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    rows = RowStore(run_sweep(cfg, tmp_path, "e1", resume=True, progress=False)).rows()
+    assert len(rows) == len(cfg.points()) and all(r["engine_env"] == {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact"}
+                                  for r in rows)
+
+
 def test_concurrency_beyond_the_engine_is_refused_by_the_file(tmp_path):
     """max_num_seqs decides it before any run: the file is refused (the run-time check, for seats lost to the
     memory budget, writes a failure row)."""
