@@ -50,7 +50,7 @@ class Runner(Protocol):
     ran_rows: int                    # rows the last launched step ran (a graph's padded count)
     cuda_graphs: bool
 
-    def execute(self, plan: StepPlan, prev, before_sample: Callable[[], set[str]] | None):
+    def execute(self, plan: StepPlan, prev, before_sample: Callable[[], set[str]] | None, ring_marks=None):
         """Launch the step; call before_sample between the forward and sampling. Returns its StepOutput."""
 
     def graph_keys(self) -> list[tuple]:
@@ -73,6 +73,10 @@ class StateCache(SeatManager, Protocol):
 
     def cache_blocks(self, rid: str, tokens: list[int]) -> None:
         """`rid`'s positions 0 .. len(tokens)-1 are computed with these committed tokens (prefix caching)."""
+
+    def interior_snapshots(self, rows, align: int | None) -> dict[int, list[tuple[int, int]]]:
+        """Before a step's launch: slot -> [(position, seat)], the ring snapshots its prefill pieces take inside
+        themselves (prefix caching; the runner's ring_marks)."""
 
     def keep_boundaries(self, rows, align: int | None) -> None:
         """After a step's launch: keep the rings of its rows that end at a block boundary (prefix caching)."""
@@ -246,8 +250,9 @@ class EngineCore:
             return {r.request_id for r in done}
         prev = self._in_flight[1] if self._in_flight is not None else None
         captures = graph_count(self.runner) if self.speculation is not None else 0
+        marks = self.manager.interior_snapshots(plan.rows, self.scheduler.chunk_align)
         out = self.runner.execute(plan, prev, read_prev if prev is not None and self._samples_from_host(plan)
-                                  else None)
+                                  else None, marks)
         self.manager.keep_boundaries(plan.rows, self.scheduler.chunk_align)   # queued after this step's forward
         for row, entries in out.prompt_logprobs:
             self.processor.record_prompt_logprobs(row.request, entries)

@@ -18,9 +18,9 @@ import torch
 
 from .api import WEIGHT_PLACEMENT_DEFAULTS, host_resident_weights, keep_weights_on_host, load_model
 from .errors import DeepInferError
-from .cache.manager import StateManager
+from .cache.manager import PREFIX_SNAPSHOT_INTERVAL, StateManager
 from .core import EngineConfig, EngineCore, unsupported
-from .env import async_scheduling_default, check_environment, kernel_backend
+from .env import async_scheduling_default, check_environment, kernel_backend, yoco_prefill
 from .models import check_projection_storage, projection_storage_of
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
@@ -57,7 +57,7 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
                    "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None,
                    "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None,
-                   "enable_prefix_caching": False,
+                   "enable_prefix_caching": False, "prefix_snapshot_interval": None,
                    **WEIGHT_PLACEMENT_DEFAULTS}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read
@@ -89,6 +89,10 @@ class LLM:
                      "expert_traffic", "enable_prefix_caching"):
             check_flag(name, args[name], none_ok=name == "async_scheduling")
         check_flag("qat_fake_quant", qat_fake_quant)
+        interval = args["prefix_snapshot_interval"]
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
+            raise DeepInferError(f"prefix_snapshot_interval={interval!r} must be an integer >= 0 (positions between "
+                                 f"ring snapshots inside a prefill piece; 0: only where pieces end) or None")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
         check_environment()
@@ -145,10 +149,20 @@ class LLM:
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
                                args["block_size"], args["kv_cache_dtype"], ring_slack=slack,
                                prefix_salt=self._prefix_salt(kernels) if args["enable_prefix_caching"] else None,
-                               idle_rings=drafts_idle)
+                               idle_rings=drafts_idle, snapshot_interval=self._snapshot_interval(interval))
         self.engine = self._build_engine(kernels, manager)
         self._next_id = 0
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request
+
+    def _snapshot_interval(self, asked: int | None) -> int:
+        """Positions between interior ring snapshots (docs/prefix-cache.md): none when the engine drafts (draft rings
+        are written for a piece's last window only); by default none either where prefill pieces run truncated
+        (V4.1's YOCO prefill: a marked piece runs whole, which costs more than the snapshots save a cold prompt)."""
+        if self.speculative is not None:
+            return 0
+        if asked is None:
+            return 0 if yoco_prefill() and getattr(self.model, "truncates_prefill", False) else PREFIX_SNAPSHOT_INTERVAL
+        return asked
 
     def _build_engine(self, kernels: KernelTable, manager: StateManager) -> EngineCore:
         """A runner over `manager`'s pools, told at construction whether decode shapes are fixed (invariant), and

@@ -31,14 +31,15 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TOP_KEYS = ("name", "model", "device", "dtype", "engine_args", "mode", "scenarios", "range_ratio", "topology",
             "concurrency", "num_prompts_per_concurrency", "warmup", "seed", "speculative")
 REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
-# engine argument -> kind: "int" (>= 1), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE),
+# engine argument -> kind: "int" (>= 1), "count" (>= 0), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE),
 # "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES), "dispatch" (DISPATCH_BACKENDS); the
 # expert-parallel ones (EXPERT_PARALLEL_ARGS) only with a role that runs expert parallelism (topology ep > 1)
 ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max_model_len": "int",
                     "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
                     "projection_storage": "projection", "block_size": "int", "kv_cache_dtype": "kv_cache_dtype",
                     "speculative": "speculative", "expert_dispatch": "dispatch", "enable_eplb": "bool",
-                    "eplb_config": "eplb", "enable_prefix_caching": "bool"}
+                    "eplb_config": "eplb", "enable_prefix_caching": "bool",
+                    "prefix_snapshot_interval": "count"}
 EXPERT_PARALLEL_ARGS = ("expert_dispatch", "enable_eplb", "eplb_config")
 SCENARIO_KEYS = ("isl", "osl", "shared", "turns")
 TOPOLOGY_KEYS = ("prefill_ranks", "decode_ranks", "ep", "dp")
@@ -426,8 +427,8 @@ class Validator:
         self.keys(d, path, tuple(ENGINE_ARG_KINDS))
         for k, val in d.items():
             kind, p = ENGINE_ARG_KINDS[k], f"{path}.{k}"
-            if kind == "int":
-                self.integer(val, p, 1)
+            if kind in ("int", "count"):
+                self.integer(val, p, 1 if kind == "int" else 0)
             elif kind == "util":
                 self.number(val, p, low_open=0.0, high=1.0)
             elif kind == "bool" and not isinstance(val, bool):

@@ -63,6 +63,9 @@ class FakeManager:
     def cache_blocks(self, rid: str, tokens: list[int]) -> None:
         pass
 
+    def interior_snapshots(self, rows, align) -> dict:
+        return {}                        # no prefix cache, so no ring snapshots
+
     def keep_boundaries(self, rows, align) -> None:
         """No prefix cache, so no ring snapshots to keep."""
 
@@ -129,7 +132,8 @@ class FakeRunner:
     def graph_keys(self) -> list:
         return []
 
-    def execute(self, plan, prev, before_sample=None):
+    def execute(self, plan, prev, before_sample=None, ring_marks=None):
+        assert not ring_marks
         self.steps += 1
         self.events.append(("execute", self.steps))
         sampled, tokens, lps, verdicts = [], [], [], []

@@ -301,6 +301,72 @@ def test_a_conversation_resumes_from_its_decode_snapshot(arch):
     assert s.prefix_hit_tokens == 128 and s.prefix_snapshot_hits == 1 and s.prefix_replayed_tokens == 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("interval,replayed", [(0, HIT - 64), (32, HIT - 96)])
+def test_interior_snapshots_shorten_a_first_hit(arch, interval, replayed):
+    """Pieces of 64: the cold prompt's pieces end at 64 and 128 (snapshots there); with an interval of 32 the
+    forward also writes its rings as at 32 and 96 into snapshot seats (V4.1's marked pieces run untruncated: their
+    upper layers' rings need those rows). The one at 96 equals the rings of a prefill whose piece ends at 96 (to
+    float noise), and the first hit of 112 replays from it, not from 64. Greedy outputs equal the cache-free
+    engine's; logprobs to a rounding step of V4.1's rounded window rows, which float noise between different
+    pieces can flip (docs/prefix-cache.md)."""
+    base = _tokens(160, 1)
+    got = _llm(arch, True, prefix_snapshot_interval=interval)
+    want = _llm(arch, False)
+    _run(got, [base[:140]])
+    m = got.engine.manager
+    kept = [k * BT for k in range(1, 140 // BT + 1) if m.prefix.chain(base, k) in m.prefix.snapshots]
+    assert kept == ([32, 64, 96, 128] if interval else [64, 128])
+    if interval:
+        seat, pools = m.prefix.snapshots[m.prefix.chain(base, 6)], m.pools
+        ref = _state_at(_llm(arch, False, max_num_batched_tokens=BT), base[:140], 96)
+        for name, ring in pools.rings.items():
+            t = raw(pools.snapshot_store(ring))
+            rows = torch.tensor([p % t.shape[1] for p in range(96 - pools.spans[name], 96)])
+            assert (t[seat, rows].double() - ref[name].double()).abs().max() < 1e-5, name
+    got.engine.reset_stats()
+    prompt = base[:HIT] + _tokens(20, 2)
+    a, b = _run(got, [prompt])[0], _run(want, [prompt])[0]
+    assert a.token_ids == b.token_ids
+    assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 0.05
+    s = got.engine.stats
+    assert (s.prefix_hit_tokens, s.prefix_snapshot_hits, s.prefix_replayed_tokens) == (HIT, 1, replayed)
+
+
+def test_a_ring_mark_writes_the_rings_as_after_its_position():
+    """ForwardBatch.write_ring with marks: seat k holds, at row p % span', the value of position p for the span'
+    positions before its mark, from the marked segment's rows; a mark without those rows is refused."""
+    from deepinfer.cache.forward_batch import ForwardBatch
+    pools = _llm("deepseek_v4", True, prefix_snapshot_interval=32).engine.manager.pools
+    starts, lens = [0, 40], [64, 30]
+    fb = ForwardBatch.ragged(pools, [1, 2], starts, lens, 1, ring_marks=[(0, 32, 0), (1, 64, 3)])
+    for name, ring in pools.rings.items():
+        new = torch.randn(sum(lens), ring.shape[-1], generator=torch.Generator().manual_seed(len(name)))
+        fb.write_ring(ring, new)
+        seats, span = pools.snapshot_store(ring), ring.shape[1]
+        for seat, first, start, at in ((0, 0, 0, 32), (3, lens[0], starts[1], 64)):   # first: the segment's row 0
+            for p in range(at - span, at):
+                assert torch.equal(seats[seat, p % span], new[first + p - start].to(ring.dtype)), (name, p)
+    bad = ForwardBatch.ragged(pools, [1], [40], [30], 1, ring_marks=[(0, 48, 0)])
+    with pytest.raises(RuntimeError, match="ring mark at 48"):
+        bad.write_ring(next(iter(pools.rings.values())), torch.zeros(30, next(iter(pools.rings.values())).shape[-1]))
+
+
+def test_interior_snapshot_seats_and_bad_intervals():
+    """Interior snapshots bring up to three more seats per sequence seat, none when a sequence cannot reach one
+    (max_model_len 256 < 1024, the default interval) or the interval is 0; a bad interval is one line."""
+    from deepinfer.errors import DeepInferError
+    seats = [(m.pools.snapshot_seats, m.num_slots, m.snapshot_interval) for m in (
+        _llm("deepseek_v4", True, **kw).engine.manager for kw in ({}, {"prefix_snapshot_interval": 0},
+                                                                  {"prefix_snapshot_interval": 20}))]
+    assert seats == [(4, 4, 1024), (4, 4, 0), (16, 4, 32)]          # 20 rounds up to whole blocks of 16
+    v41 = _llm("deepseek_v41", True).engine.manager           # YOCO-truncated pieces: none by default
+    assert (v41.snapshot_interval, v41.pools.snapshot_seats) == (0, v41.num_slots)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(DeepInferError, match="prefix_snapshot_interval"):
+            _llm("deepseek_v4", True, prefix_snapshot_interval=bad)
+
+
 def test_snapshots_are_bounded_and_go_with_their_blocks():
     llm = _llm("deepseek_v4", True, state_memory_bytes=_budget("deepseek_v4", 2, 0))
     m = llm.engine.manager

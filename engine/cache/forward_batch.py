@@ -36,7 +36,7 @@ class ForwardBatch:
                  row_seg: torch.Tensor, row_pos: torch.Tensor, seg_first_row: torch.Tensor, seg_ends: torch.Tensor,
                  ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None,
                  last_only: list[bool] | None = None, root_rows: int | None = None, draft_rings: bool = False,
-                 row_share=None, keep_tokens: int | None = None):
+                 row_share=None, keep_tokens: int | None = None, ring_marks=()):
         self.pools = pools
         self.seg_slots, self.seg_starts = seg_slots, seg_starts       # [G] int64
         self.row_seg, self.positions = row_seg, row_pos               # [N] int64
@@ -53,15 +53,20 @@ class ForwardBatch:
         self.draft_rings = draft_rings                                # keep the model's draft rings current
         self.shared: dict = {}                                        # per-step products layers share (V4.1 groups)
         self.row_share = row_share          # the step's rows shared over context-parallel ranks (None: all ours)
+        self.ring_marks = tuple(ring_marks)  # (segment, position B, snapshot seat): rings as after B go there too
         self._cache: dict = {}
 
     # ---- construction ----
     @classmethod
     def ragged(cls, pools: StatePools, slots: list[int], starts: list[int], lens: list[int],
                ctx_blocks: int, last_only: list[bool] | None = None, root_rows: int | None = None,
-               draft_rings: bool = False, row_share=None, keep_tokens: int | None = None) -> "ForwardBatch":
+               draft_rings: bool = False, row_share=None, keep_tokens: int | None = None,
+               ring_marks=()) -> "ForwardBatch":
         """row_share: the rows are shared over context-parallel ranks (parallel/context_parallel.py: its `rows` [Q]
-        are the rows this rank computes, its `gather(x [Q, ...]) -> [N, ...]` every rank's)."""
+        are the rows this rank computes, its `gather(x [Q, ...]) -> [N, ...]` every rank's). ring_marks: (g, B,
+        seat): segment g's rings as they are after its position B (B - span' >= its start: every ring row at B is
+        one of its rows) are written into ring snapshot seat `seat` as well (prefix caching's interior
+        snapshots)."""
         dev = pools.device
         first = [0]
         for n in lens[:-1]:
@@ -72,7 +77,8 @@ class ForwardBatch:
         seg = seg.to(dev, non_blocking=True)
         rows = torch.stack([row_seg, row_pos]).to(dev, non_blocking=True)
         return cls(pools, seg[0], seg[1], rows[0], rows[1], seg[2], seg[3], ctx_blocks,
-                   (list(slots), list(starts), list(lens)), last_only, root_rows, draft_rings, row_share, keep_tokens)
+                   (list(slots), list(starts), list(lens)), last_only, root_rows, draft_rings, row_share, keep_tokens,
+                   ring_marks)
 
     def keep_last(self, keep: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
         """The batch of each segment's last keep[g] rows, and those rows' indices [M] in this batch."""
@@ -182,6 +188,25 @@ class ForwardBatch:
         slot, at = self._cached(("ring_slot", span), lambda: (torch.where(
             self.positions >= self.row_end - span, self.row_slot, SCRATCH), self.positions % span))
         ring[slot, at] = new.to(ring.dtype)
+        if self.ring_marks:
+            rows, seats = self._cached(("marks", span), lambda: self._mark_rows(span))
+            self.pools.snapshot_store(ring)[seats, self.positions[rows] % span] = new[rows].to(ring.dtype)
+
+    def _mark_rows(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [M] whose values a ring of `span` rows holds after each mark's position, and their seats [M]."""
+        _, starts, lens = self.host
+        first = [0]
+        for n in lens[:-1]:
+            first.append(first[-1] + n)
+        rows, seats = [], []
+        for g, at, seat in self.ring_marks:
+            if not starts[g] + span <= at < starts[g] + lens[g]:
+                raise RuntimeError(f"internal: a ring mark at {at} needs rows its segment {g} does not have")
+            rows.extend(range(first[g] + at - starts[g] - span, first[g] + at - starts[g]))
+            seats.extend([seat] * span)
+        dev = self.positions.device
+        return (torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(seats, dtype=torch.long).to(dev, non_blocking=True))
 
     def last_rows(self, span: int) -> torch.Tensor:
         """Rows at each segment's last `span` positions (the ones whose ring writes stay) -> [M] int64. Static:

@@ -26,22 +26,33 @@ from .prefix import PrefixCache, PrefixHit
 
 log = logging.getLogger("deepinfer")
 DEFAULT_CPU_BYTES = 4 << 30
+# positions between ring snapshots taken inside a prefill piece (rounded up to whole blocks): a later request that
+# parts from a cached prompt anywhere replays at most about this much instead of R (~5k at the released widths)
+PREFIX_SNAPSHOT_INTERVAL = 1024
+INTERIOR_SEATS = 3        # snapshot seats per sequence seat for them, beside the one for piece ends
 
 
 class StateManager:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, memory_bytes: int | None,
                  block_size: int | None = None, kv_cache_dtype: str = "auto", ring_slack: int = 0,
-                 prefix_salt: bytes | None = None, idle_rings: tuple[str, ...] = ()):
+                 prefix_salt: bytes | None = None, idle_rings: tuple[str, ...] = (),
+                 snapshot_interval: int = PREFIX_SNAPSHOT_INTERVAL):
         """model: anything with state_spec(), dtype and device (the cache knows the model by its spec only).
         ring_slack: extra positions per ring (PoolLayout; speculative decoding's longest draft). prefix_salt: turns
         prefix caching on, hashing blocks under this salt (what the state was computed by); idle_rings: rings no
-        step writes (a drafter's when the engine does not draft), which a replay need not rebuild."""
+        step writes (a drafter's when the engine does not draft), which a replay need not rebuild.
+        snapshot_interval: positions between interior ring snapshots (0: snapshots only where rows end; an engine
+        that drafts passes 0, its draft rings are written for each piece's last window only)."""
         layout = PoolLayout.for_model(model, block_size, kv_cache_dtype, ring_slack)
         device = model.device
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
         table_bytes = 4 * per_seq_blocks                                    # the slot's block-table row
-        snap = prefix_salt is not None and bool(layout.spec.rings)          # a ring snapshot seat per seat
+        bt = layout.block_tokens
+        self.snapshot_interval = -(-snapshot_interval // bt) * bt if prefix_salt is not None else 0
+        # ring snapshot seats per seat: one for rows that end at a boundary, more for interior ones
+        interior = min(INTERIOR_SEATS, (max_model_len - 1) // self.snapshot_interval) if self.snapshot_interval else 0
+        snap = 0 if prefix_salt is None or not layout.spec.rings else 1 + interior
         full_seq = (1 + snap) * layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block() + table_bytes
         scratch = layout.bytes_per_slot() + layout.bytes_per_block() + table_bytes     # slot 0 and block 0
         given = min(max_num_seqs * full_seq + scratch, DEFAULT_CPU_BYTES) if memory_bytes is None else memory_bytes
@@ -181,6 +192,30 @@ class StateManager:
                 return
             self.pools.keep_rings(self.slot(row.request_id), seat)
             self.kept.setdefault(row.request_id, []).append((end, seat))
+
+    def interior_snapshots(self, rows, align: int | None = None) -> dict[int, list[tuple[int, int]]]:
+        """Before a step's launch: the ring snapshots its prefill pieces take inside themselves, slot -> [(B, seat)]
+        (the forward writes the rings as they are after position B into the seat: ForwardBatch.ring_marks). B runs
+        over the multiples of the snapshot interval at or past the row's hit, far enough into the
+        piece that every ring row at B is the piece's own, short of its end (keep_boundaries takes that one).
+        Published like keep_boundaries' copies, by cache_blocks."""
+        if self.prefix is None or not self.snapshot_interval or not self.pools.snapshot_seats or align:
+            return {}      # batch-invariant mode (align): pieces end on its grid, where keep_boundaries takes them
+        step = self.snapshot_interval
+        deepest = max(self.layout.ring_rows(r) for r in self.layout.spec.rings)
+        marks: dict[int, list[tuple[int, int]]] = {}
+        for row in rows:
+            rid = row.request_id
+            if row.draft_ids or rid not in self.owned or rid in self.stale:
+                continue
+            first = max(row.start + deepest, self.floors.get(rid, 0))
+            for at in range(-(-first // step) * step, row.start + row.n, step):
+                seat = self.prefix.snapshot_seat()
+                if seat is None:
+                    return marks
+                marks.setdefault(self.slot(rid), []).append((at, seat))
+                self.kept.setdefault(rid, []).append((at, seat))
+        return marks
 
     def _drop_kept(self, rid: str) -> None:
         for _, seat in self.kept.pop(rid, ()):

@@ -128,6 +128,7 @@ class StatePools:
         self.snapshot_seats = snapshot_seats
         self.ring_snapshots = {r.name: self._allocate(r, (snapshot_seats, layout.ring_rows(r)))
                                for r in layout.spec.rings} if snapshot_seats else {}
+        self._snapshot_of = {id(self.rings[n]): t for n, t in self.ring_snapshots.items()}
 
     def _allocate(self, kind, lead: tuple[int, int]):
         """[*lead, width] in the kind's dtype, or a PackedStore of records [*lead, record_bytes]."""
@@ -158,6 +159,10 @@ class StatePools:
         launched so far)."""
         torch._foreach_copy_([raw(t)[seat] for t in self.ring_snapshots.values()],
                              [raw(self.rings[n])[slot] for n in self.ring_snapshots])
+
+    def snapshot_store(self, ring):
+        """The snapshot seats [seats, span', width] of ring pool `ring` (one of self.rings' values)."""
+        return self._snapshot_of[id(ring)]
 
     def put_rings(self, seat: int, slot: int) -> None:
         """Copy snapshot seat `seat` into `slot`'s rings."""

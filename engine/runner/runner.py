@@ -136,11 +136,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev: StepOutput | None,
-                before_sample: Callable[[], set[str]] | None = None) -> StepOutput:
+                before_sample: Callable[[], set[str]] | None = None,
+                ring_marks: dict[int, list[tuple[int, int]]] | None = None) -> StepOutput:
         """Launch the step's forward, call before_sample (host work that overlaps it; it returns the ids of the
-        requests that ended meanwhile), then sample."""
+        requests that ended meanwhile), then sample. ring_marks: slot -> [(B, seat)]: the rings of that slot's
+        segment as after position B go to snapshot seat `seat` too (the state manager's interior snapshots)."""
         inputs = StepInputs.build(plan.rows, prev, self.model.device)
-        logits, hidden = self._forward(inputs)
+        marks = [(g, at, seat) for g, slot in enumerate(inputs.slots) for at, seat in (ring_marks or {}).get(slot, ())]
+        logits, hidden = self._forward(inputs, not marks, marks)
         if logits is not None:
             self.graph_replays += 1
             return self._sample(inputs, logits, before_sample)
@@ -201,9 +204,11 @@ class ModelRunner:
             fb = ForwardBatch.varlen(self.pools, seg_slots, seg_starts, seg_lens, rows, ctx_blocks, draft_rings)
         return self.model.logits(self.model.forward(tokens, fb))
 
-    def _forward(self, inputs: StepInputs, graphed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, inputs: StepInputs, graphed: bool = True, ring_marks=()
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run a step's forward: (its logits, None) when a CUDA graph replayed it (every row sampled, a shape on the
-        graphs' ladders), else (None, hidden [N, D]) from the eager forward. Sets ran_rows."""
+        graphs' ladders), else (None, hidden [N, D]) from the eager forward (ForwardBatch's ring_marks). Sets
+        ran_rows."""
         ctx = self._context_blocks(inputs.max_position + 1)
         self.ran_rows = inputs.tokens.shape[0]              # rows the step runs (a graph's: padding included)
         if graphed and self.graphs is not None and inputs.all_sampled:
@@ -211,18 +216,21 @@ class ModelRunner:
             if logits is not None:
                 self.ran_rows = self.graphs.last_rows
                 return logits, None
-        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx,
-                                 self._last_only(inputs), draft_rings=self.keep_draft_rings,
-                                 keep_tokens=self.truncate_keep)
+        last_only = self._last_only(inputs, {g for g, _, _ in ring_marks})
+        fb = ForwardBatch.ragged(self.pools, inputs.slots, inputs.starts, inputs.lens, ctx, last_only,
+                                 draft_rings=self.keep_draft_rings, keep_tokens=self.truncate_keep,
+                                 ring_marks=ring_marks)
         return None, self.model.forward(inputs.tokens, fb)
 
-    def _last_only(self, inputs: StepInputs) -> list[bool] | None:
+    def _last_only(self, inputs: StepInputs, marked: set[int] = frozenset()) -> list[bool] | None:
         """Segments marked last_only (truncate_prefill): those that need at most their last row's logits, no
-        prompt logprobs, and are at least truncate_min_tokens long."""
+        prompt logprobs, and are at least truncate_min_tokens long; never a `marked` one (its ring marks need
+        every row's state at every layer)."""
         if not self.truncate:
             return None
         trailing, before = inputs.needs()
-        return [k <= 1 and n >= self.truncate_min_tokens and not b for n, k, b in zip(inputs.lens, trailing, before)]
+        return [k <= 1 and n >= self.truncate_min_tokens and not b and g not in marked
+                for g, (n, k, b) in enumerate(zip(inputs.lens, trailing, before))]
 
     def _context_blocks(self, num_tokens: int) -> int:
         """Block-table columns the step reads: the longest row's blocks rounded up to a power of two (few graph

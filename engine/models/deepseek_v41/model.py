@@ -37,6 +37,8 @@ from .engram import BLOCKED, EngramHasher
 
 
 class DeepseekV41ForCausalLM(FlatBatchLM):
+    truncates_prefill = True     # last_only pieces run YOCO-truncated: rows before a piece's end skip the top layers
+
     def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, qat_fake_quant: bool = True,
                  expert_storage: str = "dense"):
         """expert_storage="fp4": routed experts stay FP4-packed and dequantize per use (common/moe.Experts)."""
