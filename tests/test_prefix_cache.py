@@ -353,15 +353,14 @@ def test_a_ring_mark_writes_the_rings_as_after_its_position():
 
 
 def test_interior_snapshot_seats_and_bad_intervals():
-    """Interior snapshots bring up to three more seats per sequence seat, none when a sequence cannot reach one
-    (max_model_len 256 < 1024, the default interval) or the interval is 0; a bad interval is one line."""
+    """Four snapshot seats per sequence seat (piece ends, decode rows and interior snapshots share them); the
+    interval rounds up to whole blocks, 0 by default where pieces run YOCO-truncated; a bad interval is one line."""
     from deepinfer.errors import DeepInferError
     seats = [(m.pools.snapshot_seats, m.num_slots, m.snapshot_interval) for m in (
         _llm("deepseek_v4", True, **kw).engine.manager for kw in ({}, {"prefix_snapshot_interval": 0},
                                                                   {"prefix_snapshot_interval": 20}))]
-    assert seats == [(4, 4, 1024), (4, 4, 0), (16, 4, 32)]          # 20 rounds up to whole blocks of 16
-    v41 = _llm("deepseek_v41", True).engine.manager           # YOCO-truncated pieces: none by default
-    assert (v41.snapshot_interval, v41.pools.snapshot_seats) == (0, v41.num_slots)
+    assert seats == [(16, 4, 1024), (16, 4, 0), (16, 4, 32)]          # 20 rounds up to whole blocks of 16
+    assert _llm("deepseek_v41", True).engine.manager.snapshot_interval == 0     # YOCO-truncated pieces
     for bad in (-1, 1.5, True):
         with pytest.raises(DeepInferError, match="prefix_snapshot_interval"):
             _llm("deepseek_v4", True, prefix_snapshot_interval=bad)
@@ -371,7 +370,7 @@ def test_snapshots_are_bounded_and_go_with_their_blocks():
     llm = _llm("deepseek_v4", True, state_memory_bytes=_budget("deepseek_v4", 2, 0))
     m = llm.engine.manager
     seats = m.pools.snapshot_seats
-    assert seats == m.num_slots == 2
+    assert seats == 4 * m.num_slots and m.num_slots == 2
     for i in range(6):                                    # unrelated prompts: blocks evicted, snapshots with them
         _run(llm, [_tokens(120, 40 + i)])
         assert len(m.prefix.snapshots) + len(m.prefix.free_seats) == seats and not m.kept
@@ -400,9 +399,9 @@ def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch):
 def _budget(arch: str, seats: int, extra_blocks: int) -> int:
     """State bytes that StateManager cuts into `seats` seats and the blocks of one max_model_len sequence plus
     `extra_blocks` (its sizing: a scratch slot and block, one whole sequence, then seats and blocks)."""
-    m = _llm(arch, True).engine.manager                     # with a ring snapshot seat per seat
+    m = _llm(arch, True).engine.manager                     # with its ring snapshot seats per seat
     lay, blocks = m.layout, m.layout.blocks_for(m.max_model_len)
-    slot = 2 * lay.bytes_per_slot() + 4 * blocks
+    slot = (1 + m.pools.snapshot_seats // m.num_slots) * lay.bytes_per_slot() + 4 * blocks
     scratch = lay.bytes_per_slot() + lay.bytes_per_block() + 4 * blocks
     return scratch + (slot + blocks * lay.bytes_per_block()) + (seats - 1) * slot \
         + extra_blocks * lay.bytes_per_block()

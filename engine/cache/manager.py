@@ -10,9 +10,10 @@ Snapshots keep a sequence's slot-fixed state at a position (speculative rollback
 With prefix caching (cache/prefix.py) a sequence's first blocks may be cached ones it shares, its computed blocks
 are registered as the engine applies each step (cache_blocks), and blocks the cache holds unreferenced are free
 space: an allocation takes a free block first, else evicts the least recently used cached one. Each seat then
-brings a ring snapshot seat (its bytes come out of the budget like the seat's): keep_boundaries copies a
-sequence's rings where a step leaves it at a block boundary, cache_blocks publishes the copy once those positions'
-blocks are registered, and a hit through a snapshot starts from it."""
+brings SNAPSHOT_SEATS ring snapshot seats (their bytes come out of the budget like the seat's): keep_boundaries
+copies a sequence's rings where a step leaves it at a block boundary, interior_snapshots has a prefill piece's
+forward write them as at interval boundaries inside it, cache_blocks publishes each once those positions' blocks
+are registered, and a hit through a snapshot starts from it."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ DEFAULT_CPU_BYTES = 4 << 30
 # positions between ring snapshots taken inside a prefill piece (rounded up to whole blocks): a later request that
 # parts from a cached prompt anywhere replays at most about this much instead of R (~5k at the released widths)
 PREFIX_SNAPSHOT_INTERVAL = 1024
-INTERIOR_SEATS = 3        # snapshot seats per sequence seat for them, beside the one for piece ends
+# ring snapshot seats per sequence seat, shared (least recently used first) by the snapshots where rows end and
+# the interior ones: enough for a chat to keep its conversations' last snapshots through more conversations than
+# seats, and for a long prompt's interior ones; a V4.1-Flash seat is 5.4 MiB (about 28 blocks of entries)
+SNAPSHOT_SEATS = 4
 
 
 class StateManager:
@@ -50,9 +54,7 @@ class StateManager:
         table_bytes = 4 * per_seq_blocks                                    # the slot's block-table row
         bt = layout.block_tokens
         self.snapshot_interval = -(-snapshot_interval // bt) * bt if prefix_salt is not None else 0
-        # ring snapshot seats per seat: one for rows that end at a boundary, more for interior ones
-        interior = min(INTERIOR_SEATS, (max_model_len - 1) // self.snapshot_interval) if self.snapshot_interval else 0
-        snap = 0 if prefix_salt is None or not layout.spec.rings else 1 + interior
+        snap = SNAPSHOT_SEATS if prefix_salt is not None and layout.spec.rings else 0
         full_seq = (1 + snap) * layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block() + table_bytes
         scratch = layout.bytes_per_slot() + layout.bytes_per_block() + table_bytes     # slot 0 and block 0
         given = min(max_num_seqs * full_seq + scratch, DEFAULT_CPU_BYTES) if memory_bytes is None else memory_bytes
