@@ -70,6 +70,12 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise DeepInferError(f"{name}={value!r} must be an integer >= 1" + (" or None" if optional else ""))
 
 
+def _check_snapshot_interval(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise DeepInferError(f"prefix_snapshot_interval={value!r} must be an integer >= 0 (positions between ring "
+                             f"snapshots inside a prefill piece; 0: only where pieces end) or None (the default)")
+
+
 class LLM:
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str | torch.dtype = "float32",
                  seed: int = 0, qat_fake_quant: bool = True, **engine_args):
@@ -89,10 +95,7 @@ class LLM:
                      "expert_traffic", "enable_prefix_caching"):
             check_flag(name, args[name], none_ok=name == "async_scheduling")
         check_flag("qat_fake_quant", qat_fake_quant)
-        interval = args["prefix_snapshot_interval"]
-        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
-            raise DeepInferError(f"prefix_snapshot_interval={interval!r} must be an integer >= 0 (positions between "
-                                 f"ring snapshots inside a prefill piece; 0: only where pieces end) or None")
+        _check_snapshot_interval(args["prefix_snapshot_interval"])
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
         check_environment()
@@ -149,7 +152,8 @@ class LLM:
         manager = StateManager(self.model, args["max_num_seqs"], self.max_model_len, self._state_budget(kernels),
                                args["block_size"], args["kv_cache_dtype"], ring_slack=slack,
                                prefix_salt=self._prefix_salt(kernels) if args["enable_prefix_caching"] else None,
-                               idle_rings=drafts_idle, snapshot_interval=self._snapshot_interval(interval))
+                               idle_rings=drafts_idle,
+                               snapshot_interval=self._snapshot_interval(args["prefix_snapshot_interval"]))
         self.engine = self._build_engine(kernels, manager)
         self._next_id = 0
         self._grammars = None          # engine/structured.Grammars, built with the first so_args request

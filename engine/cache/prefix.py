@@ -20,8 +20,9 @@ the positions the rings keep. Hits of at most R positions are not taken (the rep
 Ring snapshots: where a sequence's computed positions ended exactly at a block boundary B (a step's piece or
 decode row ended there), the manager copies its rings into a snapshot seat, published under the chain digest of
 B once those blocks are registered. A hit whose chain passes a snapshot at B >= H - R starts at B instead: the
-rings are copied in and [B, H) replays (nothing when B = H). Snapshot seats are few (one per sequence seat), the
-least recently used goes first, and a snapshot goes with its block.
+rings are copied in and [B, H) replays (nothing when B = H). A prefill piece may also take interior snapshots (its
+forward writes the rings as after a boundary inside it into a seat: manager.interior_snapshots). Snapshot seats
+are few (four per sequence seat), the least recently used goes first, and a snapshot goes with its block.
 
 Blocks: a block the cache knows has a reference count (sequences whose tables hold it); at zero it stays in the
 pool, evictable, least recently used first, until an allocation needs it. Blocks are registered when a step's
