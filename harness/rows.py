@@ -128,7 +128,8 @@ def identity(env: dict, method_version: str, *, packages: bool = True, hardware_
              **fields) -> dict:
     """The fields every row of a run carries: the row layout and measuring method, where it ran (hardware, the
     code's git state and, unless packages=False, package versions; hardware_info: the whole hardware dict), the
-    DEEPINFER_* switches set (engine_env) and the bench's own `fields` (model, device, settings). `env`: environment() of the run."""
+    DEEPINFER_* switches set (engine_env) and the bench's own `fields` (model, device, settings). `env`:
+    environment() of the run."""
     row = {"schema_version": SCHEMA_VERSION, "method_version": method_version,
            "hardware": env["hardware"]["gpu"] or env["hardware"]["cpu"], "git_sha": env["git"]["sha"],
            "git_dirty": env["git"]["dirty"], "engine_env": env.get("engine_env", {})}

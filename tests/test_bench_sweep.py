@@ -92,8 +92,8 @@ def test_rows_record_the_engine_switches_and_resume_keeps_them(tmp_path, monkeyp
         run_sweep(cfg, tmp_path, "e1", resume=True, progress=False)
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
     rows = RowStore(run_sweep(cfg, tmp_path, "e1", resume=True, progress=False)).rows()
-    assert len(rows) == len(cfg.points()) and all(r["engine_env"] == {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact"}
-                                  for r in rows)
+    compact = {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact"}
+    assert len(rows) == len(cfg.points()) and all(r["engine_env"] == compact for r in rows)
 
 
 def test_concurrency_beyond_the_engine_is_refused_by_the_file(tmp_path):

@@ -68,9 +68,7 @@ class ForwardBatch:
         one of its rows) are written into ring snapshot seat `seat` as well (prefix caching's interior
         snapshots)."""
         dev = pools.device
-        first = [0]
-        for n in lens[:-1]:
-            first.append(first[-1] + n)
+        first = _offsets(lens)
         row_seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
         row_pos = torch.tensor(starts)[row_seg] + torch.arange(row_seg.shape[0]) - torch.tensor(first)[row_seg]
         seg = torch.tensor([slots, starts, first, [a + n for a, n in zip(starts, lens)]], dtype=torch.long)
@@ -195,9 +193,7 @@ class ForwardBatch:
     def _mark_rows(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [M] whose values a ring of `span` rows holds after each mark's position, and their seats [M]."""
         _, starts, lens = self.host
-        first = [0]
-        for n in lens[:-1]:
-            first.append(first[-1] + n)
+        first = _offsets(lens)
         rows, seats = [], []
         for g, at, seat in self.ring_marks:
             if not starts[g] + span <= at < starts[g] + lens[g]:
@@ -280,3 +276,11 @@ class ForwardBatch:
         j = torch.arange(flat.shape[1], device=table.device)
         visible = j.unsqueeze(0) < ((pos + 1) // ratio).unsqueeze(1)
         return torch.where(visible, flat, -1)
+
+
+def _offsets(lens: list[int]) -> list[int]:
+    """Each segment's first row in the flat batch: the running sum of the lengths before it."""
+    first = [0]
+    for n in lens[:-1]:
+        first.append(first[-1] + n)
+    return first
