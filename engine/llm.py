@@ -165,7 +165,7 @@ class LLM:
         if self.speculative is not None:
             return 0
         if asked is None:
-            return 0 if yoco_prefill() and getattr(self.model, "truncates_prefill", False) else PREFIX_SNAPSHOT_INTERVAL
+            return 0 if yoco_prefill() and self.model.truncates_prefill else PREFIX_SNAPSHOT_INTERVAL
         return asked
 
     def _build_engine(self, kernels: KernelTable, manager: StateManager) -> EngineCore:

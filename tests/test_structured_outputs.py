@@ -129,9 +129,9 @@ def test_async_scheduling_reads_matchers_while_the_forward_runs():
         llm = LLM(embedded_tiny_dir("deepseek_v41"), async_scheduling=on)
         execute, calls = llm.engine.runner.execute, []
 
-        def spy(batch, prev, before_sample=None, execute=execute, calls=calls):
+        def spy(batch, prev, before_sample=None, ring_marks=None, execute=execute, calls=calls):
             calls.append(before_sample is not None)
-            return execute(batch, prev, before_sample)
+            return execute(batch, prev, before_sample, ring_marks)
         llm.engine.runner.execute = spy
         res = llm.generate(prompts, params, use_tqdm=False)
         outs[on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]

@@ -46,10 +46,10 @@ def test_drafts_commit_greedy_tokens_and_roll_back(arch, async_scheduling, penal
 
     execute = llm.engine.runner.execute
 
-    def verifying(plan, prev, before_sample=None):
+    def verifying(plan, prev, before_sample=None, ring_marks=None):
         """The step, its output given each sampled row's verdict: drafts accepted while they equal the samples, and
         the next drafts after what the row commits."""
-        out = execute(plan, prev, before_sample)
+        out = execute(plan, prev, before_sample, ring_marks)
         verdicts = []
         for row, toks, _ in out.resolve():
             accepted = 0

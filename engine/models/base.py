@@ -46,6 +46,7 @@ class CausalLM(Protocol):
     cfg: object
     drafting: Drafting | None
     checkpoint_dir: Path | None      # where its tokenizer.json lies (load_model sets it; None: built in memory)
+    truncates_prefill: bool          # a last_only segment's rows before its end skip the upper layers (V4.1's YOCO)
 
     def state_spec(self) -> StateSpec:
         """Every per-sequence state the model keeps between steps (cache/spec.py)."""

@@ -14,6 +14,7 @@ from .rope import RotaryEmbedding
 class FlatBatchLM(nn.Module):
     cfg: object
     checkpoint_dir: Path | None = None    # load_model sets it: the tokenizer.json the engine reads
+    truncates_prefill = False             # last_only pieces run on a suffix (a family that can says so)
 
     def init_common(self, cfg, dtype: torch.dtype, qat_fake_quant: bool) -> None:
         """Config, the two ropes (main: sliding-only layers; compress: YaRN, layers with a compressed branch)
