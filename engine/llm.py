@@ -272,6 +272,11 @@ class LLM:
         """The engine's statistics (counters since it was built or `llm.engine.reset_stats()`)."""
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block and ring snapshot (vLLM's spelling): later requests start cold. Running
+        sequences keep the blocks they hold (freed when they finish); a no-op without prefix caching."""
+        self.engine.manager.forget_prefixes()
+
     @property
     def grammar_mask_stats(self) -> dict:
         """Steps that filled structured-output masks and the host seconds they took, since the first so_args

@@ -14,6 +14,7 @@ against tokens/s/user = 1000 / median TPOT in ms). Warm-up requests run before e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -350,12 +351,15 @@ def _identity(llm, cfg: SweepConfig, ranks: Ranks, run_id: str, env: dict) -> di
 def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore | None, identity: dict,
                 continue_on_error: bool, progress: bool) -> None:
     """Measure each point; rank 0 (`store`) appends its row (a failure row when it raises)."""
+    if cfg.warm_pass:
+        _warm_pass(llm, cfg, ranks, todo, store is not None)
     bar = _progress(len(todo), progress)
     on_error = OnError(continue_on_error, describe=lambda e: f"{type(e).__name__}: {e}")
     warn = (lambda line: log.warning(line.strip())) if store is not None else None
     for i, point in todo:
         fields = {"mode": point.mode, "isl": point.isl, "osl": point.osl, "concurrency": point.concurrency,
-                  "num_prompts": point.num_prompts, "warmup": point.warmup, "gpus": point.ranks,
+                  "num_prompts": point.num_prompts, "warmup": point.warmup, "warm_pass": cfg.warm_pass,
+                  "gpus": point.ranks,
                   "shared_prefix": point.shared, "turns": point.turns, **parallel_fields(cfg, point.mode)}
         t0 = time.perf_counter()
         row = record_point(store, identity, point.key, fields, lambda: run_point(llm, cfg, point, i, ranks),
@@ -366,6 +370,22 @@ def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore
             bar.update(1)
     if bar is not None:
         bar.close()
+
+
+def _warm_pass(llm, cfg: SweepConfig, ranks: Ranks, todo: list, main: bool) -> None:
+    """Every point once, unrecorded, with one request per concurrency slot: the shapes its timed steps run are
+    compiled before any clock starts. Then the engine forgets what it cached (a timed point's prefix hits are its
+    own warm-up's, as without the pass). A point that fails here is left to fail, recorded, when it is measured."""
+    t0 = time.perf_counter()
+    for i, point in todo:
+        try:
+            run_point(llm, cfg, dataclasses.replace(point, num_prompts=point.concurrency), i, ranks)
+        except Exception as e:                       # noqa: BLE001 - the timed run records it
+            if main:
+                log.warning(f"warm pass: {point.key}: {type(e).__name__}: {e}")
+    llm.reset_prefix_cache()
+    if main:
+        log.info(f"warm pass: {len(todo)} points in {time.perf_counter() - t0:.1f} s")
 
 
 def parallel_fields(cfg: SweepConfig, mode: str) -> dict:

@@ -29,7 +29,7 @@ MIN_PROMPTS_PER_CONCURRENCY = 5
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 TOP_KEYS = ("name", "model", "device", "dtype", "engine_args", "mode", "scenarios", "range_ratio", "topology",
-            "concurrency", "num_prompts_per_concurrency", "warmup", "seed", "speculative")
+            "concurrency", "num_prompts_per_concurrency", "warmup", "warm_pass", "seed", "speculative")
 REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
 # engine argument -> kind: "int" (>= 1), "count" (>= 0), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE),
 # "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES), "dispatch" (DISPATCH_BACKENDS); the
@@ -127,6 +127,9 @@ class SweepConfig:
     topology: Topology = Topology()
     num_prompts_per_concurrency: int = MIN_PROMPTS_PER_CONCURRENCY
     warmup: int = 0
+    # run every point once unrecorded first (one request per concurrency slot), so no timed request pays a kernel
+    # compile that the point's own warm-up requests did not cover (a fresh machine compiles per shape)
+    warm_pass: bool = False
     seed: int = 0
     # the `speculative` axis: (label, LLM's speculative value) per setting, in file order; empty: no axis
     speculative: tuple = ()
@@ -165,7 +168,7 @@ class SweepConfig:
                 "scenarios": per_mode(self.scenarios, Scenario.to_dict),
                 "range_ratio": self.range_ratio, "topology": dataclasses.asdict(self.topology),
                 "concurrency": per_mode(self.concurrency, int), "num_prompts_per_concurrency": self.num_prompts_per_concurrency,
-                "warmup": self.warmup, "seed": self.seed,
+                "warmup": self.warmup, "warm_pass": self.warm_pass, "seed": self.seed,
                 **({"speculative": [v if v is not False else "off" for _, v in self.speculative]}
                    if self.speculative else {})}
 
@@ -244,6 +247,9 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
                       "num_prompts_per_concurrency", MIN_PROMPTS_PER_CONCURRENCY,
                       why=" (steady state needs at least 5x concurrency requests per point)")
     warmup = v.integer(data.get("warmup", 0), "warmup", 0)
+    warm_pass = data.get("warm_pass", False)
+    if not isinstance(warm_pass, bool):
+        raise v.error("warm_pass", f"must be true or false, got {_type_name(warm_pass)} {warm_pass!r}")
     seed = v.integer(data.get("seed", 0), "seed", 0)
     _check_engine_fits(v, model, engine_args, concurrency, topology)
     _check_parallel(v, topology, modes, engine_args)
@@ -257,8 +263,8 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
     return SweepConfig(name=name, model=model, device=device, scenarios=MappingProxyType(scenarios),
                        concurrency=MappingProxyType(concurrency), dtype=dtype,
                        engine_args=MappingProxyType(engine_args), mode=mode, range_ratio=float(range_ratio),
-                       topology=topology, num_prompts_per_concurrency=per_c, warmup=warmup, seed=seed,
-                       speculative=speculative, source=source)
+                       topology=topology, num_prompts_per_concurrency=per_c, warmup=warmup, warm_pass=warm_pass,
+                       seed=seed, speculative=speculative, source=source)
 
 
 def _check_engine_fits(v, model: str, engine_args: dict, concurrency: dict, topology) -> None:

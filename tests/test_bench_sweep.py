@@ -96,6 +96,32 @@ def test_rows_record_the_engine_switches_and_resume_keeps_them(tmp_path, monkeyp
     assert len(rows) == len(cfg.points()) and all(r["engine_env"] == compact for r in rows)
 
 
+def test_a_warm_pass_runs_every_point_first_and_leaves_no_cache_behind(tmp_path, monkeypatch):
+    """warm_pass: each point runs once unrecorded (one request per concurrency slot) before the timed points; the
+    engine forgets what that pass cached, so the timed rows' prefix hits are what they are without it."""
+    spec = {**MICRO, "mode": "prefill", "concurrency": [2], "warmup": 1,
+            "engine_args": {**MICRO["engine_args"], "enable_prefix_caching": True, "block_size": 16,
+                            "max_model_len": 256},
+            "scenarios": [{"isl": 200, "osl": 1, "shared": 0.75}]}          # a head of 150: past the replay (71)
+    real, calls = sweep_mod.run_point, []
+
+    def counted(llm, cfg, point, index, ranks):
+        calls.append(point.num_prompts)
+        return real(llm, cfg, point, index, ranks)
+    monkeypatch.setattr(sweep_mod, "run_point", counted)
+    rows = {}
+    for warm in (False, True):
+        calls.clear()
+        cfg = parse_sweep({**spec, "warm_pass": warm})
+        rows[warm] = RowStore(run_sweep(cfg, tmp_path, f"w{int(warm)}", progress=False)).rows()[0]
+        assert calls == ([2, 10] if warm else [10])
+    for k in ("prefix_hit_tokens", "prefill_tokens_computed", "prefix_replayed_tokens"):
+        assert rows[True][k] == rows[False][k], k
+    assert rows[True]["prefix_hit_tokens"] > 0 and rows[True]["warm_pass"] and not rows[False]["warm_pass"]
+    with pytest.raises(SweepConfigError, match="warm_pass: must be true or false"):
+        parse_sweep({**spec, "warm_pass": "yes"})
+
+
 def test_concurrency_beyond_the_engine_is_refused_by_the_file(tmp_path):
     """max_num_seqs decides it before any run: the file is refused (the run-time check, for seats lost to the
     memory budget, writes a failure row)."""
