@@ -92,12 +92,17 @@ def read(name: str):
     return raw
 
 
+# switches that choose nothing about how an engine computes (the device is a row field of its own)
+NOT_ENGINE = ("DEEPINFER_ACCELERATOR", "DEEPINFER_CONFIGURE_LOGGING", "DEEPINFER_NO_TEST_DEPS")
+
+
 def settings() -> dict:
-    """The DEEPINFER_* engine switches this process set, by name (their rule's values), for rows: a figure taken
-    under a non-default switch (compact YOCO truncation, async scheduling off, ...) says so. Paths and build
-    switches are left out (no machine paths in rows; build switches do not change a built engine)."""
-    return {name: read(name) for name, var in VARIABLES.items()
-            if var.kind not in ("path", "build") and _raw(name) is not None}
+    """The DEEPINFER_* engine switches this process sets away from their defaults, by name (their rule's values),
+    for rows: a figure taken under one (compact YOCO truncation, async scheduling off, ...) says so. Paths, build
+    and logging switches are left out (no machine paths in rows; they do not change how a built engine computes)."""
+    return {name: value for name, var in VARIABLES.items()
+            if var.kind not in ("path", "build") and name not in NOT_ENGINE and _raw(name) is not None
+            and (value := read(name)) != var.default}
 
 
 def check_environment() -> None:

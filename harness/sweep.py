@@ -375,14 +375,16 @@ def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore
 def _warm_pass(llm, cfg: SweepConfig, ranks: Ranks, todo: list, main: bool) -> None:
     """Every point once, unrecorded, with one request per concurrency slot: the shapes its timed steps run are
     compiled before any clock starts. Then the engine forgets what it cached (a timed point's prefix hits are its
-    own warm-up's, as without the pass). A point that fails here is left to fail, recorded, when it is measured."""
+    own warm-up's, as without the pass). On one rank a point that fails here is left to fail, recorded, when it is
+    measured; a multi-rank launch stops (its ranks must meet the same collectives)."""
     t0 = time.perf_counter()
     for i, point in todo:
         try:
             run_point(llm, cfg, dataclasses.replace(point, num_prompts=point.concurrency), i, ranks)
         except Exception as e:                       # noqa: BLE001 - the timed run records it
-            if main:
-                log.warning(f"warm pass: {point.key}: {type(e).__name__}: {e}")
+            if ranks.world > 1:                      # ranks that part ways here would meet the wrong collectives
+                raise
+            log.warning(f"warm pass: {point.key}: {type(e).__name__}: {e}")
     llm.reset_prefix_cache()
     if main:
         log.info(f"warm pass: {len(todo)} points in {time.perf_counter() - t0:.1f} s")

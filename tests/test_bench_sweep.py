@@ -2,6 +2,7 @@
 repeated rows, failure rows, topology errors, the CLI."""
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -74,6 +75,8 @@ def test_rows_record_the_engine_switches_and_resume_keeps_them(tmp_path, monkeyp
     """A row taken under a DEEPINFER_* switch says so (engine_env); resuming under other switches is refused, so
     one run never mixes rows of two engines."""
     cfg = parse_sweep({**MICRO, "concurrency": [1], "scenarios": [{"isl": 16, "osl": 4}, {"isl": 24, "osl": 4}]})
+    for name in [n for n in os.environ if n.startswith("DEEPINFER_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
     real = sweep_mod.run_point
 

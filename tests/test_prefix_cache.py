@@ -333,6 +333,22 @@ def test_interior_snapshots_shorten_a_first_hit(arch, interval, replayed):
     assert (s.prefix_hit_tokens, s.prefix_snapshot_hits, s.prefix_replayed_tokens) == (HIT, 1, replayed)
 
 
+def test_interior_snapshots_beside_a_truncated_piece():
+    """V4.1, one step: a marked piece (untruncated) beside a short prompt whose piece runs YOCO-truncated: the model
+    runs its upper layers on the truncated sub-batch, which must keep writing the marks (its upper window rings at
+    96 were stale, max 3.25, when it did not)."""
+    base = _tokens(160, 1)
+    got = _llm("deepseek_v41", True, prefix_snapshot_interval=32, max_num_batched_tokens=256)
+    _run(got, [base[:140], _tokens(30, 5)])
+    m, pools = got.engine.manager, got.engine.manager.pools
+    seat = m.prefix.snapshots[m.prefix.chain(base, 6)]
+    ref = _state_at(_llm("deepseek_v41", False, max_num_batched_tokens=BT), base[:140], 96)
+    for name, ring in pools.rings.items():
+        t = raw(pools.snapshot_store(ring))
+        rows = torch.tensor([p % t.shape[1] for p in range(96 - pools.spans[name], 96)])
+        assert (t[seat, rows].double() - ref[name].double()).abs().max() < 1e-5, name
+
+
 def test_a_ring_mark_writes_the_rings_as_after_its_position():
     """ForwardBatch.write_ring with marks: seat k holds, at row p % span', the value of position p for the span'
     positions before its mark, from the marked segment's rows; a mark without those rows is refused."""

@@ -85,8 +85,11 @@ class ForwardBatch:
         for n, k in zip(lens, keep):
             rows.extend(range(o + n - k, o + n))
             o += n
+        if any(keep[g] != lens[g] for g, _, _ in self.ring_marks):
+            raise RuntimeError("internal: a segment with ring marks was truncated")
         sub = ForwardBatch.ragged(self.pools, slots, [a + n - k for a, n, k in zip(starts, lens, keep)], list(keep),
-                                  self.ctx_blocks, self.last_only, self.root_rows, keep_tokens=self.keep_tokens)
+                                  self.ctx_blocks, self.last_only, self.root_rows, keep_tokens=self.keep_tokens,
+                                  ring_marks=self.ring_marks)   # a marked segment keeps every row: the same marks
         sub.shared = self.shared                 # the source group's products outlive the cut
         return sub, torch.tensor(rows, dtype=torch.long).to(self.positions.device, non_blocking=True)
 
