@@ -64,9 +64,10 @@ class RunFolder:
         rows recorded them are not checked)."""
         env_path = self.path / "env.json"
         stored = json.loads(env_path.read_text()).get("engine_env") if env_path.exists() else None
-        if stored is not None and stored != settings():
+        now = settings()
+        if stored is not None and stored != now:
             raise DeepInferError(f"--resume: {self.path} was run with DEEPINFER_* switches {stored or 'none'}, this "
-                                 f"process has {settings() or 'none'}; set the same, or start a new --run-id")
+                                 f"process has {now or 'none'}; set the same, or start a new --run-id")
 
     def open(self, settings_text: str | None = None, env: dict | None = None) -> RowStore:
         """Once the engine is built: the folder, its settings file and (for a new run, or a resumed one without

@@ -11,8 +11,7 @@ from array import array
 
 FIELDS = ("prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_hit_rate", "prefix_ideal_tokens",
           "prefix_ideal_rate", "prefix_replayed_tokens", "prefix_evicted_blocks", "prefix_snapshot_hits",
-          "prefix_replay_tokens",
-          "prefill_tokens_computed")
+          "prefix_replay_tokens", "prefill_tokens_computed")
 
 
 def ideal_hits(sequences: list[list[int]], prompts: list[list[int]], block_tokens: int) -> list[int]:

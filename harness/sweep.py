@@ -359,8 +359,8 @@ def _run_points(llm, cfg: SweepConfig, ranks: Ranks, todo: list, store: RowStore
     for i, point in todo:
         fields = {"mode": point.mode, "isl": point.isl, "osl": point.osl, "concurrency": point.concurrency,
                   "num_prompts": point.num_prompts, "warmup": point.warmup, "warm_pass": cfg.warm_pass,
-                  "gpus": point.ranks,
-                  "shared_prefix": point.shared, "turns": point.turns, **parallel_fields(cfg, point.mode)}
+                  "gpus": point.ranks, "shared_prefix": point.shared, "turns": point.turns,
+                  **parallel_fields(cfg, point.mode)}
         t0 = time.perf_counter()
         row = record_point(store, identity, point.key, fields, lambda: run_point(llm, cfg, point, i, ranks),
                            on_error, warn)

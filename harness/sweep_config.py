@@ -31,8 +31,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TOP_KEYS = ("name", "model", "device", "dtype", "engine_args", "mode", "scenarios", "range_ratio", "topology",
             "concurrency", "num_prompts_per_concurrency", "warmup", "warm_pass", "seed", "speculative")
 REQUIRED_KEYS = ("name", "model", "device", "scenarios", "concurrency")
-# engine argument -> kind: "int" (>= 1), "count" (>= 0), "util" (number in (0, 1]), "bool", "storage" (EXPERT_STORAGE),
-# "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES), "dispatch" (DISPATCH_BACKENDS); the
+# engine argument -> kind: "int" (>= 1), "count" (>= 0), "util" (number in (0, 1]), "bool", "storage"
+# (EXPERT_STORAGE), "projection" (PROJECTION_STORAGE), "kv_cache_dtype" (KV_CACHE_DTYPES), "dispatch" (DISPATCH_BACKENDS); the
 # expert-parallel ones (EXPERT_PARALLEL_ARGS) only with a role that runs expert parallelism (topology ep > 1)
 ENGINE_ARG_KINDS = {"max_num_seqs": "int", "max_num_batched_tokens": "int", "max_model_len": "int",
                     "gpu_memory_utilization": "util", "enforce_eager": "bool", "expert_storage": "storage",
@@ -247,9 +247,7 @@ def parse_sweep(data: Any, source: str = "<dict>") -> SweepConfig:
                       "num_prompts_per_concurrency", MIN_PROMPTS_PER_CONCURRENCY,
                       why=" (steady state needs at least 5x concurrency requests per point)")
     warmup = v.integer(data.get("warmup", 0), "warmup", 0)
-    warm_pass = data.get("warm_pass", False)
-    if not isinstance(warm_pass, bool):
-        raise v.error("warm_pass", f"must be true or false, got {_type_name(warm_pass)} {warm_pass!r}")
+    warm_pass = v.flag(data.get("warm_pass", False), "warm_pass")
     seed = v.integer(data.get("seed", 0), "seed", 0)
     _check_engine_fits(v, model, engine_args, concurrency, topology)
     _check_parallel(v, topology, modes, engine_args)
@@ -387,6 +385,11 @@ class Validator:
             raise self.error(path, f"got {x}; must be an integer >= {minimum}{why}")
         return x
 
+    def flag(self, x: Any, path: str) -> bool:
+        if not isinstance(x, bool):
+            raise self.error(path, f"must be true or false, got {_type_name(x)} {x!r}")
+        return x
+
     def number(self, x: Any, path: str, low_open: float, high: float) -> float:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise self.error(path, f"must be a number in ({low_open:g}, {high:g}], got {_type_name(x)} {x!r}")
@@ -437,8 +440,8 @@ class Validator:
                 self.integer(val, p, 1 if kind == "int" else 0)
             elif kind == "util":
                 self.number(val, p, low_open=0.0, high=1.0)
-            elif kind == "bool" and not isinstance(val, bool):
-                raise self.error(p, f"must be true or false, got {_type_name(val)} {val!r}")
+            elif kind == "bool":
+                self.flag(val, p)
             elif kind == "storage":
                 self.choice(val, p, EXPERT_STORAGE)
             elif kind == "projection":

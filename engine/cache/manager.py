@@ -186,38 +186,46 @@ class StateManager:
         bt = self.layout.block_tokens
         for row in rows:
             end = row.start + row.n
-            if row.draft_ids or end % bt or (align and end % align) or row.request_id not in self.owned \
-                    or row.request_id in self.stale or end < self.floors.get(row.request_id, 0):
+            if end % bt or (align and end % align) or not self._may_snapshot(row) \
+                    or end < self.floors.get(row.request_id, 0):
                 continue
-            seat = self.prefix.snapshot_seat()
+            seat = self._kept_seat(row.request_id, end)
             if seat is None:
                 return
             self.pools.keep_rings(self.slot(row.request_id), seat)
-            self.kept.setdefault(row.request_id, []).append((end, seat))
 
     def interior_snapshots(self, rows, align: int | None = None) -> dict[int, list[tuple[int, int]]]:
         """Before a step's launch: the ring snapshots its prefill pieces take inside themselves, slot -> [(B, seat)]
         (the forward writes the rings as they are after position B into the seat: ForwardBatch.ring_marks). B runs
-        over the multiples of the snapshot interval at or past the row's hit, far enough into the
-        piece that every ring row at B is the piece's own, short of its end (keep_boundaries takes that one).
-        Published like keep_boundaries' copies, by cache_blocks."""
+        over the multiples of the snapshot interval at or past the row's hit, far enough into the piece that every
+        ring row at B is the piece's own, short of its end (keep_boundaries takes that one). Published like
+        keep_boundaries' copies, by cache_blocks."""
         if self.prefix is None or not self.snapshot_interval or not self.pools.snapshot_seats or align:
             return {}      # batch-invariant mode (align): pieces end on its grid, where keep_boundaries takes them
         step = self.snapshot_interval
         deepest = max(self.layout.ring_rows(r) for r in self.layout.spec.rings)
         marks: dict[int, list[tuple[int, int]]] = {}
         for row in rows:
-            rid = row.request_id
-            if row.draft_ids or rid not in self.owned or rid in self.stale:
+            if not self._may_snapshot(row):
                 continue
-            first = max(row.start + deepest, self.floors.get(rid, 0))
+            first = max(row.start + deepest, self.floors.get(row.request_id, 0))
             for at in range(-(-first // step) * step, row.start + row.n, step):
-                seat = self.prefix.snapshot_seat()
+                seat = self._kept_seat(row.request_id, at)
                 if seat is None:
                     return marks
-                marks.setdefault(self.slot(rid), []).append((at, seat))
-                self.kept.setdefault(rid, []).append((at, seat))
+                marks.setdefault(self.slot(row.request_id), []).append((at, seat))
         return marks
+
+    def _may_snapshot(self, row) -> bool:
+        """Whether a row's rings may be snapshotted: it feeds no drafts, and its sequence runs under this model."""
+        return not row.draft_ids and row.request_id in self.owned and row.request_id not in self.stale
+
+    def _kept_seat(self, rid: str, at: int) -> int | None:
+        """A snapshot seat for `rid`'s rings at position `at`, held until cache_blocks publishes it (None: none)."""
+        seat = self.prefix.snapshot_seat()
+        if seat is not None:
+            self.kept.setdefault(rid, []).append((at, seat))
+        return seat
 
     def _drop_kept(self, rid: str) -> None:
         for _, seat in self.kept.pop(rid, ()):
