@@ -70,10 +70,13 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise DeepInferError(f"{name}={value!r} must be an integer >= 1" + (" or None" if optional else ""))
 
 
-def _check_snapshot_interval(value) -> None:
+def _check_snapshot_interval(value, caching: bool) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise DeepInferError(f"prefix_snapshot_interval={value!r} must be an integer >= 0 (positions between ring "
                              f"snapshots inside a prefill piece; 0: only where pieces end) or None (the default)")
+    if value and not caching:
+        raise DeepInferError(f"prefix_snapshot_interval={value} takes ring snapshots for the prefix cache, which is "
+                             f"off: pass enable_prefix_caching=True, or drop it")
 
 
 class LLM:
@@ -95,7 +98,7 @@ class LLM:
                      "expert_traffic", "enable_prefix_caching"):
             check_flag(name, args[name], none_ok=name == "async_scheduling")
         check_flag("qat_fake_quant", qat_fake_quant)
-        _check_snapshot_interval(args["prefix_snapshot_interval"])
+        _check_snapshot_interval(args["prefix_snapshot_interval"], args["enable_prefix_caching"])
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DeepInferError(f"seed={seed!r} must be an integer >= 0")
         check_environment()
@@ -163,6 +166,10 @@ class LLM:
         are written for a piece's last window only); by default none either where prefill pieces run truncated
         (V4.1's YOCO prefill: a marked piece runs whole, which costs more than the snapshots save a cold prompt)."""
         if self.speculative is not None:
+            if asked:
+                raise DeepInferError(f"prefix_snapshot_interval={asked} with speculative decoding: its draft rings "
+                                     f"are written for a piece's last window only, so no interior snapshot could hold "
+                                     f"them; drop prefix_snapshot_interval (or set 0) or speculative")
             return 0
         if asked is None:
             return 0 if yoco_prefill() and self.model.truncates_prefill else PREFIX_SNAPSHOT_INTERVAL

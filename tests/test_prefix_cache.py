@@ -380,6 +380,11 @@ def test_interior_snapshot_seats_and_bad_intervals():
     for bad in (-1, 1.5, True):
         with pytest.raises(DeepInferError, match="prefix_snapshot_interval"):
             _llm("deepseek_v4", True, prefix_snapshot_interval=bad)
+    with pytest.raises(DeepInferError, match="prefix cache, which is off"):
+        _llm("deepseek_v4", False, prefix_snapshot_interval=32)
+    with pytest.raises(DeepInferError, match="with speculative decoding"):
+        _llm("deepseek_v4", True, prefix_snapshot_interval=32, speculative=True)
+    assert _llm("deepseek_v4", True, speculative=True).engine.manager.snapshot_interval == 0
 
 
 def test_snapshots_are_bounded_and_go_with_their_blocks():
