@@ -32,8 +32,19 @@ def _run(llm: LLM, prompt: list[int]):
     return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("backend", ["triton_invariant", "triton"])
+# Known failures, found by this test's first run (session 42, H100; docs/prefix-cache.md "Targets"): strict, so a
+# fix shows up as an unexpected pass.
+DEFAULT_V4_DIVERGES = pytest.mark.xfail(strict=True, reason="default table, bf16: the greedy tokens with a hit depart "
+                                        "from the cache-free engine's at token 77 of 256 (the tail runs in other "
+                                        "pieces than the cold prefill, so other bf16 roundings; no batch invariance)")
+DEFAULT_V41_SEATS = pytest.mark.xfail(strict=True, reason="the 256-token generations' decode-boundary snapshots "
+                                      "(one per block of 16) take every snapshot seat (16) by LRU, so the hit "
+                                      "snapshots are gone and each hit replays R")
+
+
+@pytest.mark.parametrize("arch,backend", [("deepseek_v4", "triton_invariant"), ("deepseek_v41", "triton_invariant"),
+                                          pytest.param("deepseek_v4", "triton", marks=DEFAULT_V4_DIVERGES),
+                                          pytest.param("deepseek_v41", "triton", marks=DEFAULT_V41_SEATS)])
 def test_outputs_with_a_hit_equal_outputs_without_on_the_gpu(arch, backend):
     base = _tokens(600, 0)
     parted = [base[:cut] + _tokens(40, 10 + cut) for cut in (517, 530, 555)]
