@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -78,3 +79,12 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_engine_switches(monkeypatch):
+    """No DEEPINFER_* variable from the calling shell (a CI or GPU run may set some): a test that sets switches
+    sees only its own. Yields monkeypatch."""
+    for name in [n for n in os.environ if n.startswith("DEEPINFER_")]:
+        monkeypatch.delenv(name)
+    yield monkeypatch

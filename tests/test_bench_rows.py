@@ -2,7 +2,6 @@
 files atomic, clear errors; the run-folder guard; git state that ignores reports/."""
 
 import json
-import os
 import shutil
 import subprocess
 
@@ -101,9 +100,8 @@ def test_unwritable_report_dir_is_one_line(tmp_path):
         RowStore(blocker / "run")
 
 
-def test_environment_identity(monkeypatch):
-    for name in [n for n in os.environ if n.startswith("DEEPINFER_")]:
-        monkeypatch.delenv(name)
+def test_environment_identity(no_engine_switches):
+    monkeypatch = no_engine_switches
     monkeypatch.setenv("DEEPINFER_ASYNC_SCHEDULING", "0")
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL", "1")          # its default: not a switch away from it
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "cpu")         # the device: a row field of its own

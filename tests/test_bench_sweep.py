@@ -2,7 +2,6 @@
 repeated rows, failure rows, topology errors, the CLI."""
 
 import json
-import os
 
 import pytest
 from click.testing import CliRunner
@@ -71,12 +70,11 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
     assert len(failed) == len(keys) and all(r["status"] == "failed" and "no memory" in r["error"] for r in failed)
 
 
-def test_rows_record_the_engine_switches_and_resume_keeps_them(tmp_path, monkeypatch):
+def test_rows_record_the_engine_switches_and_resume_keeps_them(tmp_path, no_engine_switches):
     """A row taken under a DEEPINFER_* switch says so (engine_env); resuming under other switches is refused, so
     one run never mixes rows of two engines."""
     cfg = parse_sweep({**MICRO, "concurrency": [1], "scenarios": [{"isl": 16, "osl": 4}, {"isl": 24, "osl": 4}]})
-    for name in [n for n in os.environ if n.startswith("DEEPINFER_")]:
-        monkeypatch.delenv(name)
+    monkeypatch = no_engine_switches
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
     real = sweep_mod.run_point
 

@@ -11,14 +11,11 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.make import embedded_tiny_dir
+from tests.test_prefix_cache import _logprobs, _tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ARCHS = ["deepseek_v4", "deepseek_v41"]
 TOKENS = 256
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(5, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _llm(arch: str, backend: str, cache: bool) -> LLM:
@@ -29,7 +26,7 @@ def _llm(arch: str, backend: str, cache: bool) -> LLM:
 def _run(llm: LLM, prompt: list[int]):
     sp = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-    return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+    return out.token_ids, _logprobs(out)
 
 
 # Known failures, found by this test's first run (session 42, H100; docs/prefix-cache.md "Targets"): strict, so a
