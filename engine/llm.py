@@ -57,7 +57,7 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_mod
                    "data_parallel_size": 1, "enable_expert_parallel": False, "expert_dispatch": "allgather",
                    "distributed_timeout_s": 600.0, "enable_eplb": False, "eplb_config": None,
                    "prefill_context_parallel_size": 1, "context_parallel_min_tokens": None,
-                   "enable_prefix_caching": False, "prefix_snapshot_interval": None,
+                   "enable_prefix_caching": True, "prefix_snapshot_interval": None,
                    **WEIGHT_PLACEMENT_DEFAULTS}
 MAX_LOGPROBS = 20      # as vLLM's default max_logprobs
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}  # what templates read

@@ -78,7 +78,8 @@ def check_preempted_run(llm, device: str, async_scheduling: bool):
     assert all(sum(s) <= 16 and len(s) <= 6 for s in steps) and any(max(s) > 1 and len(s) > 1 for s in steps)
     assert stats.steps == len(steps) and stats.committed_tokens == n * len(PROMPTS)
     assert stats.requests_finished == len(PROMPTS) and stats.free_seats == stats.num_seats <= 6
-    assert stats.free_blocks == stats.num_blocks                 # every seat and block given back
+    # every seat and block given back: free, or cached and unreferenced (prefix caching, on by default)
+    assert stats.free_blocks + stats.prefix_cached_blocks == stats.num_blocks and stats.prefix_caching
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt).ids
         assert out.prompt_token_ids == ids

@@ -302,6 +302,30 @@ def test_a_conversation_resumes_from_its_decode_snapshot(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_long_generation_keeps_one_decode_snapshot(arch):
+    """Two seats, eight snapshot seats: a cached prompt leaves snapshots at 64 and 128; a 220-token generation
+    crosses 13 block boundaries but holds one snapshot seat (its newest), so the prompt's survive and a request
+    parting from it at 140 starts from the one at 128 and replays nothing; the generation's last snapshot stays
+    served after it finishes. Greedy outputs equal the cache-free engine's."""
+    base = _tokens(140, 50)
+    got, want = _llm(arch, True, max_num_seqs=2), _llm(arch, False, max_num_seqs=2)
+    m = got.engine.manager
+    assert m.pools.snapshot_seats == 8
+    _run(got, [base])
+    kept = set(m.prefix.snapshots)
+    assert {m.prefix.chain(base, 4), m.prefix.chain(base, 8)} <= kept
+    long = _tokens(20, 51)
+    assert _run(got, [long], n=220)[0].token_ids == (out := _run(want, [long], n=220)[0].token_ids)
+    held, last = set(m.prefix.snapshots) - kept, (len(long) + len(out) - 1) // BT     # the last boundary computed
+    assert len(out) > 6 * BT and kept <= set(m.prefix.snapshots) and held == {m.prefix.chain(long + list(out), last)}
+    before = got.engine.stats.prefix_replayed_tokens
+    prompt = base + _tokens(10, 52)
+    assert _run(got, [prompt])[0].token_ids == _run(want, [prompt])[0].token_ids
+    s = got.engine.stats
+    assert s.prefix_snapshot_hits == 1 and s.prefix_replayed_tokens == before and s.prefix_hit_tokens == 128
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("interval,replayed", [(0, HIT - 64), (32, HIT - 96)])
 def test_interior_snapshots_shorten_a_first_hit(arch, interval, replayed):
     """Pieces of 64: the cold prompt's pieces end at 64 and 128 (snapshots there); with an interval of 32 the
@@ -388,10 +412,11 @@ def test_interior_snapshot_seats_and_bad_intervals():
 
 
 def test_snapshots_are_bounded_and_go_with_their_blocks():
-    llm = _llm("deepseek_v4", True, state_memory_bytes=_budget("deepseek_v4", 2, 0))
+    per_seq = 256 // BT
+    llm = _llm("deepseek_v4", True, max_num_seqs=2, state_memory_bytes=_budget("deepseek_v4", 2, per_seq, 8))
     m = llm.engine.manager
     seats = m.pools.snapshot_seats
-    assert seats == 4 * m.num_slots and m.num_slots == 2
+    assert seats == 4 * m.num_slots and m.num_slots == 2 and m.pools.num_blocks == 2 * per_seq
     for i in range(6):                                    # unrelated prompts: blocks evicted, snapshots with them
         _run(llm, [_tokens(120, 40 + i)])
         assert len(m.prefix.snapshots) + len(m.prefix.free_seats) == seats and not m.kept
@@ -417,15 +442,42 @@ def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch):
     assert s.prefix_hit_tokens > 0 and s.prefix_evicted_blocks > 0 and s.preemptions > 0, s
 
 
-def _budget(arch: str, seats: int, extra_blocks: int) -> int:
-    """State bytes that StateManager cuts into `seats` seats and the blocks of one max_model_len sequence plus
-    `extra_blocks` (its sizing: a scratch slot and block, one whole sequence, then seats and blocks)."""
-    m = _llm(arch, True).engine.manager                     # with its ring snapshot seats per seat
+def _budget(arch: str, seats: int, extra_blocks: int, snapshots: int = 0, **kw) -> int:
+    """State bytes that StateManager cuts into `seats` seats, the blocks of one max_model_len sequence plus
+    `extra_blocks`, and the bytes of `snapshots` ring snapshots (its sizing: a scratch slot and block, one whole
+    sequence, then seats, then blocks and snapshot seats; extra_blocks' bytes must stay under one seat's)."""
+    m = _llm(arch, False, **kw).engine.manager
     lay, blocks = m.layout, m.layout.blocks_for(m.max_model_len)
-    slot = (1 + m.pools.snapshot_seats // m.num_slots) * lay.bytes_per_slot() + 4 * blocks
+    slot = lay.bytes_per_slot() + 4 * blocks
     scratch = lay.bytes_per_slot() + lay.bytes_per_block() + 4 * blocks
-    return scratch + (slot + blocks * lay.bytes_per_block()) + (seats - 1) * slot \
-        + extra_blocks * lay.bytes_per_block()
+    return scratch + seats * slot + (blocks + extra_blocks) * lay.bytes_per_block() + snapshots * lay.bytes_per_slot()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_snapshot_seats_come_from_what_the_blocks_leave(arch):
+    """Ring snapshot seats never cost a seat or the blocks of one max_model_len sequence: a tight budget gets the
+    same seats and blocks as without prefix caching and no snapshot seats; bytes the blocks cannot use (past every
+    seat's max_model_len) become seats up to four per seat; otherwise they take at most a sixteenth of the blocks'
+    bytes; the smallest budget that holds one sequence still does."""
+    per_seq, lay = 256 // BT, _llm(arch, False).engine.manager.layout
+    ring, block = lay.bytes_per_slot(), lay.bytes_per_block()
+
+    def sized(budget, **kw):
+        on, off = (_llm(arch, c, state_memory_bytes=budget, **kw).engine.manager for c in (True, False))
+        assert on.summary.endswith(f"{on.pools.snapshot_seats} ring snapshot seats, "
+                                   f"{on.pools.nbytes() / 2**30:.3f} GiB")
+        assert (on.num_slots, on.pools.num_blocks) == (off.num_slots, off.pools.num_blocks) or on.pools.snapshot_seats
+        return on.num_slots, on.pools.num_blocks, on.pools.snapshot_seats
+
+    assert sized(_budget(arch, 3, 4), max_num_seqs=3) == (3, per_seq + 4, 0)
+    assert sized(_budget(arch, 1, 0)) == (1, per_seq, 0)
+    assert sized(_budget(arch, 4, 3 * per_seq, 5)) == (4, 4 * per_seq, 5)          # the blocks are capped: spare bytes
+    assert sized(_budget(arch, 4, 3 * per_seq, 40)) == (4, 4 * per_seq, 16)         # four per seat at most
+    long, per_long = dict(max_model_len=1024, max_num_seqs=8), 1024 // BT   # blocks short of their cap (8 x 64)
+    rest = 6 * per_long * block                                    # what the seats leave: six sequences' blocks
+    slots, blocks, seats = sized(_budget(arch, 8, 5 * per_long, **long), **long)
+    assert (slots, seats) == (8, rest // 16 // ring) and seats > 0          # a sixteenth of the blocks' bytes
+    assert blocks == (rest - seats * ring) // block
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -466,8 +518,10 @@ def test_prompt_logprobs_never_take_a_hit():
     assert llm.engine.stats.prefix_hit_tokens == 0
 
 
-def test_off_by_default_and_bad_values_are_one_line():
+def test_on_by_default_and_bad_values_are_one_line():
     from deepinfer.errors import DeepInferError
+    default = LLM(embedded_tiny_dir("deepseek_v4"), device="cpu", max_model_len=256)
+    assert default.engine.stats.prefix_caching and default.engine.manager.pools.snapshot_seats > 0
     llm = _llm("deepseek_v4", False)
     assert not llm.engine.stats.prefix_caching and llm.engine.stats.prefix_hit_rate is None
     with pytest.raises(DeepInferError, match="enable_prefix_caching"):

@@ -34,6 +34,9 @@ PREFIX_SNAPSHOT_INTERVAL = 1024
 # the interior ones: enough for a chat to keep its conversations' last snapshots through more conversations than
 # seats, and for a long prompt's interior ones; a V4.1-Flash seat is 5.4 MiB (about 28 blocks of entries)
 SNAPSHOT_SEATS = 4
+# the largest part of the entry blocks' bytes that ring snapshots may take when the budget has no bytes the blocks
+# cannot use: 700 V4.1-Flash snapshots in 60 GB, at the cost of 6 % fewer cached positions
+SNAPSHOT_SHARE = 16
 
 
 class StateManager:
@@ -52,23 +55,30 @@ class StateManager:
         self.layout, self.max_model_len = layout, max_model_len
         per_seq_blocks = max(layout.blocks_for(max_model_len), 1)
         table_bytes = 4 * per_seq_blocks                                    # the slot's block-table row
-        bt = layout.block_tokens
+        bt, ring_bytes, block_bytes = layout.block_tokens, layout.bytes_per_slot(), max(layout.bytes_per_block(), 1)
         self.snapshot_interval = -(-snapshot_interval // bt) * bt if prefix_salt is not None else 0
         snap = SNAPSHOT_SEATS if prefix_salt is not None and layout.spec.rings else 0
-        full_seq = (1 + snap) * layout.bytes_per_slot() + per_seq_blocks * layout.bytes_per_block() + table_bytes
-        scratch = layout.bytes_per_slot() + layout.bytes_per_block() + table_bytes     # slot 0 and block 0
-        given = min(max_num_seqs * full_seq + scratch, DEFAULT_CPU_BYTES) if memory_bytes is None else memory_bytes
+        slot_bytes = ring_bytes + table_bytes
+        full_seq = slot_bytes + per_seq_blocks * block_bytes
+        scratch = ring_bytes + block_bytes + table_bytes                    # slot 0 and block 0
+        given = min(max_num_seqs * (full_seq + snap * ring_bytes) + scratch, DEFAULT_CPU_BYTES) \
+            if memory_bytes is None else memory_bytes
         memory_bytes = given - scratch
         if memory_bytes < full_seq:
             raise DeepInferError(
                 f"the state budget ({given / 2**20:.1f} MiB) cannot hold one sequence of max_model_len="
                 f"{max_model_len} ({full_seq / 2**20:.1f} MiB): raise state_memory_bytes / gpu_memory_utilization "
                 f"or lower max_model_len")
-        slot_bytes = (1 + snap) * layout.bytes_per_slot() + table_bytes
         slots = int(min(max_num_seqs, 1 + (memory_bytes - full_seq) // slot_bytes))
-        blocks = (memory_bytes - slots * slot_bytes) // max(layout.bytes_per_block(), 1)
+        rest = memory_bytes - slots * slot_bytes                            # entry blocks and ring snapshots
+        # snapshot seats never cost a seat or the blocks of one max_model_len sequence: they take what the blocks
+        # could not use (past every seat's max_model_len), else at most SNAPSHOT_SHARE of the blocks' bytes
+        spare = max(rest - slots * per_seq_blocks * block_bytes,
+                    min(rest // SNAPSHOT_SHARE, rest - per_seq_blocks * block_bytes)) if snap else 0
+        seats = int(min(snap * slots, spare // ring_bytes)) if snap else 0
+        blocks = (rest - seats * ring_bytes) // block_bytes
         blocks = int(min(blocks, slots * per_seq_blocks)) if layout.spec.entries else 0
-        self.pools = StatePools(layout, slots, blocks, max_model_len, device, snapshot_seats=snap * slots)
+        self.pools = StatePools(layout, slots, blocks, max_model_len, device, snapshot_seats=seats)
         self.free_slots = list(range(slots, 0, -1))       # pop() hands out slot 1 first
         self.free_blocks = list(range(blocks, 0, -1))
         self.owned: dict[str, tuple[int, list[int]]] = {}      # request id -> (slot, blocks)
@@ -79,13 +89,17 @@ class StateManager:
         self.floors: dict[str, int] = {}                     # request id -> its slot's write floor (the hit)
         self.queried: dict[str, int] = {}                    # request id -> tokens its last match looked up
         self.stale: set[str] = set()                         # request ids computed under a forgotten model
-        self.kept: dict[str, list[tuple[int, int]]] = {}     # request id -> (boundary, seat): rings not published yet
+        self.kept: dict[str, list[tuple[int, int, bool]]] = {}   # request id -> (boundary, seat, decoding): rings
+        #                                                        not published yet
+        self.decode_snapshot: dict[str, bytes] = {}          # request id -> chain digest of its newest published
+        #                                                        decode-row snapshot (the one a next turn resumes at)
         self.summary = (
             f"state pools ({self._storage_note(layout)}): "
             f"{layout.bytes_per_token():.0f} B/token in entries (blocks of {layout.block_tokens} "
             f"tokens), {layout.bytes_per_slot() / 2**20:.2f} MiB fixed per sequence, "
             f"{full_seq / 2**20:.1f} MiB per max_model_len={max_model_len} sequence; {slots} seats, "
-            f"{blocks} blocks ({blocks * layout.block_tokens} tokens), {self.pools.nbytes() / 2**30:.3f} GiB")
+            f"{blocks} blocks ({blocks * layout.block_tokens} tokens)"
+            + (f", {seats} ring snapshot seats" if snap else "") + f", {self.pools.nbytes() / 2**30:.3f} GiB")
         log.info(self.summary)
 
     @staticmethod
@@ -166,11 +180,12 @@ class StateManager:
         if full > done:
             self.registered[rid] = (full, parent)
         waiting = []
-        for at, seat in self.kept.pop(rid, ()):
+        for at, seat, decoding in self.kept.pop(rid, ()):
             if chain.get(at // bt) is not None:
-                self.prefix.publish(chain[at // bt], seat)
+                if self.prefix.publish(chain[at // bt], seat) and decoding:
+                    self.decode_snapshot[rid] = chain[at // bt]
             elif at // bt > full:                          # not registered yet: the step is not applied
-                waiting.append((at, seat))
+                waiting.append((at, seat, decoding))
             else:
                 self.prefix.return_seat(seat)
         if waiting:
@@ -180,7 +195,9 @@ class StateManager:
         """After a step's launch: each running sequence of `rows` (ScheduledRow) that feeds no drafts and ends at a
         block boundary (a multiple of `align` too, when given) at or past its hit has its rings copied to a
         snapshot seat, published by cache_blocks when those positions' blocks are registered. A replay's rings
-        are exact only from the hit on (before it they lack what the replay has not yet covered)."""
+        are exact only from the hit on (before it they lack what the replay has not yet covered). A sequence keeps
+        one decode-row snapshot, its newest (where a next turn that resends the conversation parts from it): the
+        copy goes into its previous one's seat, so a long generation never pushes other sequences' out."""
         if self.prefix is None or not self.pools.snapshot_seats:
             return
         bt = self.layout.block_tokens
@@ -189,7 +206,7 @@ class StateManager:
             if end % bt or (align and end % align) or not self._may_snapshot(row) \
                     or end < self.floors.get(row.request_id, 0):
                 continue
-            seat = self._kept_seat(row.request_id, end)
+            seat = self._kept_seat(row.request_id, end, decoding=row.start >= len(row.prompt_ids))
             if seat is None:
                 return
             self.pools.keep_rings(self.slot(row.request_id), seat)
@@ -220,15 +237,17 @@ class StateManager:
         """Whether a row's rings may be snapshotted: it feeds no drafts, and its sequence runs under this model."""
         return not row.draft_ids and row.request_id in self.owned and row.request_id not in self.stale
 
-    def _kept_seat(self, rid: str, at: int) -> int | None:
-        """A snapshot seat for `rid`'s rings at position `at`, held until cache_blocks publishes it (None: none)."""
-        seat = self.prefix.snapshot_seat()
+    def _kept_seat(self, rid: str, at: int, decoding: bool = False) -> int | None:
+        """A snapshot seat for `rid`'s rings at position `at`, held until cache_blocks publishes it (None: none); a
+        decode row's takes back the seat of the sequence's previous decode snapshot where it still holds one."""
+        seat = self.prefix.take_snapshot(self.decode_snapshot.pop(rid, None)) if decoding else None
+        seat = self.prefix.snapshot_seat() if seat is None else seat
         if seat is not None:
-            self.kept.setdefault(rid, []).append((at, seat))
+            self.kept.setdefault(rid, []).append((at, seat, decoding))
         return seat
 
     def _drop_kept(self, rid: str) -> None:
-        for _, seat in self.kept.pop(rid, ()):
+        for _, seat, _ in self.kept.pop(rid, ()):
             self.prefix.return_seat(seat)
 
     def forget_prefixes(self) -> None:
@@ -237,6 +256,7 @@ class StateManager:
         if self.prefix is not None:
             self.free_blocks.extend(self.prefix.clear())
             self.registered.clear()
+            self.decode_snapshot.clear()
             self.stale.update(self.owned)
             for rid in list(self.kept):
                 self._drop_kept(rid)
@@ -245,6 +265,7 @@ class StateManager:
         self.snapshots.pop(rid, None)
         self.registered.pop(rid, None)
         self.queried.pop(rid, None)
+        self.decode_snapshot.pop(rid, None)          # a finished sequence's last snapshot stays served
         self.stale.discard(rid)
         if self.prefix is not None:
             self._drop_kept(rid)

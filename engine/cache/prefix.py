@@ -159,13 +159,18 @@ class PrefixCache:
             return self.snapshots.popitem(last=False)[1]
         return None
 
-    def publish(self, digest: bytes, seat: int) -> None:
-        """The rings in `seat` are the state after the chain `digest`'s positions: serve them (a digest that has a
-        snapshot already, or is not cached, gives the seat back)."""
+    def publish(self, digest: bytes, seat: int) -> bool:
+        """The rings in `seat` are the state after the chain `digest`'s positions: serve them (True), or give the
+        seat back (False) when that digest has a snapshot already or is not cached."""
         if digest in self.snapshots or digest not in self.by_digest:
             self.return_seat(seat)
-        else:
-            self.snapshots[digest] = seat
+            return False
+        self.snapshots[digest] = seat
+        return True
+
+    def take_snapshot(self, digest: bytes | None) -> int | None:
+        """Stop serving the snapshot at chain `digest` and hand its seat over (None: there is none now)."""
+        return self.snapshots.pop(digest, None) if digest is not None else None
 
     def return_seat(self, seat: int) -> None:
         """A seat from snapshot_seat() that holds nothing to serve."""
