@@ -10,7 +10,8 @@ Snapshots keep a sequence's slot-fixed state at a position (speculative rollback
 With prefix caching (cache/prefix.py) a sequence's first blocks may be cached ones it shares, its computed blocks
 are registered as the engine applies each step (cache_blocks), and blocks the cache holds unreferenced are free
 space: an allocation takes a free block first, else evicts the least recently used cached one. Each seat then
-brings SNAPSHOT_SEATS ring snapshot seats (their bytes come out of the budget like the seat's): keep_boundaries
+brings up to SNAPSHOT_SEATS ring snapshot seats, from what the budget leaves beside the seats and one
+max_model_len sequence's blocks (so a budget that holds one sequence without them still does): keep_boundaries
 copies a sequence's rings where a step leaves it at a block boundary, interior_snapshots has a prefill piece's
 forward write them as at interval boundaries inside it, cache_blocks publishes each once those positions' blocks
 are registered, and a hit through a snapshot starts from it."""

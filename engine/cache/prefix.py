@@ -22,7 +22,8 @@ decode row ended there), the manager copies its rings into a snapshot seat, publ
 B once those blocks are registered. A hit whose chain passes a snapshot at B >= H - R starts at B instead: the
 rings are copied in and [B, H) replays (nothing when B = H). A prefill piece may also take interior snapshots (its
 forward writes the rings as after a boundary inside it into a seat: manager.interior_snapshots). Snapshot seats
-are few (four per sequence seat), the least recently used goes first, and a snapshot goes with its block.
+are few (up to four per sequence seat), the least recently used goes first (a generating sequence keeps only its
+newest decode-row snapshot), and a snapshot goes with its block.
 
 Blocks: a block the cache knows has a reference count (sequences whose tables hold it); at zero it stays in the
 pool, evictable, least recently used first, until an allocation needs it. Blocks are registered when a step's
