@@ -427,19 +427,25 @@ def test_snapshots_are_bounded_and_go_with_their_blocks():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch):
+def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch, monkeypatch):
     """A state budget of a few sequences: cached blocks are evicted for new ones, requests are preempted and come
-    back (hitting what they computed); several requests share one cached prefix in the same steps. Batch-invariant
-    outputs equal the cache-free engine's throughout (the schedules differ: a hit starts later)."""
+    back (hitting what they computed); several requests share one cached prefix in the same steps; ring snapshots
+    serve hits throughout (the sizing rule gives a budget this tight none, so the test lets snapshots take every
+    byte past one max_model_len sequence: SNAPSHOT_SHARE = 1). Batch-invariant outputs equal the cache-free
+    engine's throughout (the schedules differ: a hit starts later)."""
+    monkeypatch.setattr("deepinfer.cache.manager.SNAPSHOT_SHARE", 1)
     shared = _tokens(HIT, 3)
     waves = [[shared + _tokens(20, 100 + 10 * w + i) for i in range(3)] for w in range(2)]
     waves.append([_tokens(130, 200 + i) for i in range(3)])                 # unrelated: evicts
-    budget = dict(state_memory_bytes=_budget(arch, 3, 4), kernel_backend="invariant")  # 20 blocks, 3 x 10 asked
+    budget = dict(state_memory_bytes=_budget(arch, 3, 4, 12), kernel_backend="invariant", max_num_seqs=3)
     got, want = _llm(arch, True, **budget), _llm(arch, False, **budget)
+    pools = got.engine.manager.pools
+    assert (pools.num_slots, pools.num_blocks, pools.snapshot_seats) == (3, 256 // BT + 4, 12)   # 3 x 10 blocks asked
     for wave in waves:
         assert [o.token_ids for o in _run(got, wave, n=24)] == [o.token_ids for o in _run(want, wave, n=24)]
     s = got.engine.stats
     assert s.prefix_hit_tokens > 0 and s.prefix_evicted_blocks > 0 and s.preemptions > 0, s
+    assert s.prefix_snapshot_hits > 0, s                  # 6 of them, nothing replayed, on both models (measured)
 
 
 def _budget(arch: str, seats: int, extra_blocks: int, snapshots: int = 0, **kw) -> int:
@@ -466,7 +472,10 @@ def test_snapshot_seats_come_from_what_the_blocks_leave(arch):
         on, off = (_llm(arch, c, state_memory_bytes=budget, **kw).engine.manager for c in (True, False))
         assert on.summary.endswith(f"{on.pools.snapshot_seats} ring snapshot seats, "
                                    f"{on.pools.nbytes() / 2**30:.3f} GiB")
-        assert (on.num_slots, on.pools.num_blocks) == (off.num_slots, off.pools.num_blocks) or on.pools.snapshot_seats
+        assert on.num_slots == off.num_slots                       # snapshot seats never cost a sequence seat
+        assert on.pools.num_blocks == off.pools.num_blocks if not on.pools.snapshot_seats \
+            else min(off.pools.num_blocks, per_seq) <= on.pools.num_blocks < off.pools.num_blocks \
+            or on.pools.num_blocks == off.pools.num_blocks == on.num_slots * per_seq
         return on.num_slots, on.pools.num_blocks, on.pools.snapshot_seats
 
     assert sized(_budget(arch, 3, 4), max_num_seqs=3) == (3, per_seq + 4, 0)
