@@ -451,7 +451,8 @@ def test_hits_survive_eviction_preemption_and_concurrent_sharers(arch, monkeypat
 def _budget(arch: str, seats: int, extra_blocks: int, snapshots: int = 0, **kw) -> int:
     """State bytes that StateManager cuts into `seats` seats, the blocks of one max_model_len sequence plus
     `extra_blocks`, and the bytes of `snapshots` ring snapshots (its sizing: a scratch slot and block, one whole
-    sequence, then seats, then blocks and snapshot seats; extra_blocks' bytes must stay under one seat's)."""
+    sequence, then seats, then blocks and snapshot seats): pass max_num_seqs=seats with it, or the bytes past the
+    seats may buy more seats."""
     m = _llm(arch, False, **kw).engine.manager
     lay, blocks = m.layout, m.layout.blocks_for(m.max_model_len)
     slot = lay.bytes_per_slot() + 4 * blocks
