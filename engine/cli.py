@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
+import traceback
 
 import click
 
@@ -17,7 +20,22 @@ def run_cli(entry) -> None:
     """Invoke a click group (or a plain function, e.g. an example's main) under the error contract
     (docs/errors.md): the DEEPINFER_* environment is checked first; a DeepInferError (bad SamplingParams
     included), a usage error or an OS error on a path the user named becomes one `error:` line on stderr and
-    exit status 2; Ctrl-C exits 130."""
+    exit status 2; Ctrl-C exits 130. A rank of a torchrun launch leaves through `leave_launch`."""
+    if _launch_size() == 1:
+        _guarded(entry)
+        return
+    try:
+        _guarded(entry)
+        code = 0
+    except SystemExit as done:
+        code = _exit_code(done.code)
+    except BaseException:                # noqa: BLE001  printed here: os._exit would swallow it
+        traceback.print_exc()
+        code = 1
+    leave_launch(code)
+
+
+def _guarded(entry) -> None:
     from .env import check_environment
     try:
         check_environment()
@@ -37,6 +55,34 @@ def run_cli(entry) -> None:
     except KeyboardInterrupt:
         click.echo("aborted", err=True)
         sys.exit(130)
+
+
+def _launch_size() -> int:
+    """The processes of this torchrun launch (1 when not launched by torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _exit_code(code) -> int:
+    """sys.exit's argument as the status Python would give it (a message is printed, status 1)."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def leave_launch(code: int) -> None:
+    """End a torchrun rank once its command is done (every collective met, rank 0's files closed): streams and log
+    handlers flushed, then os._exit. The interpreter's teardown is skipped because gloo's threads, torn down by the
+    destructors at exit, can abort a finished rank under load ("terminate called without an active exception",
+    SIGABRT), even with the process group destroyed first, failing a launch whose rows were all written
+    (docs/results.md, sessions 37, 38 and 44)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _fail(message: str, code: int = 2) -> None:
