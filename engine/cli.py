@@ -78,7 +78,7 @@ def leave_launch(code: int) -> None:
     handlers flushed, then os._exit. The interpreter's teardown is skipped because gloo's threads, torn down by the
     destructors at exit, can abort a finished rank under load ("terminate called without an active exception",
     SIGABRT), even with the process group destroyed first, failing a launch whose rows were all written
-    (docs/results.md, sessions 37, 38 and 44)."""
+    (docs/parallel.md, "How a rank ends")."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

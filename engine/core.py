@@ -71,8 +71,9 @@ class StateCache(SeatManager, Protocol):
         """EngineStats' state fields: num_seats, free_seats, num_blocks, free_blocks, block_tokens, state_bytes,
         state_summary, prefix_caching and the prefix counts (None where it keeps no such thing)."""
 
-    def cache_blocks(self, rid: str, tokens: list[int]) -> None:
-        """`rid`'s positions 0 .. len(tokens)-1 are computed with these committed tokens (prefix caching)."""
+    def cache_blocks(self, rid: str, num_tokens: int, tokens: Callable[[int, int], list[int]]) -> None:
+        """`rid`'s positions 0 .. num_tokens-1 are computed with committed tokens (prefix caching); `tokens(start,
+        end)` gives those of [start, end), asked for only where a block is newly filled."""
 
     def interior_snapshots(self, rows, align: int | None) -> dict[int, list[tuple[int, int]]]:
         """Before a step's launch: slot -> [(position, seat)], the ring snapshots its prefill pieces take inside
@@ -209,7 +210,9 @@ class EngineCore:
         with use(self.kernels):
             if self._in_flight is not None and (not self.async_scheduling or self.speculation is not None):
                 finished += self._apply()
+            t = time.perf_counter()
             plan = self._plan()
+            self._counters.host_plan_s += time.perf_counter() - t
             launched = self._run(plan, finished) if plan.rows else None
             if launched is None and self.config.lockstep:
                 self.runner.idle_step()
@@ -240,7 +243,10 @@ class EngineCore:
 
     def _run(self, plan: StepPlan, finished: list[Request]) -> tuple[StepPlan, object]:
         """Launch the step; when its sampling needs the previous step's tokens on the host, the previous step is
-        read (into `finished`) after the forward is launched and before sampling, overlapping the forward."""
+        read (into `finished`) after the forward is launched and before sampling, overlapping the forward. Its
+        time, less that read's, counts as host_launch_s (on a CPU device the forward itself is in it)."""
+        c = self._counters
+        t, nested = time.perf_counter(), c.host_apply_s + c.device_wait_s
         for fn in self.step_observers:
             fn(plan.rows)
 
@@ -256,26 +262,32 @@ class EngineCore:
         self.manager.keep_boundaries(plan.rows, self.scheduler.chunk_align)   # queued after this step's forward
         for row, entries in out.prompt_logprobs:
             self.processor.record_prompt_logprobs(row.request, entries)
-        c, fed = self._counters, plan.num_tokens
+        fed = plan.num_tokens
         c.steps += 1
         c.fed_tokens += fed
         c.draft_tokens += sum(len(s.draft_ids) for s in plan.rows)
         c.max_step_rows, c.max_step_tokens = max(c.max_step_rows, len(plan.rows)), max(c.max_step_tokens, fed)
         if self.speculation is not None:
             self.speculation.launched(self.runner.ran_rows, graph_count(self.runner) > captures)
+        c.host_launch_s += time.perf_counter() - t - (c.host_apply_s + c.device_wait_s - nested)
         return plan, out
 
     def _apply(self) -> list[Request]:
         """The host side of the step in flight: commit each sampled row's tokens, finish requests (their seats go
-        back), roll back rejected drafts."""
+        back), roll back rejected drafts. Time blocked in reading its results counts as device_wait_s (the device
+        had not finished it), the rest as host_apply_s."""
         plan, out = self._in_flight
         self._in_flight = None
+        c = self._counters
+        t = time.perf_counter()
         results = out.resolve()
+        read = time.perf_counter()
+        c.device_wait_s += read - t
         for row in plan.rows:                         # prefill pieces (no sampled row): their blocks are computed
             if not row.num_logits and row.request.status is Status.RUNNING:
-                self.manager.cache_blocks(row.request_id, row.request.tokens(0, row.start + row.n))
+                self.manager.cache_blocks(row.request_id, row.start + row.n, row.request.tokens)
         accepted = self.speculation.apply(plan, out.speculation()) if self.speculation is not None else None
-        now, c, finished = time.perf_counter(), self._counters, []
+        now, finished = time.perf_counter(), []
         for i, (row, toks, lps) in enumerate(results):
             r = row.request
             self.scheduler.row_read(r)
@@ -295,7 +307,8 @@ class EngineCore:
                 c.decode_rows += 1
                 c.decode_row_tokens += kept
             if r.status is Status.RUNNING:            # its blocks this row completed join the prefix cache
-                self.manager.cache_blocks(r.request_id, r.tokens(0, row.start + row.n - fed + (took if fed else 0)))
+                computed = row.start + row.n - fed + (took if fed else 0)
+                self.manager.cache_blocks(r.request_id, computed, r.tokens)
             if r.finish_reason is not None:
                 self.scheduler.finish(r)
                 c.requests_finished += 1
@@ -306,6 +319,7 @@ class EngineCore:
             if len(keep) <= fed:                      # a draft was rejected: its position's state is stale
                 self.scheduler.rollback(r, fed + 1 - len(keep))
                 c.rollbacks += 1
+        c.host_apply_s += time.perf_counter() - read
         return finished
 
     def modules_changed(self) -> None:

@@ -30,6 +30,13 @@ class Counters:
     accepted_at: list = field(default_factory=list)   # [k]: of those, rows whose draft k was accepted
     max_step_rows: int = 0          # most rows one step fed
     max_step_tokens: int = 0        # most positions one step fed (<= max_num_batched_tokens)
+    # where the engine loop's wall time goes (seconds; core.step): with asynchronous scheduling the host plans,
+    # launches and applies while the device runs, so a loop whose device_wait_s is near zero is host-bound
+    host_plan_s: float = 0.0        # planning steps (speculation's plan, the scheduler)
+    host_launch_s: float = 0.0      # launching them (the runner's inputs, graph replay or eager launches, ring
+                                    # snapshots) less a previous step read inside it; on a CPU device the forward too
+    device_wait_s: float = 0.0      # blocked reading a step's results: the device had not finished it
+    host_apply_s: float = 0.0       # applying read results (commits, stops, finishes, the prefix cache's blocks)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from .ranks import Ranks, barrier, gather, share, split
 from .ranks import finish as finish_ranks
 from .ranks import init as init_ranks
 from .prefix_fields import prefix_fields
+from .host_time import host_fields
 from .traffic import traffic_fields
 from .expert_balance import balance_fields
 from .bench import OnError, RunFolder, record_point
@@ -214,7 +215,7 @@ def run_point(llm, cfg: SweepConfig, point: SweepPoint, index: int, ranks: Ranks
            "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
            "ttfts": [r.token_times[0] - r.start if r.success and r.token_times else 0.0 for r in records],
            "itls": [chunk_gaps(r) if r.success else [] for r in records]}
-    return {**metrics.to_row(), "engine_stats": engine_stats, **traffic_fields(stats),
+    return {**metrics.to_row(), "engine_stats": engine_stats, **traffic_fields(stats), **host_fields(stats),
             **prefix_fields(stats, sent, held, before=warmup.prompts), **_balance(llm, ranks)}, raw
 
 

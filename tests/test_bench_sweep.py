@@ -49,6 +49,9 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
         assert r["schema_version"] == "1" and r["method_version"] and r["model_type"] == "deepseek_v41"
         assert r["completed"] == r["num_prompts"] and r["gpus"] == 1 and r["is_projected"] is False
         assert r["hardware_info"]["cpu_count"] >= 1 and r["git_sha"] is not None and r["config_hash"]
+        parts = [r[k] for k in ("host_plan_ms", "host_launch_ms", "host_apply_ms")]
+        assert all(v > 0 for v in parts) and r["device_wait_ms"] >= 0               # the loop's time per step
+        assert r["host_ms"] == pytest.approx(sum(parts), abs=1e-3)
         if r["mode"] == "decode":
             assert r["output_tput_per_gpu"] > 0 and r["median_intvty"] > 0
         else:

@@ -60,7 +60,7 @@ class FakeManager:
     def match_prefix(self, rid: str, tokens: list[int], align=None):
         return None                      # the fake cache shares no prefix
 
-    def cache_blocks(self, rid: str, tokens: list[int]) -> None:
+    def cache_blocks(self, rid: str, num_tokens: int, tokens) -> None:
         pass
 
     def interior_snapshots(self, rows, align) -> dict:
@@ -331,6 +331,30 @@ def test_penalties_read_the_previous_step_while_the_forward_runs(params):
         else:
             assert not any(e[0] == "sample" for e in ev)
     assert outs[True] == outs[False]
+
+
+def test_the_loop_time_is_split_without_double_counting(monkeypatch):
+    """A launch of 2 ms and a read that waits 3 ms: plan, launch, wait and apply add up to no more than the loop's
+    wall time although a penalty row reads the previous step inside the launch (counted as wait and apply, not
+    launch), and each part holds at least what it slept."""
+    import time
+    launch, read = FakeRunner.execute, FakeOutput.resolve
+    monkeypatch.setattr(FakeRunner, "execute", lambda self, *a, **k: (time.sleep(0.002), launch(self, *a, **k))[1])
+    monkeypatch.setattr(FakeOutput, "resolve", lambda self: (time.sleep(0.003), read(self))[1])
+    core = make_core()
+    reqs = make_requests(PROMPTS[:1], max_tokens=6) + [Request("p", [3, 4], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.2), seed=0)]
+    t = time.perf_counter()
+    run(core, reqs)
+    wall, s = time.perf_counter() - t, core.stats
+    reads = sum(e[0] == "resolve" for e in core.runner.events)
+    nested = sum(e[0] == "sample" for e in core.runner.events)
+    assert nested >= 4 and reads >= s.steps - 1
+    assert s.host_launch_s >= 0.002 * s.steps and s.device_wait_s >= 0.003 * reads
+    assert s.host_plan_s > 0 and s.host_apply_s > 0
+    assert s.host_plan_s + s.host_launch_s + s.device_wait_s + s.host_apply_s <= wall
+    core.reset_stats()
+    assert core.stats.host_launch_s == core.stats.device_wait_s == 0
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

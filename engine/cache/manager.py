@@ -19,6 +19,7 @@ are registered, and a hit through a snapshot starts from it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -166,24 +167,32 @@ class StateManager:
     def _take_block(self) -> int:
         return self.free_blocks.pop() if self.free_blocks else self.prefix.evict()
 
-    def cache_blocks(self, rid: str, tokens: list[int]) -> None:
-        """`rid`'s positions 0 .. len(tokens)-1 are computed with these committed tokens: register its blocks they
-        fill (prefix caching; a no-op without it or for a sequence that holds no blocks now)."""
+    def cache_blocks(self, rid: str, num_tokens: int, tokens: Callable[[int, int], list[int]]) -> None:
+        """`rid`'s positions 0 .. num_tokens-1 are computed with committed tokens, `tokens(start, end)` giving those
+        of [start, end): register the blocks they fill (prefix caching; a no-op without it or for a sequence that
+        holds no blocks now). Only the newly filled blocks' tokens are asked for: the engine calls this for every
+        sampled row of every step, and a copy of the whole sequence there costs O(context) host time per row
+        (docs/prefix-cache.md, "Host cost")."""
         if self.prefix is None or rid not in self.owned or rid in self.stale:
             return
         blocks = self.owned[rid][1]
         done, parent = self.registered.get(rid, (0, None))
         bt = self.layout.block_tokens
-        full = min(len(tokens) // bt, len(blocks))
+        full = min(num_tokens // bt, len(blocks))
         chain = {done: parent}
-        for k in range(done, full):
-            parent = chain[k + 1] = self.prefix.register(blocks[k], parent, tokens[k * bt:(k + 1) * bt])
         if full > done:
-            self.registered[rid] = (full, parent)
+            new = tokens(done * bt, full * bt)
+            full = done + min(full - done, len(new) // bt)     # never past what the stream holds
+            for k in range(done, full):
+                at = (k - done) * bt
+                parent = chain[k + 1] = self.prefix.register(blocks[k], parent, new[at:at + bt])
+            if full > done:
+                self.registered[rid] = (full, parent)
         waiting = []
         for at, seat, decoding in self.kept.pop(rid, ()):
             if chain.get(at // bt) is not None:
                 if self.prefix.publish(chain[at // bt], seat) and decoding:
+                    self._retire_decode_snapshot(rid)         # the newest one is served: the one before goes
                     self.decode_snapshot[rid] = chain[at // bt]
             elif at // bt > full:                          # not registered yet: the step is not applied
                 waiting.append((at, seat, decoding))
@@ -197,8 +206,9 @@ class StateManager:
         block boundary (a multiple of `align` too, when given) at or past its hit has its rings copied to a
         snapshot seat, published by cache_blocks when those positions' blocks are registered. A replay's rings
         are exact only from the hit on (before it they lack what the replay has not yet covered). A sequence keeps
-        one decode-row snapshot, its newest (where a next turn that resends the conversation parts from it): the
-        copy goes into its previous one's seat, so a long generation never pushes other sequences' out."""
+        one decode-row snapshot, its newest (where a next turn that resends the conversation parts from it): each
+        copy retires the previous one when it is published, and where no seat is free it goes into the previous
+        one's seat, so a long generation never pushes other sequences' out (_kept_seat)."""
         if self.prefix is None or not self.pools.snapshot_seats:
             return
         bt = self.layout.block_tokens
@@ -207,7 +217,7 @@ class StateManager:
             if end % bt or (align and end % align) or not self._may_snapshot(row) \
                     or end < self.floors.get(row.request_id, 0):
                 continue
-            seat = self._kept_seat(row.request_id, end, decoding=row.start >= len(row.prompt_ids))
+            seat = self._kept_seat(row.request_id, end, decoding=self._decoding(row))
             if seat is None:
                 return
             self.pools.keep_rings(self.slot(row.request_id), seat)
@@ -234,18 +244,34 @@ class StateManager:
                 marks.setdefault(self.slot(row.request_id), []).append((at, seat))
         return marks
 
+    @staticmethod
+    def _decoding(row) -> bool:
+        """A decode row: it samples, and every position it feeds is past the prompt (a resumed sequence's pieces
+        over its earlier outputs sample only at its last one)."""
+        return row.num_logits > 0 and row.start >= len(row.prompt_ids)
+
     def _may_snapshot(self, row) -> bool:
         """Whether a row's rings may be snapshotted: it feeds no drafts, and its sequence runs under this model."""
         return not row.draft_ids and row.request_id in self.owned and row.request_id not in self.stale
 
     def _kept_seat(self, rid: str, at: int, decoding: bool = False) -> int | None:
-        """A snapshot seat for `rid`'s rings at position `at`, held until cache_blocks publishes it (None: none); a
-        decode row's takes back the seat of the sequence's previous decode snapshot where it still holds one."""
-        seat = self.prefix.take_snapshot(self.decode_snapshot.pop(rid, None)) if decoding else None
+        """A snapshot seat for `rid`'s rings at position `at`, held until cache_blocks publishes it (None: none). A
+        free seat first; where none is free, a decode row's copy takes back the seat of the sequence's previous
+        decode snapshot, before any other sequence's least recently used one. A decode copy in a free seat retires
+        the previous one only once it is published itself (a copy never published, its sequence finished or
+        preempted before the step was applied, leaves the previous one served)."""
+        seat = self.prefix.free_seat()
+        if seat is None and decoding:
+            seat = self.prefix.take_snapshot(self.decode_snapshot.pop(rid, None))
         seat = self.prefix.snapshot_seat() if seat is None else seat
         if seat is not None:
             self.kept.setdefault(rid, []).append((at, seat, decoding))
         return seat
+
+    def _retire_decode_snapshot(self, rid: str) -> None:
+        seat = self.prefix.take_snapshot(self.decode_snapshot.pop(rid, None))
+        if seat is not None:
+            self.prefix.return_seat(seat)
 
     def _drop_kept(self, rid: str) -> None:
         for _, seat, _ in self.kept.pop(rid, ()):

@@ -152,6 +152,10 @@ class PrefixCache:
         return d
 
     # ---- ring snapshots ----
+    def free_seat(self) -> int | None:
+        """A seat that holds no served snapshot (None: every seat serves one or is being written)."""
+        return self.free_seats.pop() if self.free_seats else None
+
     def snapshot_seat(self) -> int | None:
         """A seat for a new snapshot: a free one, else the least recently used snapshot's (None: no seats)."""
         if self.free_seats:
