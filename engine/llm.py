@@ -22,6 +22,7 @@ from .cache.manager import PREFIX_SNAPSHOT_INTERVAL, StateManager
 from .core import EngineConfig, EngineCore, unsupported
 from .env import async_scheduling_default, check_environment, kernel_backend, yoco_prefill
 from .models import check_projection_storage, projection_storage_of
+from .output_processor import Detokenizer, byte_level
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .runner.inputs import PROMPT_LOGPROB_ROWS
@@ -184,8 +185,8 @@ class LLM:
         runner = ModelRunner(self.model, manager.pools, cuda_graphs=graphs,
                              max_graph_batch=min(self._args["max_graph_batch"], manager.num_slots),
                              fixed_context=kernels.invariant, speculative=self.speculative)
-        decode = (lambda ids: "") if self.tokenizer is None else \
-            (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+        decode = (lambda ids: "") if self.tokenizer is None else Detokenizer(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), byte_level(self.tokenizer))
         speculation = None
         if self.speculative is not None:
             rate = step_rate_table(runner, manager, self.speculative, self._config, kernels)

@@ -12,14 +12,37 @@ first; a token the grammar refuses (drawn only when no token was legal) is dropp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from .scheduler.request import Request
 
 
+@dataclass(frozen=True)
+class Detokenizer:
+    """Output ids -> text. prefix_stable: decode(a + b) == decode(a) + decode(b) whenever decode(a) does not end in
+    U+FFFD, as for a byte-level BPE decoder (bytes joined, then decoded as UTF-8 with replacement: text before a
+    complete character never changes when bytes are appended). Then stop strings are scanned on text decoded
+    incrementally, each token's bytes once, instead of the whole output per token (at 1024 output tokens the
+    whole-output decode was ~0.2 ms a row per step on the CI CPU)."""
+    decode: Callable[[list[int]], str]
+    prefix_stable: bool = False
+
+    def __call__(self, ids: list[int]) -> str:
+        return self.decode(ids)
+
+
+def byte_level(tokenizer) -> bool:
+    """Whether a `tokenizers.Tokenizer` decodes byte-level (Detokenizer.prefix_stable holds)."""
+    from tokenizers import decoders
+    return isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel)
+
+
 class OutputProcessor:
     def __init__(self, decode: Callable[[list[int]], str], eos_token_id: int | None, max_model_len: int):
+        """decode: output ids -> text (a Detokenizer says whether text may be decoded incrementally)."""
         self.decode, self.eos_token_id, self.max_model_len = decode, eos_token_id, max_model_len
+        self.prefix_stable = isinstance(decode, Detokenizer) and decode.prefix_stable
 
     def commit(self, r: Request, tokens: list[int], logprobs: list[dict | None], now: float) -> int:
         """Append a row's committed tokens (with their logprob entries, None where not asked); returns how many
@@ -69,10 +92,22 @@ class OutputProcessor:
         """Find the earliest stop string in the text the new token added (a match may start up to
         len(stop) - 1 characters earlier, never earlier: text already scanned had no match); text produced
         before min_tokens is scanned but never matched."""
-        text = self.decode(r.output_ids)
+        text = self._text_so_far(r)
         if active:
             hits = [(i, s) for s in r.params.stop if (i := text.find(s, max(0, r.stop_checked - len(s) + 1))) >= 0]
             if hits:
                 r.stop_at, r.stop_reason = min(hits)
                 r.finish_reason = "stop"
         r.stop_checked = len(text)
+
+    def _text_so_far(self, r: Request) -> str:
+        """decode(r.output_ids). Prefix-stable: the text of the tokens before r.detok_tokens is kept (r.detok_text)
+        and only the tokens after it are decoded; the kept part moves up to the end whenever the new text does not
+        end in U+FFFD (a character whose bytes are not all there yet)."""
+        if not self.prefix_stable:
+            return self.decode(r.output_ids)
+        tail = self.decode(r.output_ids[r.detok_tokens:])
+        text = r.detok_text + tail
+        if not tail.endswith("\ufffd"):                  # (an empty tail: skipped special tokens)
+            r.detok_tokens, r.detok_text = len(r.output_ids), text
+        return text

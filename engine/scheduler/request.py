@@ -37,6 +37,8 @@ class Request:
     stop_reason: int | str | None = None
     stop_at: int | None = None       # where the matched stop string starts in the output text
     stop_checked: int = 0            # output text length already scanned for stop strings
+    detok_tokens: int = 0            # output ids whose text is final (output_processor: incremental decoding)
+    detok_text: str = ""             # that text
     logprobs: list[dict] | None = None           # per committed token: {id: Logprob}
     prompt_logprobs: list[dict | None] | None = None
     grammar: Any = None              # engine/structured.RequestGrammar when params.so_args is set (LLM makes it)
