@@ -78,11 +78,18 @@ def leave_launch(code: int) -> None:
     handlers flushed, then os._exit. The interpreter's teardown is skipped because gloo's threads, torn down by the
     destructors at exit, can abort a finished rank under load ("terminate called without an active exception",
     SIGABRT), even with the process group destroyed first, failing a launch whose rows were all written
-    (docs/parallel.md, "How a rank ends")."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    (docs/parallel.md, "How a rank ends"). A flush that fails (a closed pipe) still ends the rank with `code`; C
+    stdio buffers (NCCL's lines on a piped stdout) are flushed too, since os._exit skips the C library's exit."""
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except Exception:                    # noqa: BLE001  nothing may keep the rank from leaving with its code
+        pass
+    finally:
+        os._exit(code)
 
 
 def _fail(message: str, code: int = 2) -> None:

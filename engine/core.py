@@ -51,7 +51,8 @@ class Runner(Protocol):
     cuda_graphs: bool
 
     def execute(self, plan: StepPlan, prev, before_sample: Callable[[], set[str]] | None, ring_marks=None):
-        """Launch the step; call before_sample between the forward and sampling. Returns its StepOutput."""
+        """Launch the step; call before_sample between the forward and sampling. Returns its StepOutput
+        (runner/runner.py: wait() until its tokens are on the host, resolve() them into lists)."""
 
     def graph_keys(self) -> list[tuple]:
         """The CUDA graphs captured so far."""
@@ -274,15 +275,16 @@ class EngineCore:
 
     def _apply(self) -> list[Request]:
         """The host side of the step in flight: commit each sampled row's tokens, finish requests (their seats go
-        back), roll back rejected drafts. Time blocked in reading its results counts as device_wait_s (the device
-        had not finished it), the rest as host_apply_s."""
+        back), roll back rejected drafts. Time blocked until its tokens are on the host counts as device_wait_s
+        (the device had not finished it), the rest, reading them into lists included, as host_apply_s."""
         plan, out = self._in_flight
         self._in_flight = None
         c = self._counters
         t = time.perf_counter()
-        results = out.resolve()
+        out.wait()
         read = time.perf_counter()
         c.device_wait_s += read - t
+        results = out.resolve()
         for row in plan.rows:                         # prefill pieces (no sampled row): their blocks are computed
             if not row.num_logits and row.request.status is Status.RUNNING:
                 self.manager.cache_blocks(row.request_id, row.start + row.n, row.request.tokens)

@@ -35,8 +35,9 @@ class Counters:
     host_plan_s: float = 0.0        # planning steps (speculation's plan, the scheduler)
     host_launch_s: float = 0.0      # launching them (the runner's inputs, graph replay or eager launches, ring
                                     # snapshots) less a previous step read inside it; on a CPU device the forward too
-    device_wait_s: float = 0.0      # blocked reading a step's results: the device had not finished it
-    host_apply_s: float = 0.0       # applying read results (commits, stops, finishes, the prefix cache's blocks)
+    device_wait_s: float = 0.0      # blocked until a step's tokens were on the host: the device had not finished it
+    host_apply_s: float = 0.0       # applying them (reading them into lists, commits, stops, finishes, the prefix
+                                    # cache's blocks)
 
 
 @dataclass

@@ -51,6 +51,7 @@ def test_sweep_rows_resume_and_failures(tmp_path, monkeypatch):
         assert r["hardware_info"]["cpu_count"] >= 1 and r["git_sha"] is not None and r["config_hash"]
         parts = [r[k] for k in ("host_plan_ms", "host_launch_ms", "host_apply_ms")]
         assert all(v > 0 for v in parts) and r["device_wait_ms"] >= 0               # the loop's time per step
+        assert r["device_wait_ms"] < r["host_launch_ms"]          # a CPU step's tokens are ready once it returns
         assert r["host_ms"] == pytest.approx(sum(parts), abs=1e-3)
         if r["mode"] == "decode":
             assert r["output_tput_per_gpu"] > 0 and r["median_intvty"] > 0

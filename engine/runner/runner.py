@@ -64,12 +64,14 @@ class StepOutput:
         self._ready = torch.cuda.Event()
         self._ready.record(torch.cuda.current_stream(self.tokens.device))   # the copies' stream, not cuda:0's
 
-    def _host_lists(self) -> list:
-        host = self._device()
+    def wait(self) -> None:
+        """Block until this step's tokens are on the host (its copies done; a CPU step's are there already)."""
         if self._ready is not None:
             self._ready.synchronize()
-            host = self._host
-        return host
+
+    def _host_lists(self) -> list:
+        self.wait()
+        return self._host if self._ready is not None else self._device()
 
     def speculation(self) -> list[tuple[int, list[int], list[float]]] | None:
         """Per sampled row (after resolve): (drafts accepted, the next drafts, their confidences); None without

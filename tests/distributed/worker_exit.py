@@ -1,5 +1,5 @@
 """The workers' entry: run main(out_path, spec), then leave as every torchrun rank of the CLI does
-(deepinfer.cli.leave_launch: the process group destroyed, streams flushed, os._exit with the code)."""
+(deepinfer.cli.leave_launch: streams flushed, os._exit with the code, no interpreter teardown)."""
 
 import sys
 import traceback
