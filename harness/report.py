@@ -35,7 +35,7 @@ COLUMNS = ["run_id", "key", "mode", "isl", "osl", "concurrency", "num_prompts", 
            "mean_ttft", "median_ttft", "p90_ttft", "p99_ttft", "mean_tpot", "median_tpot", "p90_tpot", "p99_tpot",
            "mean_itl", "median_itl", "p90_itl", "p99_itl", "mean_e2el", "median_e2el", "p90_e2el", "p99_e2el",
            "shared_prefix", "turns", "prefix_hit_rate", "prefix_ideal_rate", "prefill_tokens_computed",
-           *TRAFFIC_COLUMNS, "host_ms", "device_wait_ms"]
+           "host_ms", "device_wait_ms", *TRAFFIC_COLUMNS]
 CHARTS = {
     "prefill": ("p99_ttft", "input_tput_per_gpu", "lower", "p99 TTFT (s)", "input tokens/s per GPU"),
     "decode": ("median_intvty", "output_tput_per_gpu", "higher", "tokens/s per user (1000 / median TPOT ms)",
