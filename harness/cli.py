@@ -115,7 +115,8 @@ def sweep_cmd(sweep_file, model, device, prefill_ranks, decode_ranks, report_dir
     for r in rows:
         if r["mode"] == "decode":
             click.echo(f"  {r['key']:<28} {_num(r['output_tput_per_gpu'], '9.1f')} out tok/s/GPU  "
-                       f"{_num(r['median_intvty'], '8.1f')} tok/s/user")
+                       f"{_num(r['median_intvty'], '8.1f')} tok/s/user  step: host {_num(r.get('host_ms'), '.2f')} "
+                       f"ms, waits {_num(r.get('device_wait_ms'), '.2f')} ms")
         else:
             click.echo(f"  {r['key']:<28} {_num(r['input_tput_per_gpu'], '9.1f')} in tok/s/GPU   "
                        f"TTFT p99 {_num(r['p99_ttft'], '.3f')} s")

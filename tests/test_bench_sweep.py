@@ -2,6 +2,7 @@
 repeated rows, failure rows, topology errors, the CLI."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -194,6 +195,7 @@ def test_cli(tmp_path):
                               "--run-id", "c", "--no-progress"])
     assert res.exit_code == 0, res.output
     assert "4 points in" in res.output and "tok/s/user" in res.output
+    assert re.search(r"decode/isl16-osl4/c2 .* tok/s/user  step: host [0-9.]+ ms, waits [0-9.]+ ms", res.output)
     res = runner.invoke(cli, ["sweep", str(tmp_path / "micro.yaml"), "--decode-ranks", "8", "--report-dir",
                               str(tmp_path / "rep")])
     assert res.exit_code != 0 and "asks for 8 decode ranks" in str(res.exception)
