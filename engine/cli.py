@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -81,13 +82,12 @@ def leave_launch(code: int) -> None:
     (docs/parallel.md, "How a rank ends"). A flush that fails (a closed pipe) still ends the rank with `code`; C
     stdio buffers (NCCL's lines on a piped stdout) are flushed too, since os._exit skips the C library's exit."""
     try:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        import ctypes
-        ctypes.CDLL(None).fflush(None)
-    except Exception:                    # noqa: BLE001  nothing may keep the rank from leaving with its code
-        pass
+        with contextlib.suppress(Exception):     # nothing may keep the rank from leaving with its code
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            import ctypes
+            ctypes.CDLL(None).fflush(None)
     finally:
         os._exit(code)
 

@@ -23,9 +23,9 @@ class Detokenizer:
     """Output ids -> text. prefix_stable: decode(a + b) == decode(a) + decode(b) whenever decode(a) does not end in
     U+FFFD, as for a byte-level BPE decoder: `tokenizers` joins the bytes of each run of ordinary tokens and decodes
     the run as UTF-8 with replacement (an added token's text goes between runs as it is; a skipped special token
-    does not split a run), so text before a complete character never changes when tokens are appended. Then stop strings are scanned on text decoded
-    incrementally, each token's bytes once, instead of the whole output per token (at 1024 output tokens the
-    whole-output decode was ~0.2 ms a row per step on the CI CPU)."""
+    does not split a run), so text before a complete character never changes when tokens are appended. Then stop
+    strings are scanned on text decoded incrementally, each token's bytes once, instead of the whole output per
+    token (at 1024 output tokens the whole-output decode was ~0.2 ms a row per step on the CI CPU)."""
     decode: Callable[[list[int]], str]
     prefix_stable: bool = False
 

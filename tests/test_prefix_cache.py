@@ -1,8 +1,8 @@
 """Prefix caching (engine/cache/prefix.py, docs/prefix-cache.md) in whole engines (tiny V4 and V4.1 on CPU; the
-block cache and the manager's seats on their own: tests/test_prefix_blocks.py): outputs with a hit equal outputs without the cache (greedy in the default mode, bitwise
-logprobs in batch-invariant mode) wherever the prompts part, after eviction and preemption, for concurrent sharers
-and with speculative decoding; the state after a replay equals a full prefill's and a replay one position shorter
-does not; stats and the write floor."""
+block cache and the manager's seats on their own: tests/test_prefix_blocks.py): outputs with a hit equal outputs
+without the cache (greedy in the default mode, bitwise logprobs in batch-invariant mode) wherever the prompts
+part, after eviction and preemption, for concurrent sharers and with speculative decoding; the state after a
+replay equals a full prefill's and a replay one position shorter does not; stats and the write floor."""
 
 from __future__ import annotations
 

@@ -158,8 +158,9 @@ class PrefixCache:
 
     def snapshot_seat(self) -> int | None:
         """A seat for a new snapshot: a free one, else the least recently used snapshot's (None: no seats)."""
-        if self.free_seats:
-            return self.free_seats.pop()
+        seat = self.free_seat()
+        if seat is not None:
+            return seat
         if self.snapshots:
             return self.snapshots.popitem(last=False)[1]
         return None
