@@ -10,7 +10,8 @@ tile, and nothing in the launch depends on the row count but the grid. So:
     grouped_linear(x [R, G, I], w [G, O, I]) = one expert per group (rows grouped by g), out [R, G, O]
 Both read the weights once per BM = 64 rows (dense weights keep INVARIANT's BM 64 tiles).
 
-Not in the Triton sets yet: kernels/registry.py lists these under OUT_OF_SETS until their `-m gpu` test passes.
+In `triton_invariant` since their `-m gpu` gate passed (tests/test_kernels_matmul_triton.py with
+tests/test_batch_invariant.py; docs/results.md, session 45).
 """
 
 from __future__ import annotations

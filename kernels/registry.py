@@ -72,10 +72,12 @@ OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
                                       "sparse_index_scores_triton_invariant")},
     "top_k_indices": {**_torch_paths("indexer", "_top_k_indices"), **_triton_paths("indexer_triton", "top_k_indices_triton")},
     "kv_pack": {**_torch_paths("kv_formats", "_kv_pack"), **_triton_paths("kv_formats_triton", "kv_pack_triton")},
-    "linear": _torch_paths("matmul", "_linear", "_linear_tiles"),
+    "linear": {**_torch_paths("matmul", "_linear", "_linear_tiles"),
+               "triton_invariant": "matmul_triton:linear_invariant"},        # weights once per 64 rows
     "linear_f32": {**_torch_paths("matmul", "_linear_f32", "_linear_f32_tiles"),
                    "triton": "matmul:_linear_f32_mixed"},           # cuBLAS with an fp32 output, no Triton
-    "grouped_linear": _torch_paths("matmul", "_grouped", "_grouped_tiles"),
+    "grouped_linear": {**_torch_paths("matmul", "_grouped", "_grouped_tiles"),
+                       "triton_invariant": "matmul_triton:grouped_linear_invariant"},
     "hc_mixes": {**_torch_paths("mhc", "_hc_mixes", "_hc_mixes_tiles"),
                  **_triton_paths("mhc_triton", "hc_mixes_triton", "hc_mixes_triton_invariant")},
     "hc_collapse": {**_torch_paths("mhc", "_hc_collapse", "_hc_collapse_tiles"),
@@ -93,13 +95,6 @@ OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
     "rowwise": _torch_paths("rowwise", "_plain", "_tiles"),
     "gumbel_argmax": {**_torch_paths("sampling", "_reference"), **_triton_paths("sampling_triton", "_triton")},
     "softmax_pool": _torch_paths("softmax_pool", "_softmax_pool", "_softmax_pool_tiles"),
-}
-
-# Built and tested in the interpreter, but kept out of the sets until their `-m gpu` test passes whole on the H200
-# (tests/test_kernels_matmul_triton.py with tests/test_batch_invariant.py); then they move into OPS.
-OUT_OF_SETS: dict[str, dict[str, str]] = {
-    "linear": {"triton_invariant": "matmul_triton:linear_invariant"},
-    "grouped_linear": {"triton_invariant": "matmul_triton:grouped_linear_invariant"},
 }
 
 

@@ -56,19 +56,11 @@ def test_importing_the_op_table_imports_no_triton():
 
 def test_every_path_names_a_function():
     pytest.importorskip("triton")
-    for table in (registry.OPS, registry.OUT_OF_SETS):
-        for op, impls in table.items():
-            assert set(impls) <= set(BACKEND_SETS), op
-            for backend, path in impls.items():
-                assert callable(registry.load(path)), (op, backend, path)
+    for op, impls in registry.OPS.items():
+        assert set(impls) <= set(BACKEND_SETS), op
+        for backend, path in impls.items():
+            assert callable(registry.load(path)), (op, backend, path)
     assert all("reference" in impls for impls in registry.OPS.values())
-
-
-def test_out_of_sets_kernels_are_in_no_table():
-    for name in BACKEND_SETS:
-        table = KernelTable(name)
-        for op, impls in registry.OUT_OF_SETS.items():
-            assert table.fns.paths[op] not in impls.values(), (name, op)
 
 
 def _imports(path: Path) -> set[str]:
@@ -98,8 +90,7 @@ def _imports_triton(path: Path) -> bool:
 
 def test_one_pairing_rule():
     modules = {p.stem for p in KERNELS.glob("*.py")}
-    op_modules = {p.partition(":")[0] for impls in list(registry.OPS.values()) + list(registry.OUT_OF_SETS.values())
-                  for p in impls.values()}
+    op_modules = {p.partition(":")[0] for impls in registry.OPS.values() for p in impls.values()}
     assert modules == op_modules | SHARED, sorted(modules ^ (op_modules | SHARED))
     for name in modules:
         if name.endswith("_triton"):
