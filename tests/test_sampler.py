@@ -173,6 +173,47 @@ def test_tensors_built_from_sampling_params():
     assert sample(torch.zeros(3, 8), t)[0].item() == 0
 
 
+def test_penalty_tensors_equal_a_per_row_build_with_ops_independent_of_the_batch():
+    """prompt_mask / output_counts / banned equal the plain per-row construction (empty rows, repeated ids, ids past
+    the vocabulary), and building them runs the same number of tensor ops at 4 rows as at 64: one copy and one
+    scatter for all rows, not a tensor and a bincount per row (each a launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from deepinfer.sampling import SamplingParams, build_sampling_tensors
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    vocab, gen = 50, torch.Generator().manual_seed(0)
+
+    def build(b):
+        params = [SamplingParams(repetition_penalty=1.1, frequency_penalty=0.3, min_tokens=5, stop_token_ids=[7, 60])
+                  for _ in range(b)]
+        rand = lambda n: torch.randint(0, vocab + 5, (n,), generator=gen).tolist()   # noqa: E731: some >= vocab
+        prompts = [rand(int(torch.randint(0, 30, (1,), generator=gen))) for _ in range(b)]
+        outs = [rand(int(torch.randint(0, 12, (1,), generator=gen))) for _ in range(b)]
+        ops = Ops()
+        with ops:
+            t = build_sampling_tensors(params, list(range(b)), [0] * b, vocab, "cpu", prompts, outs, eos_token_id=2)
+        return t, prompts, outs, ops.n
+
+    t, prompts, outs, n_small = build(4)
+    _, _, _, n_large = build(64)
+    assert n_small == n_large
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        want = torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab + 5)[:vocab]
+        assert torch.equal(t.output_counts[i].long(), want)
+        assert t.prompt_mask[i].nonzero().flatten().tolist() == sorted({j for j in p if j < vocab})
+        banned = [7, 2] if len(o) < 5 else []
+        assert t.banned[i].nonzero().flatten().tolist() == sorted(banned)
+
+
 def test_top_p_one_is_off_next_to_other_rows():
     """A top_p = 1 row keeps the whole vocabulary even when another row of the batch filters (float rounding
     of the cumulative mass must not drop its tail)."""
