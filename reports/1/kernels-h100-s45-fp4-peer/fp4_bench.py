@@ -1,4 +1,4 @@
-"""FP4 A16 expert GEMM variants (out/fp4_swap.py) against the repo kernel (experts_triton DECODE) at V4.1-Flash
+"""FP4 A16 expert GEMM variants (fp4_swap.py beside this file) against the repo kernel (experts_triton DECODE) at V4.1-Flash
 expert shapes (E 384, H 5120, I 2304, top-6 uniform routing): time per MoE (gate_up + down, CUDA-graph replays),
 bytes of the touched experts over that time, its share of a device copy's bandwidth measured in the same run,
 and each variant's max error against the repo kernel. Rows as JSON lines in $OUT/fp4_variants.jsonl."""
@@ -63,7 +63,7 @@ if os.environ.get("ONLY"):
     VARIANTS = [v for v in VARIANTS if v[0] == os.environ["ONLY"]]
 ceiling = copy_tbps()
 print(f"device copy: {ceiling:.2f} TB/s (read + write)", flush=True)
-rows, out_path = [], os.path.join(os.environ.get("OUT", "/tmp"), "fp4_variants.jsonl")
+rows, out_path = [], os.path.join(os.environ.get("OUT", "."), "fp4_variants.jsonl")
 for t in TOKENS:
     ids = torch.rand(t, E, device=dev, generator=g).topk(TOPK, dim=1).indices.flatten().sort().values
     offsets = torch.searchsorted(ids, torch.arange(E + 1, device=dev))

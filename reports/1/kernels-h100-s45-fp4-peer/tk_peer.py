@@ -13,7 +13,7 @@ random bytes. Activations bf16 (W4A16). fp8 x mxfp4 is NOT supported on sm_90 by
 triton_kernels version (tests skip "float8 x mx not supported with cuda capability < 10";
 the HOPPER_VALUE kernel path static_asserts bf16 activations), so W4A8 is not run.
 
-Run:  PYTHONPATH=/tmp/tksite python tk_peer.py      (env: OUT=/tmp, TK_T=1,16,64,256,8192,
+Run:  PYTHONPATH=<site> python tk_peer.py      (env: OUT=<dir>, TK_T=1,16,64,256,8192,
       TK_NW=auto|4|8|both, TK_SEED=0, TK_REF=1, TK_PROF=1, TK_BUDGET_S=170)
       python tk_peer.py --cpu-selftest   (tiny shapes, CPU torch: layout/routing/reference code)
 Every stage prints one line on failure ("[FAIL] stage: Exc: msg"); the script always exits 0.
@@ -32,7 +32,7 @@ SEED = int(os.environ.get("TK_SEED", "0"))
 DO_REF = os.environ.get("TK_REF", "1") != "0"
 DO_PROF = os.environ.get("TK_PROF", "1") != "0"
 BUDGET_S = float(os.environ.get("TK_BUDGET_S", "170"))
-OUT_DIR = os.environ.get("OUT") or "/tmp"
+OUT_DIR = os.environ.get("OUT") or "."
 SCALE_LO, SCALE_HI = 118, 122  # e8m0 exponents -> 2^-9 .. 2^-5 (keeps outputs O(1))
 CHUNK_E = 32  # experts per swizzle chunk (bounds temporary memory of the layout code)
 
