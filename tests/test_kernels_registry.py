@@ -63,6 +63,16 @@ def test_every_path_names_a_function():
     assert all("reference" in impls for impls in registry.OPS.values())
 
 
+def test_triton_invariant_runs_the_dense_gemms_on_the_expert_kernel():
+    """kernels/matmul_triton.py passed its GPU gate (session 45): the invariant set's Triton partner takes `linear`
+    and `grouped_linear` from it; the plain `invariant` set keeps its cuBLAS row tiles."""
+    pytest.importorskip("triton")
+    triton_inv, inv = KernelTable("triton_invariant"), KernelTable("invariant")
+    for op in ("linear", "grouped_linear"):
+        assert triton_inv.backends[op] == "triton_invariant" and triton_inv.fns.paths[op].startswith("matmul_triton:")
+        assert inv.backends[op] == "invariant"
+
+
 def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
