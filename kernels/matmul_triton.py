@@ -11,7 +11,7 @@ tile, and nothing in the launch depends on the row count but the grid. So:
 Both read the weights once per BM = 64 rows (dense weights keep INVARIANT's BM 64 tiles).
 
 In `triton_invariant` since their `-m gpu` gate passed (tests/test_kernels_matmul_triton.py with
-tests/test_batch_invariant.py; docs/results.md, session 45).
+tests/test_batch_invariant.py; docs/results.md has the run).
 """
 
 from __future__ import annotations

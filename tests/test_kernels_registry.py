@@ -64,7 +64,7 @@ def test_every_path_names_a_function():
 
 
 def test_triton_invariant_runs_the_dense_gemms_on_the_expert_kernel():
-    """kernels/matmul_triton.py passed its GPU gate (session 45): the invariant set's Triton partner takes `linear`
+    """kernels/matmul_triton.py passed its GPU gate (docs/results.md): the invariant set's Triton partner takes `linear`
     and `grouped_linear` from it; the plain `invariant` set keeps its cuBLAS row tiles."""
     pytest.importorskip("triton")
     triton_inv, inv = KernelTable("triton_invariant"), KernelTable("invariant")
