@@ -12,7 +12,8 @@ corrupt run never stops the others.
 Charts are plotly figures written as HTML (plotly.js once for all runs, `<report root>/plotly.min.js`, so
 the pages work offline) and PNG through kaleido. Kaleido drives a Chrome / Chromium: it uses the browser at
 $BROWSER_PATH, else one installed in the usual places, else the one `plotly_get_chrome` downloads. Without
-one, PNGs are skipped with one warning line naming those options; HTML and CSV are written regardless.
+one, PNGs are skipped with one warning line naming those options; HTML and CSV are written regardless, and a PNG
+already there is kept while its chart's HTML comes out byte for byte the same (`--no-png` likewise).
 Same rows in, same CSV and HTML bytes out (fixed div ids, sorted rows, no timestamps); chart files of a mode
 without rows are removed. Reading never changes the rows."""
 
@@ -85,10 +86,13 @@ def _write_figure(fig, stem: Path, div_id: str, png: bool, plotly_js: str = "../
                   ) -> tuple[list[Path], bool]:
     """stem.html (plotly.js from reports/plotly.min.js: `plotly_js` is that file relative to stem's directory, a
     run directory by default) and, when png, stem.png -> (written, png still on: False once kaleido could not start
-    a browser, with one warning)."""
+    a browser, with one warning). Without a PNG written (png off, or no browser), an existing stem.png stays only
+    while its figure is unchanged, i.e. the new HTML is byte for byte the old one (same rows give the same HTML):
+    a machine without Chrome keeps the charts another machine rendered, and never a chart of other rows."""
     html, image = stem.parent / f"{stem.name}.html", stem.parent / f"{stem.name}.png"   # a run id may hold dots
-    atomic_write_text(html, fig.to_html(include_plotlyjs=plotly_js, full_html=True, div_id=div_id,
-                                        config={"displaylogo": False}))
+    page = fig.to_html(include_plotlyjs=plotly_js, full_html=True, div_id=div_id, config={"displaylogo": False})
+    unchanged = html.exists() and html.read_text() == page
+    atomic_write_text(html, page)
     written = [html]
     if png:
         try:
@@ -97,6 +101,11 @@ def _write_figure(fig, stem: Path, div_id: str, png: bool, plotly_js: str = "../
         except Exception as e:     # noqa: BLE001  kaleido raises RuntimeError / ValueError / OSError kinds
             log.warning(f"PNG charts skipped: kaleido could not start a browser ({type(e).__name__}); {PNG_HELP}")
             png = False
+    if image not in written and image.exists():
+        if unchanged:
+            written.append(image)
+        else:
+            image.unlink()
     return written, png
 
 
@@ -104,9 +113,9 @@ def write_charts(run_dir: Path, rows: list[dict], png: bool = True) -> list[Path
     written, png_ok = [], png
     run_id = run_dir.name
     for mode in CHARTS:
-        for stale in run_dir.glob(f"{mode}_pareto.*"):     # the directory holds exactly what these rows give
-            stale.unlink()
         if not any(r["mode"] == mode for r in rows):
+            for stale in run_dir.glob(f"{mode}_pareto.*"):     # the directory holds exactly what these rows give
+                stale.unlink()
             continue
         fig = pareto_figure(rows, mode, f"{run_id}: {mode} Pareto")
         files, png_ok = _write_figure(fig, run_dir / f"{mode}_pareto", f"{mode}-pareto", png_ok)

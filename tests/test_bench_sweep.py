@@ -226,6 +226,21 @@ def test_report_is_regenerated_byte_for_byte_from_rows(tmp_path):
     assert list(table["key"]) == [p.key for p in parse_sweep(MICRO).points()]
 
 
+def test_report_keeps_a_png_only_while_its_chart_is_unchanged(tmp_path):
+    """Without a browser (or with --no-png) the report keeps a PNG another machine rendered while the same rows give
+    the same chart, and removes it once the chart changed: never a picture of other rows."""
+    from deepinfer.harness.report import report_run
+    run_dir = run_sweep(parse_sweep(MICRO), tmp_path, "rep", progress=False)
+    report_run(run_dir, png=False)
+    png = run_dir / "decode_pareto.png"
+    png.write_bytes(b"rendered elsewhere")
+    assert png in report_run(run_dir, png=False) and png.read_bytes() == b"rendered elsewhere"
+    rows = read_rows(run_dir)
+    fewer = [r for r in rows if r["mode"] != "decode"] + [r for r in rows if r["mode"] == "decode"][1:]
+    assert png not in report_run(run_dir, png=False, rows=fewer) and not png.exists()
+    assert (run_dir / "decode_pareto.html").exists() and read_rows(run_dir) == rows
+
+
 def test_report_charts_a_run_against_an_earlier_one(tmp_path):
     """--against: one chart per mode with a series per run (both runs' frontiers), beside the run's own charts."""
     old = run_sweep(parse_sweep(MICRO), tmp_path, "old", progress=False)
