@@ -132,9 +132,11 @@ def write_published(report_root: Path, prefill_ranks: int = PREFILL_RANKS, decod
     ranks = {"prefill": prefill_ranks, "decode": decode_ranks}
     chosen = {mode: select(rows, mode, ranks[mode]) for mode in CHARTS}
     out = report_root / PUBLISHED_DIR
-    for stale in (out.glob("*") if out.is_dir() else ()):   # the directory holds exactly what these rows give
-        if stale.name in {f"{m}.{ext}" for m in CHARTS for ext in ("html", "png")} | {"points.csv"}:
-            stale.unlink()
+    (out / "points.csv").unlink(missing_ok=True)     # the directory holds exactly what these rows give; a chart
+    for mode in CHARTS:                              # with rows is rewritten (its PNG kept while unchanged)
+        if not chosen[mode]:
+            for ext in ("html", "png"):
+                (out / f"{mode}.{ext}").unlink(missing_ok=True)
     symbols = spec_symbols([r for mode_rows in chosen.values() for r in mode_rows])
     written, missing, png_ok = [], [], png
     for mode, mode_rows in chosen.items():

@@ -25,7 +25,7 @@ from pathlib import Path
 from .frontier import DEFAULT_GROUP_KEYS, frontiers
 from deepinfer.errors import DeepInferError
 
-from .rows import CorruptRowError, atomic_write_text, read_rows
+from .rows import CorruptRowError, atomic_write_bytes, atomic_write_text, read_rows
 from .traffic import TRAFFIC_COLUMNS, routing_verdict, traffic_cell, traffic_columns
 
 log = logging.getLogger("deepinfer")
@@ -91,21 +91,20 @@ def _write_figure(fig, stem: Path, div_id: str, png: bool, plotly_js: str = "../
     a machine without Chrome keeps the charts another machine rendered, and never a chart of other rows."""
     html, image = stem.parent / f"{stem.name}.html", stem.parent / f"{stem.name}.png"   # a run id may hold dots
     page = fig.to_html(include_plotlyjs=plotly_js, full_html=True, div_id=div_id, config={"displaylogo": False})
-    unchanged = html.exists() and html.read_text() == page
+    if not (html.exists() and html.read_text() == page):
+        image.unlink(missing_ok=True)      # a picture of other rows goes before the new chart lands
     atomic_write_text(html, page)
     written = [html]
     if png:
         try:
-            fig.write_image(image, format="png", scale=2)
-            written.append(image)
+            data = fig.to_image(format="png", scale=2)
         except Exception as e:     # noqa: BLE001  kaleido raises RuntimeError / ValueError / OSError kinds
             log.warning(f"PNG charts skipped: kaleido could not start a browser ({type(e).__name__}); {PNG_HELP}")
             png = False
-    if image not in written and image.exists():
-        if unchanged:
-            written.append(image)
         else:
-            image.unlink()
+            atomic_write_bytes(image, data)
+    if image.exists():                     # written now, or kept: its chart is unchanged
+        written.append(image)
     return written, png
 
 

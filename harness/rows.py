@@ -179,11 +179,16 @@ def json_safe(value):
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write text to path through a temp file in the same directory and a rename: readers see the old file or
     the whole new one, never a half-written one."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """atomic_write_text's bytes twin (a PNG chart)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

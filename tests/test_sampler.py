@@ -206,6 +206,14 @@ def test_penalty_tensors_equal_a_per_row_build_with_ops_independent_of_the_batch
     t, prompts, outs, n_small = build(4)
     _, _, _, n_large = build(64)
     assert n_small == n_large
+    edge = build_sampling_tensors([SamplingParams(frequency_penalty=0.5, min_tokens=3, ignore_eos=True),
+                                   SamplingParams(repetition_penalty=1.2, min_tokens=3, stop_token_ids=[4])],
+                                  [0, 1], [0, 0], vocab, "cpu", None, [[-1, 3], [3, 3]], eos_token_id=None)
+    assert edge.output_counts[0].nonzero().flatten().tolist() == [3]     # a negative id counts nowhere
+    assert edge.output_counts[1, 3].item() == 2 and not edge.prompt_mask.any()      # no prompt ids given
+    assert edge.banned[0].nonzero().numel() == 0 and edge.banned[1].nonzero().flatten().tolist() == [4]
+    with pytest.raises(ValueError, match="output_ids has 1 rows for 2"):
+        build_sampling_tensors([SamplingParams(), SamplingParams()], [0, 1], [0, 0], vocab, "cpu", None, [[1]])
     for i, (p, o) in enumerate(zip(prompts, outs)):
         want = torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab + 5)[:vocab]
         assert torch.equal(t.output_counts[i].long(), want)

@@ -54,6 +54,9 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
     or a stop token id); num_outputs: output lengths when they include tokens still in flight (default: the
     lengths of output_ids)."""
     b = len(params)
+    for name, per_row in (("prompt_ids", prompt_ids), ("output_ids", output_ids), ("num_outputs", num_outputs)):
+        if per_row is not None and len(per_row) != b:
+            raise ValueError(f"{name} has {len(per_row)} rows for {b} sampled rows")
     # host tensor, then an asynchronous copy: torch.tensor(..., device=cuda) would wait for the step's forward
     as_t = lambda vals, dt: torch.tensor(vals, dtype=dt).to(device, non_blocking=True)  # noqa: E731
     t = SamplingTensors(
@@ -83,7 +86,7 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
 
 
 def _per_row_ids(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """[B, V] int32 counts of each row's ids (ids past the vocabulary dropped). The ids cross to the device in one
+    """[B, V] int32 counts of each row's ids (ids outside the vocabulary dropped). The ids cross to the device in one
     copy and land in one scatter-add, where a tensor and a bincount per row were 2B launches a step (512 at batch
     256 with penalties on); integer adds, so the counts are exact whatever the order."""
     counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=device)
@@ -92,7 +95,7 @@ def _per_row_ids(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
         return counts
     ids = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.long)                       # host
     flat = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens)) * vocab + ids   # row * V + id
-    flat = flat[ids < vocab].to(device, non_blocking=True)
+    flat = flat[(ids >= 0) & (ids < vocab)].to(device, non_blocking=True)   # a negative id would land in the row before
     counts.view(-1).scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.int32, device=device))
     return counts
 
