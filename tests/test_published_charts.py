@@ -72,6 +72,19 @@ def test_published_charts_take_the_rows_at_the_ranks_and_are_byte_stable(tmp_pat
     assert {p.name: p.read_bytes() for p in again} == before
 
 
+def test_published_png_is_kept_while_its_chart_is_unchanged(tmp_path):
+    """Without a browser (or with --no-png) a published PNG rendered elsewhere stays while the rows give the same
+    chart, and goes once the chart changes."""
+    _report_dir(tmp_path)
+    write_published(tmp_path, png=False)
+    png = tmp_path / "published" / "decode.png"
+    png.write_bytes(b"rendered elsewhere")
+    again, _ = write_published(tmp_path, png=False)
+    assert png in again and png.read_bytes() == b"rendered elsewhere"
+    write_published(tmp_path, decode_ranks=2, png=False)                     # other rows: another chart
+    assert not png.exists() and (tmp_path / "published" / "decode.html").exists()
+
+
 def test_projected_series_are_open_and_dotted_and_spec_modes_differ(tmp_path):
     _report_dir(tmp_path)
     decode = select(considered_rows(tmp_path), "decode", 64)
