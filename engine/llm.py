@@ -36,9 +36,10 @@ from .stats import EngineStats
 from .api import resolve_model
 from .validate import (check_flag, check_model_spec, device_or_default, encode_prompt, parse_dtype, prompt_list,
                        refuse_unsupported, sampling_params_list)
+from deepinfer.kernels.experts import weight_layout
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
-from .models.common.moe import Experts, set_expert_act_quant, use_expert_parallel
+from .models.common.moe import Experts, set_expert_numerics, use_expert_parallel
 from .parallel.balancer import EplbConfig, ExpertBalancer, eplb_config, layer_placement
 from .parallel.context_parallel import prefill_prompts
 from .parallel.expert_parallel import DISPATCHERS
@@ -125,7 +126,7 @@ class LLM:
             raise DeepInferError(f"projection_storage={args['projection_storage']!r} does not match the model passed "
                                  f"in, which holds its FP8 projections as {projection_storage_of(self.model)!r}: "
                                  f"drop the argument or build the model with it")
-        set_expert_act_quant(self.model, args["expert_act_quant"])     # on or off: a passed-in model is reused
+        set_expert_numerics(self.model, args["expert_act_quant"], weight_layout(backend, device))
         self.tokenizer = None if args["skip_tokenizer_init"] else self._load_tokenizer()
         limit = self.model.cfg.max_position_embeddings
         self.max_model_len = limit if args["max_model_len"] is None else args["max_model_len"]

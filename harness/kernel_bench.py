@@ -220,25 +220,28 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                                                  1, max(1, min(cfg.iters, 5)))
                             ref_timing = TIMING["last"]
                     times = {}
-                    for backend in cfg.backends:
-                        key = f"experts/{model}/{storage}/{num}/t{tokens}/{backend}"
+                    for backend, layout, ew in _expert_variants(cfg.backends, ew, device):
+                        key = f"experts/{model}/{storage}/{num}/t{tokens}/{backend}" + \
+                            ("" if layout == "rows" else f"/{layout}")
                         with use(backend):
                             out = grouped_experts(x, ids, offs, r, ew)
                             ms = 1e3 * _time(lambda: grouped_experts(x, ids, offs, r, ew), device, cfg.warmup,
                                              cfg.iters)
                             timing = TIMING["last"]
-                        times[backend] = ms
-                        if num == "a16" and backend == cfg.backends[0]:
+                        times.setdefault(layout, {})[backend] = ms
+                        if num == "a16" and backend == cfg.backends[0] and layout == "rows":
                             a16_out = out
                         peak = ceilings["fp8_flops_per_s"] if num == "a8" else ceilings["gemm_bf16_flops_per_s"]
-                        ran = ("kernel" if backend.startswith("triton") and experts_triton.supported(x, ew)
-                               else "reference")
+                        ran = ("matmul_ogs" if layout != "rows" else "kernel"
+                               if backend.startswith("triton") and experts_triton.supported(x, ew) else "reference")
                         row = {"key": key, "op": "experts", "model_shapes": model, "storage": storage, "ran": ran,
+                               "weight_layout": layout, "over_rows": (ms / times["rows"][backend]
+                                                                      if layout != "rows" else None),
                                "numerics": num, "backend": backend, "tokens": tokens, "rows": x.shape[0],
                                "experts": n_experts, "experts_touched": touched, "dim": dim, "inter": inter,
                                "top_k": top_k, **_rates(ms, nbytes, flops, ceilings, peak),
                                "timing": timing, "reference_timing": ref_timing if ref_ms is not None else None,
-                               **_against(ms, backend, times, out, ref_ms, ref_out),
+                               **_against(ms, backend, times[layout], out, ref_ms, ref_out),
                                "err_vs_a16": (None if num != "a8" or a16_out is None else _rel_err(out, a16_out))}
                         if key not in done:
                             emit(row)
@@ -247,6 +250,22 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
             del base
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+
+
+def _expert_variants(backends, ew, device):
+    """(backend, weight layout, weights) to time: every backend on the weights as built, then for W4A16 FP4 on an
+    sm_90 device with triton_kernels the Triton sets again on a Hopper-layout copy (matmul_ogs, what an engine
+    there runs; its rows carry `over_rows`, its time over ours on the same inputs)."""
+    for backend in backends:
+        yield backend, "rows", ew
+    triton_sets = [b for b in backends if b.startswith("triton")]
+    if not triton_sets or ew.fmt != "fp4" or ew.act_fp8 or not str(device).startswith("cuda"):
+        return
+    from deepinfer.kernels import experts_ogs as ogs
+    if ogs.runs_on(device) and ogs.fits(ew):
+        hopper = ogs.hopper_copy(ew)
+        for backend in triton_sets:
+            yield backend, ogs.HOPPER, hopper
 
 
 def _against(ms: float, backend: str, times: dict, out, ref_ms: float | None, ref_out) -> dict:

@@ -78,6 +78,9 @@ class ExpertWeights:
     fp4    w* packed e2m1 uint8 [E, out, in/2] (low nibble = even element), scales e8m0 uint8 [E, out, in/32]
     fp8    w* float8_e4m3fn [E, out, in], scales float32 [E, ceil(out/128), ceil(in/128)] (128x128 blocks)
 
+    layout "hopper_mx" (fp4 only): the same buffers hold the bytes in triton_kernels' Hopper MX layouts (same shapes
+    and sizes, kernels/experts_ogs_triton.py); `get` reads them back per call, so every backend takes either layout.
+
     act_fp8 selects the numerics of the GEMM inputs: False (W4A16 / W8A16 / dense): activations in `dtype`;
     True (W4A8 / W8A8, DeepSeek's inference recipe): each GEMM's activations (x, then the SwiGLU output h rounded to
     `dtype`) quantized per 1x128 block to e4m3 with a power-of-two scale (quant.fake_quant_fp8), fp32 accumulation."""
@@ -89,8 +92,12 @@ class ExpertWeights:
     limit: float                  # swiglu_limit; <= 0: no clamp
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (w1, w2, w3) for fp4 / fp8
     act_fp8: bool = False
+    layout: str = "rows"          # fp4 bytes as above ("rows") or rearranged in the same buffers for
+                                  # triton_kernels' Hopper decode ("hopper_mx", kernels/experts_ogs_triton.py)
 
     def __post_init__(self):
+        if self.layout not in ("rows", "hopper_mx") or (self.layout != "rows" and self.fmt != "fp4"):
+            raise ValueError(f"expert weight layout {self.layout!r}: 'rows', or 'hopper_mx' for FP4 weights")
         if self.act_fp8 and self.scales is None:
             raise ValueError("FP8 activations (W4A8 / W8A8) need FP4 or FP8 expert weights; dense weights run in "
                              "the compute dtype")
@@ -145,7 +152,19 @@ class ExpertWeights:
             return w.to(self.gemm_dtype)
         if self.fmt == "fp8":
             return dequantize_fp8_experts(w, self.scales[i][index], self.gemm_dtype)
-        return dequantize_fp4_fast(w, self.scales[i][index], self.gemm_dtype)
+        s = self.scales[i][index]
+        if self.layout != "rows":
+            w, s = self._rows(w, s)
+        return dequantize_fp4_fast(w, s, self.gemm_dtype)
+
+    @staticmethod
+    def _rows(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP4 experts held in the Hopper layout (stacked [n, out, in/2] or one [out, in/2]) -> ours."""
+        from .experts_ogs import rows_of
+        if w.dim() == 2:
+            w, s = rows_of(w.unsqueeze(0), s.unsqueeze(0))
+            return w[0], s[0]
+        return rows_of(w, s)
 
     def bytes_per_expert(self) -> int:
         """Bytes of one expert's w1 + w3 + w2 in gemm_dtype."""
@@ -176,6 +195,15 @@ def dequantize_fp4_fast(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.
     vals = table[packed.view(torch.uint8).int()].view(*packed.shape[:-1], k // FP4_BLOCK, FP4_BLOCK)
     out = (vals * e8m0_to_float(scale).to(work).unsqueeze(-1)).view(*packed.shape[:-1], k)
     return out.to(dtype)
+
+
+def weight_layout(backend_set: str, device) -> str:
+    """How an engine running `backend_set` on `device` should hold FP4 expert weights: "hopper_mx" for the Triton
+    sets on sm_90 with triton_kernels installed (its matmul_ogs reads them there), else "rows" (ours)."""
+    if backend_set not in ("triton", "triton_invariant") or torch.device(device).type != "cuda":
+        return "rows"
+    from .experts_ogs import HOPPER, ROWS, runs_on
+    return HOPPER if runs_on(device) else ROWS
 
 
 def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor, route_weights: torch.Tensor,

@@ -26,6 +26,10 @@ and, by `ExpertWeights.act_fp8`, fed to the MMA as:
            scale as e8m0, e2m1 weights with their e8m0 scales: the same products, no fold): measured faster there,
            slower for prefill and for A16 (docs/kernels.md).
 
+FP4 weights held in triton_kernels' Hopper layout (an engine on sm_90 with triton_kernels installed converts them
+at build: `Experts.relayout`) go through its `matmul_ogs` instead (kernels/experts_ogs_triton.py), both sets; where
+that cannot run, the reference backends read that layout.
+
 Tile configurations (BM, BN, BK, warps, stages) come from the shapes only: `DECODE` while the rows average <= 4 per
 expert, else `PREFILL`; `triton_invariant` uses `INVARIANT` whatever the rows, so a row's result never depends on
 what shares its batch. Everything else (fp32 / float64 models, CPU tensors outside Triton's interpreter, a missing
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import experts_ogs as ogs
 from .experts import FP8_ACT_BLOCK, ExpertWeights, _invariant, _reference, expert_tiles
 from .gpu import is_interpreted, sm_count
 
@@ -48,6 +53,7 @@ try:
 except ImportError:       # CPU machines without Triton: the reference backend serves these sets
     triton = None
 else:
+    from . import experts_ogs_triton as ogs_triton
     from .quant_triton import e2m1_over_2p14, quant_tile, to_e4m3
 
 
@@ -91,7 +97,7 @@ def supported(x: torch.Tensor, ew: ExpertWeights) -> bool:
         return False
     if ew.fmt == "dense" and ew.w1.dtype != ew.dtype:
         return False
-    if ew.fmt == "fp4" and (ew.dim % 32 or ew.inter % 32):
+    if ew.fmt == "fp4" and (ew.dim % 32 or ew.inter % 32 or ew.layout != ogs.ROWS):
         return False
     return True
 
@@ -327,6 +333,8 @@ def choose_tiles(m: int, ew: ExpertWeights) -> Tiles:
 
 def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
+    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.runs_on(x.device):
+        return ogs_triton.run(x, offsets, route_weights, weights, invariant=False)
     if x.shape[0] == 0 or not supported(x, weights):
         return _reference(x, expert_ids, offsets, route_weights, weights)
     return run(x, offsets, route_weights, weights, choose_tiles(x.shape[0], weights))
@@ -334,6 +342,8 @@ def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
 
 def _triton_invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
+    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.runs_on(x.device):
+        return ogs_triton.run(x, offsets, route_weights, weights, invariant=True)
     if x.shape[0] == 0 or not supported(x, weights):
         return _invariant(x, expert_ids, offsets, route_weights, weights)
     return run(x, offsets, route_weights, weights, invariant_tiles(weights))

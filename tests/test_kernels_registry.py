@@ -21,7 +21,8 @@ from deepinfer.kernels.table import BACKEND_SETS, KernelTable
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
-SHARED = {"__init__", "registry", "table", "gpu", "tiles", "precision", "quant", "quant_triton"}   # not ops
+SHARED = {"__init__", "registry", "table", "gpu", "tiles", "precision", "quant", "quant_triton",   # not ops
+          "experts_ogs", "experts_ogs_triton"}        # grouped_experts' matmul_ogs path (its Triton set)
 
 LAZY_CHECK = """
 import sys

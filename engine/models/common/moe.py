@@ -20,7 +20,8 @@ from ...errors import DeepInferError
 from ...parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
-__all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "moe_layers", "set_expert_act_quant", "swiglu",
+__all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "moe_layers", "set_expert_act_quant", "set_expert_layout",
+           "set_expert_numerics", "swiglu",
            "expert_parallel_layers", "use_expert_parallel"]
 
 class Gate(nn.Module):
@@ -86,13 +87,31 @@ class Experts(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(n_experts, r, c, dtype=dtype), requires_grad=False))
         self.quantized: dict = {}   # "w1"|"w2"|"w3" -> list of per-expert QuantizedWeight
         self.act_fp8 = False        # W4A8 / W8A8: GEMM activations FP8 per 1x128 (LLM(expert_act_quant=True))
+        self.layout = "rows"        # how the FP4 bytes sit in their buffers (kernels/experts.py ExpertWeights)
 
     def stacked(self) -> ExpertWeights:
         """The op's view of these weights (no copy)."""
         if self.storage == "fp4":
             return ExpertWeights(self.w1_fp4, self.w2_fp4, self.w3_fp4, self.dtype, self.limit,
-                                 scales=(self.w1_scale, self.w2_scale, self.w3_scale), act_fp8=self.act_fp8)
+                                 scales=(self.w1_scale, self.w2_scale, self.w3_scale), act_fp8=self.act_fp8,
+                                 layout=self.layout)
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
+
+    def relayout(self, layout: str) -> None:
+        """Hold the FP4 bytes in `layout` (kernels/experts.py weight_layout), rearranged in place in the same
+        buffers (no second copy); weights that cannot take the Hopper layout (W4A8, unaligned widths) go back to
+        or stay in rows. Dense stacks have one layout."""
+        if self.storage != "fp4" or layout == self.layout == "rows":
+            return
+        from deepinfer.kernels import experts_ogs as ogs
+        if layout == ogs.HOPPER and not ogs.fits(self.stacked()):
+            layout = ogs.ROWS
+        if layout == self.layout:
+            return
+        convert = ogs.to_hopper if layout == ogs.HOPPER else ogs.to_rows
+        for name in self.SHAPES:
+            convert(getattr(self, f"{name}_fp4"), getattr(self, f"{name}_scale"))
+        self.layout = layout
 
     def stack(self) -> dict[str, torch.Tensor]:
         """The stacked tensors by attribute name, one slice per held expert along dim 0 (weights, FP4 scales)."""
@@ -169,6 +188,21 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """Every MoE of `model` (draft layers included), by module name."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def set_expert_numerics(model: nn.Module, act_quant: bool, layout: str) -> None:
+    """An engine's choices for `model`'s routed experts, made at build (a passed-in model is reused, so both are
+    set either way): W4A8 on or off (set_expert_act_quant), then the FP4 layout its kernel set reads
+    (set_expert_layout; W4A8 keeps rows)."""
+    set_expert_act_quant(model, act_quant)
+    set_expert_layout(model, layout)
+
+
+def set_expert_layout(model: nn.Module, layout: str) -> None:
+    """Every FP4 routed-expert stack of `model` in `layout` where its weights can take it (Experts.relayout)."""
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.relayout(layout)
 
 
 def set_expert_act_quant(model: nn.Module, on: bool) -> None:
