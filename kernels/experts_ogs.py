@@ -110,8 +110,12 @@ def to_rows(w: torch.Tensor, s: torch.Tensor) -> None:
 
 
 def hopper_copy(ew: ExpertWeights) -> ExpertWeights:
-    """A copy of FP4 weights held in rows, in the Hopper layout (benchmarks and tests; an engine converts in place)."""
-    ws, ss = [w.clone() for w in (ew.w1, ew.w2, ew.w3)], [s.clone() for s in ew.scales]
+    """A copy of FP4 weights held in rows, in the Hopper layout, w1 and w3 joined as an engine holds them
+    (benchmarks and tests; an engine converts its own buffers: Experts.relayout)."""
+    i = ew.inter
+    w13, s13 = torch.cat([ew.w1, ew.w3], dim=1), torch.cat([ew.scales[0], ew.scales[2]], dim=1)
+    ws = [w13[:, :i], ew.w2.clone(), w13[:, i:]]
+    ss = [s13[:, :i], ew.scales[1].clone(), s13[:, i:]]
     for w, s in zip(ws, ss):
         to_hopper(w, s)
     return dataclasses.replace(ew, w1=ws[0], w2=ws[1], w3=ws[2], scales=tuple(ss), layout=HOPPER)
@@ -127,5 +131,18 @@ def rows_of(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return wr.contiguous(), sr.contiguous()
 
 
-__all__ = ["HOPPER", "ROWS", "fits", "hopper_copy", "installed", "rows_of", "runs_on", "to_hopper",
-           "to_rows"]
+def halves(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b [E, I, ...] is the second half, along dim 1, of the buffer whose first half is a. The Hopper
+    layouts group columns in blocks of 64 (values) and 128 (scales), outermost within an expert, so for I a
+    multiple of 128 the halves of the joint layout are the layouts of each half (tests/test_experts_ogs.py)."""
+    return (a.shape == b.shape and a.stride() == b.stride() and a.stride(0) == 2 * a.shape[1] * a.stride(1)
+            and b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size())
+
+
+def whole(a: torch.Tensor) -> torch.Tensor:
+    """The [E, 2I, ...] buffer whose first half is a."""
+    return a.as_strided((a.shape[0], 2 * a.shape[1], *a.shape[2:]), a.stride())
+
+
+__all__ = ["HOPPER", "ROWS", "fits", "halves", "hopper_copy", "installed", "rows_of", "runs_on", "to_hopper",
+           "to_rows", "whole"]

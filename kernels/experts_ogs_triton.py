@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .experts import ExpertWeights
-from .experts_ogs import INVARIANT_TOKENS_PER_EXPERT, layouts, swizzled_views
+from .experts_ogs import INVARIANT_TOKENS_PER_EXPERT, halves, layouts, swizzled_views, whole
 from .gpu import pow2
 
 try:
@@ -38,19 +38,28 @@ def run(x: torch.Tensor, offsets: torch.Tensor, route_weights: torch.Tensor, ew:
     meta = make_ragged_tensor_metadata(counts, m)
     routing = RoutingData(None, meta.slice_sizes, ew.n_experts, 1, meta,
                           expected_tokens_per_expt=INVARIANT_TOKENS_PER_EXPERT if invariant else None)
-    (w1, s1), (w2, s2), (w3, s3) = (_weights(w, s) for w, s in zip((ew.w1, ew.w2, ew.w3), ew.scales))
     x = x.contiguous()
-    gate = matmul_ogs(x, w1, None, routing, precision_config=PrecisionConfig(weight_scale=s1, out_dtype=ew.dtype))
-    up = matmul_ogs(x, w3, None, routing, precision_config=PrecisionConfig(weight_scale=s3, out_dtype=ew.dtype))
+    (s1, s2, s3), i = ew.scales, ew.inter
+    if halves(ew.w1, ew.w3) and halves(s1, s3):      # one GEMM over [W1; W3] (Experts.relayout joins them)
+        w13, s13 = _weights(whole(ew.w1), whole(s1))
+        gate_up = matmul_ogs(x, w13, None, routing,
+                             precision_config=PrecisionConfig(weight_scale=s13, out_dtype=ew.dtype))
+        gate, up = gate_up[:, :i], gate_up[:, i:]
+    else:
+        (w1, s1), (w3, s3) = _weights(ew.w1, s1), _weights(ew.w3, s3)
+        gate = matmul_ogs(x, w1, None, routing, precision_config=PrecisionConfig(weight_scale=s1, out_dtype=ew.dtype))
+        up = matmul_ogs(x, w3, None, routing, precision_config=PrecisionConfig(weight_scale=s3, out_dtype=ew.dtype))
+    w2, s2 = _weights(ew.w2, s2)
     h = gated_activation(gate, up, route_weights, ew.limit)
     return matmul_ogs(h, w2, None, routing, precision_config=PrecisionConfig(weight_scale=s2, out_dtype=torch.float32))
+
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, r: torch.Tensor, limit: float) -> torch.Tensor:
     """h = r * swiglu(gate, up, limit) in fp32, rounded to gate's dtype: gate, up [M, I], r [M] -> [M, I]
     (kernels/experts.py swiglu: gate clamped above at limit, up to +-limit; limit <= 0: no clamp)."""
     m, n = gate.shape
-    h = torch.empty_like(gate)
+    h = torch.empty(m, n, dtype=gate.dtype, device=gate.device)
     if m == 0:
         return h
     block = min(1024, pow2(n))

@@ -50,6 +50,21 @@ def test_hopper_bytes_are_triton_kernels_layout():
     assert torch.equal(wv, value.storage.data) and torch.equal(sv, scale.storage.data)
 
 
+def test_joined_halves_hold_each_halfs_layout():
+    """[W1; W3] laid out as one [E, 2I, K/2] weight holds, in its halves, the layouts of W1 and W3 alone (the
+    swizzles keep column blocks outermost), so one GEMM reads both and each half reads as itself."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randint(0, 256, (3, 2 * INTER, DIM // 2), generator=gen, dtype=torch.uint8)
+    s = torch.randint(100, 140, (3, 2 * INTER, DIM // 32), generator=gen, dtype=torch.uint8)
+    joint_w, joint_s = w.clone(), s.clone()
+    ogs.to_hopper(joint_w, joint_s)
+    for half in (slice(0, INTER), slice(INTER, 2 * INTER)):
+        ogs.to_hopper(w[:, half], s[:, half])
+    assert torch.equal(w, joint_w) and torch.equal(s, joint_s)
+    assert ogs.halves(w[:, :INTER], w[:, INTER:]) and not ogs.halves(w[:, INTER:], w[:, :INTER])
+    assert torch.equal(ogs.whole(w[:, :INTER]), w)
+
+
 def test_reference_reads_either_layout_to_the_same_bits():
     gen = torch.Generator().manual_seed(2)
     ew = random_weights(7, DIM, INTER, torch.bfloat16, "fp4", gen)
@@ -85,11 +100,12 @@ def test_experts_relayout():
     for t in ex.stack().values():
         t.copy_(torch.randint(118, 122, t.shape, generator=gen, dtype=torch.uint8))
     before = {n: t.clone() for n, t in ex.stack().items()}
-    ptrs = {n: t.data_ptr() for n, t in ex.stack().items()}
+    ptrs = {n: ex.stack()[n].data_ptr() for n in ("w2_fp4", "w2_scale")}
     x, ids, offs, r = routed_rows(30, 4, DIM, torch.bfloat16, gen)
     want = grouped_experts(x, ids, offs, r, ex.stacked())
     ex.relayout(ogs.HOPPER)
-    assert ex.layout == ogs.HOPPER and {n: t.data_ptr() for n, t in ex.stack().items()} == ptrs
+    assert ex.layout == ogs.HOPPER and {n: ex.stack()[n].data_ptr() for n in ptrs} == ptrs   # w2 in place
+    assert ogs.halves(ex.w1_fp4, ex.w3_fp4) and ogs.halves(ex.w1_scale, ex.w3_scale)      # w1 | w3: one buffer
     assert torch.equal(grouped_experts(x, ids, offs, r, ex.stacked()), want)
     ex.act_fp8 = True
     ex.relayout(ogs.HOPPER)                  # W4A8 runs our kernel, which reads rows

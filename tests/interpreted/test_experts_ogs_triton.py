@@ -20,4 +20,6 @@ def test_gated_activation_equals_swiglu_times_r(m, n, limit):
     want = swiglu(gate, up, limit) * r.unsqueeze(-1)
     got = gated_activation(gate, up, r, limit)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    gate_up = torch.cat([gate, up], dim=1)                 # the joined GEMM's output: halves as strided views
+    assert torch.equal(gated_activation(gate_up[:, :n], gate_up[:, n:], r, limit), got)
     assert gated_activation(gate[:0], up[:0], r[:0], limit).shape == (0, n)

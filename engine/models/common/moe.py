@@ -97,6 +97,19 @@ class Experts(nn.Module):
                                  layout=self.layout)
         return ExpertWeights(self.w1, self.w2, self.w3, self.dtype, self.limit)
 
+    def _join_gate_up(self) -> None:
+        """w1 and w3 (bytes and scales) as the two halves of one [E, 2I, ...] buffer each, so one GEMM of 2I columns
+        reads both (kernels/experts_ogs_triton.py); a layer at a time, so the old pair is freed before the next."""
+        from deepinfer.kernels.experts_ogs import halves
+        for kind in ("fp4", "scale"):
+            w1, w3 = getattr(self, f"w1_{kind}"), getattr(self, f"w3_{kind}")
+            if halves(w1, w3):
+                continue
+            joint = torch.cat([w1, w3], dim=1)
+            inter = w1.shape[1]
+            setattr(self, f"w1_{kind}", joint[:, :inter])
+            setattr(self, f"w3_{kind}", joint[:, inter:])
+
     def relayout(self, layout: str) -> None:
         """Hold the FP4 bytes in `layout` (kernels/experts.py weight_layout), rearranged in place in the same
         buffers (no second copy); weights that cannot take the Hopper layout (W4A8, unaligned widths) go back to
@@ -108,6 +121,8 @@ class Experts(nn.Module):
             layout = ogs.ROWS
         if layout == self.layout:
             return
+        if layout == ogs.HOPPER:
+            self._join_gate_up()
         convert = ogs.to_hopper if layout == ogs.HOPPER else ogs.to_rows
         for name in self.SHAPES:
             convert(getattr(self, f"{name}_fp4"), getattr(self, f"{name}_scale"))
