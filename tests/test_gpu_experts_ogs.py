@@ -1,9 +1,10 @@
 """FP4 experts through triton_kernels' matmul_ogs (kernels/experts_ogs_triton.py) on an sm_90 GPU (`-m gpu`): both
 Triton sets on Hopper-layout weights against the reference backend on the same weights in rows, at released
-widths (V4 and V4.1) and E 32 / 384, the edge cases (one row, all rows on one expert, experts with no rows), CUDA
-graph capture with new routing, the invariant set's row independence, and a whole bf16 V4.1 model (FP4 experts at
+widths (V4 and V4.1) and E 32 / 384, the edge cases (one row, all rows on one expert, experts with no rows), and a
+whole bf16 V4.1 model (FP4 experts at
 widths the layout takes) whose triton table, with the experts converted by the engine's rule, is no worse against
-the fp32 forward than the reference table. Skipped without sm_90 or triton_kernels (an optional dependency)."""
+the fp32 forward than the reference table. CUDA-graph capture and the invariant set's row independence run in
+tests/test_kernels_experts_triton.py for both layouts. Skipped without sm_90 or triton_kernels (optional)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ pytest.importorskip("triton_kernels")
 from deepinfer.harness.kernel_bench import random_expert_weights, routed_batch   # noqa: E402
 from deepinfer.kernels import experts_ogs as ogs                                # noqa: E402
 from deepinfer.kernels import experts_ogs_triton as ogs_triton                  # noqa: E402
-from deepinfer.kernels.experts import ExpertWeights, grouped_experts, weight_layout   # noqa: E402
+from deepinfer.kernels.experts import grouped_experts, weight_layout                  # noqa: E402
 from deepinfer.kernels.table import use                                         # noqa: E402
+from tests.test_kernels_experts_triton import edge_batches                       # noqa: E402
 
 if not ogs.runs_on("cuda"):
     pytest.skip("matmul_ogs's Hopper layouts need an sm_90 device", allow_module_level=True)
@@ -59,50 +61,11 @@ def test_edge_rows():
     gen = torch.Generator(device="cuda").manual_seed(3)
     ew = random_expert_weights("fp4", 16, 4096, 2048, False, "cuda", gen)
     hw = ogs.hopper_copy(ew)
-    for experts, m in (([7], 1), ([7], 300), ([0, 15], 65), ([15], 2)):   # most experts get no rows
-        ids = torch.tensor(experts, device="cuda")[torch.randint(0, len(experts), (m,), device="cuda",
-                                                                 generator=gen)].sort().values
-        offs = torch.searchsorted(ids, torch.arange(17, device="cuda"))
-        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-        r = torch.rand(m, device="cuda", generator=gen)
+    for x, ids, offs, r in edge_batches(gen):
         with use("reference"):
             want = grouped_experts(x, ids, offs, r, ew)
         for invariant in (False, True):
-            assert rel(ogs_triton.run(x, offs, r, hw, invariant), want) <= BOUND, (experts, m, invariant)
-
-
-def test_graph_capture():
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    hw = ogs.hopper_copy(random_expert_weights("fp4", 64, 4096, 2048, False, "cuda", gen))
-    x, ids, offs, r, _ = routed_batch(8, 64, 4096, 6, "cuda", gen)
-    with use("triton"):
-        grouped_experts(x, ids, offs, r, hw)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = grouped_experts(x, ids, offs, r, hw)
-        x2, ids2, offs2, r2, _ = routed_batch(8, 64, 4096, 6, "cuda", gen)    # new rows and routing, same shapes
-        for dst, src in ((x, x2), (ids, ids2), (offs, offs2), (r, r2)):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, grouped_experts(x2, ids2, offs2, r2, hw))
-
-
-def test_invariant_rows_do_not_depend_on_the_batch():
-    """A row's bits from triton_invariant (BM pinned to 16) are the same alone and inside 500 rows, whose
-    default-set flags would pick another BM."""
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    hw = ogs.hopper_copy(random_expert_weights("fp4", 32, 4096, 2048, False, "cuda", gen))
-    x, ids, offs, r, _ = routed_batch(500, 32, 4096, 6, "cuda", gen)
-    with use("triton_invariant"):
-        full = grouped_experts(x, ids, offs, r, hw)
-        for j in (0, 137, x.shape[0] - 1):
-            e = int(ids[j])
-            one = torch.zeros(33, dtype=torch.long, device="cuda")
-            one[e + 1:] = 1
-            alone = grouped_experts(x[j:j + 1], ids[j:j + 1], one, r[j:j + 1], hw)
-            assert torch.equal(alone[0], full[j])
+            assert rel(ogs_triton.run(x, offs, r, hw, invariant), want) <= BOUND, (x.shape[0], invariant)
 
 
 def test_bf16_model_with_ogs_experts_no_worse_than_reference():
@@ -112,7 +75,7 @@ def test_bf16_model_with_ogs_experts_no_worse_than_reference():
     from deepinfer.models import build_model
     from deepinfer.models.common.moe import Experts, set_expert_layout
     from tests.helpers_v41 import tiny_v41_config, tiny_v41_tokenizer
-    from tests.test_gpu_triton_model import _run
+    from tests.test_gpu_triton_model import _run, assert_no_worse
 
     cfg = dataclasses.replace(tiny_v41_config(), hidden_size=256, moe_intermediate_size=256)
 
@@ -127,11 +90,4 @@ def test_bf16_model_with_ogs_experts_no_worse_than_reference():
     ref = _run(m, "reference")
     set_expert_layout(m, weight_layout("triton", "cuda"))
     assert {x.layout for x in m.modules() if isinstance(x, Experts)} == {ogs.HOPPER}
-    got = _run(m, "triton")
-    scale = truth.abs().max()
-    err_ref, err_got = float((ref - truth).abs().max() / scale), float((got - truth).abs().max() / scale)
-    mean_ref, mean_got = float((ref - truth).abs().mean() / scale), float((got - truth).abs().mean() / scale)
-    print(f"\n[matmul_ogs experts bf16] max err vs fp32 {err_got:.4f} (reference table {err_ref:.4f}), "
-          f"mean {mean_got:.5f} ({mean_ref:.5f})")
-    assert err_got <= 1.5 * err_ref + 0.02
-    assert mean_got <= 1.5 * mean_ref + 1e-3
+    assert_no_worse(truth, ref, _run(m, "triton"), "matmul_ogs experts bf16")

@@ -1,7 +1,8 @@
 """kernels/experts_triton.py on the GPU (`-m gpu`): the compiled Triton kernels against the reference backend's
 same recipe at released expert widths (bf16 compute; FP4, FP8 and bf16 weights; A16 and A8), the edge cases
 (no rows, one row, all rows on one expert), CUDA-graph capture (no host sync), and the invariant configuration's
-row independence. CPU CI runs the same kernels in Triton's interpreter (tests/interpreted/)."""
+row independence, the last two also for matmul_ogs on Hopper-layout weights (tests/test_gpu_experts_ogs.py has the
+rest of that path). CPU CI runs the same kernels in Triton's interpreter (tests/interpreted/)."""
 
 from __future__ import annotations
 
@@ -46,16 +47,22 @@ def test_kernels_equal_reference(shape, storage, num, tokens):
         assert rel(got, want) <= BOUND[num], (backend, rel(got, want))
 
 
+def edge_batches(gen, n_experts: int = 16, dim: int = 4096):
+    """(x, ids, offsets, r) for one row, all rows on one expert, two experts, two rows on the last expert (most
+    experts get no rows)."""
+    for experts, m in (([7], 1), ([7], 300), ([0, 15], 65), ([15], 2)):
+        ids = torch.tensor(experts, device="cuda")[torch.randint(0, len(experts), (m,), device="cuda",
+                                                                 generator=gen)].sort().values
+        offs = torch.searchsorted(ids, torch.arange(n_experts + 1, device="cuda"))
+        x = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        yield x, ids, offs, torch.rand(m, device="cuda", generator=gen)
+
+
 @pytest.mark.parametrize("storage", ["fp4", "fp8"])
 def test_edge_rows(storage):
     gen = torch.Generator(device="cuda").manual_seed(3)
     ew = random_expert_weights(storage, 16, 4096, 2048, True, "cuda", gen)
-    for experts, m in (([7], 1), ([7], 300), ([0, 15], 65)):      # one row; all rows on one expert; two experts
-        ids = torch.tensor(experts, device="cuda")[torch.randint(0, len(experts), (m,), device="cuda",
-                                                                 generator=gen)].sort().values
-        offs = torch.searchsorted(ids, torch.arange(17, device="cuda"))
-        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-        r = torch.rand(m, device="cuda", generator=gen)
+    for x, ids, offs, r in edge_batches(gen):
         with use("reference"):
             want = grouped_experts(x, ids, offs, r, ew)
         for tiles in (kt.DECODE, kt.PREFILL, kt.INVARIANT, kt.INVARIANT_FP4):
@@ -74,9 +81,20 @@ def test_fp4_byte_table_decode(tokens):
         assert rel(kt.run(x, offs, r, ew, dataclasses.replace(tiles, lut_fp4=True)), want) <= BOUND["a16"]
 
 
-def test_graph_capture():
+def _laid_out(ew, layout: str):
+    """ew as built (rows) or a Hopper-layout copy (matmul_ogs runs it; skipped where it cannot)."""
+    if layout == "rows":
+        return ew
+    from deepinfer.kernels import experts_ogs as ogs
+    if not ogs.runs_on("cuda"):
+        pytest.skip("matmul_ogs needs sm_90 and triton_kernels")
+    return ogs.hopper_copy(ew)
+
+
+@pytest.mark.parametrize("layout", ["rows", "hopper_mx"])
+def test_graph_capture(layout):
     gen = torch.Generator(device="cuda").manual_seed(4)
-    ew = random_expert_weights("fp4", 64, 4096, 2048, False, "cuda", gen)
+    ew = _laid_out(random_expert_weights("fp4", 64, 4096, 2048, False, "cuda", gen), layout)
     x, ids, offs, r, _ = routed_batch(8, 64, 4096, 6, "cuda", gen)
     with use("triton"):
         grouped_experts(x, ids, offs, r, ew)
@@ -92,12 +110,13 @@ def test_graph_capture():
         assert torch.equal(out, grouped_experts(x2, ids2, offs2, r2, ew))
 
 
-@pytest.mark.parametrize("storage,act_fp8", [("fp4", True), ("fp4", False), ("bf16", False)])
-def test_invariant_rows_do_not_depend_on_the_batch(storage, act_fp8):
+@pytest.mark.parametrize("storage,act_fp8,layout", [("fp4", True, "rows"), ("fp4", False, "rows"),
+                                                    ("bf16", False, "rows"), ("fp4", False, "hopper_mx")])
+def test_invariant_rows_do_not_depend_on_the_batch(storage, act_fp8, layout):
     """A row's output bits from triton_invariant are the same alone and inside a batch of 500 rows (FP4: the BM 16
-    configuration, A8 and A16; bf16: BM 64)."""
+    configuration, A8 and A16; bf16: BM 64; matmul_ogs: BM pinned to 16, where the default would pick another)."""
     gen = torch.Generator(device="cuda").manual_seed(5)
-    ew = random_expert_weights(storage, 32, 4096, 2048, act_fp8, "cuda", gen)
+    ew = _laid_out(random_expert_weights(storage, 32, 4096, 2048, act_fp8, "cuda", gen), layout)
     x, ids, offs, r, _ = routed_batch(500, 32, 4096, 6, "cuda", gen)
     with use("triton_invariant"):
         full = grouped_experts(x, ids, offs, r, ew)
