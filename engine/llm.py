@@ -39,7 +39,7 @@ from .validate import (check_flag, check_model_spec, device_or_default, encode_p
 from deepinfer.kernels.experts import weight_layout
 from deepinfer.kernels.table import BACKEND_SETS, KernelTable, use
 
-from .models.common.moe import Experts, set_expert_numerics, use_expert_parallel
+from .models.common.moe import Experts, expert_layout, set_expert_numerics, use_expert_parallel
 from .parallel.balancer import EplbConfig, ExpertBalancer, eplb_config, layer_placement
 from .parallel.context_parallel import prefill_prompts
 from .parallel.expert_parallel import DISPATCHERS
@@ -411,10 +411,11 @@ class LLM:
 
     def _prefix_salt(self, kernels: KernelTable) -> bytes:
         """What a cached block's state was computed by (cache/prefix.py): the model's family, config and dtype, its
-        weights' storage, the tokenizer binding its hashed lookups read, the kernel table, the state's dtype."""
+        weights' storage and FP4 expert layout (which kernel reads them), the tokenizer binding its hashed lookups
+        read, the kernel table, the state's dtype."""
         h = hashlib.blake2b(digest_size=16)
         m = self.model
-        for part in (type(m).__name__, repr(m.cfg), str(m.dtype), self._args["expert_storage"],
+        for part in (type(m).__name__, repr(m.cfg), str(m.dtype), self._args["expert_storage"], str(expert_layout(m)),
                      self._args["projection_storage"], kernels.name, self._args["kv_cache_dtype"]):
             h.update(part.encode() + b"\0")
         hasher = getattr(m, "hasher", None)

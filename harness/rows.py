@@ -144,11 +144,10 @@ def kernel_fields(llm) -> dict:
     """The kernel backend set an engine runs, the backend each op resolved to, and how its FP4 experts are laid out
     ("rows": our kernel's; "hopper_mx": triton_kernels' matmul_ogs reads them, kernels/experts_ogs.py; None: no FP4
     experts)."""
-    from deepinfer.models.common.moe import Experts
+    from deepinfer.models.common.moe import expert_layout
     stats = llm.stats
-    layouts = sorted({m.layout for m in llm.model.modules() if isinstance(m, Experts) and m.storage == "fp4"})
     return {"kernel_backend": stats.kernel_backend, "kernel_backends": dict(stats.kernel_backends),
-            "expert_layout": ",".join(layouts) or None}
+            "expert_layout": expert_layout(llm.model)}
 
 
 def _cpu_model() -> str | None:

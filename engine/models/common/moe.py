@@ -21,7 +21,7 @@ from ...parallel.dispatch import Dispatched, LocalDispatch
 from .layers import Linear, fp32_param
 
 __all__ = ["FP4_BLOCK", "SCORE_FUNCS", "Experts", "Gate", "MoE", "SharedExpert", "moe_layers", "set_expert_act_quant", "set_expert_layout",
-           "set_expert_numerics", "swiglu",
+           "set_expert_numerics", "expert_layout", "swiglu",
            "expert_parallel_layers", "use_expert_parallel"]
 
 class Gate(nn.Module):
@@ -203,6 +203,13 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """Every MoE of `model` (draft layers included), by module name."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def expert_layout(model: nn.Module) -> str | None:
+    """How `model`'s FP4 routed experts hold their bytes (Experts.layout; comma-joined if stacks differ), None
+    without FP4 experts: which kernel reads them, for result rows and the prefix cache's salt."""
+    layouts = sorted({m.layout for m in model.modules() if isinstance(m, Experts) and m.storage == "fp4"})
+    return ",".join(layouts) or None
 
 
 def set_expert_numerics(model: nn.Module, act_quant: bool, layout: str) -> None:
