@@ -202,6 +202,9 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
             numerics = [n for n in cfg.numerics if not (storage == "bf16" and n == "a8")]
             keys = {f"experts/{model}/{storage}/{n}/t{t}/{b}" for n in numerics for t in cfg.tokens
                     for b in cfg.backends}
+            if storage == "fp4" and "a16" in numerics and _ogs_runs(device):    # matmul_ogs rows too
+                keys |= {f"experts/{model}/fp4/a16/t{t}/{b}/hopper_mx" for t in cfg.tokens
+                         for b in cfg.backends if b.startswith("triton")}
             if keys <= done:
                 continue
             gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -252,6 +255,14 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                 torch.cuda.empty_cache()
 
 
+def _ogs_runs(device) -> bool:
+    """Whether triton_kernels' matmul_ogs can run FP4 experts on this device (sm_90, installed)."""
+    if not str(device).startswith("cuda"):
+        return False
+    from deepinfer.kernels import experts_ogs as ogs
+    return ogs.runs_on(device)
+
+
 def _expert_variants(backends, ew, device):
     """(backend, weight layout, weights) to time: every backend on the weights as built, then for W4A16 FP4 on an
     sm_90 device with triton_kernels the Triton sets again on a Hopper-layout copy (matmul_ogs, what an engine
@@ -259,10 +270,10 @@ def _expert_variants(backends, ew, device):
     for backend in backends:
         yield backend, "rows", ew
     triton_sets = [b for b in backends if b.startswith("triton")]
-    if not triton_sets or ew.fmt != "fp4" or ew.act_fp8 or not str(device).startswith("cuda"):
+    if not triton_sets or ew.fmt != "fp4" or ew.act_fp8 or not _ogs_runs(device):
         return
     from deepinfer.kernels import experts_ogs as ogs
-    if ogs.runs_on(device) and ogs.fits(ew):
+    if ogs.fits(ew):
         hopper = ogs.hopper_copy(ew)
         for backend in triton_sets:
             yield backend, ogs.HOPPER, hopper

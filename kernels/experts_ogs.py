@@ -12,10 +12,10 @@ matmul_ogs").
 Layout (`Experts.relayout`, kernels/experts.py `weight_layout`): the same bytes, rearranged in place in the model's
 own buffers (w*_fp4 [E, N, K/2], w*_scale [E, N, K/32] keep their shapes; memory never doubles), a few experts at
 a time. `HOPPER` names that layout, `ROWS` ours. The swizzles need N a multiple of 128 (the scale swizzle of 4
-warps) and K a multiple of 64: every released V4 / V4.1 shape is; smaller test models keep ROWS.
+warps) and K a multiple of 128: every released V4 / V4.1 shape is; smaller test models keep ROWS.
 
 The MLP, per call (rows grouped by expert, as the op takes them; kernels/experts_ogs_triton.py):
-    gate = x W1^T, up = x W3^T          two `matmul_ogs` calls over the ragged row groups, bf16 out
+    gate | up = x [W1; W3]^T            one `matmul_ogs` over the ragged row groups (W1 and W3 joined), bf16 out
     h    = r * swiglu(gate, up, limit)  one small kernel here (clamp, SiLU, routing weight; rounded to bf16)
     y    = h W2^T                       `matmul_ogs`, fp32 out
 so the numerics are W4A16 with fp32 accumulation, gate and up rounded to bf16 as the reference's GEMMs output
@@ -43,7 +43,7 @@ ROWS = "rows"                 # our layout: e2m1 bytes [E, N, K/2] row-major, e8
 HOPPER = "hopper_mx"          # triton_kernels' Hopper MX value / scale layouts, in the same buffers
 SCALE_WARPS = 4               # the scale swizzle's warp count = the kernel's warps (BN = 32 x warps = 128)
 N_ALIGN = 32 * SCALE_WARPS    # output columns: the scale swizzle's row group
-K_ALIGN = 64                  # reduction: the value swizzle's tile
+K_ALIGN = 128                 # reduction: the value swizzle pads K/2 bytes to 64
 RELAYOUT_EXPERTS = 16         # experts converted at a time (bounds the temporaries to ~16 experts' bytes)
 INVARIANT_TOKENS_PER_EXPERT = 1   # pins BM to 16 for the batch-invariant set
 

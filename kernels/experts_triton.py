@@ -333,7 +333,7 @@ def choose_tiles(m: int, ew: ExpertWeights) -> Tiles:
 
 def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
-    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.runs_on(x.device):
+    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.fits(weights) and ogs.runs_on(x.device):
         return ogs_triton.run(x, offsets, route_weights, weights, invariant=False)
     if x.shape[0] == 0 or not supported(x, weights):
         return _reference(x, expert_ids, offsets, route_weights, weights)
@@ -342,7 +342,7 @@ def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
 
 def _triton_invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
-    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.runs_on(x.device):
+    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.fits(weights) and ogs.runs_on(x.device):
         return ogs_triton.run(x, offsets, route_weights, weights, invariant=True)
     if x.shape[0] == 0 or not supported(x, weights):
         return _invariant(x, expert_ids, offsets, route_weights, weights)
