@@ -79,7 +79,7 @@ class ExpertWeights:
     fp8    w* float8_e4m3fn [E, out, in], scales float32 [E, ceil(out/128), ceil(in/128)] (128x128 blocks)
 
     layout "hopper_mx" (fp4 only): the same buffers hold the bytes in triton_kernels' Hopper MX layouts (same shapes
-    and sizes, kernels/experts_ogs_triton.py); `get` reads them back per call, so every backend takes either layout.
+    and sizes, kernels/experts_ogs.py); `get` reads them back per call, so every backend takes either layout.
 
     act_fp8 selects the numerics of the GEMM inputs: False (W4A16 / W8A16 / dense): activations in `dtype`;
     True (W4A8 / W8A8, DeepSeek's inference recipe): each GEMM's activations (x, then the SwiGLU output h rounded to
@@ -93,7 +93,7 @@ class ExpertWeights:
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (w1, w2, w3) for fp4 / fp8
     act_fp8: bool = False
     layout: str = "rows"          # fp4 bytes as above ("rows") or rearranged in the same buffers for
-                                  # triton_kernels' Hopper decode ("hopper_mx", kernels/experts_ogs_triton.py)
+                                  # triton_kernels' Hopper decode ("hopper_mx", kernels/experts_ogs.py)
 
     def __post_init__(self):
         if self.layout not in ("rows", "hopper_mx") or (self.layout != "rows" and self.fmt != "fp4"):

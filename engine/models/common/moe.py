@@ -111,9 +111,10 @@ class Experts(nn.Module):
             setattr(self, f"w3_{kind}", joint[:, inter:])
 
     def relayout(self, layout: str) -> None:
-        """Hold the FP4 bytes in `layout` (kernels/experts.py weight_layout), rearranged in place in the same
-        buffers (no second copy); weights that cannot take the Hopper layout (W4A8, unaligned widths) go back to
-        or stay in rows. Dense stacks have one layout."""
+        """Hold the FP4 bytes in `layout` (kernels/experts.py weight_layout), rearranged in place (no second copy
+        of the stack; for the Hopper layout W1 and W3 are first joined into one buffer, the old pair freed);
+        weights that cannot take the Hopper layout (W4A8, unaligned widths) go back to or stay in rows. Dense
+        stacks have one layout."""
         if self.storage != "fp4" or layout == self.layout == "rows":
             return
         from deepinfer.kernels import experts_ogs as ogs
