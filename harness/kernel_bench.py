@@ -202,13 +202,14 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
             numerics = [n for n in cfg.numerics if not (storage == "bf16" and n == "a8")]
             keys = {f"experts/{model}/{storage}/{n}/t{t}/{b}" for n in numerics for t in cfg.tokens
                     for b in cfg.backends}
-            if storage == "fp4" and "a16" in numerics and _ogs_runs(device):    # matmul_ogs rows too
-                keys |= {f"experts/{model}/fp4/a16/t{t}/{b}/hopper_mx" for t in cfg.tokens
-                         for b in cfg.backends if b.startswith("triton")}
+            ogs_sets = [b for b in cfg.backends if b.startswith("triton")] \
+                if storage == "fp4" and "a16" in numerics and _ogs_runs(device) else []
+            keys |= {f"experts/{model}/fp4/a16/t{t}/{b}/hopper_mx" for t in cfg.tokens for b in ogs_sets}
             if keys <= done:
                 continue
             gen = torch.Generator(device=device).manual_seed(cfg.seed)
             base = random_expert_weights(storage, n_experts, dim, inter, False, device, gen)
+            hopper = _hopper_copy(base) if ogs_sets else None      # converted once, timed at every token count
             for tokens in cfg.tokens:
                 x, ids, offs, r, touched = routed_batch(tokens, n_experts, dim, top_k, device, gen)
                 a16_out = None
@@ -223,7 +224,9 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                                                  1, max(1, min(cfg.iters, 5)))
                             ref_timing = TIMING["last"]
                     times = {}
-                    for backend, layout, ew in _expert_variants(cfg.backends, ew, device):
+                    variants = [(b, "rows", ew) for b in cfg.backends] + \
+                        [(b, "hopper_mx", hopper) for b in ogs_sets if hopper is not None and num == "a16"]
+                    for backend, layout, ew in variants:
                         key = f"experts/{model}/{storage}/{num}/t{tokens}/{backend}" + \
                             ("" if layout == "rows" else f"/{layout}")
                         with use(backend):
@@ -250,7 +253,7 @@ def expert_rows(cfg: KernelConfig, ceilings: dict, done: set[str], emit, echo) -
                             emit(row)
                         echo(f"  {key}: {ms:.3f} ms, {row['bandwidth_share']:.0%} of copy BW, "
                              f"{(row['peak_share'] or 0):.0%} of peak, err {row['err_vs_reference']}")
-            del base
+            del base, hopper
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
 
@@ -263,20 +266,11 @@ def _ogs_runs(device) -> bool:
     return ogs.runs_on(device)
 
 
-def _expert_variants(backends, ew, device):
-    """(backend, weight layout, weights) to time: every backend on the weights as built, then for W4A16 FP4 on an
-    sm_90 device with triton_kernels the Triton sets again on a Hopper-layout copy (matmul_ogs, what an engine
-    there runs; its rows carry `over_rows`, its time over ours on the same inputs)."""
-    for backend in backends:
-        yield backend, "rows", ew
-    triton_sets = [b for b in backends if b.startswith("triton")]
-    if not triton_sets or ew.fmt != "fp4" or ew.act_fp8 or not _ogs_runs(device):
-        return
+def _hopper_copy(ew):
+    """ew in the Hopper layout matmul_ogs reads (what an engine on sm_90 runs; its rows carry `over_rows`, its time
+    over ours on the same inputs), None where the weights cannot take it."""
     from deepinfer.kernels import experts_ogs as ogs
-    if ogs.fits(ew):
-        hopper = ogs.hopper_copy(ew)
-        for backend in triton_sets:
-            yield backend, ogs.HOPPER, hopper
+    return ogs.hopper_copy(ew) if ogs.fits(ew) else None
 
 
 def _against(ms: float, backend: str, times: dict, out, ref_ms: float | None, ref_out) -> dict:

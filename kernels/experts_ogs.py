@@ -31,6 +31,7 @@ not depend on what shares its batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from typing import TYPE_CHECKING
 
@@ -54,8 +55,13 @@ def installed() -> bool:
 
 
 def runs_on(device) -> bool:
-    """Whether this path can run on `device`: CUDA sm_90 (its Hopper layouts), Triton and triton_kernels present."""
-    device = torch.device(device)
+    """Whether this path can run on `device`: CUDA sm_90 (its Hopper layouts), Triton and triton_kernels present.
+    Asked by the op on every call, so answered once per device."""
+    return _runs_on(torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_on(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available() or not installed():
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
@@ -112,10 +118,8 @@ def to_rows(w: torch.Tensor, s: torch.Tensor) -> None:
 def hopper_copy(ew: ExpertWeights) -> ExpertWeights:
     """A copy of FP4 weights held in rows, in the Hopper layout, w1 and w3 joined as an engine holds them
     (benchmarks and tests; an engine converts its own buffers: Experts.relayout)."""
-    i = ew.inter
-    w13, s13 = torch.cat([ew.w1, ew.w3], dim=1), torch.cat([ew.scales[0], ew.scales[2]], dim=1)
-    ws = [w13[:, :i], ew.w2.clone(), w13[:, i:]]
-    ss = [s13[:, :i], ew.scales[1].clone(), s13[:, i:]]
+    (w1, w3), (s1, s3) = join(ew.w1, ew.w3), join(ew.scales[0], ew.scales[2])
+    ws, ss = [w1, ew.w2.clone(), w3], [s1, ew.scales[1].clone(), s3]
     for w, s in zip(ws, ss):
         to_hopper(w, s)
     return dataclasses.replace(ew, w1=ws[0], w2=ws[1], w3=ws[2], scales=tuple(ss), layout=HOPPER)
@@ -139,10 +143,16 @@ def halves(a: torch.Tensor, b: torch.Tensor) -> bool:
             and b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size())
 
 
+def join(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b [E, I, ...] copied into one [E, 2I, ...] buffer: its two halves (`halves` holds for them)."""
+    joint = torch.cat([a, b], dim=1)
+    return joint[:, :a.shape[1]], joint[:, a.shape[1]:]
+
+
 def whole(a: torch.Tensor) -> torch.Tensor:
     """The [E, 2I, ...] buffer whose first half is a."""
     return a.as_strided((a.shape[0], 2 * a.shape[1], *a.shape[2:]), a.stride())
 
 
-__all__ = ["HOPPER", "ROWS", "fits", "halves", "hopper_copy", "installed", "rows_of", "runs_on", "to_hopper",
-           "to_rows", "whole"]
+__all__ = ["HOPPER", "ROWS", "fits", "halves", "hopper_copy", "installed", "join", "rows_of", "runs_on",
+           "to_hopper", "to_rows", "whole"]

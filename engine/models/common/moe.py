@@ -100,15 +100,13 @@ class Experts(nn.Module):
     def _join_gate_up(self) -> None:
         """w1 and w3 (bytes and scales) as the two halves of one [E, 2I, ...] buffer each, so one GEMM of 2I columns
         reads both (kernels/experts_ogs_triton.py); a layer at a time, so the old pair is freed before the next."""
-        from deepinfer.kernels.experts_ogs import halves
+        from deepinfer.kernels.experts_ogs import halves, join
         for kind in ("fp4", "scale"):
             w1, w3 = getattr(self, f"w1_{kind}"), getattr(self, f"w3_{kind}")
-            if halves(w1, w3):
-                continue
-            joint = torch.cat([w1, w3], dim=1)
-            inter = w1.shape[1]
-            setattr(self, f"w1_{kind}", joint[:, :inter])
-            setattr(self, f"w3_{kind}", joint[:, inter:])
+            if not halves(w1, w3):
+                w1, w3 = join(w1, w3)
+                setattr(self, f"w1_{kind}", w1)
+                setattr(self, f"w3_{kind}", w3)
 
     def relayout(self, layout: str) -> None:
         """Hold the FP4 bytes in `layout` (kernels/experts.py weight_layout), rearranged in place (no second copy
