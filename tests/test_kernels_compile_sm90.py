@@ -286,3 +286,21 @@ def test_sampling_draw_compiles_for_sm90(noise):
                "idx_ptr": "*i64", "V": "i32", "stride_x": "i32", "salt": "i64"}
     kernel = compile_sm90(ks._draw_kernel, runtime, dict(NOISE=noise, CHUNK=ks.CHUNK, BLOCK=ks.BLOCK), num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("from_parts", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_route_compiles_for_sm90(bias, from_parts):
+    """The fused route kernel (kernels/routing_triton.py: logits from the chunk parts or walked here, scores, k rounds
+    of one int64-key max each) at V4.1's router (384 experts of 5120, top 6) as _route_triton launches it: compiles,
+    fits an SM, spills bounded."""
+    from deepinfer.kernels import routing_triton as kr
+    runtime = {**{p: t for p, t in (("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("part_ptr", "*fp32"),
+                                    ("bias_ptr", "*fp32"), ("tid2eid_ptr", "*i32"), ("input_ids_ptr", "*i64"),
+                                    ("out_w_ptr", "*fp32"), ("out_ids_ptr", "*i64"))},
+               "N": "i32", "temp": "fp32", "route_scale": "fp32"}
+    consts = dict(D=5120, E=384, K=6, SCORE=0, HAS_BIAS=bias, HASH=False, NORMALIZE=True, BLOCK_N=kr.ROUTE_BLOCK_ROWS,
+                  BLOCK_D=32, E_PAD=512, K_PAD=8, CHUNKS=10, CHUNK_ITERS=16, FROM_PARTS=from_parts,
+                  PREC=kr.ROUTE_PRECISION)
+    kernel = compile_sm90(kr._route_kernel, runtime, consts, num_warps=8)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= 64

@@ -367,6 +367,25 @@ if INTERPRETER:
         assert ids.tolist() == [[3, 9, 12, 0]] * 3
         assert torch.allclose(weights, torch.full((3, 4), 2.5 / 4))
 
+    def test_interp_route_keys_order_negative_values_and_ties():
+        """The packed (value, column) keys order negative selection values below positive ones, larger magnitudes of
+        negatives lower, equal values by the lower id; without a bias the weight is read back from the key."""
+        x, w = torch.zeros(2, 32), torch.randn(16, 32)           # every logit 0: every sigmoid score 0.5
+        bias = torch.tensor([-1.0, -2.0, -1.0, 0.25, -3.0, -0.5, -0.5, -0.75, -4.0, -1.0, -2.5, -0.6, -9.0, -0.1,
+                             -0.1, -7.0])
+        kw = _route_kw("sigmoid", False, 6, False, None, None, scale=1.0)
+        weights, ids = routing_triton._route_triton_default(x, w, bias, **kw)
+        assert ids.tolist() == [[3, 13, 14, 5, 6, 11]] * 2
+        assert torch.equal(weights, torch.full((2, 6), 0.5))
+        logits = torch.randn(5, 16)
+        logits[:, 7] = logits[:, 2]                               # tied scores without a bias: the lower id first
+        xs, ws = logits, torch.eye(16)                            # x @ I^T: the logits themselves
+        kw = _route_kw("sigmoid", False, 6, False, None, None, scale=1.0)
+        weights, ids = routing_triton._route_triton_default(xs, ws, None, **kw)
+        for r in range(5):                                        # torch.topk orders ties as it likes: sort here
+            assert ids[r].tolist() == sorted(range(16), key=lambda e: (-float(torch.sigmoid(logits[r, e])), e))[:6]
+        assert torch.allclose(weights, torch.sigmoid(logits).gather(1, ids), rtol=1e-6, atol=0)  # the kernel's sigmoid
+
     def test_interp_route_through_the_tables():
         x, w, bias, tid2eid, tok = router_inputs(20, 32, 16, 2, seed=3)
         kw = _route_kw("sqrtsoftplus", True, 2, False, tid2eid, tok)
