@@ -71,22 +71,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _select_keys(sel, cols, E_PAD: tl.constexpr):
-        """fp32 values [R, C] (no -0.0) and their columns -> int64 keys ordered as (value, then the lower column):
-        the value's bits made order-preserving as a signed int32 (negatives: magnitude bits flipped) in the high
-        word, E_PAD - 1 - column in the low word. A max over the keys is then the argmax with ties to the lowest
-        column, in one reduction where a max, a min over the ties and a sum took three."""
-        bits = sel.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        return ordered.to(tl.int64) * 4294967296 + (E_PAD - 1 - cols[None, :]).to(tl.int64)
-
-    @triton.jit
-    def _key_value(key):
-        """The fp32 value a _select_keys key holds (exact: the order map is its own inverse)."""
-        ordered = (key >> 32).to(tl.int32)
-        return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _route_logits_kernel(x_ptr, w_ptr, part_ptr, N, D: tl.constexpr, E: tl.constexpr,
                              CHUNK_ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              E_PAD: tl.constexpr, E_BLOCK: tl.constexpr, PREC: tl.constexpr):
@@ -157,19 +141,16 @@ if triton is not None:
             sel = scores
             if HAS_BIAS:
                 sel = sel + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            sel = tl.where(col_ok[None, :], sel + 0.0, float("-inf"))       # + 0.0: -0.0 ties +0.0, as in compares
-            key = _select_keys(sel, cols, E_PAD)
+            sel = tl.where(col_ok[None, :], sel, float("-inf"))
             for j in tl.static_range(K):           # k rounds of argmax; ties: the lowest expert id
-                best = tl.max(key, axis=1)         # one cross-warp reduction a round finds the value and its id
-                idx = tl.minimum(E_PAD - 1 - best.to(tl.int32), E - 1)     # the low word; NaN rows: keep the id in range
+                best = tl.max(sel, axis=1)
+                idx = tl.min(tl.where(sel == best[:, None], cols[None, :], E_PAD), axis=1)
+                idx = tl.minimum(idx, E - 1)       # NaN rows match nothing: keep the id in range
                 hit = cols[None, :] == idx[:, None]
-                if HAS_BIAS:
-                    w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-                else:                              # the selection value is the score: read it back from the key
-                    w = _key_value(best)
+                w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
                 out_w = tl.where(kcols[None, :] == j, w[:, None], out_w)
                 out_ids = tl.where(kcols[None, :] == j, idx.to(tl.int64)[:, None], out_ids)
-                key = tl.where(hit, -0x7FFFFFFFFFFFFFFF - 1, key)
+                sel = tl.where(hit, float("-inf"), sel)
         if NORMALIZE:
             out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
         out_w = out_w * route_scale

@@ -292,8 +292,8 @@ def test_sampling_draw_compiles_for_sm90(noise):
 @pytest.mark.parametrize("bias", [True, False])
 def test_route_compiles_for_sm90(bias, from_parts):
     """The fused route kernel (kernels/routing_triton.py: logits from the chunk parts or walked here, scores, k rounds
-    of one int64-key max each) at V4.1's router (384 experts of 5120, top 6) as _route_triton launches it: compiles,
-    fits an SM, spills bounded."""
+    of argmax) at V4.1's router (384 experts of 5120, top 6) as _route_triton launches it: compiles, fits an SM, no
+    spills."""
     from deepinfer.kernels import routing_triton as kr
     runtime = {**{p: t for p, t in (("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("part_ptr", "*fp32"),
                                     ("bias_ptr", "*fp32"), ("tid2eid_ptr", "*i32"), ("input_ids_ptr", "*i64"),
@@ -303,4 +303,4 @@ def test_route_compiles_for_sm90(bias, from_parts):
                   BLOCK_D=32, E_PAD=512, K_PAD=8, CHUNKS=10, CHUNK_ITERS=16, FROM_PARTS=from_parts,
                   PREC=kr.ROUTE_PRECISION)
     kernel = compile_sm90(kr._route_kernel, runtime, consts, num_warps=8)
-    assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= 64
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

@@ -367,9 +367,9 @@ if INTERPRETER:
         assert ids.tolist() == [[3, 9, 12, 0]] * 3
         assert torch.allclose(weights, torch.full((3, 4), 2.5 / 4))
 
-    def test_interp_route_keys_order_negative_values_and_ties():
-        """The packed (value, column) keys order negative selection values below positive ones, larger magnitudes of
-        negatives lower, equal values by the lower id; without a bias the weight is read back from the key."""
+    def test_interp_route_orders_negative_values_and_ties():
+        """Negative biased scores below positive ones, larger magnitudes of negatives lower, equal values by the lower
+        id, and without a bias the weights are the chosen experts' scores."""
         x, w = torch.zeros(2, 32), torch.randn(16, 32)           # every logit 0: every sigmoid score 0.5
         bias = torch.tensor([-1.0, -2.0, -1.0, 0.25, -3.0, -0.5, -0.5, -0.75, -4.0, -1.0, -2.5, -0.6, -9.0, -0.1,
                              -0.1, -7.0])
