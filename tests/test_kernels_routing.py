@@ -378,10 +378,11 @@ if INTERPRETER:
         assert ids.tolist() == [[3, 13, 14, 5, 6, 11]] * 2
         assert torch.equal(weights, torch.full((2, 6), 0.5))
         logits = torch.randn(5, 16)
-        logits[:, 7] = logits[:, 2]                               # tied scores without a bias: the lower id first
+        logits[:, 7] = logits[:, 2] = 4.0                         # the top two tie without a bias: 2 before 7
         xs, ws = logits, torch.eye(16)                            # x @ I^T: the logits themselves
         kw = _route_kw("sigmoid", False, 6, False, None, None, scale=1.0)
         weights, ids = routing_triton._route_triton_default(xs, ws, None, **kw)
+        assert ids[:, :2].tolist() == [[2, 7]] * 5
         for r in range(5):                                        # torch.topk orders ties as it likes: sort here
             assert ids[r].tolist() == sorted(range(16), key=lambda e: (-float(torch.sigmoid(logits[r, e])), e))[:6]
         assert torch.allclose(weights, torch.sigmoid(logits).gather(1, ids), rtol=1e-6, atol=0)  # the kernel's sigmoid
