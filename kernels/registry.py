@@ -95,6 +95,12 @@ OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
     "rowwise": _torch_paths("rowwise", "_plain", "_tiles"),
     "gumbel_argmax": {**_torch_paths("sampling", "_reference"), **_triton_paths("sampling_triton", "_triton")},
     "softmax_pool": _torch_paths("softmax_pool", "_softmax_pool", "_softmax_pool_tiles"),
+    "ring_index": {**_torch_paths("step_index", "_ring_index"), **_triton_paths("step_index_triton", "ring_index_triton")},
+    "ring_slots": {**_torch_paths("step_index", "_ring_slots"), **_triton_paths("step_index_triton", "ring_slots_triton")},
+    "entry_slots": {**_torch_paths("step_index", "_entry_slots"),
+                    **_triton_paths("step_index_triton", "entry_slots_triton")},
+    "entry_index": {**_torch_paths("step_index", "_entry_index"),
+                    **_triton_paths("step_index_triton", "entry_index_triton")},
 }
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels import step_index
+
 from .pools import SCRATCH, StatePools
 
 
@@ -158,12 +160,8 @@ class ForwardBatch:
         return self._cached(("window", count, span, ring_rows), lambda: self._window_index(count, span, ring_rows))
 
     def _window_index(self, count: int, span: int, ring_rows: int) -> torch.Tensor:
-        pos, start, first = self.positions, self.row_start, self.row_first
-        tp = pos.unsqueeze(1) - (count - 1) + torch.arange(count, device=pos.device)          # [N, count]
-        new = ring_rows + first.unsqueeze(1) + tp - start.unsqueeze(1)
-        old = self.row_slot.unsqueeze(1) * span + tp % span
-        idx = torch.where(tp >= start.unsqueeze(1), new, old)
-        return torch.where(tp >= 0, idx, -1)
+        return step_index.ring_index(self.positions, self.row_start, self.row_first, self.row_slot, None, ring_rows,
+                                     count, span)
 
     def positions_index(self, rows: torch.Tensor | None, count: int, span: int) -> torch.Tensor:
         """For each row in `rows` [C] (None: all rows) at position p, the `count` positions p-count+1 .. p (oldest
@@ -173,21 +171,15 @@ class ForwardBatch:
                             lambda: self._positions_index(rows, count, span))
 
     def _positions_index(self, rows, count: int, span: int) -> torch.Tensor:
-        pos, start, first, seg = self.positions, self.row_start, self.row_first, self.row_seg
-        if rows is not None:
-            pos, start, first, seg = pos[rows], start[rows], first[rows], seg[rows]
-        tp = pos.unsqueeze(1) - (count - 1) + torch.arange(count, device=pos.device)          # [C, count]
-        new = self.num_segments * span + first.unsqueeze(1) + tp - start.unsqueeze(1)
-        old = seg.unsqueeze(1) * span + tp % span
-        idx = torch.where(tp >= start.unsqueeze(1), new, old)
-        return torch.where(tp >= 0, idx, -1)
+        return step_index.ring_index(self.positions, self.row_start, self.row_first, self.row_seg, rows,
+                                     self.num_segments * span, count, span)
 
     # ---- writing rings ----
     def write_ring(self, ring: torch.Tensor, new: torch.Tensor) -> None:
         """Row values new [N, w] to ring [S, span, w] at p % span, for each segment's last `span` positions."""
         span = ring.shape[1]
-        slot, at = self._cached(("ring_slot", span), lambda: (torch.where(
-            self.positions >= self.row_end - span, self.row_slot, SCRATCH), self.positions % span))
+        slot, at = self._cached(("ring_slot", span), lambda: step_index.ring_slots(
+            self.positions, self.row_end, self.row_slot, span, SCRATCH))
         ring[slot, at] = new.to(ring.dtype)
         if self.ring_marks:
             rows, seats = self._cached(("marks", span), lambda: self._mark_rows(span))
@@ -252,14 +244,13 @@ class ForwardBatch:
         store[block, at] = new.to(store.dtype)
 
     def _entry_rows(self, rows: torch.Tensor, valid: torch.Tensor, ratio: int, per_block: int):
-        """(store block, row in the block) of the entries `rows` close, and rows / valid themselves (kept alive with
-        the step's cache, so the ids in its key stay theirs): the stores of one ratio share them."""
-        pos, slot = self.positions[rows], self.row_slot[rows]
-        j = pos // ratio
-        col = (j * ratio) // self.pools.block_tokens
-        block = self.pools.block_table[slot, col.clamp(max=self.pools.max_blocks - 1)].long()
-        kept = valid & (pos >= self.pools.write_floor[slot])       # below the floor: a shared block's entry
-        return torch.where(kept, block, SCRATCH), j % per_block, rows, valid
+        """(store block, row in the block) of the entries `rows` close (invalid ones and those below their slot's
+        write floor to scratch), and rows / valid themselves (kept alive with the step's cache, so the ids in its
+        key stay theirs): the stores of one ratio share them."""
+        pools = self.pools
+        block, at = step_index.entry_slots(self.positions, self.row_slot, rows, valid, pools.block_table,
+                                           pools.write_floor, ratio, per_block, pools.block_tokens, SCRATCH)
+        return block, at, rows, valid
 
     def entry_index(self, ratio: int, per_block: int) -> torch.Tensor:
         """[N, J] rows of the flattened entry store [NB * per_block, w] of entries 0 .. J-1 of each row's
@@ -273,12 +264,8 @@ class ForwardBatch:
         return self._entry_index(ratio, per_block, rows)
 
     def _entry_index(self, ratio: int, per_block: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-        slot, pos = (self.row_slot, self.positions) if rows is None else (self.row_slot[rows], self.positions[rows])
-        table = self.pools.block_table[slot, :self.ctx_blocks].long()                    # [R, C]
-        flat = (table.unsqueeze(-1) * per_block + torch.arange(per_block, device=table.device)).flatten(1)
-        j = torch.arange(flat.shape[1], device=table.device)
-        visible = j.unsqueeze(0) < ((pos + 1) // ratio).unsqueeze(1)
-        return torch.where(visible, flat, -1)
+        return step_index.entry_index(self.positions, self.row_slot, rows, self.pools.block_table, self.ctx_blocks,
+                                      ratio, per_block)
 
 
 def _offsets(lens: list[int]) -> list[int]:
