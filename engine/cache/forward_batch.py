@@ -38,14 +38,16 @@ class ForwardBatch:
                  row_seg: torch.Tensor, row_pos: torch.Tensor, seg_first_row: torch.Tensor, seg_ends: torch.Tensor,
                  ctx_blocks: int, host: tuple[list[int], list[int], list[int]] | None,
                  last_only: list[bool] | None = None, root_rows: int | None = None, draft_rings: bool = False,
-                 row_share=None, keep_tokens: int | None = None, ring_marks=()):
+                 row_share=None, keep_tokens: int | None = None, ring_marks=(), one_row_segments: bool = False):
+        """one_row_segments: row g is segment g (a decode step): the per-row tensors are the segments' own."""
         self.pools = pools
         self.seg_slots, self.seg_starts = seg_slots, seg_starts       # [G] int64
         self.row_seg, self.positions = row_seg, row_pos               # [N] int64
-        self.row_slot = seg_slots[row_seg]                            # [N]
-        self.row_start = seg_starts[row_seg]                          # [N] a of the row's segment
-        self.row_first = seg_first_row[row_seg]                       # [N] o of the row's segment
-        self.row_end = seg_ends[row_seg]                              # [N] a + n of the row's segment
+        per_row = (lambda t: t) if one_row_segments else (lambda t: t[row_seg])
+        self.row_slot = per_row(seg_slots)                            # [N]
+        self.row_start = per_row(seg_starts)                          # [N] a of the row's segment
+        self.row_first = per_row(seg_first_row)                       # [N] o of the row's segment
+        self.row_end = per_row(seg_ends)                              # [N] a + n of the row's segment
         self.num_segments, self.num_rows = seg_slots.shape[0], row_pos.shape[0]
         self.ctx_blocks = ctx_blocks
         self.host = host                                              # (slots, starts, lens) when ragged
@@ -100,6 +102,10 @@ class ForwardBatch:
                 ctx_blocks: int, draft_rings: bool = False) -> "ForwardBatch":
         """G = len(seg_slots) segments of q rows each; seg_* are device tensors (static buffers under graphs)."""
         g = seg_slots.shape[0]
+        if q == 1:                       # decode: row g is segment g at its start (4 launches where q > 1 takes 12)
+            rows = torch.arange(g, device=seg_slots.device)
+            return cls(pools, seg_slots, seg_starts, rows, seg_starts, rows, seg_starts + 1, ctx_blocks, None,
+                       draft_rings=draft_rings, one_row_segments=True)
         rows = torch.arange(g * q, device=seg_slots.device)
         row_seg = rows // q
         first = torch.arange(g, device=seg_slots.device) * q
