@@ -458,14 +458,17 @@ def versus_cmd(model, device, dtype, batches, isl, osl, engines, seed, report_di
                    "invariant under DEEPINFER_BATCH_INVARIANT=1]")
 @click.option("--batch", type=Count(1), default=4, show_default=True, help="sequences decoding together")
 @click.option("--top", type=Count(1), default=40, show_default=True, help="source lines listed")
-def ops_cmd(model, kernel_backend, batch, top) -> None:
+@click.option("--graph", is_flag=True, help="count the decode step a CUDA graph captures (one-row segments through "
+                                            "the runner's static step) instead of the engine's eager decode steps")
+def ops_cmd(model, kernel_backend, batch, top, graph) -> None:
     """Count a decode step's torch ops on the CPU by the engine source line that issues them (harness/op_census.py):
     what the model and the cache still launch outside the kernel ops, the list to fuse from."""
-    from .op_census import build_census_engine, check_census, run_census, table
+    from .op_census import build_census_engine, check_census, run_census, run_graph_census, table
     backend = check_census(model, kernel_backend, batch)          # before the model builds
     llm = build_census_engine(model, kernel_backend, batch)
-    click.echo(f"kernel backend: {backend}")
-    for line in table(run_census(llm, batch=batch), top):
+    click.echo(f"kernel backend: {backend}" + (" (the graph-captured decode step)" if graph else ""))
+    census = run_graph_census(llm, batch=batch) if graph else run_census(llm, batch=batch)
+    for line in table(census, top):
         click.echo(line)
 
 

@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer.errors import DeepInferError
@@ -158,8 +159,45 @@ def run_census(llm, batch: int = 4, prompt_len: int = PROMPT_LEN, new_tokens: in
     return census
 
 
+def run_graph_census(llm, batch: int = 4, context: int = PROMPT_LEN) -> Census:
+    """The ops of the decode step a CUDA graph captures: `batch` one-row segments at position `context` of seeded
+    state (a StepProbe) through the runner's static step (`static_logits`, uniform segments: the forward a decode
+    graph records), counted once after a warm call. The eager census above goes through the ragged batch instead,
+    whose index arithmetic differs; on CUDA the graph's ops are what every decode step replays."""
+    import deepinfer
+    import deepinfer.kernels
+    from deepinfer.kernels.table import use
+    from deepinfer.runner.probe import StepProbe
+    census = Census()
+    recorder = _Recorder(census, Path(deepinfer.__file__).resolve().parent,
+                         Path(deepinfer.kernels.__file__).resolve().parent)
+    probe = StepProbe(llm, batch, context)
+    try:
+        runner, dev = probe.runner, llm.model.device
+        slots = torch.tensor(probe.slots, dtype=torch.long, device=dev)
+        starts = torch.full((batch,), context, dtype=torch.long, device=dev)
+        tokens = torch.arange(batch, dtype=torch.long, device=dev) + RESERVED_IDS
+
+        def step():        # every block-table column: the count does not depend on the context's width
+            runner.static_logits(slots, starts, None, 1, batch, runner.pools.max_blocks, runner.keep_draft_rings,
+                                 tokens)
+
+        with torch.inference_mode(), use(probe.kernels):
+            step()
+            recorder.on, census.steps = True, 1
+            try:
+                with recorder:
+                    step()
+            finally:
+                recorder.on = False
+    finally:
+        probe.close()
+    return census
+
+
 def table(census: Census, top: int) -> list[str]:
-    out = [f"{census.per_step:.0f} torch ops per decode step outside kernels/ ({census.steps} steps counted)",
+    counted = f"{census.steps} steps counted" if census.steps != 1 else "1 step counted"
+    out = [f"{census.per_step:.0f} torch ops per decode step outside kernels/ ({counted})",
            f"{'per step':>9}  {'op':24s} source"]
     out += [f"{c:9.1f}  {op:24s} {where}" for where, op, c in census.top(top)]
     out.append(f"{'per step':>9}  inside kernels/ ops (their reference implementations)")

@@ -9,7 +9,7 @@ from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.checkpoint.make import embedded_tiny_dir
 from deepinfer.harness.cli import cli
-from deepinfer.harness.op_census import NO_LAUNCH, run_census, table
+from deepinfer.harness.op_census import NO_LAUNCH, run_census, run_graph_census, table
 
 
 def test_census_files_every_op_by_source():
@@ -24,6 +24,19 @@ def test_census_files_every_op_by_source():
     assert census.kernel_ops["kernels/mhc.py:hc_mixes"] > 0   # the reference mHC's ops, filed under its op
     lines = table(census, 5)
     assert lines[0].endswith("(3 steps counted)") and len(lines) == 2 + 5 + 1 + 5
+
+
+def test_graph_census_counts_the_static_decode_step():
+    """--graph: the forward a decode graph captures (uniform one-row segments), not the eager ragged decode."""
+    llm = LLM(embedded_tiny_dir("deepseek_v41"), enforce_eager=True, async_scheduling=False, max_model_len=64)
+    graph = run_graph_census(llm, batch=3, context=20)
+    assert graph.steps == 1 and graph.per_step > 50
+    sources = {where for (where, _op) in graph.lines}
+    assert any("forward_batch.py" in w and w.endswith(" uniform") for w in sources)
+    assert not any(w.endswith(" ragged") for w in sources)
+    eager = {where for (where, _op) in run_census(llm, batch=3, prompt_len=12, new_tokens=3).lines}
+    assert any(w.endswith(" ragged") for w in eager)
+    assert table(graph, 3)[0].endswith("(1 step counted)")
 
 
 def test_bad_options_are_one_line():
