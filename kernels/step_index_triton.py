@@ -21,7 +21,8 @@ except ImportError:          # CPU-only installs
 
 BLOCK_ROWS = 16              # rows per ring_index program
 BLOCK = 256                  # rows per ring_slots / entry_slots program
-MAX_BLOCK_COLS = 1024        # index columns per program (ring_index's count, entry_index's J)
+RING_BLOCK_COLS = 128        # ring_index columns per program: [16, 256] int64 tiles spill on sm_90 (ptxas)
+ENTRY_BLOCK_COLS = 1024      # entry_index columns per program (one row a program: no spills at 1024)
 
 if triton is not None:
 
@@ -112,7 +113,7 @@ def ring_index_triton(pos, start, first, ring, rows, base, count, span):
     out = torch.empty((c, count), dtype=torch.long, device=pos.device)
     if c == 0 or count == 0:
         return out
-    block_t = min(pow2(count), MAX_BLOCK_COLS)
+    block_t = min(pow2(count), RING_BLOCK_COLS)
     pos, start, first, ring, rows = (_flat(t) for t in (pos, start, first, ring, rows))
     _ring_index_kernel[(triton.cdiv(c, BLOCK_ROWS), triton.cdiv(count, block_t))](
         pos, start, first, ring, pos if rows is None else rows, out, c, count, base, span,
@@ -133,7 +134,8 @@ def ring_slots_triton(pos, end, slot, span, scratch):
 
 
 def entry_slots_triton(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, block_tokens, scratch):
-    if not _runs(pos, slot, rows, valid, block_table, write_floor) or block_table.stride(1) != 1:
+    if not _runs(pos, slot, rows, valid, block_table, write_floor) or block_table.stride(1) != 1 \
+            or valid.dtype != torch.bool:                    # read as int8 bytes below
         return _entry_slots(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, block_tokens,
                             scratch)
     c = pos.shape[0] if rows is None else rows.shape[0]
@@ -156,7 +158,7 @@ def entry_index_triton(pos, slot, rows, block_table, ctx_blocks, ratio, per_bloc
     out = torch.empty((c, j), dtype=torch.long, device=pos.device)
     if c == 0 or j == 0:
         return out
-    block_j = min(pow2(j), MAX_BLOCK_COLS)
+    block_j = min(pow2(j), ENTRY_BLOCK_COLS)
     pos, slot, rows = (_flat(t) for t in (pos, slot, rows))
     _entry_index_kernel[(c, triton.cdiv(j, block_j))](
         pos, slot, pos if rows is None else rows, block_table, out, c, j, block_table.stride(0), ratio, per_block,

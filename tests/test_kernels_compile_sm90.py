@@ -308,14 +308,14 @@ def test_route_compiles_for_sm90(bias, from_parts):
 
 @pytest.mark.parametrize("has_rows", [False, True])
 def test_step_index_kernels_compile_for_sm90(has_rows):
-    """The step-index kernels (kernels/step_index_triton.py) as the functions launch them: compile, fit an SM, no
-    spills."""
+    """The step-index kernels (kernels/step_index_triton.py) at the largest column blocks the functions launch:
+    compile, fit an SM, no spills."""
     from deepinfer.kernels import step_index_triton as ks
     i64 = "*i64"
     ring = compile_sm90(ks._ring_index_kernel, {**{p: i64 for p in ("pos_ptr", "start_ptr", "first_ptr", "ring_ptr",
                                                                      "rows_ptr", "out_ptr")},
                                                 **{a: "i32" for a in ("C", "count", "base", "span")}},
-                        dict(HAS_ROWS=has_rows, BLOCK_R=ks.BLOCK_ROWS, BLOCK_T=128), num_warps=4)
+                        dict(HAS_ROWS=has_rows, BLOCK_R=ks.BLOCK_ROWS, BLOCK_T=ks.RING_BLOCK_COLS), num_warps=4)
     slots = compile_sm90(ks._entry_slots_kernel, {"pos_ptr": i64, "slot_ptr": i64, "rows_ptr": i64, "valid_ptr": "*i8",
                                                   "table_ptr": "*i32", "floor_ptr": i64, "out_block_ptr": i64,
                                                   "out_at_ptr": i64,
@@ -325,7 +325,7 @@ def test_step_index_kernels_compile_for_sm90(has_rows):
     index = compile_sm90(ks._entry_index_kernel, {"pos_ptr": i64, "slot_ptr": i64, "rows_ptr": i64, "table_ptr": "*i32",
                                                   "out_ptr": i64, **{a: "i32" for a in ("C", "J", "stride_t", "ratio",
                                                                                          "per_block")}},
-                         dict(HAS_ROWS=has_rows, BLOCK_J=ks.MAX_BLOCK_COLS), num_warps=4)
+                         dict(HAS_ROWS=has_rows, BLOCK_J=ks.ENTRY_BLOCK_COLS), num_warps=4)
     ring_slots = compile_sm90(ks._ring_slots_kernel, {"pos_ptr": i64, "end_ptr": i64, "slot_ptr": i64,
                                                       "out_slot_ptr": i64, "out_at_ptr": i64, "N": "i32", "span": "i32",
                                                       "scratch": "i32"}, dict(BLOCK=ks.BLOCK), num_warps=4)

@@ -12,6 +12,13 @@ from deepinfer.kernels import step_index as ref
 from deepinfer.kernels import step_index_triton as kt
 
 
+@pytest.fixture(autouse=True)
+def _kernels_interpreted():
+    assert kt.INTERPRETED, "triton was imported before TRITON_INTERPRET=1: the functions would run the reference"
+
+SCRATCH = -5                 # not a slot, block or table value of the cases: scratch rows are told apart
+
+
 def _layout(seed: int, segments: int, slots: int = 7):
     """Per-row pos, start (segment start a), first (segment's first row o), slot, seg, end (a + n) [N] int64."""
     g = torch.Generator().manual_seed(seed)
@@ -41,15 +48,17 @@ def test_ring_index(segments, count, span, subset):
         want = ref._ring_index(lay["pos"], lay["start"], lay["first"], ring, rows, base, count, span)
         got = kt.ring_index_triton(lay["pos"], lay["start"], lay["first"], ring, rows, base, count, span)
         assert got.dtype == torch.long and torch.equal(got, want)
-        assert (want == -1).any() or lay["pos"].min() >= count      # rows before position 0 are in the cases
+        picked = lay["pos"] if rows is None else lay["pos"][rows]
+        assert bool((want == -1).any()) == bool((picked < count - 1).any())    # -1 exactly before position 0
 
 
 @pytest.mark.parametrize("segments,span", [(1, 1), (4, 4), (9, 128), (3, 2)])
 def test_ring_slots(segments, span):
     lay = _layout(segments * 7 + span, segments)
-    want = ref._ring_slots(lay["pos"], lay["end"], lay["slot"], span, 0)
-    got = kt.ring_slots_triton(lay["pos"], lay["end"], lay["slot"], span, 0)
+    want = ref._ring_slots(lay["pos"], lay["end"], lay["slot"], span, SCRATCH)
+    got = kt.ring_slots_triton(lay["pos"], lay["end"], lay["slot"], span, SCRATCH)
     assert all(a.dtype == torch.long and torch.equal(a, b) for a, b in zip(got, want))
+    assert (want[0] == SCRATCH).any() == (lay["pos"] < lay["end"] - span).any()
 
 
 def _pools(lay, slots=7, max_blocks=6, blocks=40):
@@ -61,18 +70,21 @@ def _pools(lay, slots=7, max_blocks=6, blocks=40):
 
 
 @pytest.mark.parametrize("segments,ratio,per_block,subset", [(3, 4, 16, False), (5, 2, 32, True), (2, 1, 64, False),
-                                                             (8, 128, 1, True)])
+                                                             (8, 128, 1, True), (4, 2, 8, False)])
 def test_entry_slots(segments, ratio, per_block, subset):
     lay = _layout(segments * 13 + ratio, segments)
     table, floor = _pools(lay)
     rows = _rows(lay, subset)
     c = lay["n"] if rows is None else rows.shape[0]
     valid = torch.rand(c, generator=lay["g"]) < 0.7
-    block_tokens = ratio * per_block                      # 64-position blocks, as the pools lay them out
-    args = (lay["pos"], lay["slot"], rows, valid, table, floor, ratio, per_block, block_tokens, 0)
+    block_tokens = ratio * per_block          # as the pools lay blocks out; (4, 2, 8): 16-position blocks
+    args = (lay["pos"], lay["slot"], rows, valid, table, floor, ratio, per_block, block_tokens, SCRATCH)
     want, got = ref._entry_slots(*args), kt.entry_slots_triton(*args)
     assert all(a.dtype == torch.long and torch.equal(a, b) for a, b in zip(got, want))
-    assert (want[0] == 0).any()                           # scratch rows (invalid or below the floor) are in the case
+    assert (want[0] == SCRATCH).any() and (want[0] != SCRATCH).any()     # scratch rows and written rows
+    picked = lay["pos"] if rows is None else lay["pos"][rows]
+    if per_block == 8:                        # positions past the 6 columns' 96: the column clamp is in the case
+        assert (picked // block_tokens > table.shape[1] - 1).any()
 
 
 @pytest.mark.parametrize("segments,ratio,per_block,ctx_blocks,subset", [(3, 4, 16, 2, False), (5, 2, 32, 6, True),
