@@ -102,7 +102,7 @@ class ForwardBatch:
                 ctx_blocks: int, draft_rings: bool = False) -> "ForwardBatch":
         """G = len(seg_slots) segments of q rows each; seg_* are device tensors (static buffers under graphs)."""
         g = seg_slots.shape[0]
-        if q == 1:                       # decode: row g is segment g at its start (4 launches where q > 1 takes 12)
+        if q == 1:                       # decode: row g is segment g at its start (2 launches where q > 1 takes 12)
             rows = torch.arange(g, device=seg_slots.device)
             return cls(pools, seg_slots, seg_starts, rows, seg_starts, rows, seg_starts + 1, ctx_blocks, None,
                        draft_rings=draft_rings, one_row_segments=True)
