@@ -101,6 +101,7 @@ OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
                     **_triton_paths("step_index_triton", "entry_slots_triton")},
     "entry_index": {**_torch_paths("step_index", "_entry_index"),
                     **_triton_paths("step_index_triton", "entry_index_triton")},
+    "entry_pick": {**_torch_paths("step_index", "_entry_pick"), **_triton_paths("step_index_triton", "entry_pick_triton")},
 }
 
 

@@ -21,6 +21,9 @@ entry_slots(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, 
 entry_index(pos, slot, rows, block_table, ctx_blocks, ratio, per_block) -> [C, ctx_blocks * per_block]
     rows of the flattened entry store of entries j = 0 .. J-1 of each row's sequence: table[slot, j // per_block] *
     per_block + j % per_block, -1 where j >= (p + 1) // ratio (not yet closed at p)
+entry_pick(index, top) -> [C, k]
+    index [C, J] store rows (-1: none), top [C, k] positions into J (-1: none): index[c, top[c, i]], -1 where
+    top[c, i] is -1 (a top-k's picks as store rows)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from .registry import call
 
-__all__ = ["entry_index", "entry_slots", "ring_index", "ring_slots"]
+__all__ = ["entry_index", "entry_pick", "entry_slots", "ring_index", "ring_slots"]
 
 
 def _picked(rows, *tensors):
@@ -52,6 +55,14 @@ def entry_slots(pos, slot, rows, valid, block_table, write_floor, ratio: int, pe
 
 def entry_index(pos, slot, rows, block_table, ctx_blocks: int, ratio: int, per_block: int) -> torch.Tensor:
     return call("entry_index")(pos, slot, rows, block_table, ctx_blocks, ratio, per_block)
+
+
+def entry_pick(index, top) -> torch.Tensor:
+    return call("entry_pick")(index, top)
+
+
+def _entry_pick(index, top):
+    return torch.where(top >= 0, index.gather(1, top.clamp(min=0)), -1)
 
 
 def _ring_index(pos, start, first, ring, rows, base, count, span):

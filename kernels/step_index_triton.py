@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .gpu import is_interpreted, on_kernel_device, pow2
-from .step_index import _entry_index, _entry_slots, _ring_index, _ring_slots
+from .step_index import _entry_index, _entry_pick, _entry_slots, _ring_index, _ring_slots
 
 try:
     import triton
@@ -93,6 +93,17 @@ if triton is not None:
         entry = block * per_block + (j % per_block)
         tl.store(out_ptr + i * J + j, tl.where(j < (p + 1) // ratio, entry, -1), mask=j_ok)
 
+    @triton.jit
+    def _entry_pick_kernel(index_ptr, top_ptr, out_ptr, C, J, k, stride_i, stride_t, BLOCK_C: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        i = tl.arange(0, BLOCK_K)
+        ok = (c < C)[:, None] & (i < k)[None, :]
+        top = tl.load(top_ptr + c[:, None].to(tl.int64) * stride_t + i[None, :], mask=ok, other=-1)
+        picked = tl.load(index_ptr + c[:, None].to(tl.int64) * stride_i + tl.maximum(top, 0), mask=ok & (top >= 0),
+                         other=-1)
+        tl.store(out_ptr + c[:, None].to(tl.int64) * k + i[None, :], tl.where(top >= 0, picked, -1), mask=ok)
+
     INTERPRETED = is_interpreted(_ring_index_kernel)
 else:
     INTERPRETED = False
@@ -163,4 +174,22 @@ def entry_index_triton(pos, slot, rows, block_table, ctx_blocks, ratio, per_bloc
     _entry_index_kernel[(c, triton.cdiv(j, block_j))](
         pos, slot, pos if rows is None else rows, block_table, out, c, j, block_table.stride(0), ratio, per_block,
         HAS_ROWS=rows is not None, BLOCK_J=block_j, num_warps=4)
+    return out
+
+
+PICK_BLOCK_ELEMENTS = 4096   # entry_pick: rows x k per program
+
+
+def entry_pick_triton(index, top):
+    if not _runs(index, top) or index.stride(1) != 1 or top.stride(1) != 1 or index.dtype != torch.long \
+            or top.dtype != torch.long:
+        return _entry_pick(index, top)
+    c, k = top.shape
+    out = torch.empty((c, k), dtype=torch.long, device=top.device)
+    if c == 0 or k == 0:
+        return out
+    block_k = pow2(k, 1)
+    block_c = max(1, min(pow2(c, 1), PICK_BLOCK_ELEMENTS // block_k))
+    _entry_pick_kernel[(triton.cdiv(c, block_c),)](index, top, out, c, index.shape[1], k, index.stride(0),
+                                                  top.stride(0), BLOCK_C=block_c, BLOCK_K=block_k, num_warps=4)
     return out

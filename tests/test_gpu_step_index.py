@@ -1,4 +1,4 @@
-"""The step-index kernels (kernels/step_index_triton.py) on CUDA against the torch reference: the same integers on
+"""The step-index kernels (kernels/step_index_triton.py, entry_pick included) on CUDA against the torch reference: the same integers on
 random step layouts (the interpreter cases' layouts, moved to the GPU), and a CUDA graph of all four ops replayed
 on new positions, slots and tables written into its static inputs."""
 
@@ -24,8 +24,10 @@ def _case(seed, segments, subset):
     rows = torch.randperm(lay["n"], generator=lay["g"])[: max(1, lay["n"] // 2)] if subset else None
     c = lay["n"] if rows is None else rows.shape[0]
     valid = torch.rand(c, generator=lay["g"]) < 0.7
+    top = torch.stack([torch.randperm(256, generator=lay["g"])[:6] for _ in range(lay["n"])])    # picks of 4 x 64
+    top[torch.rand(top.shape, generator=lay["g"]) < 0.3] = -1
     cpu = dict(pos=lay["pos"], start=lay["start"], first=lay["first"], slot=lay["slot"], seg=lay["seg"],
-               end=lay["end"], table=table, floor=floor, rows=rows, valid=valid)
+               end=lay["end"], table=table, floor=floor, rows=rows, valid=valid, top=top)
     return {k: None if v is None else v.to(DEV) for k, v in cpu.items()}
 
 
@@ -39,6 +41,7 @@ def _all_ops(t, count=128, span=128, ratio=4, per_block=16, ctx_blocks=4):
                          ratio * per_block, -5),
         ref.entry_index(t["pos"], t["slot"], None, t["table"], ctx_blocks, ratio, per_block),
         ref.entry_index(t["pos"], t["slot"], t["rows"], t["table"], 9, 2, 300),
+        ref.entry_pick(ref.entry_index(t["pos"], t["slot"], None, t["table"], 4, 2, 64), t["top"]),
     ]
 
 

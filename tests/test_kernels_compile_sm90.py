@@ -329,5 +329,8 @@ def test_step_index_kernels_compile_for_sm90(has_rows):
     ring_slots = compile_sm90(ks._ring_slots_kernel, {"pos_ptr": i64, "end_ptr": i64, "slot_ptr": i64,
                                                       "out_slot_ptr": i64, "out_at_ptr": i64, "N": "i32", "span": "i32",
                                                       "scratch": "i32"}, dict(BLOCK=ks.BLOCK), num_warps=4)
-    for kernel in (ring, slots, index, ring_slots):
+    pick = compile_sm90(ks._entry_pick_kernel, {"index_ptr": i64, "top_ptr": i64, "out_ptr": i64,
+                                                **{a: "i32" for a in ("C", "J", "k", "stride_i", "stride_t")}},
+                        dict(BLOCK_C=512, BLOCK_K=8), num_warps=4)
+    for kernel in (ring, slots, index, ring_slots, pick):
         assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

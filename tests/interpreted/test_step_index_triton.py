@@ -98,3 +98,15 @@ def test_entry_index(segments, ratio, per_block, ctx_blocks, subset):
     want, got = ref._entry_index(*args), kt.entry_index_triton(*args)
     assert got.dtype == torch.long and torch.equal(got, want)
     assert want.shape[1] == min(ctx_blocks, table.shape[1]) * per_block      # ctx_blocks 8 > 6 columns: clamped
+
+
+@pytest.mark.parametrize("c,j,k", [(1, 512, 6), (5, 64, 8), (37, 300, 3), (200, 40, 40)])
+def test_entry_pick(c, j, k):
+    g = torch.Generator().manual_seed(c * j + k)
+    index = torch.randint(0, 10_000, (c, j), generator=g)
+    index[torch.rand(c, j, generator=g) < 0.2] = -1                    # invisible entries: -1 in the index
+    top = torch.stack([torch.randperm(j, generator=g)[:k] for _ in range(c)])
+    top[torch.rand(c, k, generator=g) < 0.3] = -1                      # fewer than k picks
+    want, got = ref._entry_pick(index, top), kt.entry_pick_triton(index, top)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert (want == -1).any() and (want >= 0).any()

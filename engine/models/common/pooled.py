@@ -7,6 +7,7 @@ import torch
 
 from deepinfer.kernels.attention import SplitStore
 from deepinfer.kernels.indexer import top_k_indices
+from deepinfer.kernels.step_index import entry_pick
 
 from ...cache.forward_batch import ForwardBatch
 
@@ -45,7 +46,7 @@ def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.
 def selected_entries(entry_index: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """entry_index [N, J] store rows of each row's candidate entries, top [N, k] positions into J (-1: none)
     -> the selected store rows [N, k] (-1: none)."""
-    return torch.where(top >= 0, entry_index.gather(1, top.clamp(min=0)), -1)
+    return entry_pick(entry_index, top)
 
 
 def top_entries(batch: ForwardBatch, ratio: int, per_block: int, rows: torch.Tensor | None, score, k: int
