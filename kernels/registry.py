@@ -89,6 +89,7 @@ OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
     "rms_norm": {**_torch_paths("norm", "_rms_norm", "_rms_norm_tiles"),
                  **_triton_paths("norm_triton", "rms_norm_triton", "rms_norm_triton_invariant")},
     "rope": {**_torch_paths("rope", "_rope"), **_triton_paths("rope_triton", "rope_triton")},
+    "rope_angles": {**_torch_paths("rope", "_rope_angles"), **_triton_paths("rope_triton", "rope_angles_triton")},
     "route": {**_torch_paths("routing", "_route_reference", "_route_tiles"),
               **_triton_paths("routing_triton", "_route_triton_default", "_route_triton_invariant")},
     "permute": {**_torch_paths("routing", "_permute_reference"), **_triton_paths("routing_triton", "_permute_triton")},

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .gpu import is_interpreted, on_kernel_device, pow2
-from .rope import _rope
+from .rope import _rope, _rope_angles
 
 try:
     import triton
@@ -59,6 +59,19 @@ if triton is not None:
         y = tl.where(rot[None, :], y.to(out_ptr.dtype.element_ty), x)
         tl.store(out_ptr + base + j[None, :], y, mask=mask)
 
+    @triton.jit
+    def _angles_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, H, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+        """cos / sin [N, H] of pos[n] (as fp32) * inv[h]: the reference's fp32 product, then cos and sin (on the
+        GPU libdevice's cosf / sinf, the functions torch's CUDA cos / sin call)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        h = tl.arange(0, BLOCK_H)
+        ok = (n < N)[:, None] & (h < H)[None, :]
+        p = tl.load(pos_ptr + n, mask=n < N, other=0).to(tl.float32)
+        angle = p[:, None] * tl.load(inv_ptr + h, mask=h < H, other=0.0)[None, :]
+        at = n[:, None].to(tl.int64) * H + h[None, :]
+        tl.store(cos_ptr + at, tl.cos(angle), mask=ok)
+        tl.store(sin_ptr + at, tl.sin(angle), mask=ok)
+
     INTERPRETED = is_interpreted(_rope_kernel)
 else:
     INTERPRETED = False
@@ -83,3 +96,21 @@ def rope_triton(x, cos, sin, inverse):
     if not supported(x, cos, sin):
         return _rope(x, cos, sin, inverse)
     return rope_kernel(x, cos, sin, inverse)
+
+
+ANGLES_BLOCK = 4096          # rope_angles: rows x columns per program
+
+
+def rope_angles_triton(positions, inv_freq):
+    if (triton is None or positions.dim() != 1 or inv_freq.dim() != 1 or inv_freq.dtype != torch.float32
+            or not on_kernel_device(INTERPRETED, positions, inv_freq)):
+        return _rope_angles(positions, inv_freq)
+    n, h = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((n, h), dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if n and h:
+        block_h = pow2(h, 1)
+        block_n = max(1, min(pow2(n, 1), ANGLES_BLOCK // block_h))
+        _angles_kernel[(triton.cdiv(n, block_n),)](positions.contiguous(), inv_freq.contiguous(), cos, sin, n, h,
+                                                   BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4)
+    return cos, sin

@@ -242,6 +242,17 @@ def test_rope_compiles_for_sm90(dtype):
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
 
 
+def test_rope_angles_compile_for_sm90():
+    """The cos / sin tables (kernels/rope_triton.py `_angles_kernel`) at 128 rows x 32 frequencies: compiles, and
+    cos / sin are the accurate functions (no cos.approx / sin.approx). Local memory stays bounded: libdevice's
+    cosf / sinf keep their large-argument reduction (Payne-Hanek) in a small local array (60 bytes here)."""
+    from deepinfer.kernels import rope_triton as krt
+    runtime = {"pos_ptr": "*i64", "inv_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "N": "i32", "H": "i32"}
+    kernel = compile_sm90(krt._angles_kernel, runtime, dict(BLOCK_N=128, BLOCK_H=32), num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) <= 64
+    assert "sin.approx" not in kernel.asm["ptx"] and "cos.approx" not in kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("values", [False, True])
 @pytest.mark.parametrize("fmt", ["v4_latent", "v41_window", "v41_entry", "index_key"])
 def test_row_quantizer_compiles_for_sm90(fmt, values):

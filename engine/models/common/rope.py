@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from deepinfer.kernels.rope import rope_angles
+
 from ...config.deepseek_v4 import YarnScaling
 
 
@@ -40,5 +42,4 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [N] int -> (cos, sin), each [N, rope_dim/2] fp32."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        return freqs.cos(), freqs.sin()
+        return rope_angles(positions, self.inv_freq)
