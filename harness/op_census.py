@@ -18,7 +18,6 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer.errors import DeepInferError
@@ -166,30 +165,19 @@ def run_graph_census(llm, batch: int = 4, context: int = PROMPT_LEN) -> Census:
     whose index arithmetic differs; on CUDA the graph's ops are what every decode step replays."""
     import deepinfer
     import deepinfer.kernels
-    from deepinfer.kernels.table import use
     from deepinfer.runner.probe import StepProbe
     census = Census()
     recorder = _Recorder(census, Path(deepinfer.__file__).resolve().parent,
                          Path(deepinfer.kernels.__file__).resolve().parent)
     probe = StepProbe(llm, batch, context)
     try:
-        runner, dev = probe.runner, llm.model.device
-        slots = torch.tensor(probe.slots, dtype=torch.long, device=dev)
-        starts = torch.full((batch,), context, dtype=torch.long, device=dev)
-        tokens = torch.arange(batch, dtype=torch.long, device=dev) + RESERVED_IDS
-
-        def step():        # every block-table column: the count does not depend on the context's width
-            runner.static_logits(slots, starts, None, 1, batch, runner.pools.max_blocks, runner.keep_draft_rings,
-                                 tokens)
-
-        with torch.inference_mode(), use(probe.kernels):
-            step()
-            recorder.on, census.steps = True, 1
-            try:
-                with recorder:
-                    step()
-            finally:
-                recorder.on = False
+        probe.run_static()                                   # first-call paths out of the count
+        recorder.on, census.steps = True, 1
+        try:
+            with recorder:
+                probe.run_static()
+        finally:
+            recorder.on = False
     finally:
         probe.close()
     return census

@@ -76,6 +76,20 @@ class StepProbe:
             # the pick the sampler runs, not torch's one-block-a-row argmax (35-38 us at 1-16 rows of 129k ids)
             return gumbel_argmax(logits, None, self._no_noise, self._no_noise)
 
+    @torch.inference_mode()
+    def run_static(self) -> torch.Tensor:
+        """One step of the forward a CUDA graph of this shape captures (the runner's static step: uniform segments of
+        query_len rows), run eagerly on any device; returns its logits. What a graph replay runs, for counting its ops
+        on the CPU (deepinfer-bench ops --graph)."""
+        dev = self.model.device
+        slots = torch.tensor(self.slots, dtype=torch.long, device=dev)
+        starts = torch.full((self.batch_size,), self.context_len, dtype=torch.long, device=dev)
+        runner = self.runner
+        with use(self.kernels):
+            return runner.static_logits(slots, starts, None, self.query_len, self.batch_size * self.query_len,
+                                        runner._context_blocks(self.context_len + self.query_len),
+                                        runner.keep_draft_rings, self.inputs.tokens)
+
     def rewind(self) -> None:
         """Give the probe's slots back the ring state they were seeded with. A step writes its positions' rows, and
         a ring of n rows holding positions p-n..p-1 loses p-n to the write of p: a token look-back ring (n rows read
