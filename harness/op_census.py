@@ -127,15 +127,21 @@ def census_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[dict]:
     return [{"prompt_token_ids": [RESERVED_IDS + (i + j) % span for j in range(prompt_len)]} for i in range(batch)]
 
 
+def _new_census() -> tuple[Census, _Recorder]:
+    """An empty census and its recorder (off until a caller switches it on), filing ops under the engine's and the
+    kernels' source roots."""
+    import deepinfer
+    import deepinfer.kernels
+    census = Census()
+    return census, _Recorder(census, Path(deepinfer.__file__).resolve().parent,
+                             Path(deepinfer.kernels.__file__).resolve().parent)
+
+
 def run_census(llm, batch: int = 4, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS) -> Census:
     """Generate `new_tokens` for `batch` prompts twice on `llm` (an eager LLM); the second run's decode steps
     (every scheduled piece one token) are counted."""
-    import deepinfer
-    import deepinfer.kernels
     from deepinfer import SamplingParams
-    census = Census()
-    recorder = _Recorder(census, Path(deepinfer.__file__).resolve().parent,
-                         Path(deepinfer.kernels.__file__).resolve().parent)
+    census, recorder = _new_census()
 
     def observe(batch) -> None:             # the engine calls it with each step's plan, before the launch
         recorder.on = bool(batch) and all(s.n == 1 for s in batch)
@@ -163,12 +169,8 @@ def run_graph_census(llm, batch: int = 4, context: int = PROMPT_LEN) -> Census:
     state (a StepProbe) through the runner's static step (`static_logits`, uniform segments: the forward a decode
     graph records), counted once after a warm call. The eager census above goes through the ragged batch instead,
     whose index arithmetic differs; on CUDA the graph's ops are what every decode step replays."""
-    import deepinfer
-    import deepinfer.kernels
     from deepinfer.runner.probe import StepProbe
-    census = Census()
-    recorder = _Recorder(census, Path(deepinfer.__file__).resolve().parent,
-                         Path(deepinfer.kernels.__file__).resolve().parent)
+    census, recorder = _new_census()
     probe = StepProbe(llm, batch, context)
     try:
         probe.run_static()                                   # first-call paths out of the count

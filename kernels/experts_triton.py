@@ -331,9 +331,14 @@ def choose_tiles(m: int, ew: ExpertWeights) -> Tiles:
     return DECODE if m <= DECODE_ROWS_PER_EXPERT * ew.n_experts else PREFILL
 
 
+def _on_ogs(x, weights: ExpertWeights) -> bool:
+    """Whether these rows go to triton_kernels' matmul_ogs: Hopper-layout weights it takes, on a device it runs on."""
+    return bool(x.shape[0]) and weights.layout == ogs.HOPPER and ogs.fits(weights) and ogs.runs_on(x.device)
+
+
 def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
-    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.fits(weights) and ogs.runs_on(x.device):
+    if _on_ogs(x, weights):
         return ogs_triton.run(x, offsets, route_weights, weights, invariant=False)
     if x.shape[0] == 0 or not supported(x, weights):
         return _reference(x, expert_ids, offsets, route_weights, weights)
@@ -342,7 +347,7 @@ def _triton(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
 
 def _triton_invariant(x, expert_ids, offsets, route_weights, weights: ExpertWeights):
     x = x.to(weights.dtype)
-    if x.shape[0] and weights.layout == ogs.HOPPER and ogs.fits(weights) and ogs.runs_on(x.device):
+    if _on_ogs(x, weights):
         return ogs_triton.run(x, offsets, route_weights, weights, invariant=True)
     if x.shape[0] == 0 or not supported(x, weights):
         return _invariant(x, expert_ids, offsets, route_weights, weights)
