@@ -71,7 +71,8 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_b - cur_a if cur_b is not None else 0.0)
 
 
-TOP_KERNELS = 25         # GPU activities listed per traced point (gpu_trace.top_kernels)
+TOP_KERNELS = 25         # GPU activities listed per traced point by time (gpu_trace.top_kernels)
+TOP_LAUNCHES = 30        # ... and by calls (gpu_trace.top_launches: where the launch count goes)
 
 
 def idle_from_trace(events: list[dict]) -> dict | None:
@@ -111,12 +112,14 @@ def gpu_idle(run, device: torch.device, steps: int) -> dict | None:
         out["idle_ms_per_step"] = (out["span_us"] - out["busy_us"]) / 1e3 / steps
         out["gpu_ops_per_step"] = out["kernels"] / steps          # kernels + memcpy / memset: the launches
         out["top_kernels"] = top_kernels(events, steps)
+        out["top_launches"] = top_kernels(events, steps, TOP_LAUNCHES, by="calls")
     return out
 
 
-def top_kernels(events: list[dict], steps: int, top: int = TOP_KERNELS) -> list[dict]:
-    """Where a step's GPU time goes: the `top` GPU activities (grouped by full name) by total time, per step, each
-    {name (cut to 120 characters), us (per step), calls (per step), share (of all GPU activity time)}."""
+def top_kernels(events: list[dict], steps: int, top: int = TOP_KERNELS, by: str = "us") -> list[dict]:
+    """Where a step's GPU time (by="us") or its launches (by="calls") go: the `top` GPU activities (grouped by full
+    name), per step, each {name (cut to 120 characters), us (per step), calls (per step), share (of all GPU activity
+    time)}; ties in calls go to the longer total time."""
     by_name: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and str(e.get("cat", "")).lower() in BUSY_CATEGORIES:
@@ -124,7 +127,8 @@ def top_kernels(events: list[dict], steps: int, top: int = TOP_KERNELS) -> list[
             acc[0] += float(e.get("dur", 0))
             acc[1] += 1
     total = sum(us for us, _ in by_name.values()) or 1.0
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    key = (lambda kv: -kv[1][0]) if by == "us" else (lambda kv: (-kv[1][1], -kv[1][0]))
+    ranked = sorted(by_name.items(), key=key)[:top]
     return [{"name": name[:120], "us": us / steps, "calls": calls / steps, "share": us / total}
             for name, (us, calls) in ranked]
 

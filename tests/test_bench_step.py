@@ -89,6 +89,10 @@ def test_top_kernels():
     assert [k["name"] for k in top] == ["gemm", "add", "Memset"]               # by total GPU time, cpu ops left out
     assert top[0] == {"name": "gemm", "us": 4.0, "calls": 1.0, "share": 0.8}
     assert top_kernels(ev, steps=1, top=1) == [{"name": "gemm", "us": 8.0, "calls": 2, "share": 0.8}]
+    ev += [{"ph": "X", "cat": "kernel", "name": "add", "ts": 20, "dur": 1} for _ in range(2)]
+    assert [k["name"] for k in top_kernels(ev, steps=1)] == ["gemm", "add", "Memset"]
+    by_calls = top_kernels(ev, steps=1, by="calls")                           # the launches: add 3, gemm 2, Memset 1
+    assert [(k["name"], k["calls"]) for k in by_calls] == [("add", 3), ("gemm", 2), ("Memset", 1)]
 
 
 def test_parse_lists():
