@@ -15,13 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from deepinfer.kernels.precision import upcast
 from deepinfer.kernels.sampling import gumbel_argmax
 
+from .id_tensors import IdTensors
+
 SALT_TARGET, SALT_DRAFT, SALT_ACCEPT, SALT_RESAMPLE, SALT_PINNED = 0, 1, 2, 3, 4
 MIN_TEMPERATURE = 0.01
+# the requests' prompt and output ids as host tensors, grown step by step (engine/sampling/id_tensors.py); the
+# engine samples from one thread, and this is the only writer
+REQUEST_IDS = IdTensors()
 
 
 @dataclass
@@ -67,11 +73,11 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
     outputs = output_ids or [[] for _ in range(b)]
     if any(p.repetition_penalty != 1 for p in params):
         t.repetition_penalty = as_t([p.repetition_penalty for p in params], torch.float32)
-        t.prompt_mask = _per_row_ids(prompt_ids or [[] for _ in range(b)], vocab, device) > 0
+        t.prompt_mask = _per_row_ids(prompt_ids or [[] for _ in range(b)], vocab, device, REQUEST_IDS) > 0
     if any(p.uses_penalties for p in params):
         t.presence_penalty = as_t([p.presence_penalty for p in params], torch.float32)
         t.frequency_penalty = as_t([p.frequency_penalty for p in params], torch.float32)
-        t.output_counts = _per_row_ids(outputs, vocab, device)
+        t.output_counts = _per_row_ids(outputs, vocab, device, REQUEST_IDS)
     lengths = num_outputs if num_outputs is not None else [len(o) for o in outputs]
     early = [i for i, p in enumerate(params) if lengths[i] < p.min_tokens]
     if early:
@@ -85,15 +91,19 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
     return t
 
 
-def _per_row_ids(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
+def _per_row_ids(rows: list[list[int]], vocab: int, device, cache: IdTensors | None = None) -> torch.Tensor:
     """[B, V] int32 counts of each row's ids (ids outside the vocabulary dropped). The ids cross to the device in one
     copy and land in one scatter-add, where a tensor and a bincount per row were 2B launches a step (512 at batch
-    256 with penalties on); integer adds, so the counts are exact whatever the order."""
+    256 with penalties on); integer adds, so the counts are exact whatever the order. cache: the lists' host
+    tensors kept from step to step (the requests' own prompt and output lists), else converted here."""
     counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=device)
     lens = [len(ids) for ids in rows]
     if not any(lens):
         return counts
-    ids = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.long)                       # host
+    if cache is not None:
+        ids = torch.from_numpy(np.concatenate([cache(r) for r in rows if r]))                    # host
+    else:
+        ids = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.long)                   # host
     flat = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens)) * vocab + ids   # row * V + id
     flat = flat[(ids >= 0) & (ids < vocab)].to(device, non_blocking=True)   # a negative id would land in the row before
     counts.view(-1).scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.int32, device=device))
