@@ -3,8 +3,9 @@ appended since, so a step's penalty inputs cost O(new tokens) in Python instead 
 
 Why: converting Python ints is the penalties' host cost. At batch 256 with 1024-token prompts and 512 outputs,
 `torch.tensor` over the step's flattened ids took 28 ms for the prompts alone on the CI CPU, every step; joining
-cached arrays takes about 1 ms (docs/results.md, "Penalty inputs' host cost"). numpy arrays, not tensors: the per-list work stays
-out of torch's dispatcher, so a step's torch ops do not grow with its rows (tests/test_sampler.py counts them).
+cached arrays takes about 1 ms (docs/results.md, "Penalty inputs' host cost"). numpy arrays, not tensors: the
+per-list work stays out of torch's dispatcher, so a step's torch ops do not grow with its rows (tests/test_sampler.py
+counts them).
 
 What it relies on: a request's prompt list is never written after the request is made and its output list only
 grows (the scheduler's ScheduledRow says so). Both are checked as far as is cheap: a list shorter than what was
