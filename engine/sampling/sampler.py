@@ -25,7 +25,7 @@ from .id_tensors import IdTensors
 
 SALT_TARGET, SALT_DRAFT, SALT_ACCEPT, SALT_RESAMPLE, SALT_PINNED = 0, 1, 2, 3, 4
 MIN_TEMPERATURE = 0.01
-# the requests' prompt and output ids as host tensors, grown step by step (engine/sampling/id_tensors.py); the
+# the requests' prompt and output ids as host int64 arrays, grown step by step (engine/sampling/id_tensors.py); the
 # engine samples from one thread, and this is the only writer
 REQUEST_IDS = IdTensors()
 
@@ -95,7 +95,7 @@ def _per_row_ids(rows: list[list[int]], vocab: int, device, cache: IdTensors | N
     """[B, V] int32 counts of each row's ids (ids outside the vocabulary dropped). The ids cross to the device in one
     copy and land in one scatter-add, where a tensor and a bincount per row were 2B launches a step (512 at batch
     256 with penalties on); integer adds, so the counts are exact whatever the order. cache: the lists' host
-    tensors kept from step to step (the requests' own prompt and output lists), else converted here."""
+    arrays kept from step to step (the requests' own prompt and output lists), else converted here."""
     counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=device)
     lens = [len(ids) for ids in rows]
     if not any(lens):
