@@ -127,6 +127,8 @@ def top_kernels(events: list[dict], steps: int, top: int = TOP_KERNELS, by: str 
             acc[0] += float(e.get("dur", 0))
             acc[1] += 1
     total = sum(us for us, _ in by_name.values()) or 1.0
+    if by not in ("us", "calls"):
+        raise ValueError(f"top_kernels ranks by 'us' or 'calls', got {by!r}")
     key = (lambda kv: -kv[1][0]) if by == "us" else (lambda kv: (-kv[1][1], -kv[1][0]))
     ranked = sorted(by_name.items(), key=key)[:top]
     return [{"name": name[:120], "us": us / steps, "calls": calls / steps, "share": us / total}

@@ -93,6 +93,8 @@ def test_top_kernels():
     assert [k["name"] for k in top_kernels(ev, steps=1)] == ["gemm", "add", "Memset"]
     by_calls = top_kernels(ev, steps=1, by="calls")                           # the launches: add 3, gemm 2, Memset 1
     assert [(k["name"], k["calls"]) for k in by_calls] == [("add", 3), ("gemm", 2), ("Memset", 1)]
+    with pytest.raises(ValueError, match="'us' or 'calls'"):
+        top_kernels(ev, steps=1, by="time")
 
 
 def test_parse_lists():
