@@ -39,12 +39,14 @@ from .attention import SplitStore, _sparse_sink_attention, _sparse_sink_attentio
 from .kv_formats import PackedStore, raw
 from .kv_formats_triton import readable, record_args
 from .gpu import is_interpreted, on_kernel_device, pow2, sm_count
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
 
     from .kv_formats_triton import load_records
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -160,7 +162,8 @@ if triton is not None:
                             SPLIT: tl.constexpr, ONE_PASS: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr,
                             F32: tl.constexpr,
                             P1: tl.constexpr, Q1: tl.constexpr, O1: tl.constexpr, B1: tl.constexpr, E1: tl.constexpr,
-                            P2: tl.constexpr, Q2: tl.constexpr, O2: tl.constexpr, B2: tl.constexpr, E2: tl.constexpr):
+                            P2: tl.constexpr, Q2: tl.constexpr, O2: tl.constexpr, B2: tl.constexpr, E2: tl.constexpr,
+                            PDL: tl.constexpr):
         """Program (n, s, b): row n, heads [b*BLOCK_H, (b+1)*BLOCK_H), keys [s*SPLIT, (s+1)*SPLIT) of its
         concatenated list (ONE_PASS: all of them),
         `iters` steps of BLOCK_N keys (ITERS > 0: that many, a compile-time trip count, for the interpreter,
@@ -171,6 +174,7 @@ if triton is not None:
         (kernels/kv_formats.py; s_i16 their bf16 view, Q/O/B/E_i the format's constants), decoded in registers.
         ONE_PASS writes the normalized output o [N, H, D] (q's dtype); else o is [N, nsplit, H, D] fp32
         (stride_os per split) of unnormalized accumulators and ml [N, nsplit, H, 2] their (m, l)."""
+        await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)                # this program's block of heads
@@ -224,9 +228,10 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, H, D, nsplit, stride_pn, stride_ps, stride_ph,
                         stride_on, stride_oh,
-                        NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                        NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         """Program (n, b): merge row n's nsplit partial (m, l, acc) of heads [b*BLOCK_H, (b+1)*BLOCK_H) with the
         sink, splits in ascending order (NSPLIT > 0: a compile-time count, for the interpreter)."""
+        await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
@@ -309,17 +314,17 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
              i1.stride(0), a2.stride, n2.stride(0), max(i2.stride(0), 1) if i2.numel() else 1)
     if not nsplit:
         _sparse_attn_kernel[(n, 1, hblocks)](q, *args, out, out, *sizes, out.stride(0), out.stride(1), 0,
-                                             scale * LOG2E, **common)
+                                             scale * LOG2E, **common, **pdl(q.device))
         return out
     part = torch.empty((n, nsplit, h, dim), dtype=torch.float32, device=q.device)
     ml = torch.empty((n, nsplit, h, 2), dtype=torch.float32, device=q.device)
     _sparse_attn_kernel[(n, nsplit, hblocks)](q, *args, part, ml, *sizes, part.stride(0), part.stride(2),
-                                              part.stride(1), scale * LOG2E, **common)
+                                              part.stride(1), scale * LOG2E, **common, **pdl(q.device))
     combine_h = min(pow2(h), COMBINE_HEADS)
     _combine_kernel[(n, -(-h // combine_h))](part, ml, sink, out, h, dim, nsplit, part.stride(0), part.stride(1),
                                              part.stride(2), out.stride(0), out.stride(1),
                                              NSPLIT=nsplit if INTERPRETED else 0, BLOCK_H=combine_h,
-                                             BLOCK_D=block_d, num_warps=4)
+                                             BLOCK_D=block_d, num_warps=4, **pdl(part.device))
     return out
 
 

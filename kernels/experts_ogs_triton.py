@@ -8,10 +8,13 @@ import torch
 from .experts import ExpertWeights
 from .experts_ogs import INVARIANT_TOKENS_PER_EXPERT, halves, layouts, swizzled_views, whole
 from .gpu import pow2
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:       # CPU machines without Triton: nothing here runs (kernels/experts_triton.py checks)
     triton = None
 
@@ -64,14 +67,15 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, r: torch.Tensor, limi
         return h
     block = min(1024, pow2(n))
     _gated_activation[(m, triton.cdiv(n, block))](gate, up, r, h, n, gate.stride(0), up.stride(0), h.stride(0),
-                                                  float(limit), BLOCK=block, num_warps=4)
+                                                  float(limit), BLOCK=block, num_warps=4, **pdl(gate.device))
     return h
 
 
 if triton is not None:
 
     @triton.jit
-    def _gated_activation(gate_ptr, up_ptr, r_ptr, h_ptr, N, sg, su, sh, limit, BLOCK: tl.constexpr):
+    def _gated_activation(gate_ptr, up_ptr, r_ptr, h_ptr, N, sg, su, sh, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N

@@ -46,10 +46,13 @@ import torch
 from . import experts_ogs as ogs
 from .experts import FP8_ACT_BLOCK, ExpertWeights, _invariant, _reference, expert_tiles
 from .gpu import is_interpreted, sm_count
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:       # CPU machines without Triton: the reference backend serves these sets
     triton = None
 else:
@@ -219,9 +222,10 @@ if triton is not None:
                      N: tl.constexpr, K: tl.constexpr,
                      WFMT: tl.constexpr, A8: tl.constexpr, GATED: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EXACT: tl.constexpr,
-                     ROUND: tl.constexpr, NATIVE: tl.constexpr, LUT: tl.constexpr):
+                     ROUND: tl.constexpr, NATIVE: tl.constexpr, LUT: tl.constexpr, PDL: tl.constexpr):
         """One (tile, BN columns) block. GATED: out = r * swiglu(x w1^T, x w3^T) in out's dtype; else
         out = x w1^T in fp32. x [M, K] rows of the tile's expert; w* [E, N, K] as stored."""
+        await_inputs(PDL)
         t = tl.program_id(0)
         rows = tl.load(tile_rows_ptr + t)
         if rows == 0:
@@ -307,7 +311,7 @@ def _launch(x, w1, s1, w3, s3, r, out, table, n, k, ew: ExpertWeights, gated: bo
                        N=n, K=k, WFMT=wfmt, A8=ew.act_fp8, EXACT=interpreting(),
                        GATED=gated, BM=tiles.bm, BN=bn, BK=bk, ROUND=_TL_DTYPE[ew.gemm_dtype],
                        NATIVE=native, LUT=lut,
-                       num_warps=tiles.warps, num_stages=tiles.stages)
+                       num_warps=tiles.warps, num_stages=tiles.stages, **pdl(x.device))
 
 
 def run(x: torch.Tensor, offsets: torch.Tensor, route_weights: torch.Tensor, ew: ExpertWeights,

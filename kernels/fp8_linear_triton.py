@@ -20,10 +20,13 @@ import torch
 
 from .fp8_linear import BLOCK, BLOCKS, _act_quant_ref, _check, _fp8_linear_ref, _fp8_linear_tiles
 from .gpu import is_interpreted, on_kernel_device, sm_count
+from .pdl import pdl
 
 try:                                    # optional: CPU-only installs have no triton
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:                     # pragma: no cover - exercised where triton is absent
     triton = None
 else:
@@ -42,8 +45,9 @@ if triton is not None:
 
     @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_CVT: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
         """Program (i, b): rows [i*BLOCK_R, +BLOCK_R) of K-block b -> q [M, K] fp8, s [M, nb] fp32."""
+        await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         rows64 = rows.to(tl.int64)
@@ -58,7 +62,7 @@ if triton is not None:
                          stride_x, stride_sx, stride_w, stride_sw, stride_ys, stride_y,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP: tl.constexpr, FUSE_QUANT: tl.constexpr, SW_E8M0: tl.constexpr,
-                         SOFT_CVT: tl.constexpr):
+                         SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
         """y [S, M, N] (S = splits; y_ptr offset by stride_ys per split) = this split's K-blocks of the recipe.
 
         Program (p, s): output tile p (grouped order) over K-blocks [s*KB_PER_SPLIT, +KB_PER_SPLIT). BLOCK_K is
@@ -66,6 +70,7 @@ if triton is not None:
         FUSE_QUANT: x_ptr holds the activations in their float dtype, quantized here per [BLOCK_M, BLOCK_K];
         else x_ptr holds x_fp8 and sx_ptr its scales [M, nb]. w [N, K] fp8, sw [ceil(N/BLOCK_K), nb] e8m0 /
         fp32: one scale per tile when BLOCK_N <= BLOCK_K (it divides it), one per column block otherwise."""
+        await_inputs(PDL)
         pid = tl.program_id(0)
         num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         per_group = GROUP * num_n
@@ -131,7 +136,8 @@ if triton is not None:
         if M and nb:
             grid = (triton.cdiv(M, ACT_QUANT_ROWS), nb)
             _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0),
-                                    BLOCK_R=ACT_QUANT_ROWS, BLOCK_K=block, SOFT_CVT=_INTERPRET, num_warps=4)
+                                    BLOCK_R=ACT_QUANT_ROWS, BLOCK_K=block, SOFT_CVT=_INTERPRET, num_warps=4,
+                                    **pdl(x2.device))
         return q, s
 
     def _act_quant_triton(x, block=BLOCK):
@@ -183,7 +189,7 @@ if triton is not None:
             xk.stride(0), sx.stride(0), w_fp8.stride(0), sw.stride(0), y.stride(0), y.stride(1),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block, GROUP=1 if fuse else GROUP_M,
             FUSE_QUANT=fuse, SW_E8M0=e8m0, SOFT_CVT=_INTERPRET,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(xk.device))
         return y[0] if splits == 1 else y.sum(0).to(out_dtype)       # second pass: splits summed in order
 
     def _fp8_linear_triton_any(x, w_fp8, w_scale, out_dtype, invariant: bool, path: str | None = None,

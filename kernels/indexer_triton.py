@@ -32,12 +32,14 @@ from .indexer import _sparse_index_scores, _sparse_index_scores_tiles, _top_k_in
 from .kv_formats import PackedStore, raw
 from .kv_formats_triton import readable, record_args
 from .gpu import is_interpreted, on_kernel_device, pow2
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
 
     from .kv_formats_triton import load_records
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -63,7 +65,8 @@ if triton is not None:
                              stride_s, stride_in, stride_on, scale,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
                              P: tl.constexpr, PQ: tl.constexpr, PO: tl.constexpr, PB: tl.constexpr,
-                             PE: tl.constexpr):
+                             PE: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         h = tl.arange(0, BLOCK_H)
@@ -136,13 +139,14 @@ if triton is not None:
 
     @triton.jit
     def _top_k_kernel(s_ptr, o_ptr, tmp_ptr, K, k, stride_s, stride_o, stride_t,
-                      BLOCK: tl.constexpr, TILES: tl.constexpr, K_PAD: tl.constexpr):
+                      BLOCK: tl.constexpr, TILES: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr):
         """Program n: row n's k best finite scores (best first, ties to the lower position), exactly the stable
         sort's selection. A radix select over the 32-bit ordered key, 8 bits a pass from the top, finds the
         threshold t (the k-th best key); one pass in index order takes every key > t and the first
         k - count(> t) keys == t; a sort of the k taken (key, -position) pairs orders them. -1 fills a row with
         fewer than k finite scores. A row of one tile stays in registers for every pass; a row with at most k
         finite keys takes them all (no select: a decode row's few hundred entries under the indexer's top-k)."""
+        await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         row = n * stride_s
         j0 = tl.arange(0, BLOCK)
@@ -203,7 +207,7 @@ def index_scores_kernel(q, weights, store, index, scale) -> torch.Tensor:
         q, weights, keys.p8, keys.p16, index, out, h, di, k, q.stride(0), q.stride(1), weights.stride(0),
         keys.stride, index.stride(0), out.stride(0), float(scale), BLOCK_H=pow2(h), BLOCK_D=pow2(di),
         BLOCK_K=BLOCK_K, F32=q.dtype == torch.float32, num_warps=WARPS,
-        **dict(zip(("P", "PQ", "PO", "PB", "PE"), keys.constexprs)))
+        **dict(zip(("P", "PQ", "PO", "PB", "PE"), keys.constexprs)), **pdl(q.device))
     return out
 
 
@@ -228,7 +232,8 @@ def top_k_kernel(scores: torch.Tensor, k: int) -> torch.Tensor:
     tmp = torch.empty((n, k_pad), dtype=torch.long, device=scores.device)
     block = max(128, min(pow2(width), TOPK_BLOCK))
     _top_k_kernel[(n,)](scores, out, tmp, width, k, scores.stride(0), out.stride(0), tmp.stride(0),
-                        BLOCK=block, TILES=triton.cdiv(width, block), K_PAD=k_pad, num_warps=4 if block <= 1024 else 8)
+                        BLOCK=block, TILES=triton.cdiv(width, block), K_PAD=k_pad, num_warps=4 if block <= 1024 else 8,
+                        **pdl(scores.device))
     return out
 
 

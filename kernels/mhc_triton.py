@@ -46,10 +46,13 @@ import torch
 
 from .gpu import chunks_first, is_interpreted, on_kernel_device, pow2
 from .mhc import _hc_collapse, _hc_collapse_tiles, _hc_mixes, _hc_mixes_tiles, _hc_post, _hc_post_tiles
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -130,9 +133,10 @@ if triton is not None:
     @triton.jit
     def _hc_chunks_kernel(x_ptr, fn_ptr, part_ptr, N, K, stride_x, HC: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ITERS: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, g): part [S, N, 4, BLOCK_C] fp32 at [s, rows of block b, g] = chunk s's group g (pre,
         post, comb) product from _chunk_dot; group 0 also stores the sum of squares (slot 3, column 0)."""
+        await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         s = tl.program_id(1)
         g = tl.program_id(2)
@@ -152,10 +156,11 @@ if triton is not None:
                          hc_eps, norm_eps,
                          HC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                          CHUNKS: tl.constexpr, CHUNK_ITERS: tl.constexpr, FROM_PARTS: tl.constexpr,
-                         ITERS: tl.constexpr, PREC: tl.constexpr):
+                         ITERS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
         """Rows [pid * BLOCK_R, +BLOCK_R): the mixes from the sum, in chunk order, of CHUNKS chunk products
         (_chunk_mixes): read from part (FROM_PARTS: _hc_chunks_kernel wrote them, a program per chunk) or
         computed here one after the other."""
+        await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < N
         rows64 = rows.to(tl.int64)
@@ -260,12 +265,12 @@ def hc_mixes_kernel(streams, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, 
         part = torch.empty((chunks, n, 4, block_c), dtype=torch.float32, device=dev)
         _hc_chunks_kernel[(blocks, chunks, 3)](x, fn, part, n, k, x.stride(0), HC=hc, BLOCK_C=block_c,
                                                BLOCK_R=BLOCK_R, BLOCK_K=block_k, CHUNK_ITERS=chunk_iters,
-                                               PREC=PRECISION, num_warps=WARPS)
+                                               PREC=PRECISION, num_warps=WARPS, **pdl(x.device))
     _hc_mixes_kernel[(blocks,)](
         x, fn, part, base.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous(), pre, post,
         comb, n, k, x.stride(0), float(hc_eps), float(norm_eps), HC=hc, BLOCK_C=block_c, BLOCK_R=BLOCK_R,
         BLOCK_K=block_k, CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x,
-        ITERS=max(int(sinkhorn_iters), 1), PREC=PRECISION, num_warps=WARPS)
+        ITERS=max(int(sinkhorn_iters), 1), PREC=PRECISION, num_warps=WARPS, **pdl(x.device))
     return pre, post, comb
 
 
@@ -284,7 +289,8 @@ def hc_mixes_triton_invariant(streams, fn, base, scale, hc_eps, norm_eps, sinkho
 if triton is not None:
 
     @triton.jit
-    def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask = d < D
@@ -295,7 +301,9 @@ if triton is not None:
         tl.store(out_ptr + n * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _post_kernel(f_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _post_kernel(f_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
+        await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask = d < D
@@ -314,7 +322,7 @@ def hc_collapse_kernel(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     h, pre = h.contiguous(), pre.to(torch.float32).contiguous()
     out = torch.empty((n, d), dtype=h.dtype, device=h.device)
     _collapse_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](h, pre, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D,
-                                                        num_warps=ROWS_WARPS)
+                                                        num_warps=ROWS_WARPS, **pdl(h.device))
     return out
 
 
@@ -324,7 +332,7 @@ def hc_post_kernel(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: t
     post, comb = post.to(torch.float32).contiguous(), comb.to(torch.float32).contiguous()
     out = torch.empty_like(h)
     _post_kernel[(n, triton.cdiv(d, ROWS_BLOCK_D))](f, h, post, comb, out, d, HC=hc, BLOCK_D=ROWS_BLOCK_D,
-                                                    num_warps=ROWS_WARPS)
+                                                    num_warps=ROWS_WARPS, **pdl(f.device))
     return out
 
 

@@ -9,10 +9,13 @@ import torch
 
 from .gpu import is_interpreted, on_kernel_device
 from .moe_combine import _reference
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -22,7 +25,8 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(y_ptr, inv_ptr, shared_ptr, out_ptr, D, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         ok = c < D
@@ -63,5 +67,6 @@ def _triton(y, inverse, top_k, shared, out_dtype):
         y, inverse = y.contiguous(), inverse.contiguous()
         sh = shared.reshape(n, d).contiguous() if shared is not None else y
         _combine_kernel[(n, triton.cdiv(d, BLOCK_D))](y, inverse, sh, out, d, TOP_K=top_k,
-                                                      HAS_SHARED=shared is not None, BLOCK_D=BLOCK_D, num_warps=4)
+                                                      HAS_SHARED=shared is not None, BLOCK_D=BLOCK_D, num_warps=4,
+                                                      **pdl(y.device))
     return out.to(out_dtype)

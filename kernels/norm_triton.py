@@ -17,10 +17,13 @@ import torch
 
 from .gpu import is_interpreted, on_kernel_device, pow2
 from .norm import _rms_norm, _rms_norm_tiles
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -42,7 +45,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, n, eps, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)               # [BLOCK_R]
         c = tl.arange(0, BLOCK_N)                                            # [BLOCK_N]
         mask = (r[:, None] < rows) & (c[None, :] < n)
@@ -70,7 +74,8 @@ def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     rows = flat.shape[0]
     w = weight.contiguous() if weight is not None else flat
     _rms_norm_kernel[(triton.cdiv(rows, block_r),)](flat, w, out, rows, n, float(eps), HAS_W=weight is not None,
-                                                    BLOCK_R=block_r, BLOCK_N=block_n, num_warps=WARPS)
+                                                    BLOCK_R=block_r, BLOCK_N=block_n, num_warps=WARPS,
+                                                    **pdl(flat.device))
     return out.view(x.shape)
 
 

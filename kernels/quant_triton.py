@@ -23,10 +23,13 @@ import torch
 
 from .gpu import is_interpreted, on_kernel_device, pow2
 from .kv_formats import KVFormat
+from .pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -103,10 +106,11 @@ if triton is not None:
                       Q: tl.constexpr, W: tl.constexpr, SOFF: tl.constexpr, B: tl.constexpr, BLK: tl.constexpr,
                       NB: tl.constexpr, NB_PAD: tl.constexpr, E4M3: tl.constexpr, TAIL_PAD: tl.constexpr,
                       PAD_PAD: tl.constexpr, VALUES: tl.constexpr, SOFT: tl.constexpr,
-                      HADAMARD: tl.constexpr = 0, HSCALE: tl.constexpr = 1.0):
+                      HADAMARD: tl.constexpr = 0, HSCALE: tl.constexpr = 1.0, PDL: tl.constexpr = False):
         """Row m: VALUES -> y[m] the fake-quantized values (x's first Q channels); else o[m] the record.
         HADAMARD = log2(Q) > 0: the row is first rotated as quant.hadamard_rotate does it (the same butterfly
         pairs a + b, a - b in fp32, times HSCALE = Q^-0.5, rounded to x's dtype)."""
+        await_inputs(PDL)
         m = tl.program_id(0).to(tl.int64)
         blk = tl.arange(0, NB_PAD)
         ch = blk[:, None] * BLK + tl.arange(0, BLK)[None, :]                    # [NB_PAD, BLK] channels
@@ -203,7 +207,7 @@ def _launch(fmt: KVFormat, x: torch.Tensor, values: bool, hadamard: bool = False
         SOFF=fmt.scale_offset, B=fmt.record_bytes, BLK=fmt.block, NB=nb, NB_PAD=pow2(nb, 1),
         E4M3=fmt.kind == "fp4" and fmt.scale == "e4m3", TAIL_PAD=pow2(fmt.tail, 1) if fmt.tail and not values else 0,
         PAD_PAD=pow2(pad, 1) if pad and not values else 0, VALUES=values, SOFT=INTERPRETED,
-        HADAMARD=fmt.width.bit_length() - 1 if hadamard else 0, HSCALE=fmt.width ** -0.5, num_warps=4)
+        HADAMARD=fmt.width.bit_length() - 1 if hadamard else 0, HSCALE=fmt.width ** -0.5, num_warps=4, **pdl(x.device))
     return out
 
 

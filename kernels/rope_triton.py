@@ -16,11 +16,14 @@ from __future__ import annotations
 import torch
 
 from .gpu import is_interpreted, on_kernel_device, pow2
+from .pdl import pdl
 from .rope import _rope, _rope_angles
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -41,7 +44,8 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, HALF, SIGN, BLOCK_M: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)                # [BLOCK_M] rows of position n
         j = tl.arange(0, BLOCK_D)                                            # [BLOCK_D] channels
@@ -60,9 +64,11 @@ if triton is not None:
         tl.store(out_ptr + base + j[None, :], y, mask=mask)
 
     @triton.jit
-    def _angles_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, H, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _angles_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, H, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                       PDL: tl.constexpr):
         """cos / sin [N, H] of pos[n] (as fp32) * inv[h]: the reference's fp32 product, then cos and sin (on the
         GPU libdevice's cosf / sinf, the functions torch's CUDA cos / sin call)."""
+        await_inputs(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         h = tl.arange(0, BLOCK_H)
         ok = (n < N)[:, None] & (h < H)[None, :]
@@ -88,7 +94,7 @@ def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     _rope_kernel[(n, triton.cdiv(m, block_m))](flat, cos.to(torch.float32).contiguous(),
                                                sin.to(torch.float32).contiguous(), out, m, d, cos.shape[-1],
                                                -1.0 if inverse else 1.0, BLOCK_M=block_m, BLOCK_D=block_d,
-                                               num_warps=WARPS)
+                                               num_warps=WARPS, **pdl(flat.device))
     return out.view(x.shape)
 
 
@@ -112,5 +118,6 @@ def rope_angles_triton(positions, inv_freq):
         block_h = pow2(h, 1)
         block_n = max(1, min(pow2(n, 1), ANGLES_BLOCK // block_h))
         _angles_kernel[(triton.cdiv(n, block_n),)](positions.contiguous(), inv_freq.contiguous(), cos, sin, n, h,
-                                                   BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4)
+                                                   BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
+                                                   **pdl(positions.device))
     return cos, sin

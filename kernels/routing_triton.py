@@ -25,11 +25,14 @@ from __future__ import annotations
 import torch
 
 from .gpu import chunks_first, is_interpreted, pow2
+from .pdl import pdl
 from .routing import _permute_reference, _route_reference, _route_tiles
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs: reference and invariant only
     triton = None
 
@@ -73,9 +76,10 @@ if triton is not None:
     @triton.jit
     def _route_logits_kernel(x_ptr, w_ptr, part_ptr, N, D: tl.constexpr, E: tl.constexpr,
                              CHUNK_ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             E_PAD: tl.constexpr, E_BLOCK: tl.constexpr, PREC: tl.constexpr):
+                             E_PAD: tl.constexpr, E_BLOCK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, j): part [S, N, E_PAD] fp32 at [s, rows of block b, experts of column block j] =
         chunk s's x W^T there (_chunk_logits over E_BLOCK columns)."""
+        await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         s = tl.program_id(1)
         row_ok = rows < N
@@ -92,12 +96,13 @@ if triton is not None:
                       K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
                       NORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       E_PAD: tl.constexpr, K_PAD: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_ITERS: tl.constexpr,
-                      FROM_PARTS: tl.constexpr, PREC: tl.constexpr):
+                      FROM_PARTS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
         """One program: rows [pid * BLOCK_N, +BLOCK_N) of x [N, D] -> out_w [N, K] fp32, out_ids [N, K] int64.
         The logits are the sum, in chunk order, of CHUNKS chunk products (_chunk_logits): read from part
         (FROM_PARTS: _route_logits_kernel wrote them, one program per chunk) or computed here one after the
         other. Both orders of work do the same arithmetic per column; on the H200 with TF32x3 dots their last bits
         differ (the tiles differ), so only the `triton` set chooses by N (the invariant set always splits)."""
+        await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         rows64 = rows.to(tl.int64)
@@ -162,7 +167,7 @@ if triton is not None:
     @triton.jit
     def _expert_histogram_kernel(ids_ptr, l2p_ptr, counts_ptr, N, E,
                                  K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                                 K_PAD: tl.constexpr, BINS: tl.constexpr):
+                                 K_PAD: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
         """counts [blocks, E] int32: how many (row, slot) pairs of block pid go to each physical expert.
 
         The histogram takes no mask: padding lanes (rows past N, slots past K) count into bin E, which the store
@@ -171,6 +176,7 @@ if triton is not None:
         different layouts (here the load's vectorized one and the mask's) the mask lands on other elements. On
         the H200, n=1 k=6 E=256 counted 3 padding zeros into bin 0 and dropped 3 real pairs; the interpreter
         never reorders."""
+        await_inputs(PDL)
         b = tl.program_id(0)
         rows = (b * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         slots = tl.arange(0, K_PAD)
@@ -187,10 +193,11 @@ if triton is not None:
     def _permute_scatter_kernel(ids_ptr, w_ptr, l2p_ptr, delta_ptr, expert_ids_ptr, order_ptr, inverse_ptr,
                                 sorted_w_ptr, N, E,
                                 K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                                K_PAD: tl.constexpr):
+                                K_PAD: tl.constexpr, PDL: tl.constexpr):
         """Block pid's pairs to their sorted positions: pos = delta[pid, expert] + rank of the pair within its
         block in (expert, row, slot rank) order, where delta = the expert's offset + its pairs in earlier
         blocks - its first position within this block's sorted keys."""
+        await_inputs(PDL)
         b = tl.program_id(0)
         lrow = tl.arange(0, BLOCK_ROWS)
         rows = (b * BLOCK_ROWS + lrow).to(tl.int64)
@@ -267,7 +274,7 @@ if triton is not None:
             e_block = min(ROUTE_E_BLOCK, e_pad)
             _route_logits_kernel[(blocks, chunks, e_pad // e_block)](
                 x, weight, part, n, D=d, E=e, CHUNK_ITERS=chunk_iters, BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d,
-                E_PAD=e_pad, E_BLOCK=e_block, PREC=ROUTE_PRECISION, num_warps=4)
+                E_PAD=e_pad, E_BLOCK=e_block, PREC=ROUTE_PRECISION, num_warps=4, **pdl(x.device))
         _route_kernel[(blocks,)](
             x, weight, part, x if bias is None or hashed else bias.contiguous(),
             tid2eid.contiguous() if hashed else x, input_ids.contiguous() if hashed else x, out_w, out_ids,
@@ -275,7 +282,7 @@ if triton is not None:
             K=top_k, SCORE=_SCORE_CODE[score_func], HAS_BIAS=bias is not None and not hashed, HASH=hashed,
             NORMALIZE=bool(normalize), BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
             K_PAD=pow2(top_k, 1), CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x,
-            PREC=ROUTE_PRECISION, num_warps=warps)
+            PREC=ROUTE_PRECISION, num_warps=warps, **pdl(x.device))
         return out_w, out_ids
 
     def _route_triton_default(x, weight, bias, **kw):
@@ -305,11 +312,11 @@ if triton is not None:
         counts = torch.empty(blocks, n_experts, dtype=torch.int32, device=dev)
         common = dict(K=k, HAS_MAP=logical_to_physical is not None, BLOCK_ROWS=rows, K_PAD=k_pad)
         _expert_histogram_kernel[(blocks,)](ids, l2p, counts, n, n_experts, BINS=pow2(n_experts + 1, 32),
-                                            **common)
+                                            **common, **pdl(ids.device))
         counts = counts.long()
         offsets[1:] = counts.sum(0).cumsum(0)
         earlier_blocks = counts.cumsum(0) - counts          # [blocks, E]: the expert's pairs in blocks before
         in_block_start = counts.cumsum(1) - counts          # its first position among this block's sorted keys
         delta = (offsets[:-1] + earlier_blocks - in_block_start).contiguous()
-        _permute_scatter_kernel[(blocks,)](ids, weights, l2p, delta, *outs, n, n_experts, **common)
+        _permute_scatter_kernel[(blocks,)](ids, weights, l2p, delta, *outs, n, n_experts, **common, **pdl(ids.device))
         return outs[0], offsets, outs[1], outs[2], outs[3]

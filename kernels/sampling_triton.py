@@ -15,11 +15,14 @@ from __future__ import annotations
 import torch
 
 from .gpu import is_interpreted, on_kernel_device
+from .pdl import pdl
 from .sampling import GOLDEN, ID_MUL, MIX1, MIX2, POS_MUL, _reference, salted
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -40,8 +43,9 @@ if triton is not None:
 
     @triton.jit
     def _draw_kernel(x_ptr, noise_ptr, seed_ptr, pos_ptr, val_ptr, idx_ptr, V, stride_x, salt,
-                     NOISE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                     NOISE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Program (r, c): the best (value, lowest id) of row r's ids [c * CHUNK, +CHUNK) -> val / idx [r, c]."""
+        await_inputs(PDL)
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         chunks = tl.num_programs(1)
@@ -90,7 +94,7 @@ def draw_kernel(x, noise_rows, seeds, positions, salt):
     args = tuple(t.contiguous() for t in (noise_rows.to(torch.int8), seeds.long(), positions.long())) if noise \
         else (x, x, x)                                           # the kernel reads [B] inputs at r: contiguous
     _draw_kernel[(b, chunks)](x, *args, val, idx, v, x.stride(0), salted(salt), NOISE=noise, CHUNK=CHUNK,
-                              BLOCK=BLOCK, num_warps=4)
+                              BLOCK=BLOCK, num_warps=4, **pdl(x.device))
     return idx.gather(1, val.argmax(dim=1, keepdim=True)).squeeze(1)
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import torch
 
 from .gpu import is_interpreted, on_kernel_device, pow2
+from .pdl import pdl
 from .step_index import _entry_index, _entry_pick, _entry_slots, _ring_index, _ring_slots
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl_triton import await_inputs
 except ImportError:          # CPU-only installs
     triton = None
 
@@ -35,8 +38,9 @@ if triton is not None:
 
     @triton.jit
     def _ring_index_kernel(pos_ptr, start_ptr, first_ptr, ring_ptr, rows_ptr, out_ptr, C, count, base, span,
-                           HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+                           HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
         """Program (b, t): out [C, count] at rows [b * BLOCK_R, +BLOCK_R), columns [t * BLOCK_T, +BLOCK_T)."""
+        await_inputs(PDL)
         i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         i_ok = i < C
@@ -54,7 +58,8 @@ if triton is not None:
 
     @triton.jit
     def _ring_slots_kernel(pos_ptr, end_ptr, slot_ptr, out_slot_ptr, out_at_ptr, N, span, scratch,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < N
         p = tl.load(pos_ptr + i, mask=ok, other=0)
@@ -66,7 +71,8 @@ if triton is not None:
     @triton.jit
     def _entry_slots_kernel(pos_ptr, slot_ptr, rows_ptr, valid_ptr, table_ptr, floor_ptr, out_block_ptr, out_at_ptr,
                             C, stride_t, max_blocks, ratio, per_block, block_tokens, scratch,
-                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < C
         r = _row_of(rows_ptr, i.to(tl.int64), ok, HAS_ROWS)
@@ -81,8 +87,9 @@ if triton is not None:
 
     @triton.jit
     def _entry_index_kernel(pos_ptr, slot_ptr, rows_ptr, table_ptr, out_ptr, C, J, stride_t, ratio, per_block,
-                            HAS_ROWS: tl.constexpr, BLOCK_J: tl.constexpr):
+                            HAS_ROWS: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
         """Program (i, b): out [C, J] row i, columns [b * BLOCK_J, +BLOCK_J)."""
+        await_inputs(PDL)
         i = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         j_ok = j < J
@@ -95,7 +102,8 @@ if triton is not None:
 
     @triton.jit
     def _entry_pick_kernel(index_ptr, top_ptr, out_ptr, C, J, k, stride_i, stride_t, BLOCK_C: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         i = tl.arange(0, BLOCK_K)
         ok = (c < C)[:, None] & (i < k)[None, :]
@@ -128,7 +136,7 @@ def ring_index_triton(pos, start, first, ring, rows, base, count, span):
     pos, start, first, ring, rows = (_flat(t) for t in (pos, start, first, ring, rows))
     _ring_index_kernel[(triton.cdiv(c, BLOCK_ROWS), triton.cdiv(count, block_t))](
         pos, start, first, ring, pos if rows is None else rows, out, c, count, base, span,
-        HAS_ROWS=rows is not None, BLOCK_R=BLOCK_ROWS, BLOCK_T=block_t, num_warps=4)
+        HAS_ROWS=rows is not None, BLOCK_R=BLOCK_ROWS, BLOCK_T=block_t, num_warps=4, **pdl(pos.device))
     return out
 
 
@@ -140,7 +148,7 @@ def ring_slots_triton(pos, end, slot, span, scratch):
     out_at = torch.empty(n, dtype=torch.long, device=pos.device)
     if n:
         _ring_slots_kernel[(triton.cdiv(n, BLOCK),)](_flat(pos), _flat(end), _flat(slot), out_slot, out_at, n, span,
-                                                    scratch, BLOCK=BLOCK, num_warps=4)
+                                                    scratch, BLOCK=BLOCK, num_warps=4, **pdl(pos.device))
     return out_slot, out_at
 
 
@@ -157,7 +165,7 @@ def entry_slots_triton(pos, slot, rows, valid, block_table, write_floor, ratio, 
         _entry_slots_kernel[(triton.cdiv(c, BLOCK),)](
             pos, slot, pos if rows is None else rows, valid.contiguous().view(torch.int8), block_table, floor,
             out_block, out_at, c, block_table.stride(0), block_table.shape[1], ratio, per_block, block_tokens,
-            scratch, HAS_ROWS=rows is not None, BLOCK=BLOCK, num_warps=4)
+            scratch, HAS_ROWS=rows is not None, BLOCK=BLOCK, num_warps=4, **pdl(pos.device))
     return out_block, out_at
 
 
@@ -173,7 +181,7 @@ def entry_index_triton(pos, slot, rows, block_table, ctx_blocks, ratio, per_bloc
     pos, slot, rows = (_flat(t) for t in (pos, slot, rows))
     _entry_index_kernel[(c, triton.cdiv(j, block_j))](
         pos, slot, pos if rows is None else rows, block_table, out, c, j, block_table.stride(0), ratio, per_block,
-        HAS_ROWS=rows is not None, BLOCK_J=block_j, num_warps=4)
+        HAS_ROWS=rows is not None, BLOCK_J=block_j, num_warps=4, **pdl(pos.device))
     return out
 
 
@@ -191,5 +199,6 @@ def entry_pick_triton(index, top):
     block_k = pow2(k, 1)
     block_c = max(1, min(pow2(c, 1), PICK_BLOCK_ELEMENTS // block_k))
     _entry_pick_kernel[(triton.cdiv(c, block_c),)](index, top, out, c, index.shape[1], k, index.stride(0),
-                                                  top.stride(0), BLOCK_C=block_c, BLOCK_K=block_k, num_warps=4)
+                                                  top.stride(0), BLOCK_C=block_c, BLOCK_K=block_k, num_warps=4,
+                                                   **pdl(index.device))
     return out

@@ -79,3 +79,18 @@ def assert_no_worse(truth: torch.Tensor, ref: torch.Tensor, got: torch.Tensor, l
           f"mean {mean_got:.5f} ({mean_ref:.5f})")
     assert err_got <= 1.5 * err_ref + 0.02
     assert mean_got <= 1.5 * mean_ref + 1e-3
+
+
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_programmatic_dependent_launch_changes_no_bit(family, monkeypatch):
+    """Every Triton kernel launched with PDL on sm_90+ (kernels/pdl.py) waits for its predecessor before it reads:
+    the whole forward's bits are those of launches without it."""
+    from deepinfer.kernels import pdl as pdl_module
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    model = _model(family, torch.bfloat16)
+    on = _run(model, "triton")
+    monkeypatch.setattr(pdl_module, "_PDL", False)
+    off = _run(model, "triton")
+    assert torch.equal(on, off)

@@ -23,7 +23,9 @@ POINTERS = {0: ("*bf16", "*bf16"), 1: ("*u8", "*u8"), 2: ("*fp8e4nv", "*fp32")} 
 
 def compile_sm90(fn, runtime: dict, consts: dict, **options):
     """fn compiled for sm_90 with these runtime argument types and constexprs (options: num_warps, num_stages);
-    asserts it fits an SM's shared memory."""
+    asserts it fits an SM's shared memory. Compiled as sm_90 launches it: with programmatic dependent launch
+    (kernels/pdl.py) unless consts say otherwise."""
+    consts = {"PDL": True, **consts}
     signature = {**runtime, **{name: "constexpr" for name in consts}}
     kernel = triton.compile(ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                             options=options)
@@ -40,7 +42,7 @@ def compile_expert_gemm(wfmt: int, a8: bool, gated: bool, tiles: kt.Tiles, nativ
                  "sse": "i64", "ssn": "i32", "ssk": "i32", "limit": "fp32"}
     consts = dict(N=n, K=k, WFMT=wfmt, A8=a8, GATED=gated, BM=tiles.bm, BN=tiles.bn,
                   BK=tiles.bk if wfmt else tiles.bk // 2, EXACT=False, ROUND=tl.bfloat16, NATIVE=native,
-                  LUT=lut)
+                  LUT=lut, PDL=True)
     signature.update({name: "constexpr" for name in consts})
     return triton.compile(ASTSource(kt._expert_gemm, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tiles.warps, "num_stages": tiles.stages})

@@ -22,7 +22,8 @@ from deepinfer.kernels.table import BACKEND_SETS, KernelTable
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
 SHARED = {"__init__", "registry", "table", "gpu", "tiles", "precision", "quant", "quant_triton",   # not ops
-          "experts_ogs", "experts_ogs_triton"}        # grouped_experts' matmul_ogs path (its Triton set)
+          "experts_ogs", "experts_ogs_triton",        # grouped_experts' matmul_ogs path (its Triton set)
+          "pdl", "pdl_triton"}                        # every Triton kernel's launch options and first statement
 
 LAZY_CHECK = """
 import sys
@@ -45,7 +46,7 @@ if registry.triton_installed():
     with table.use("triton"):
         rms_norm(torch.ones(2, 8), None, 1e-6)
     ours = [m for m in loaded() if m.startswith("deepinfer.")]
-    assert ours == ["deepinfer.kernels.norm_triton"], ours
+    assert ours == ["deepinfer.kernels.norm_triton", "deepinfer.kernels.pdl_triton"], ours   # + its first statement
 print("ok")
 """
 

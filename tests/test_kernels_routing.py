@@ -249,7 +249,7 @@ def test_permute_kernels_compile_for_sm90_without_a_masked_histogram():
     from triton.compiler import ASTSource
 
     div16 = [["tt.divisibility", 16]]
-    common = dict(K=6, HAS_MAP=False, BLOCK_ROWS=routing_triton.PERMUTE_BLOCK_ROWS, K_PAD=8)
+    common = dict(K=6, HAS_MAP=False, BLOCK_ROWS=routing_triton.PERMUTE_BLOCK_ROWS, K_PAD=8, PDL=True)
     kernels = {
         routing_triton._expert_histogram_kernel: ({"ids_ptr": "*i64", "l2p_ptr": "*i64", "counts_ptr": "*i32", "N": "i32",
                                             "E": "i32"}, dict(common, BINS=512)),
