@@ -242,10 +242,12 @@ if triton is not None:
         return all(t.dtype != torch.float64 for t in tensors) and (_INTERPRETED or all(t.is_cuda for t in tensors))
 
     def _route_triton(x, weight, bias, *, top_k, score_func, route_scale, temp, normalize, tid2eid=None,
-                      input_ids=None, fallback=_route_reference, split=None, gemm_rows=None):
+                      input_ids=None, fallback=_route_reference, split=None, gemm_rows=None, fit_rows=False):
         """gemm_rows: from this many rows the logits run on cuBLAS (the reference's fp32 linear) into one part
         for the kernel's scores / top-k epilogue (None: never; the invariant set, since cuBLAS's reduction order
-        may change with N)."""
+        may change with N). fit_rows: an epilogue over parts of fewer than ROUTE_BLOCK_ROWS rows (decode) runs
+        in a block of pow2(N) rows on as few warps as its [rows, E] tile fills, not 16 rows on 8 warps (the
+        epilogue needs no dot; its sums over experts may then round differently with N, so only `triton`)."""
         if not _runs_kernels(x, weight):
             return fallback(x, weight, bias, top_k=top_k, score_func=score_func, route_scale=route_scale,
                             temp=temp, normalize=normalize, tid2eid=tid2eid, input_ids=input_ids)
@@ -275,18 +277,24 @@ if triton is not None:
             _route_logits_kernel[(blocks, chunks, e_pad // e_block)](
                 x, weight, part, n, D=d, E=e, CHUNK_ITERS=chunk_iters, BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d,
                 E_PAD=e_pad, E_BLOCK=e_block, PREC=ROUTE_PRECISION, num_warps=4, **pdl(x.device))
+        block_n = ROUTE_BLOCK_ROWS
+        if fit_rows and part is not x and n < ROUTE_BLOCK_ROWS:
+            block_n = pow2(n, 1)
+            warps = max(1, min(warps, block_n * e_pad // 512))      # a warp per 512 logits (16 a lane)
+            blocks = 1
         _route_kernel[(blocks,)](
             x, weight, part, x if bias is None or hashed else bias.contiguous(),
             tid2eid.contiguous() if hashed else x, input_ids.contiguous() if hashed else x, out_w, out_ids,
             n, float(temp), float(route_scale), D=d, E=e,
             K=top_k, SCORE=_SCORE_CODE[score_func], HAS_BIAS=bias is not None and not hashed, HASH=hashed,
-            NORMALIZE=bool(normalize), BLOCK_N=ROUTE_BLOCK_ROWS, BLOCK_D=block_d, E_PAD=e_pad,
+            NORMALIZE=bool(normalize), BLOCK_N=block_n, BLOCK_D=block_d, E_PAD=e_pad,
             K_PAD=pow2(top_k, 1), CHUNKS=chunks, CHUNK_ITERS=chunk_iters, FROM_PARTS=part is not x,
             PREC=ROUTE_PRECISION, num_warps=warps, **pdl(x.device))
         return out_w, out_ids
 
     def _route_triton_default(x, weight, bias, **kw):
-        return _route_triton(x, weight, bias, fallback=_route_reference, gemm_rows=ROUTE_GEMM_ROWS, **kw)
+        return _route_triton(x, weight, bias, fallback=_route_reference, gemm_rows=ROUTE_GEMM_ROWS, fit_rows=True,
+                             **kw)
 
     def _route_triton_invariant(x, weight, bias, **kw):
         # always the chunk programs: with TF32x3 dots the walking programs' logits differ from theirs in last bits

@@ -319,6 +319,22 @@ def test_route_compiles_for_sm90(bias, from_parts):
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
 
 
+@pytest.mark.parametrize("rows,warps", [(1, 1), (2, 2), (8, 8)])
+def test_route_few_row_epilogue_compiles_for_sm90(rows, warps):
+    """The `triton` set's decode epilogue (kernels/routing_triton.py fit_rows) at V4.1's router: pow2(N) rows on a
+    warp per 512 logits, as _route_triton launches it below 16 rows: compiles, no spills."""
+    from deepinfer.kernels import routing_triton as kr
+    runtime = {**{p: t for p, t in (("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("part_ptr", "*fp32"),
+                                    ("bias_ptr", "*fp32"), ("tid2eid_ptr", "*i32"), ("input_ids_ptr", "*i64"),
+                                    ("out_w_ptr", "*fp32"), ("out_ids_ptr", "*i64"))},
+               "N": "i32", "temp": "fp32", "route_scale": "fp32"}
+    consts = dict(D=5120, E=384, K=6, SCORE=0, HAS_BIAS=True, HASH=False, NORMALIZE=True, BLOCK_N=rows,
+                  BLOCK_D=32, E_PAD=512, K_PAD=8, CHUNKS=10, CHUNK_ITERS=16, FROM_PARTS=True,
+                  PREC=kr.ROUTE_PRECISION)
+    kernel = compile_sm90(kr._route_kernel, runtime, consts, num_warps=warps)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
 @pytest.mark.parametrize("has_rows", [False, True])
 def test_step_index_kernels_compile_for_sm90(has_rows):
     """The step-index kernels (kernels/step_index_triton.py) at the largest column blocks the functions launch:

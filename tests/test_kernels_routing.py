@@ -349,6 +349,34 @@ if INTERPRETER:
             _check_route(routing_triton._route_triton_invariant(x[:n], w, b, **k), routing._route_reference(x[:n], w, b, **k))
         assert launched == [(19, False), (19, False), (20, True), (20, False), (33, True), (33, False)]
 
+    @pytest.mark.parametrize("hashed", [False, True])
+    @pytest.mark.parametrize("n", [1, 3, 8, 15, 17])
+    def test_interp_route_few_rows_fit_their_block(n, hashed, monkeypatch):
+        """`triton`'s decode epilogue (logits from chunk parts) of fewer than 16 rows runs in a block of pow2(N)
+        rows: the ids of the 16-row block, the weights to rounding, both = the reference; 16 rows and more keep
+        the 16-row block."""
+        monkeypatch.setattr(routing_triton, "ROUTE_CHUNK", 64)
+        blocks = []
+        real = routing_triton._route_kernel
+
+        class Spy:                                    # records each launch's row block
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    blocks.append((grid[0], kw["BLOCK_N"], kw["FROM_PARTS"]))
+                    return real[grid](*args, **kw)
+                return run
+        monkeypatch.setattr(routing_triton, "_route_kernel", Spy())
+        x, w, bias, tid2eid, tok = router_inputs(n, 200, 40, 4, seed=50 + n)
+        kw = _route_kw("sqrtsoftplus", True, 4, hashed, tid2eid, tok)
+        b = None if hashed else bias
+        fit = routing_triton._route_triton(x, w, b, split=True, fit_rows=True, **kw)
+        block = routing_triton._route_triton(x, w, b, split=True, **kw)
+        assert torch.equal(fit[1], block[1])
+        assert torch.allclose(fit[0], block[0], rtol=1e-6, atol=1e-7)
+        _check_route(fit, routing._route_reference(x, w, b, **kw))
+        want = 1 << (n - 1).bit_length() if n < 16 else 16
+        assert blocks == [(-(-n // want), want, True), (-(-n // 16), 16, True)]
+
     @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
     @pytest.mark.parametrize("score_func", SCORE_FUNCS)
     @pytest.mark.parametrize("n", [1, 33])
