@@ -237,10 +237,10 @@ class EngineCore:
 
     @staticmethod
     def _samples_from_host(plan: StepPlan) -> bool:
-        """A sampled row whose last token is in flight needs it on the host before it samples: a grammar's mask
-        (the matcher advanced by it) or penalties (counts from host output ids)."""
-        return any(s.num_logits and s.num_in_flight and (s.grammar is not None or s.params.uses_penalties)
-                   for s in plan.rows)
+        """A sampled row whose last token is in flight needs it on the host before it samples when it has a
+        grammar (its mask needs the matcher advanced by that token). Penalty rows do not: the runner counts the
+        token in flight into their output counts on the device."""
+        return any(s.num_logits and s.num_in_flight and s.grammar is not None for s in plan.rows)
 
     def _run(self, plan: StepPlan, finished: list[Request]) -> tuple[StepPlan, object]:
         """Launch the step; when its sampling needs the previous step's tokens on the host, the previous step is

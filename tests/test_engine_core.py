@@ -314,10 +314,11 @@ def test_async_on_equals_off_and_overlaps():
 
 
 @pytest.mark.parametrize("params", [dict(repetition_penalty=1.2), dict(frequency_penalty=0.5)])
-def test_penalties_read_the_previous_step_while_the_forward_runs(params):
-    """A penalty row's counts need the last token on the host: step k's forward is launched before step k-1 is
-    read, and step k-1 is read before step k samples (the runner's before_sample). (The fake runner's tokens do
-    not see penalties; tests/test_structured_outputs.py compares real penalty outputs async vs sync.)"""
+def test_penalty_rows_sample_without_reading_the_previous_step(params):
+    """A penalty row's last token is counted on the device (the runner's in_flight counts): the loop overlaps
+    as without penalties (step k+1 launched before step k is read) and never reads a step before sampling.
+    (The fake runner's tokens do not see penalties; tests/test_structured_outputs.py and
+    tests/test_llm.py compare real penalty outputs async vs sync.)"""
     outs = {}
     for on in (True, False):
         core = make_core(async_scheduling=on)
@@ -326,25 +327,24 @@ def test_penalties_read_the_previous_step_while_the_forward_runs(params):
         run(core, reqs)
         outs[on] = [r.output_ids for r in reqs]
         ev = core.runner.events
-        if on:
-            deferred = [k for k in range(2, core.runner.steps + 1) if ("sample", k) in ev]
-            assert len(deferred) >= 4
-            for k in deferred:
-                assert ev.index(("execute", k)) < ev.index(("resolve", k - 1)) < ev.index(("sample", k))
-        else:
-            assert not any(e[0] == "sample" for e in ev)
+        assert not any(e[0] == "sample" for e in ev)
+        overlapped = [k for k in range(1, core.runner.steps) if ("resolve", k) in ev
+                      and ev.index(("execute", k + 1)) < ev.index(("resolve", k))]
+        assert len(overlapped) >= 4 if on else not overlapped
     assert outs[True] == outs[False]
 
 
 def test_the_loop_time_is_split_without_double_counting(monkeypatch):
     """A launch of 2 ms and a read that waits 3 ms: plan, launch, wait and apply add up to no more than the loop's
-    wall time although a penalty row reads the previous step inside the launch (counted as wait and apply, not
-    launch), and each part holds at least what it slept."""
+    wall time although a row reads the previous step inside the launch (counted as wait and apply, not launch),
+    and each part holds at least what it slept."""
     import time
     launch = FakeRunner.execute
     monkeypatch.setattr(FakeRunner, "execute", lambda self, *a, **k: (time.sleep(0.002), launch(self, *a, **k))[1])
     monkeypatch.setattr(FakeOutput, "wait", lambda self: time.sleep(0.003))
-    core = make_core()
+    core = make_core()          # every row in flight reads the previous step before sampling, as a grammar row does
+    monkeypatch.setattr(type(core), "_samples_from_host",
+                        staticmethod(lambda plan: any(r.num_logits and r.num_in_flight for r in plan.rows)))
     reqs = make_requests(PROMPTS[:1], max_tokens=6) + [Request("p", [3, 4], SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.2), seed=0)]
     t = time.perf_counter()

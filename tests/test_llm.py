@@ -397,3 +397,37 @@ def test_n_samples_and_logprobs_through_the_engine(llm):
             assert e[t].rank <= 2 or e[t].logprob < by_rank[2]
             assert all(lp.decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
                        for tok, lp in e.items())
+
+
+def test_penalty_rows_count_the_token_in_flight_async_equals_sync(monkeypatch):
+    """Repetition / frequency / presence penalties under asynchronous scheduling: each step counts the token still
+    in flight on the device (the runner's in_flight counts), never reading the previous step before sampling;
+    outputs equal synchronous scheduling bit for bit, and the penalties change what is drawn."""
+    from deepinfer.runner import runner as runner_module
+    build, in_flight_calls = runner_module.build_sampling_tensors, []
+
+    def spy(*args, **kw):
+        in_flight_calls.append(len(args) > 9 and args[9] is not None)
+        return build(*args, **kw)
+    monkeypatch.setattr(runner_module, "build_sampling_tensors", spy)
+    kw = dict(max_tokens=20, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, **kw),
+              SamplingParams(temperature=0.9, seed=3, frequency_penalty=1.5, **kw),
+              SamplingParams(temperature=0.0, presence_penalty=-2.0, **kw), SamplingParams(temperature=0.0, **kw)]
+    prompts = ["z z z z", "Once upon a time", "z z z z", "z z z z"]
+    outs, deferred, pending = {}, {}, {}
+    for on in (True, False):
+        llm = LLM(embedded_tiny_dir("deepseek_v41"), dtype="float64", async_scheduling=on)
+        execute, calls = llm.engine.runner.execute, []
+
+        def count(plan, prev, before_sample=None, ring_marks=None, execute=execute, calls=calls):
+            calls.append(before_sample is not None)
+            return execute(plan, prev, before_sample, ring_marks)
+        llm.engine.runner.execute = count
+        in_flight_calls.clear()
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        deferred[on], pending[on] = sum(calls), sum(in_flight_calls)
+    assert outs[True] == outs[False]
+    assert deferred[True] == deferred[False] == 0
+    assert pending[True] >= 10 and pending[False] == 0
+    assert outs[True][2] != outs[True][3]     # the same prompt: a negative presence penalty (repeats) against none

@@ -235,3 +235,22 @@ def test_top_p_one_is_off_next_to_other_rows():
 def test_tiny_temperature_is_finite_and_picks_the_mode():
     t = tensors(1, temperature=1e-38)
     assert sample(torch.tensor([[4.0, 10.0, -1.0]]), t).item() == 1
+
+
+def test_tokens_in_flight_count_as_if_appended_on_the_host():
+    """build_sampling_tensors(in_flight=(rows, tokens)): each listed row's device token counts into its output
+    counts exactly as the same token appended to its host list (an id outside the vocabulary counts nowhere)."""
+    from deepinfer.sampling import SamplingParams, build_sampling_tensors
+
+    vocab = 16
+    params = [SamplingParams(frequency_penalty=0.5), SamplingParams(repetition_penalty=1.2),
+              SamplingParams(presence_penalty=1.0), SamplingParams()]
+    outs = [[1, 2], [], [5, 5], [9]]
+    toks = torch.tensor([2, 7, 99])                                # rows 0, 1, 2; 99 is outside the vocabulary
+    got = build_sampling_tensors(params, [0] * 4, [0] * 4, vocab, "cpu", [[3]] * 4, outs,
+                                 in_flight=([0, 1, 2], toks))
+    appended = [o + [int(t)] for o, t in zip(outs, toks)] + outs[3:]
+    want = build_sampling_tensors(params, [0] * 4, [0] * 4, vocab, "cpu", [[3]] * 4, appended)
+    assert torch.equal(got.output_counts, want.output_counts)
+    assert got.output_counts[0, 2].item() == 2 and got.output_counts[1, 7].item() == 1
+    assert torch.equal(got.prompt_mask, want.prompt_mask)

@@ -7,8 +7,8 @@ eagerly with compact per-step lists. A row whose input token is still in flight
 (asynchronous scheduling) reads it on the device from the previous step's sampled tokens, so planning step
 N+1 never waits for step N. Sampling reads host state last: `execute(..., before_sample)` calls before_sample
 once the forward is launched and before the sampler's inputs are built, so the engine can read the previous
-step (advance grammar matchers, commit the tokens that penalties count) while the device runs this step's
-forward. The sampled tokens (and logprobs) start back to pinned host memory as soon as they are drawn;
+step (advance grammar matchers) while the device runs this step's forward; a penalty row counts its token in
+flight on the device (the previous step's sample, as the input token above), so it needs no host read. The sampled tokens (and logprobs) start back to pinned host memory as soon as they are drawn;
 `StepOutput.resolve()` is the one host synchronisation and waits for that copy only, not for steps launched
 after it.
 
@@ -148,7 +148,7 @@ class ModelRunner:
         logits, hidden = self._forward(inputs, not marks, marks)
         if logits is not None:
             self.graph_replays += 1
-            return self._sample(inputs, logits, before_sample)
+            return self._sample(inputs, logits, before_sample, prev=prev)
         rows = inputs.logit_rows_tensor()                      # rows of hidden that need logits
         pieces = inputs.prompt_logprob_rows()
         recorded = []
@@ -160,7 +160,7 @@ class ModelRunner:
             recorded.append((s, entries))
         if pieces:
             rows = rows[inputs.sample_rows_in_logits()]
-        return self._sample(inputs, self.model.logits(hidden[rows]), before_sample, recorded)
+        return self._sample(inputs, self.model.logits(hidden[rows]), before_sample, recorded, prev)
 
     @torch.inference_mode()
     def run_shape(self, inputs: StepInputs, graphed: bool = True) -> torch.Tensor:
@@ -243,16 +243,31 @@ class ModelRunner:
         return min(1 << (need - 1).bit_length(), self.pools.max_blocks)
 
     # ---- sampling ----
+    @staticmethod
+    def _in_flight(prev, pending: list[int], src: list[int]) -> tuple[list[int], torch.Tensor] | None:
+        """The penalty rows' outputs still in flight: (their logit rows, prev's tokens at their indices)."""
+        if not pending:
+            return None
+        return pending, prev.tokens[torch.tensor(src, dtype=torch.long).to(prev.tokens.device, non_blocking=True)]
+
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, before_sample=None,
-                prompt_logprobs: list | None = None) -> StepOutput:
+                prompt_logprobs: list | None = None, prev=None) -> StepOutput:
         """logits [M, V]: the sampled rows' logit positions, row by row in position order; prompt_logprobs: the
-        step's prompt-logprob entries (StepOutput.prompt_logprobs)."""
+        step's prompt-logprob entries (StepOutput.prompt_logprobs); prev: the step in flight (its tokens count
+        into penalty rows whose host output list does not hold them yet)."""
         ended = before_sample() if before_sample is not None else None
         sampled = inputs.sampled
         if not sampled:
             return StepOutput([], None, prompt_logprobs=prompt_logprobs or [])
         rows, positions, outputs, n_out, before = [], [], [], [], []
+        pending, pending_src = [], []              # rows whose last output is still in flight: its index in prev
         for s in sampled:
+            if s.num_outputs > len(s.output_ids) and s.params.uses_penalties:
+                if s.num_logits != 1 or s.num_outputs - len(s.output_ids) != 1 or prev is None:
+                    raise RuntimeError(f"internal: request {s.request_id} samples with "
+                                       f"{s.num_outputs - len(s.output_ids)} outputs unknown to the host")
+                pending.append(len(rows))
+                pending_src.append(prev.index[s.request_id])
             for j in range(s.num_logits):
                 p = s.start + s.n - s.num_logits + j                # this logit row's position; it samples p + 1
                 drafts = list(s.draft_ids[:j])                       # drafts before it count as outputs
@@ -267,7 +282,7 @@ class ModelRunner:
                             before)
         t = build_sampling_tensors([s.params for s in rows], [s.seed for s in rows], positions, logits.shape[-1],
                                    logits.device, [s.prompt_ids for s in rows], outputs,
-                                   self.model.cfg.eos_token_id, n_out)
+                                   self.model.cfg.eos_token_id, n_out, self._in_flight(prev, pending, pending_src))
         x, noise_rows = processed_logits(logits, t)
         tokens = gumbel_argmax(x, noise_rows, t.seeds, t.positions, SALT_TARGET)
         offsets, o = [], 0

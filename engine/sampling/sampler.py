@@ -53,12 +53,15 @@ class SamplingTensors:
 
 def build_sampling_tensors(params: list, seeds: list[int], positions: list[int], vocab: int, device,
                            prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None,
-                           eos_token_id: int | None = None, num_outputs: list[int] | None = None) -> SamplingTensors:
+                           eos_token_id: int | None = None, num_outputs: list[int] | None = None,
+                           in_flight: tuple[list[int], torch.Tensor] | None = None) -> SamplingTensors:
     """One step's SamplingTensors from each row's SamplingParams. seeds: the request seed (params.seed, else
     the one the engine drew when the request was created); positions: the absolute position being sampled;
     prompt_ids / output_ids: for the penalties and min_tokens (rows still below min_tokens may not draw EOS
     or a stop token id); num_outputs: output lengths when they include tokens still in flight (default: the
-    lengths of output_ids)."""
+    lengths of output_ids); in_flight: (rows, tokens [len(rows)] on the device): each listed row's output that
+    is not in output_ids yet (the previous step's sample, still in flight), counted into the penalties on the
+    device, so a penalty row never waits for the host to read it."""
     b = len(params)
     for name, per_row in (("prompt_ids", prompt_ids), ("output_ids", output_ids), ("num_outputs", num_outputs)):
         if per_row is not None and len(per_row) != b:
@@ -78,6 +81,11 @@ def build_sampling_tensors(params: list, seeds: list[int], positions: list[int],
         t.presence_penalty = as_t([p.presence_penalty for p in params], torch.float32)
         t.frequency_penalty = as_t([p.frequency_penalty for p in params], torch.float32)
         t.output_counts = _per_row_ids(outputs, vocab, device, REQUEST_IDS)
+        if in_flight is not None and in_flight[0]:
+            rows = torch.tensor(in_flight[0], dtype=torch.long).to(device, non_blocking=True)
+            ids = in_flight[1].to(torch.long)
+            ok = (ids >= 0) & (ids < vocab)          # as _per_row_ids: an id outside the vocabulary counts nowhere
+            t.output_counts.index_put_((rows, ids.clamp(0, vocab - 1)), ok.to(torch.int32), accumulate=True)
     lengths = num_outputs if num_outputs is not None else [len(o) for o in outputs]
     early = [i for i, p in enumerate(params) if lengths[i] < p.min_tokens]
     if early:
