@@ -8,9 +8,9 @@ eagerly with compact per-step lists. A row whose input token is still in flight
 N+1 never waits for step N. Sampling reads host state last: `execute(..., before_sample)` calls before_sample
 once the forward is launched and before the sampler's inputs are built, so the engine can read the previous
 step (advance grammar matchers) while the device runs this step's forward; a penalty row counts its token in
-flight on the device (the previous step's sample, as the input token above), so it needs no host read. The sampled tokens (and logprobs) start back to pinned host memory as soon as they are drawn;
-`StepOutput.resolve()` is the one host synchronisation and waits for that copy only, not for steps launched
-after it.
+flight on the device (the previous step's sample, as the input token above), so it needs no host read. The
+sampled tokens (and logprobs) start back to pinned host memory as soon as they are drawn; `StepOutput.resolve()`
+is the one host synchronisation and waits for that copy only, not for steps launched after it.
 
 The runner reads the frozen step plan (scheduler/plan.py) and returns plain results (StepOutput: tokens,
 logprob entries, prompt-logprob entries, speculation's verdicts); it writes no Request."""
