@@ -9,22 +9,30 @@ early and no result changes; what is gained is the launch latency and the ramp o
 edge is captured as a programmatic dependency.
 
 A launch passes `**pdl(tensor.device)`: {"PDL": True, "launch_pdl": True} (the kernel's constexpr and Triton's
-launch flag) on a CUDA device of compute capability >= 9.0, else {"PDL": False}. Nothing here imports Triton.
+launch flag) on a CUDA device of compute capability >= 9.0 while DEEPINFER_PDL is on (the default), else
+{"PDL": False}. Nothing here imports Triton.
 """
 
 from __future__ import annotations
 
 import torch
 
-_PDL = True                                   # False: every launch runs without PDL (the GPU tests compare both)
+from ..env import read
+
+_PDL: bool | None = None                      # DEEPINFER_PDL, read at the first launch (the GPU tests set False)
 _OPTIONS: dict[int, dict] = {}                # CUDA device index -> its launch options
 _OFF = {"PDL": False}
 
 
 def pdl(device) -> dict:
     """The keyword arguments a Triton launch on `device` passes (a CUDA device with sm >= 90: PDL on)."""
+    global _PDL
     device = torch.device(device)
-    if not _PDL or device.type != "cuda":
+    if device.type != "cuda":
+        return _OFF
+    if _PDL is None:
+        _PDL = bool(read("DEEPINFER_PDL"))
+    if not _PDL:
         return _OFF
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _OPTIONS:
