@@ -36,8 +36,8 @@ VARIABLES = {
                                     doc="kernel backend set when LLM(kernel_backend=) is not given"),
     "DEEPINFER_BATCH_INVARIANT": Var("flag", False, doc="1 = the invariant kernel backend"),
     "DEEPINFER_ASYNC_SCHEDULING": Var("flag", True, doc="plan step N+1 while the device runs step N"),
-    "DEEPINFER_PDL": Var("flag", True, doc="programmatic dependent launch of the Triton kernels on sm_90+ "
-                                           "(kernels/pdl.py)"),
+    "DEEPINFER_PDL": Var("flag", False, doc="1 = programmatic dependent launch of the Triton kernels on sm_90+ "
+                                            "(kernels/pdl.py; off until measured on a GPU)"),
     "DEEPINFER_YOCO_PREFILL": Var("flag", True, doc="V4.1 YOCO-truncated prefill of last-logit pieces"),
     "DEEPINFER_YOCO_PREFILL_MIN_TOKENS": Var("int", 2, minimum=1, doc="shorter pieces run untruncated"),
     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": Var("choice", "exact", choices=("exact", "compact"),

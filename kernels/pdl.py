@@ -9,8 +9,9 @@ early and no result changes; what is gained is the launch latency and the ramp o
 edge is captured as a programmatic dependency.
 
 A launch passes `**pdl(tensor.device)`: {"PDL": True, "launch_pdl": True} (the kernel's constexpr and Triton's
-launch flag) on a CUDA device of compute capability >= 9.0 while DEEPINFER_PDL is on (the default), else
-{"PDL": False}. Nothing here imports Triton.
+launch flag) on a CUDA device of compute capability >= 9.0 while DEEPINFER_PDL is on, else {"PDL": False}.
+Off by default until tests/test_gpu_pdl.py and the step rows have run on a GPU (docs/kernels.md). Nothing here
+imports Triton.
 """
 
 from __future__ import annotations

@@ -293,8 +293,8 @@ if triton is not None:
         return out_w, out_ids
 
     def _route_triton_default(x, weight, bias, **kw):
-        return _route_triton(x, weight, bias, fallback=_route_reference, gemm_rows=ROUTE_GEMM_ROWS, fit_rows=True,
-                             **kw)
+        # fit_rows (the few-row epilogue) is off here until its GPU tests have run (docs/kernels.md)
+        return _route_triton(x, weight, bias, fallback=_route_reference, gemm_rows=ROUTE_GEMM_ROWS, **kw)
 
     def _route_triton_invariant(x, weight, bias, **kw):
         # always the chunk programs: with TF32x3 dots the walking programs' logits differ from theirs in last bits

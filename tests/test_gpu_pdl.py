@@ -31,6 +31,7 @@ def test_a_graph_of_dependent_kernels_under_pdl_equals_eager_launches(monkeypatc
         pytest.skip("programmatic dependent launch needs sm_90+")
     from deepinfer.kernels.pdl import pdl
 
+    monkeypatch.setattr(pdl_module, "_PDL", True)           # DEEPINFER_PDL=1
     assert pdl("cuda")["PDL"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x0 = torch.randn(4096, 4096, device="cuda", generator=gen).to(torch.bfloat16)      # 32 MB a kernel reads

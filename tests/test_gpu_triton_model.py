@@ -90,6 +90,7 @@ def test_programmatic_dependent_launch_changes_no_bit(family, monkeypatch):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90+")
     model = _model(family, torch.bfloat16)
+    monkeypatch.setattr(pdl_module, "_PDL", True)           # DEEPINFER_PDL=1
     on = _run(model, "triton")
     monkeypatch.setattr(pdl_module, "_PDL", False)
     off = _run(model, "triton")

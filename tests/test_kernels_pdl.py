@@ -59,9 +59,10 @@ def test_the_options_are_off_off_cuda_and_when_switched_off(monkeypatch):
     assert pdl(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setattr(pdl_module, "_PDL", False)
     assert pdl("cuda") == {"PDL": False}            # switched off: no CUDA call is made
-    monkeypatch.setattr(pdl_module, "_PDL", None)
-    monkeypatch.setenv("DEEPINFER_PDL", "0")
-    assert pdl("cuda") == {"PDL": False} and pdl_module._PDL is False       # DEEPINFER_PDL=0, read once
+    for value in ("0", ""):                         # DEEPINFER_PDL=0, and unset (off by default), read once
+        monkeypatch.setattr(pdl_module, "_PDL", None)
+        monkeypatch.setenv("DEEPINFER_PDL", value)
+        assert pdl("cuda") == {"PDL": False} and pdl_module._PDL is False
 
 
 def test_sm90_ptx_holds_the_wait_only_under_pdl():
