@@ -14,9 +14,10 @@ Only the scheduler and the output processor write a Request.
 Asynchronous scheduling (on by default): a step plans and launches step N+1 before it reads step N's tokens,
 so the host never waits for the device before a launch; a row whose input token is still in flight reads it
 on the device from the previous StepOutput (the runner's part; Request.num_inflight is the host's). Rows whose
-sampling needs the previous tokens on the host (a grammar's mask needs its matcher advanced by the last token;
-penalty counts are built from host output ids) do not stop that: the step's forward is launched first and the
-previous step is read while it runs, before this step samples (the runner's before_sample). With speculation
+sampling needs the previous tokens on the host (a grammar's mask needs its matcher advanced by the last token)
+do not stop that: the step's forward is launched first and the previous step is read while it runs, before this
+step samples (the runner's before_sample). Penalty rows need no read: the runner counts their token in flight on
+the device. With speculation
 a step reads the previous one before planning: a verify row commits 1..q+1 tokens, so the positions after it
 are not known before it is read (engine/speculative/speculation.py).
 

@@ -16,11 +16,13 @@ imports Triton.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..env import read
 
-_PDL: bool | None = None                      # DEEPINFER_PDL, read at the first launch (the GPU tests set False)
+_PDL: bool | None = None                      # DEEPINFER_PDL, read at the first launch (the GPU tests set it)
 _OPTIONS: dict[int, dict] = {}                # CUDA device index -> its launch options
 _OFF = {"PDL": False}
 
@@ -31,8 +33,8 @@ def pdl(device) -> dict:
     device = torch.device(device)
     if device.type != "cuda":
         return _OFF
-    if _PDL is None:
-        _PDL = bool(read("DEEPINFER_PDL"))
+    if _PDL is None:             # Triton's interpreter (which can take CUDA tensors) has no griddepcontrol
+        _PDL = bool(read("DEEPINFER_PDL")) and os.environ.get("TRITON_INTERPRET", "0") != "1"
     if not _PDL:
         return _OFF
     key = device.index if device.index is not None else torch.cuda.current_device()

@@ -411,10 +411,10 @@ def test_penalty_rows_count_the_token_in_flight_async_equals_sync(monkeypatch):
         return build(*args, **kw)
     monkeypatch.setattr(runner_module, "build_sampling_tensors", spy)
     kw = dict(max_tokens=20, ignore_eos=True)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, **kw),
+    params = [SamplingParams(temperature=0.0, **kw), SamplingParams(temperature=0.0, repetition_penalty=1.8, **kw),
               SamplingParams(temperature=0.9, seed=3, frequency_penalty=1.5, **kw),
-              SamplingParams(temperature=0.0, presence_penalty=-2.0, **kw), SamplingParams(temperature=0.0, **kw)]
-    prompts = ["z z z z", "Once upon a time", "z z z z", "z z z z"]
+              SamplingParams(temperature=0.0, presence_penalty=-2.0, **kw)]
+    prompts = ["z z z z", "z z z z", "Once upon a time", "z z z z"]     # the plain row first: penalty rows at 1..3
     outs, deferred, pending = {}, {}, {}
     for on in (True, False):
         llm = LLM(embedded_tiny_dir("deepseek_v41"), dtype="float64", async_scheduling=on)
@@ -430,4 +430,4 @@ def test_penalty_rows_count_the_token_in_flight_async_equals_sync(monkeypatch):
     assert outs[True] == outs[False]
     assert deferred[True] == deferred[False] == 0
     assert pending[True] >= 10 and pending[False] == 0
-    assert outs[True][2] != outs[True][3]     # the same prompt: a negative presence penalty (repeats) against none
+    assert outs[True][3] != outs[True][0]     # the same prompt: a negative presence penalty (repeats) against none

@@ -253,4 +253,3 @@ def test_tokens_in_flight_count_as_if_appended_on_the_host():
     want = build_sampling_tensors(params, [0] * 4, [0] * 4, vocab, "cpu", [[3]] * 4, appended)
     assert torch.equal(got.output_counts, want.output_counts)
     assert got.output_counts[0, 2].item() == 2 and got.output_counts[1, 7].item() == 1
-    assert torch.equal(got.prompt_mask, want.prompt_mask)

@@ -204,7 +204,8 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        """Any repetition / presence / frequency penalty (their counts come from the host's output ids)."""
+        """Any repetition / presence / frequency penalty (their counts: the committed output ids, plus a token still
+        in flight counted on the device)."""
         return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     @property

@@ -5,8 +5,8 @@ A row feeds positions start .. start+n-1 of one request's stream (prompt + commi
 speculation gave it) and samples its last num_logits positions: 0 (a prefill piece short of the end), 1 (it
 reaches the newest token) or q+1 (a verify row: the newest token and q drafts). The sampling inputs are
 references to the request's own: its frozen SamplingParams, its prompt, and its output list, which the output
-processor appends to; the runner reads that list only when it samples, after the engine's before_sample has
-committed the previous step's tokens (penalty counts need them)."""
+processor appends to; the runner reads that list only when it samples (penalty counts: the committed ids on the
+host, plus the one output still in flight, if any, from the previous step's tokens on the device)."""
 
 from __future__ import annotations
 
