@@ -118,6 +118,8 @@ def check_environment() -> None:
     for name in VARIABLES:
         read(name)
     kernel_backend()                       # the name only: the device is the engine's to check
+    from deepinfer.kernels.pdl import set_enabled
+    set_enabled(read("DEEPINFER_PDL"))     # a launch option, set before any kernel runs
 
 
 def accelerator() -> str:

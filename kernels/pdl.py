@@ -9,9 +9,10 @@ early and no result changes; what is gained is the launch latency and the ramp o
 edge is captured as a programmatic dependency.
 
 A launch passes `**pdl(tensor.device)`: {"PDL": True, "launch_pdl": True} (the kernel's constexpr and Triton's
-launch flag) on a CUDA device of compute capability >= 9.0 while DEEPINFER_PDL is on, else {"PDL": False}.
-Off by default until tests/test_gpu_pdl.py and the step rows have run on a GPU (docs/kernels.md). Nothing here
-imports Triton.
+launch flag) on a CUDA device of compute capability >= 9.0 while the switch is on, else {"PDL": False}. The
+engine sets the switch from DEEPINFER_PDL at every entry point (engine/env.py `check_environment`; kernels/ reads
+no engine setting itself). Off by default until tests/test_gpu_pdl.py and the step rows have run on a GPU
+(docs/kernels.md). Nothing here imports Triton.
 """
 
 from __future__ import annotations
@@ -20,22 +21,22 @@ import os
 
 import torch
 
-from ..env import read
-
-_PDL: bool | None = None                      # DEEPINFER_PDL, read at the first launch (the GPU tests set it)
+_PDL = False                                  # the engine's switch (`set_enabled`; the GPU tests set it too)
 _OPTIONS: dict[int, dict] = {}                # CUDA device index -> its launch options
 _OFF = {"PDL": False}
 
 
+def set_enabled(on: bool) -> None:
+    """Turn PDL on or off for the launches that follow (Triton's interpreter, which can take CUDA tensors, has no
+    griddepcontrol: under it PDL stays off)."""
+    global _PDL
+    _PDL = bool(on) and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def pdl(device) -> dict:
     """The keyword arguments a Triton launch on `device` passes (a CUDA device with sm >= 90: PDL on)."""
-    global _PDL
     device = torch.device(device)
-    if device.type != "cuda":
-        return _OFF
-    if _PDL is None:             # Triton's interpreter (which can take CUDA tensors) has no griddepcontrol
-        _PDL = bool(read("DEEPINFER_PDL")) and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    if not _PDL:
+    if device.type != "cuda" or not _PDL:
         return _OFF
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _OPTIONS:

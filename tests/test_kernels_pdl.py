@@ -59,10 +59,22 @@ def test_the_options_are_off_off_cuda_and_when_switched_off(monkeypatch):
     assert pdl(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setattr(pdl_module, "_PDL", False)
     assert pdl("cuda") == {"PDL": False}            # switched off: no CUDA call is made
-    for value in ("0", ""):                         # DEEPINFER_PDL=0, and unset (off by default), read once
-        monkeypatch.setattr(pdl_module, "_PDL", None)
+
+
+def test_every_entry_point_sets_the_switch_from_the_environment(monkeypatch):
+    """check_environment (run by LLM, load_model and the CLIs) sets the kernels' switch from DEEPINFER_PDL:
+    unset and 0 are off, 1 is on, and Triton's interpreter keeps it off."""
+    from deepinfer.env import check_environment
+    monkeypatch.setattr(pdl_module, "_PDL", False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for value, on in (("", False), ("0", False), ("1", True), ("0", False)):
         monkeypatch.setenv("DEEPINFER_PDL", value)
-        assert pdl("cuda") == {"PDL": False} and pdl_module._PDL is False
+        check_environment()
+        assert pdl_module._PDL is on, value
+    monkeypatch.setenv("DEEPINFER_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_environment()
+    assert pdl_module._PDL is False
 
 
 def test_sm90_ptx_holds_the_wait_only_under_pdl():
