@@ -5,14 +5,17 @@ torch elementwise kernel's name does not say which line of the engine launched i
 on the CPU under a TorchDispatchMode and files every aten op that launches work (views and metadata ops left out)
 under the engine source line that issued it, or under the `kernels/` op it ran inside (those are the op table's
 business: on CUDA the Triton sets replace most of them with one launch). The lines outside `kernels/` are what the
-model and the cache still launch as torch ops on any backend: the list to fuse from. Counts are per decode step
-(prefill steps are not counted) and depend on the model's layer kinds, not on its widths, so the tiny models
-stand in for the released ones.
+model and the cache still launch as torch ops on any backend: the list to fuse from. The census also counts the
+step's calls of each kernels/ op (one launch or more each in the Triton sets), so the two counts together say what a
+step launches before the Triton sets' own extra launches. Counts are per decode step (prefill steps are not
+counted) and depend on the model's layer kinds, not on its widths, so the tiny models stand in for the released
+ones.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import traceback
 from dataclasses import dataclass, field
@@ -47,14 +50,19 @@ NO_LAUNCH = frozenset({
 @dataclass
 class Census:
     """Ops per decode step: `lines` {(engine source 'file:line function', aten op): count}, `kernel_ops`
-    {kernels/ entry: aten ops inside it}, over `steps` decode steps."""
+    {kernels/ entry: aten ops inside it}, `op_calls` {kernels/ op name: calls}, over `steps` decode steps."""
     steps: int = 0
     lines: collections.Counter = field(default_factory=collections.Counter)
     kernel_ops: collections.Counter = field(default_factory=collections.Counter)
+    op_calls: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def per_step(self) -> float:
         return sum(self.lines.values()) / max(self.steps, 1)
+
+    @property
+    def calls_per_step(self) -> float:
+        return sum(self.op_calls.values()) / max(self.steps, 1)
 
     def top(self, n: int) -> list[tuple[str, str, float]]:
         return [(where, op, c / max(self.steps, 1)) for (where, op), c in self.lines.most_common(n)]
@@ -86,6 +94,31 @@ class _Recorder(TorchDispatchMode):
                 self.census.lines[(f"{path.relative_to(self.engine.parent)}:{frame.lineno} {frame.name}",
                                    op.removeprefix("aten."))] += 1
             return
+
+
+class _CountedCalls:
+    """A kernel table's functions by op, counting each lookup while the recorder is on: every kernels/ op entry
+    looks its function up once per call (kernels/registry.py `call`)."""
+
+    def __init__(self, fns, census: Census, recorder: _Recorder):
+        self.fns, self.census, self.recorder = fns, census, recorder
+
+    def __getitem__(self, op: str):
+        if self.recorder.on:
+            self.census.op_calls[op] += 1
+        return self.fns[op]
+
+
+@contextlib.contextmanager
+def _counting_calls(llm, census: Census, recorder: _Recorder):
+    """Inside: the engine's kernel table counts op calls into `census` (the table is the engine's own: restored
+    after)."""
+    table = llm.engine.kernels
+    fns, table.fns = table.fns, _CountedCalls(table.fns, census, recorder)
+    try:
+        yield
+    finally:
+        table.fns = fns
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,7 +186,7 @@ def run_census(llm, batch: int = 4, prompt_len: int = PROMPT_LEN, new_tokens: in
     observers = llm.engine.step_observers
     observers.append(observe)
     try:
-        with recorder:
+        with recorder, _counting_calls(llm, census, recorder):
             llm.generate(prompts, sp, use_tqdm=False)
     finally:
         observers.remove(observe)
@@ -176,7 +209,7 @@ def run_graph_census(llm, batch: int = 4, context: int = PROMPT_LEN) -> Census:
         probe.run_static()                                   # first-call paths out of the count
         recorder.on, census.steps = True, 1
         try:
-            with recorder:
+            with recorder, _counting_calls(llm, census, recorder):
                 probe.run_static()
         finally:
             recorder.on = False
@@ -192,4 +225,7 @@ def table(census: Census, top: int) -> list[str]:
     out += [f"{c:9.1f}  {op:24s} {where}" for where, op, c in census.top(top)]
     out.append(f"{'per step':>9}  inside kernels/ ops (their reference implementations)")
     out += [f"{c / max(census.steps, 1):9.1f}  {k}" for k, c in census.kernel_ops.most_common(top)]
+    out.append(f"{census.calls_per_step:.0f} kernels/ op calls per decode step (one launch or more each in the "
+               f"Triton sets)")
+    out += [f"{c / max(census.steps, 1):9.1f}  {op}" for op, c in census.op_calls.most_common(top)]
     return out

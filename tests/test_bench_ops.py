@@ -22,8 +22,14 @@ def test_census_files_every_op_by_source():
     assert any("write_ring" in w for w in sources)        # the ring writes are torch index_put_s on every backend
     assert not any(f"aten.{op}" in NO_LAUNCH for (_w, op) in census.lines)
     assert census.kernel_ops["kernels/mhc.py:hc_mixes"] > 0   # the reference mHC's ops, filed under its op
+    layers = llm.model.cfg.num_hidden_layers
+    assert census.op_calls["route"] == 3 * layers          # one call per MoE layer per decode step, 3 steps
+    assert census.op_calls["rms_norm"] % 3 == 0 and census.calls_per_step > 4 * layers
     lines = table(census, 5)
-    assert lines[0].endswith("(3 steps counted)") and len(lines) == 2 + 5 + 1 + 5
+    assert lines[0].endswith("(3 steps counted)") and len(lines) == 2 + 5 + 1 + 5 + 1 + 5
+    assert lines[-6].endswith("op calls per decode step (one launch or more each in the Triton sets)")
+    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)   # the table is the engine's again
+    assert type(llm.engine.kernels.fns).__name__ == "_LazyFunctions"
 
 
 def test_graph_census_counts_the_static_decode_step():
@@ -37,6 +43,7 @@ def test_graph_census_counts_the_static_decode_step():
     eager = {where for (where, _op) in run_census(llm, batch=3, prompt_len=12, new_tokens=3).lines}
     assert any(w.endswith(" ragged") for w in eager)
     assert table(graph, 3)[0].endswith("(1 step counted)")
+    assert graph.op_calls["permute"] == llm.model.cfg.num_hidden_layers      # one step, every layer a MoE
 
 
 def test_bad_options_are_one_line():
