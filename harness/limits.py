@@ -113,15 +113,20 @@ def check_kernel_backend(requested: str | None, device: str) -> str:
     DEEPINFER_BATCH_INVARIANT, naming the option), else the engine's own choice (DEEPINFER_KERNEL_BACKEND, the
     device's default, its batch-invariant partner under DEEPINFER_BATCH_INVARIANT=1)."""
     from deepinfer.env import default_backend, kernel_backend
+    check_invariant_backend(requested)
+    if requested is not None and requested.startswith("triton") and default_backend(device) != "triton":
+        raise DeepInferError(f"--kernel-backend {requested} needs a CUDA device with compute capability >= 8.9 and "
+                             f"Triton; on {device} use --kernel-backend reference or invariant")
+    return kernel_backend(requested, device)
+
+
+def check_invariant_backend(requested: str | None) -> None:
+    """--kernel-backend against DEEPINFER_BATCH_INVARIANT=1: a set that is not batch-invariant is one error line."""
     from deepinfer.kernels.registry import INVARIANT_OF
     if requested is not None and batch_invariant_env() and INVARIANT_OF[requested] != requested:
         raise DeepInferError(f"--kernel-backend {requested} is not batch-invariant but {INVARIANT_VAR}=1 asks for "
                              f"batch-invariant kernels: use --kernel-backend {INVARIANT_OF[requested]}, leave "
                              f"--kernel-backend out, or unset {INVARIANT_VAR}")
-    if requested is not None and requested.startswith("triton") and default_backend(device) != "triton":
-        raise DeepInferError(f"--kernel-backend {requested} needs a CUDA device with compute capability >= 8.9 and "
-                             f"Triton; on {device} use --kernel-backend reference or invariant")
-    return kernel_backend(requested, device)
 
 
 def bench_backend(name: str) -> str:

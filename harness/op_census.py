@@ -10,6 +10,11 @@ step's calls of each kernels/ op (one launch or more each in the Triton sets), s
 step launches before the Triton sets' own extra launches. Counts are per decode step (prefill steps are not
 counted) and depend on the model's layer kinds, not on its widths, so the tiny models stand in for the released
 ones.
+
+Under Triton's interpreter (TRITON_INTERPRET=1) the census can run a Triton set on the CPU (`--kernel-backend
+triton`): it then counts each Triton kernel launch too, and the torch ops inside the ops are the Triton wrappers'
+own (prefix sums, casts, the torch paths of ops without a kernel), so kernels + ops inside + ops outside is the
+step's launch count on a GPU, before what cuBLAS splits a GEMM into (its split-K reduce kernels).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Census:
     lines: collections.Counter = field(default_factory=collections.Counter)
     kernel_ops: collections.Counter = field(default_factory=collections.Counter)
     op_calls: collections.Counter = field(default_factory=collections.Counter)
+    kernels: collections.Counter = field(default_factory=collections.Counter)   # Triton kernel name: launches
 
     @property
     def per_step(self) -> float:
@@ -63,6 +69,11 @@ class Census:
     @property
     def calls_per_step(self) -> float:
         return sum(self.op_calls.values()) / max(self.steps, 1)
+
+    @property
+    def launches_per_step(self) -> float:
+        """Triton kernels + torch ops inside and outside the ops (a Triton set under the interpreter)."""
+        return (sum(self.kernels.values()) + sum(self.kernel_ops.values())) / max(self.steps, 1) + self.per_step
 
     def top(self, n: int) -> list[tuple[str, str, float]]:
         return [(where, op, c / max(self.steps, 1)) for (where, op), c in self.lines.most_common(n)]
@@ -112,13 +123,36 @@ class _CountedCalls:
 @contextlib.contextmanager
 def _counting_calls(llm, census: Census, recorder: _Recorder):
     """Inside: the engine's kernel table counts op calls into `census` (the table is the engine's own: restored
-    after)."""
+    after), and interpreted Triton kernels count their launches, the interpreter's own tensor copies out of the
+    torch-op count."""
     table = llm.engine.kernels
     fns, table.fns = table.fns, _CountedCalls(table.fns, census, recorder)
+    interpreted = _interpreter() if table.name.startswith("triton") else None
+    run = interpreted.run if interpreted is not None else None
+
+    def counted(self, *args, **kwargs):
+        on = recorder.on
+        census.kernels[self.fn.__name__] += on
+        recorder.on = False
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            recorder.on = on
+
+    if interpreted is not None:
+        interpreted.run = counted
     try:
         yield
     finally:
         table.fns = fns
+        if interpreted is not None:
+            interpreted.run = run
+
+
+def _interpreter():
+    """Triton's interpreted kernel class (TRITON_INTERPRET=1: what triton.jit makes)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return InterpretedFunction
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,13 +162,22 @@ def _resolved(filename: str) -> Path:
 
 def check_census(model: str, kernel_backend: str | None, batch: int) -> str:
     """Before anything is built: the model's form, --batch against the engine's step budget (every decoding
-    sequence needs a token of each step) and --kernel-backend against the CPU and DEEPINFER_BATCH_INVARIANT.
-    Returns the backend set the engine will run."""
+    sequence needs a token of each step) and --kernel-backend against the CPU (a Triton set: under Triton's
+    interpreter) and DEEPINFER_BATCH_INVARIANT. Returns the backend set the engine will run."""
     from deepinfer.validate import check_model_spec
 
-    from .limits import check_concurrency, check_kernel_backend, default_step_budget
+    from .limits import check_concurrency, check_invariant_backend, check_kernel_backend, default_step_budget
     check_model_spec(model)
     check_concurrency("--batch", [batch], default_step_budget())
+    if kernel_backend is not None and kernel_backend.startswith("triton"):
+        import os
+        from deepinfer.kernels.registry import triton_installed
+        if os.environ.get("TRITON_INTERPRET") != "1" or not triton_installed():
+            raise DeepInferError(f"--kernel-backend {kernel_backend} runs on the CPU under Triton's interpreter only: "
+                                 f"install triton and set TRITON_INTERPRET=1 (the census then counts each kernel "
+                                 f"launch), or use --kernel-backend reference or invariant")
+        check_invariant_backend(kernel_backend)
+        return kernel_backend
     return check_kernel_backend(kernel_backend, "cpu")
 
 
@@ -144,9 +187,13 @@ def build_census_engine(model: str, kernel_backend: str | None, batch: int):
     with 4 x 39). Refused in one line when the state memory seats fewer than --batch."""
     from deepinfer import LLM
     from deepinfer.api import resolve_model
-    llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu", kernel_backend=kernel_backend,
-              enforce_eager=True, async_scheduling=False, max_num_seqs=batch,
-              max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
+    from deepinfer.kernels.table import KernelTable
+    interpreted = kernel_backend is not None and kernel_backend.startswith("triton")    # check_census: interpreter
+    llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu",
+              kernel_backend=None if interpreted else kernel_backend, enforce_eager=True, async_scheduling=False,
+              max_num_seqs=batch, max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
+    if interpreted:                  # the engine refuses a Triton set off CUDA; its kernels run interpreted here
+        llm.engine.kernels = KernelTable(kernel_backend)
     if llm.engine.num_seats < batch:
         raise DeepInferError(f"--batch {batch}: the CPU state memory seats {llm.engine.num_seats} sequences of "
                              f"this model, so fewer would decode together; use --batch <= {llm.engine.num_seats}")
@@ -228,4 +275,11 @@ def table(census: Census, top: int) -> list[str]:
     out.append(f"{census.calls_per_step:.0f} kernels/ op calls per decode step (one launch or more each in the "
                f"Triton sets)")
     out += [f"{c / max(census.steps, 1):9.1f}  {op}" for op, c in census.op_calls.most_common(top)]
+    if census.kernels:
+        kernels = sum(census.kernels.values()) / max(census.steps, 1)
+        inside = sum(census.kernel_ops.values()) / max(census.steps, 1)
+        out.append(f"{census.launches_per_step:.0f} launches per decode step: {kernels:.0f} Triton kernels + "
+                   f"{inside:.0f} torch ops inside ops + {census.per_step:.0f} outside (before cuBLAS's split-K "
+                   f"reduces)")
+        out += [f"{c / max(census.steps, 1):9.1f}  {k}" for k, c in census.kernels.most_common(top)]
     return out

@@ -63,7 +63,13 @@ GROUPED_MM_DTYPES = (torch.bfloat16,)   # torch._grouped_mm's native CUDA kernel
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """In >= fp32 (the references upcast both branches), returned in >= fp32. limit <= 0: no clamp."""
+    """silu(gate clamped above at limit) * (up clamped to +-limit), gate, up [N, I] -> [N, I] in >= fp32 (the
+    references upcast both branches). limit <= 0: no clamp. An op (a dense MLP's activation, the shared experts');
+    the grouped expert paths below call the reference directly."""
+    return call("swiglu")(gate, up, limit)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     gate, up = upcast(gate), upcast(up)
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
@@ -223,7 +229,7 @@ def _mlp(x: torch.Tensor, r: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w
          ew: ExpertWeights) -> torch.Tensor:
     """One expert: x [m, D], r [m], w* [out, in] -> [m, D] >= fp32."""
     x = ew.gemm_in(x)
-    h = swiglu(F.linear(x, w1), F.linear(x, w3), ew.limit)
+    h = _swiglu(F.linear(x, w1), F.linear(x, w3), ew.limit)
     h = h * r.unsqueeze(-1).to(h.dtype)
     return upcast(F.linear(ew.gemm_in(h), w2))
 
@@ -253,7 +259,7 @@ def _gathered(x, ids, r, ew: ExpertWeights) -> torch.Tensor:
     for a in range(0, x.shape[0], step):
         xs, e = ew.gemm_in(x[a:a + step]).unsqueeze(1), ids[a:a + step]      # [m, 1, D]
         w1, w3, w2 = ew.get("w1", e), ew.get("w3", e), ew.get("w2", e)
-        h = swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), ew.limit)
+        h = _swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), ew.limit)
         h = h * r[a:a + step].view(-1, 1, 1).to(h.dtype)
         parts.append(upcast(torch.bmm(ew.gemm_in(h), w2.transpose(1, 2))).squeeze(1))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -298,7 +304,7 @@ def _tiled(x, ids, offsets, r, ew: ExpertWeights, tile: int) -> torch.Tensor:
         e = tile_expert[a:a + batch]
         xs = ew.gemm_in(xp[a:a + batch])
         w1, w3, w2 = ew.get("w1", e), ew.get("w3", e), ew.get("w2", e)
-        h = swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), ew.limit)
+        h = _swiglu(torch.bmm(xs, w1.transpose(1, 2)), torch.bmm(xs, w3.transpose(1, 2)), ew.limit)
         h = h * rp[a:a + batch].to(h.dtype)
         parts.append(upcast(torch.bmm(ew.gemm_in(h), w2.transpose(1, 2))))
     return torch.cat(parts).view(n_tiles * tile, d).index_select(0, slot)
@@ -335,7 +341,7 @@ def _grouped_chunk(x, offs, r, ew: ExpertWeights, c0: int, c1: int) -> torch.Ten
     part = slice(c0, c1)
     w1, w3, w2 = ew.get("w1", part), ew.get("w3", part), ew.get("w2", part)
     x = ew.gemm_in(x)
-    h = swiglu(torch._grouped_mm(x, w1.transpose(1, 2), offs=ends),
+    h = _swiglu(torch._grouped_mm(x, w1.transpose(1, 2), offs=ends),
                torch._grouped_mm(x, w3.transpose(1, 2), offs=ends), ew.limit)
     h = h * r.unsqueeze(-1).to(h.dtype)
     return upcast(torch._grouped_mm(ew.gemm_in(h), w2.transpose(1, 2), offs=ends))

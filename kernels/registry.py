@@ -60,6 +60,7 @@ OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
                                         "sparse_sink_attention_triton_invariant")},
     "grouped_experts": {**_torch_paths("experts", "_reference", "_invariant"),
                         **_triton_paths("experts_triton", "_triton", "_triton_invariant")},
+    "swiglu": {**_torch_paths("experts", "_swiglu"), **_triton_paths("experts_triton", "swiglu_triton")},
     "qat_fp8": {**_torch_paths("fake_quant", "_qat_fp8"), **_triton_paths("fake_quant_triton", "qat_fp8_triton")},
     "qat_fp4": {**_torch_paths("fake_quant", "_qat_fp4"), **_triton_paths("fake_quant_triton", "qat_fp4_triton")},
     "qat_index": {**_torch_paths("fake_quant", "_qat_index"), **_triton_paths("fake_quant_triton", "qat_index_triton")},
@@ -102,6 +103,7 @@ OPS: dict[str, dict[str, str]] = {   # op -> backend set -> "module:function"
                     **_triton_paths("step_index_triton", "entry_slots_triton")},
     "entry_index": {**_torch_paths("step_index", "_entry_index"),
                     **_triton_paths("step_index_triton", "entry_index_triton")},
+    "gather_rows": {**_torch_paths("gather", "_gather_rows"), **_triton_paths("gather_triton", "gather_rows_triton")},
     "entry_pick": {**_torch_paths("step_index", "_entry_pick"), **_triton_paths("step_index_triton", "entry_pick_triton")},
 }
 

@@ -6,7 +6,8 @@ route(x [N, D], weight [E, D], bias [E] | None, ...) -> (weights [N, k], ids [N,
     ids = top-k of scores + bias (the bias steers selection only; hash layers: ids = tid2eid[input_ids]);
     weights = the unbiased scores of those ids, normalized to sum 1 (+1e-20) if `normalize`, times route_scale.
     Scored layers list ids in descending biased score (torch.topk's order); hash layers in tid2eid's.
-permute(ids [N, k], weights [N, k], n_experts, logical_to_physical) -> the M = N*k pairs grouped by expert:
+permute(ids [N, k], weights [N, k], n_experts, logical_to_physical) -> the M = N*k pairs grouped by expert, and
+    the input row of each:
     each row's slots in ascending logical id (the combine order), then a stable grouping by physical expert
     (within an expert the pairs stay in that flat order). Integer outputs, so every backend gives the same bits.
 
@@ -53,7 +54,8 @@ def permute(ids: torch.Tensor, weights: torch.Tensor, n_experts: int,
             logical_to_physical: torch.Tensor | None = None):
     """ids [N, k] int64 (logical experts), weights [N, k], n_experts (physical) E ->
     (expert_ids [M] int64 ascending, offsets [E+1] int64, order [M] int64 (flat row * k + slot of each sorted
-    pair, slots in ascending logical id), inverse [M] int64 (order's inverse), sorted_weights [M]), M = N*k.
+    pair, slots in ascending logical id), inverse [M] int64 (order's inverse), sorted_weights [M], rows [M] int64
+    (order // k: the input row each sorted pair reads)), M = N*k.
     logical_to_physical [E_logical] int64 maps router ids to physical experts (None: identity)."""
     return call("permute")(ids, weights, n_experts, logical_to_physical)
 
@@ -86,4 +88,4 @@ def _permute_reference(ids, weights, n_experts, logical_to_physical=None):
     positions = torch.arange(n * k, device=ids.device)
     inverse = torch.empty_like(order).scatter_(0, order, positions)
     offsets = torch.searchsorted(expert_ids, torch.arange(n_experts + 1, device=ids.device))
-    return expert_ids, offsets, order, inverse, weights.index_select(0, order)
+    return expert_ids, offsets, order, inverse, weights.index_select(0, order), order // k

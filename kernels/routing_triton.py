@@ -191,12 +191,14 @@ if triton is not None:
 
     @triton.jit
     def _permute_scatter_kernel(ids_ptr, w_ptr, l2p_ptr, delta_ptr, expert_ids_ptr, order_ptr, inverse_ptr,
-                                sorted_w_ptr, N, E,
+                                sorted_w_ptr, rows_ptr, offsets_ptr, N, E,
                                 K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                                K_PAD: tl.constexpr, PDL: tl.constexpr):
+                                K_PAD: tl.constexpr, SINGLE: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
         """Block pid's pairs to their sorted positions: pos = delta[pid, expert] + rank of the pair within its
         block in (expert, row, slot rank) order, where delta = the expert's offset + its pairs in earlier
-        blocks - its first position within this block's sorted keys."""
+        blocks - its first position within this block's sorted keys. SINGLE (every row in this one block, as at
+        decode): delta is 0, and the block writes offsets [E+1] itself from its histogram (no mask: padding
+        lanes count into the sentinel bin E), so the whole permute is this one launch."""
         await_inputs(PDL)
         b = tl.program_id(0)
         lrow = tl.arange(0, BLOCK_ROWS)
@@ -212,6 +214,11 @@ if triton is not None:
         phys = ids
         if HAS_MAP:
             phys = tl.load(l2p_ptr + ids, mask=ok, other=0).to(tl.int32)
+        if SINGLE:
+            hist = tl.histogram(tl.reshape(tl.where(ok, phys, E), [BLOCK_ROWS * K_PAD]), BINS)
+            e = tl.arange(0, BINS)
+            tl.store(offsets_ptr + 1 + e, tl.cumsum(hist, 0).to(tl.int64), mask=e < E)
+            tl.store(offsets_ptr + e, tl.zeros((BINS,), dtype=tl.int64), mask=e == 0)
         # one unique int32 key per pair, ordered as the reference's stable sorts order them: (expert, row,
         # rank); the original slot rides in the low bits. Padding sorts last.
         key = ((phys * BLOCK_ROWS + lrow[:, None]) * K_PAD + rank) * K_PAD + slots[None, :]
@@ -226,12 +233,16 @@ if triton is not None:
         row = (b * BLOCK_ROWS + rest % BLOCK_ROWS).to(tl.int64)
         expert = rest // BLOCK_ROWS
         flat = row * K + rk
-        pos = tl.load(delta_ptr + b * E + expert, mask=valid, other=0) + j
+        if SINGLE:
+            pos = j.to(tl.int64)
+        else:
+            pos = tl.load(delta_ptr + b * E + expert, mask=valid, other=0) + j
         w = tl.load(w_ptr + row * K + slot, mask=valid)
         tl.store(expert_ids_ptr + pos, expert.to(tl.int64), mask=valid)
         tl.store(order_ptr + pos, flat, mask=valid)
         tl.store(inverse_ptr + flat, pos, mask=valid)
         tl.store(sorted_w_ptr + pos, w, mask=valid)
+        tl.store(rows_ptr + pos, row, mask=valid)
 
     # whether triton.jit made interpreted kernels (TRITON_INTERPRET=1 when this module was imported): they run on
     # CPU tensors (float32 / float16 / integers: the interpreter reads bfloat16 wrong, numpy having none)
@@ -309,22 +320,29 @@ if triton is not None:
         m, dev = n * k, ids.device
         k_pad, rows = pow2(k, 1), PERMUTE_BLOCK_ROWS
         assert n_experts * rows * k_pad * k_pad < 2**31 - 1, "permute's int32 sort keys would overflow"
-        offsets = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
         outs = (torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=torch.int64, device=dev),
-                torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=weights.dtype, device=dev))
+                torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=weights.dtype, device=dev),
+                torch.empty(m, dtype=torch.int64, device=dev))        # expert_ids, order, inverse, weights, rows
+        blocks = triton.cdiv(n, rows)
+        bins = pow2(n_experts + 1, 32)
         if m == 0:
-            return outs[0], offsets, outs[1], outs[2], outs[3]
+            return outs[0], torch.zeros(n_experts + 1, dtype=torch.int64, device=dev), *outs[1:]
         ids, weights = ids.contiguous(), weights.contiguous()
         l2p = ids if logical_to_physical is None else logical_to_physical.contiguous()
-        blocks = triton.cdiv(n, rows)
+        common = dict(K=k, HAS_MAP=logical_to_physical is not None, BLOCK_ROWS=rows, K_PAD=k_pad, BINS=bins)
+        if blocks == 1:                                   # decode: one launch (the kernel writes the offsets)
+            offsets = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
+            _permute_scatter_kernel[(1,)](ids, weights, l2p, ids, *outs, offsets, n, n_experts, **common, SINGLE=True,
+                                          **pdl(ids.device))
+            return outs[0], offsets, *outs[1:]
+        offsets = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
         counts = torch.empty(blocks, n_experts, dtype=torch.int32, device=dev)
-        common = dict(K=k, HAS_MAP=logical_to_physical is not None, BLOCK_ROWS=rows, K_PAD=k_pad)
-        _expert_histogram_kernel[(blocks,)](ids, l2p, counts, n, n_experts, BINS=pow2(n_experts + 1, 32),
-                                            **common, **pdl(ids.device))
+        _expert_histogram_kernel[(blocks,)](ids, l2p, counts, n, n_experts, **common, **pdl(ids.device))
         counts = counts.long()
         offsets[1:] = counts.sum(0).cumsum(0)
         earlier_blocks = counts.cumsum(0) - counts          # [blocks, E]: the expert's pairs in blocks before
         in_block_start = counts.cumsum(1) - counts          # its first position among this block's sorted keys
         delta = (offsets[:-1] + earlier_blocks - in_block_start).contiguous()
-        _permute_scatter_kernel[(blocks,)](ids, weights, l2p, delta, *outs, n, n_experts, **common, **pdl(ids.device))
-        return outs[0], offsets, outs[1], outs[2], outs[3]
+        _permute_scatter_kernel[(blocks,)](ids, weights, l2p, delta, *outs, offsets, n, n_experts, **common,
+                                           SINGLE=False, **pdl(ids.device))
+        return outs[0], offsets, *outs[1:]

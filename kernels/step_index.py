@@ -15,9 +15,10 @@ ring_index(pos, start, first, ring, rows, base, count, span) -> [C, count]
 ring_slots(pos, end, slot, span, scratch) -> (slot', at) [N] each
     where a row's value goes in a ring of `span` rows: slot' = slot where p >= end - span (the segment's last
     `span` positions) else `scratch`, at = p % span
-entry_slots(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, block_tokens, scratch) -> (block, at) [C]
-    the entry a closing row writes: j = p // ratio lives in block block_table[slot, min(j * ratio // block_tokens,
-    max_blocks - 1)] at j % per_block; `scratch` where not valid or p < write_floor[slot]
+entry_slots(pos, slot, rows, block_table, write_floor, ratio, per_block, block_tokens, scratch) -> (block, at) [C]
+    the entry a row closing a window writes: j = p // ratio lives in block block_table[slot, min(j * ratio //
+    block_tokens, max_blocks - 1)] at j % per_block; `scratch` where the row closes none ((p + 1) % ratio != 0: a
+    static step passes every row) or p < write_floor[slot]
 entry_index(pos, slot, rows, block_table, ctx_blocks, ratio, per_block) -> [C, ctx_blocks * per_block]
     rows of the flattened entry store of entries j = 0 .. J-1 of each row's sequence: table[slot, j // per_block] *
     per_block + j % per_block, -1 where j >= (p + 1) // ratio (not yet closed at p)
@@ -47,10 +48,9 @@ def ring_slots(pos, end, slot, span: int, scratch: int) -> tuple[torch.Tensor, t
     return call("ring_slots")(pos, end, slot, span, scratch)
 
 
-def entry_slots(pos, slot, rows, valid, block_table, write_floor, ratio: int, per_block: int, block_tokens: int,
+def entry_slots(pos, slot, rows, block_table, write_floor, ratio: int, per_block: int, block_tokens: int,
                 scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return call("entry_slots")(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, block_tokens,
-                               scratch)
+    return call("entry_slots")(pos, slot, rows, block_table, write_floor, ratio, per_block, block_tokens, scratch)
 
 
 def entry_index(pos, slot, rows, block_table, ctx_blocks: int, ratio: int, per_block: int) -> torch.Tensor:
@@ -78,12 +78,12 @@ def _ring_slots(pos, end, slot, span, scratch):
     return torch.where(pos >= end - span, slot, scratch), pos % span
 
 
-def _entry_slots(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, block_tokens, scratch):
+def _entry_slots(pos, slot, rows, block_table, write_floor, ratio, per_block, block_tokens, scratch):
     pos, slot = _picked(rows, pos, slot)
     j = pos // ratio
     col = (j * ratio) // block_tokens
     block = block_table[slot, col.clamp(max=block_table.shape[1] - 1)].long()
-    kept = valid & (pos >= write_floor[slot])       # below the floor: a shared block's entry
+    kept = ((pos + 1) % ratio == 0) & (pos >= write_floor[slot])     # below the floor: a shared block's entry
     return torch.where(kept, block, scratch), j % per_block
 
 

@@ -69,7 +69,7 @@ if triton is not None:
         tl.store(out_at_ptr + i, p % span, mask=ok)
 
     @triton.jit
-    def _entry_slots_kernel(pos_ptr, slot_ptr, rows_ptr, valid_ptr, table_ptr, floor_ptr, out_block_ptr, out_at_ptr,
+    def _entry_slots_kernel(pos_ptr, slot_ptr, rows_ptr, table_ptr, floor_ptr, out_block_ptr, out_at_ptr,
                             C, stride_t, max_blocks, ratio, per_block, block_tokens, scratch,
                             HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         await_inputs(PDL)
@@ -81,7 +81,7 @@ if triton is not None:
         j = p // ratio
         col = tl.minimum((j * ratio) // block_tokens, max_blocks - 1)
         block = tl.load(table_ptr + s * stride_t + col, mask=ok, other=0).to(tl.int64)
-        kept = (tl.load(valid_ptr + i, mask=ok, other=0) != 0) & (p >= tl.load(floor_ptr + s, mask=ok, other=0))
+        kept = ((p + 1) % ratio == 0) & (p >= tl.load(floor_ptr + s, mask=ok, other=0))
         tl.store(out_block_ptr + i, tl.where(kept, block, scratch), mask=ok)
         tl.store(out_at_ptr + i, j % per_block, mask=ok)
 
@@ -152,20 +152,18 @@ def ring_slots_triton(pos, end, slot, span, scratch):
     return out_slot, out_at
 
 
-def entry_slots_triton(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, block_tokens, scratch):
-    if not _runs(pos, slot, rows, valid, block_table, write_floor) or block_table.stride(1) != 1 \
-            or valid.dtype != torch.bool:                    # read as int8 bytes below
-        return _entry_slots(pos, slot, rows, valid, block_table, write_floor, ratio, per_block, block_tokens,
-                            scratch)
+def entry_slots_triton(pos, slot, rows, block_table, write_floor, ratio, per_block, block_tokens, scratch):
+    if not _runs(pos, slot, rows, block_table, write_floor) or block_table.stride(1) != 1:
+        return _entry_slots(pos, slot, rows, block_table, write_floor, ratio, per_block, block_tokens, scratch)
     c = pos.shape[0] if rows is None else rows.shape[0]
     out_block = torch.empty(c, dtype=torch.long, device=pos.device)
     out_at = torch.empty(c, dtype=torch.long, device=pos.device)
     if c:
         pos, slot, rows, floor = (_flat(t) for t in (pos, slot, rows, write_floor))
         _entry_slots_kernel[(triton.cdiv(c, BLOCK),)](
-            pos, slot, pos if rows is None else rows, valid.contiguous().view(torch.int8), block_table, floor,
-            out_block, out_at, c, block_table.stride(0), block_table.shape[1], ratio, per_block, block_tokens,
-            scratch, HAS_ROWS=rows is not None, BLOCK=BLOCK, num_warps=4, **pdl(pos.device))
+            pos, slot, pos if rows is None else rows, block_table, floor, out_block, out_at, c,
+            block_table.stride(0), block_table.shape[1], ratio, per_block, block_tokens, scratch,
+            HAS_ROWS=rows is not None, BLOCK=BLOCK, num_warps=4, **pdl(pos.device))
     return out_block, out_at
 
 

@@ -50,3 +50,12 @@ def test_bad_options_are_one_line():
     result = CliRunner().invoke(cli, ["ops", "--top", "0"])       # main() prints a DeepInferError as one line
     assert result.exit_code != 0 and isinstance(result.exception, DeepInferError)
     assert "--top must be at least 1, got 0" in str(result.exception) and "\n" not in str(result.exception)
+
+
+def test_a_triton_set_needs_the_interpreter(monkeypatch):
+    """On the CPU a Triton set runs only under Triton's interpreter (tests/interpreted/test_op_census_triton.py
+    counts its launches): without TRITON_INTERPRET=1 the option is one line, before any model is built."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = CliRunner().invoke(cli, ["ops", "--kernel-backend", "triton"])
+    assert result.exit_code != 0 and isinstance(result.exception, DeepInferError)
+    assert "TRITON_INTERPRET=1" in str(result.exception) and "\n" not in str(result.exception)

@@ -22,12 +22,10 @@ def _case(seed, segments, subset):
     lay = _layout(seed, segments)
     table, floor = _pools(lay)
     rows = torch.randperm(lay["n"], generator=lay["g"])[: max(1, lay["n"] // 2)] if subset else None
-    c = lay["n"] if rows is None else rows.shape[0]
-    valid = torch.rand(c, generator=lay["g"]) < 0.7
     top = torch.stack([torch.randperm(256, generator=lay["g"])[:6] for _ in range(lay["n"])])    # picks of 4 x 64
     top[torch.rand(top.shape, generator=lay["g"]) < 0.3] = -1
     cpu = dict(pos=lay["pos"], start=lay["start"], first=lay["first"], slot=lay["slot"], seg=lay["seg"],
-               end=lay["end"], table=table, floor=floor, rows=rows, valid=valid, top=top)
+               end=lay["end"], table=table, floor=floor, rows=rows, top=top)
     return {k: None if v is None else v.to(DEV) for k, v in cpu.items()}
 
 
@@ -37,8 +35,8 @@ def _all_ops(t, count=128, span=128, ratio=4, per_block=16, ctx_blocks=4):
         ref.ring_index(t["pos"], t["start"], t["first"], t["slot"], None, 7 * span, count, span),
         ref.ring_index(t["pos"], t["start"], t["first"], t["seg"], t["rows"], 9 * span, 5, 8),
         *ref.ring_slots(t["pos"], t["end"], t["slot"], span, -5),
-        *ref.entry_slots(t["pos"], t["slot"], t["rows"], t["valid"], t["table"], t["floor"], ratio, per_block,
-                         ratio * per_block, -5),
+        *ref.entry_slots(t["pos"], t["slot"], t["rows"], t["table"], t["floor"], ratio, per_block, ratio * per_block,
+                         -5),
         ref.entry_index(t["pos"], t["slot"], None, t["table"], ctx_blocks, ratio, per_block),
         ref.entry_index(t["pos"], t["slot"], t["rows"], t["table"], 9, 2, 300),
         ref.entry_pick(ref.entry_index(t["pos"], t["slot"], None, t["table"], 4, 2, 64), t["top"]),
@@ -77,7 +75,7 @@ def test_cuda_graph_of_the_ops_replays_new_inputs():
         static["slot"].copy_((static["slot"] + shift) % 7)
         static["table"].copy_(torch.randint(0, 40, static["table"].shape, generator=g, device=DEV,
                                             dtype=torch.int32))
-        static["valid"].copy_(torch.rand(static["valid"].shape, generator=g, device=DEV) < 0.5)
+        static["floor"].copy_(torch.randint(0, 200, static["floor"].shape, generator=g, device=DEV))
         graph.replay()
         torch.cuda.synchronize()
         with use("reference"):

@@ -345,7 +345,7 @@ def test_step_index_kernels_compile_for_sm90(has_rows):
                                                                      "rows_ptr", "out_ptr")},
                                                 **{a: "i32" for a in ("C", "count", "base", "span")}},
                         dict(HAS_ROWS=has_rows, BLOCK_R=ks.BLOCK_ROWS, BLOCK_T=ks.RING_BLOCK_COLS), num_warps=4)
-    slots = compile_sm90(ks._entry_slots_kernel, {"pos_ptr": i64, "slot_ptr": i64, "rows_ptr": i64, "valid_ptr": "*i8",
+    slots = compile_sm90(ks._entry_slots_kernel, {"pos_ptr": i64, "slot_ptr": i64, "rows_ptr": i64,
                                                   "table_ptr": "*i32", "floor_ptr": i64, "out_block_ptr": i64,
                                                   "out_at_ptr": i64,
                                                   **{a: "i32" for a in ("C", "stride_t", "max_blocks", "ratio",
@@ -363,3 +363,34 @@ def test_step_index_kernels_compile_for_sm90(has_rows):
                         dict(BLOCK_C=512, BLOCK_K=8), num_warps=4)
     for kernel in (ring, slots, index, ring_slots, pick):
         assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("dtype,fill,block_w", [("fp32", "fp32", 512), ("bf16", "fp32", 4096), ("i64", "i64", 1)])
+def test_gather_rows_compiles_for_sm90(dtype, fill, block_w):
+    """gather_rows (kernels/gather_triton.py) for a compressor's fp32 pending rows, a bf16 store and the int64
+    token-id look-back, at its widest column block and at one column: compiles, fits an SM, no spills."""
+    from deepinfer.kernels import gather_triton as kg
+    kernel = compile_sm90(kg._gather_rows_kernel, {"ring_ptr": f"*{dtype}", "new_ptr": f"*{dtype}", "index_ptr": "*i64",
+                                                   "out_ptr": f"*{dtype}", "L": "i32", "W": "i32", "R": "i32",
+                                                   "stride_r": "i32", "stride_n": "i32", "fill": fill},
+                          dict(BLOCK_R=kg.BLOCK_ELEMENTS // block_w, BLOCK_W=block_w), num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("bins,bm", [(512, 16), (1024, 64)])
+def test_tile_table_compiles_for_sm90(bins, bm):
+    """The experts' one-launch tile table (kernels/experts_triton.py) for V4.1's 384 experts and the largest table
+    a program holds: compiles, fits an SM, no spills."""
+    kernel = compile_sm90(kt._tile_table_kernel, {"offsets_ptr": "*i64", "out_ptr": "*i32", "T": "i32", "E": "i32",
+                                                  "last_row": "i32"},
+                          dict(BM=bm, BLOCK_T=kt.TILE_BLOCK, BINS=bins), num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_swiglu_compiles_for_sm90(dtype):
+    """The dense MLP activation kernel (kernels/experts_triton.py) at its widest block: compiles, no spills."""
+    kernel = compile_sm90(kt._swiglu_kernel, {"gate_ptr": f"*{dtype}", "up_ptr": f"*{dtype}", "out_ptr": "*fp32",
+                                              "N": "i32", "sg": "i32", "su": "i32", "limit": "fp32"},
+                          dict(BLOCK=1024), num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

@@ -67,7 +67,8 @@ def old_route(x, weight, bias, top_k, score_func, scale, temp, normalize, tid2ei
 
 
 def old_dispatch(ids, weights, n_experts, logical_to_physical=None):
-    """LocalDispatch.dispatch's permutation as it was -> (expert_ids, offsets, order, inverse, sorted weights)."""
+    """LocalDispatch.dispatch's permutation as it was -> (expert_ids, offsets, order, inverse, sorted weights, rows
+    each sorted pair reads)."""
     n, k = ids.shape
     ids, perm = ids.sort(dim=1, stable=True)
     weights = weights.gather(1, perm).reshape(-1)
@@ -75,7 +76,7 @@ def old_dispatch(ids, weights, n_experts, logical_to_physical=None):
     expert_ids, order = phys.reshape(-1).sort(stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k))
     offsets = torch.searchsorted(expert_ids, torch.arange(n_experts + 1))
-    return expert_ids, offsets, order, inverse, weights.index_select(0, order)
+    return expert_ids, offsets, order, inverse, weights.index_select(0, order), order // k
 
 
 # ------------------------------------------------------------------------------------------------- inputs
@@ -191,9 +192,10 @@ def test_permute_reference_equals_old_dispatch(case):
             continue
         with use(name):
             assert _equal(routing.permute(ids, weights, e, l2p), want), name
-    expert_ids, offsets, order, inverse, _ = want
+    expert_ids, offsets, order, inverse, _, rows = want
     assert torch.equal(order[inverse], torch.arange(ids.numel()))
     assert offsets[-1] == ids.numel() and torch.equal(offsets.diff(), torch.bincount(expert_ids, minlength=e))
+    assert torch.equal(rows, torch.arange(ids.shape[0]).repeat_interleave(ids.shape[1])[order])
 
 
 def test_local_dispatch_uses_permute():
@@ -202,7 +204,7 @@ def test_local_dispatch_uses_permute():
     disp.logical_to_physical = l2p
     x = torch.randn(ids.shape[0], 5)
     d = disp.dispatch(x, weights, ids)
-    expert_ids, offsets, order, inverse, sorted_w = old_dispatch(ids, weights, e, l2p)
+    expert_ids, offsets, order, inverse, sorted_w, _ = old_dispatch(ids, weights, e, l2p)
     assert _equal((d.expert_ids, d.offsets, d.order, d.inverse, d.weights),
                   (expert_ids, offsets, order, inverse, sorted_w))
     assert torch.equal(d.x, x[order // ids.shape[1]])
@@ -249,22 +251,27 @@ def test_permute_kernels_compile_for_sm90_without_a_masked_histogram():
     from triton.compiler import ASTSource
 
     div16 = [["tt.divisibility", 16]]
-    common = dict(K=6, HAS_MAP=False, BLOCK_ROWS=routing_triton.PERMUTE_BLOCK_ROWS, K_PAD=8, PDL=True)
-    kernels = {
-        routing_triton._expert_histogram_kernel: ({"ids_ptr": "*i64", "l2p_ptr": "*i64", "counts_ptr": "*i32", "N": "i32",
-                                            "E": "i32"}, dict(common, BINS=512)),
-        routing_triton._permute_scatter_kernel: ({"ids_ptr": "*i64", "w_ptr": "*fp32", "l2p_ptr": "*i64", "delta_ptr": "*i64",
-                                           "expert_ids_ptr": "*i64", "order_ptr": "*i64", "inverse_ptr": "*i64",
-                                           "sorted_w_ptr": "*fp32", "N": "i32", "E": "i32"}, common),
-    }
-    for kernel, (runtime, consts) in kernels.items():
+    common = dict(K=6, HAS_MAP=False, BLOCK_ROWS=routing_triton.PERMUTE_BLOCK_ROWS, K_PAD=8, BINS=512, PDL=True)
+    scatter = {"ids_ptr": "*i64", "w_ptr": "*fp32", "l2p_ptr": "*i64", "delta_ptr": "*i64", "expert_ids_ptr": "*i64",
+               "order_ptr": "*i64", "inverse_ptr": "*i64", "sorted_w_ptr": "*fp32", "rows_ptr": "*i64",
+               "offsets_ptr": "*i64", "N": "i32", "E": "i32"}
+    kernels = [                  # the histogram of several blocks; the scatter, and the one-block permute
+        (routing_triton._expert_histogram_kernel, {"ids_ptr": "*i64", "l2p_ptr": "*i64", "counts_ptr": "*i32",
+                                                   "N": "i32", "E": "i32"}, common),
+        (routing_triton._permute_scatter_kernel, scatter, dict(common, SINGLE=False)),
+        (routing_triton._permute_scatter_kernel, scatter, dict(common, SINGLE=True)),
+    ]
+    histograms = 0
+    for kernel, runtime, consts in kernels:
         names = kernel.arg_names
         signature = {a: "constexpr" if a in consts else runtime[a] for a in names}
         attrs = {(i,): div16 for i, a in enumerate(names) if a in runtime and a != "N"}     # N = 37: not 16-divisible
         ttgir = triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32)).asm["ttgir"]
         for line in ttgir.splitlines():
             if "tt.histogram" in line:
+                histograms += 1
                 assert re.search(r"tt\.histogram %[\w.]+ :", line), line.strip()
+    assert histograms == 2                       # the histogram kernel's and the one-block scatter's
 
 
 if INTERPRETER:
@@ -477,6 +484,24 @@ if INTERPRETER:
         _reorder_histogram_inputs(monkeypatch)
         _garbage_empty(monkeypatch)
         assert _equal(routing_triton._permute_triton(ids, weights, e, l2p), want)
+
+    def test_interp_permute_of_one_block_is_one_launch(monkeypatch):
+        """Rows that fit one block (decode up to PERMUTE_BLOCK_ROWS sequences) permute in the scatter kernel alone:
+        it writes the offsets from its own histogram, so the histogram kernel and the torch prefix sums between
+        the two kernels (about 11 launches a MoE layer) do not run."""
+        class NotLaunched:
+            def __getitem__(self, grid):
+                raise AssertionError("the histogram kernel ran for rows that fit one block")
+
+        ids, weights = routing_ids(37, 6, 384, torch.Generator().manual_seed(4))
+        want = old_dispatch(ids, weights, 384, None)
+        monkeypatch.setattr(routing_triton, "_expert_histogram_kernel", NotLaunched())
+        _reorder_histogram_inputs(monkeypatch)
+        _garbage_empty(monkeypatch)
+        assert _equal(routing_triton._permute_triton(ids, weights, 384, None), want)
+        monkeypatch.setattr(routing_triton, "PERMUTE_BLOCK_ROWS", 16)                 # three blocks: it must run
+        with pytest.raises(AssertionError, match="histogram kernel ran"):
+            routing_triton._permute_triton(ids, weights, 384, None)
 
     @pytest.mark.parametrize("n,e", [(1, 256), (1, 255), (37, 384), (130, 12)])
     def test_interp_permute_h200_shapes(n, e, monkeypatch):

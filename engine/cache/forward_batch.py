@@ -4,13 +4,11 @@ A step feeds G segments; segment g is n_g new tokens of the sequence in slot s_g
 positions, so its rows (o_g .. o_g + n_g - 1 of the flat batch of N rows) sit at positions a_g .. a_g + n_g - 1.
 Prefill chunks, decode rows (n = 1) and verify rows (n = q + 1) are all segments; each row attends causally.
 
-A position tp < a_g of segment g lives in the pools, a position tp >= a_g in this step's rows. The attention
-window reads its ring pool in place (`window_index`: rows of a kernels.attention.SplitStore of the flattened
-ring, then the step's new latents; the ring is written after the attention). The compressors' pending rings go
-through a per-step *store*: a ring's rows of the step's segments, followed by the step's new values,
-`[G * span + N, width]`; `positions_index` turns positions into rows of such a store (-1: before position 0).
-Rows write rings only for the last `span` positions of their segment (the others would collide); writes that
-must go nowhere land on scratch slot / block 0.
+A position tp < a_g of segment g lives in the pools, a position tp >= a_g in this step's rows. Every ring (an
+attention window, a compressor's pending rows, a look-back of token ids) is read in place (`window_index`: rows of
+a kernels.attention.SplitStore of the flattened ring, then the step's new values; -1 before position 0) and
+written after the read. Rows write rings only for the last `span` positions of their segment (the others would
+collide); writes that must go nowhere land on scratch slot / block 0.
 
 A ragged batch may mark segments `last_only`: only their last row's output is needed, so a model that can
 (V4.1's YOCO truncation) runs its later layers on a shrinking suffix of those segments (`keep_last`), or, with
@@ -18,7 +16,7 @@ A ragged batch may mark segments `last_only`: only their last row's output is ne
 
 Three ways to build one: `ragged` (host lists of any segment sizes; compact per-step lists, e.g. only the rows
 that close a compressor window), `uniform` (G segments of q rows from device tensors, static shapes: what a
-CUDA graph captures; per-row masks instead of compact lists) and `varlen` (G segments whose lengths are a device
+CUDA graph captures; every row where a ragged step lists some) and `varlen` (G segments whose lengths are a device
 tensor, N rows in all: a variable-length verify step under a CUDA graph). The static kinds write every row's
 ring entry: their segments are at most a ring long (speculation gives every ring draft-length slack). Index tensors are built once per step, on first
 use, and shared by every layer.
@@ -152,33 +150,16 @@ class ForwardBatch:
             self._cache[key] = build()
         return self._cache[key]
 
-    # ---- reading state: positions -> rows of a per-step store ----
-    def store(self, ring: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """ring [S, span, w] and this step's values new [N, w] -> the store [G*span + N, w] positions_index
-        points into (the ring rows of the step's segments, then the new rows)."""
-        return torch.cat([ring[self.seg_slots].flatten(0, 1), new.to(ring.dtype)])
-
-    def window_index(self, count: int, span: int, ring_rows: int) -> torch.Tensor:
-        """For each row at position p, the `count` positions p-count+1 .. p (oldest first) as rows of a
-        kernels.attention.SplitStore: a position before the row's segment start is its ring row slot * span +
-        tp % span of the ring pool flattened (ring_rows = slots * span rows, read in place: the ring is written
-        after the attention), a position of this step is ring_rows + its row -> [N, count] int64, -1 before 0."""
-        return self._cached(("window", count, span, ring_rows), lambda: self._window_index(count, span, ring_rows))
-
-    def _window_index(self, count: int, span: int, ring_rows: int) -> torch.Tensor:
-        return step_index.ring_index(self.positions, self.row_start, self.row_first, self.row_slot, None, ring_rows,
-                                     count, span)
-
-    def positions_index(self, rows: torch.Tensor | None, count: int, span: int) -> torch.Tensor:
-        """For each row in `rows` [C] (None: all rows) at position p, the `count` positions p-count+1 .. p (oldest
-        first) as rows of a store of ring span `span` -> [C, count] int64, -1 before position 0. Positions
-        older than the segment's start must still be in the ring (count - 1 <= span)."""
-        return self._cached(("pos", None if rows is None else id(rows), count, span),
-                            lambda: self._positions_index(rows, count, span))
-
-    def _positions_index(self, rows, count: int, span: int) -> torch.Tensor:
-        return step_index.ring_index(self.positions, self.row_start, self.row_first, self.row_seg, rows,
-                                     self.num_segments * span, count, span)
+    # ---- reading rings in place: positions -> rows of a SplitStore ----
+    def window_index(self, count: int, span: int, ring_rows: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """For each row in `rows` [C] (None: every row) at position p, the `count` positions p-count+1 .. p (oldest
+        first) as rows of a kernels.attention.SplitStore: a position before the row's segment start is its ring
+        row slot * span + tp % span of the ring pool flattened (ring_rows = slots * span rows, read in place: the
+        ring is written after the read), a position of this step is ring_rows + its row -> [C, count] int64, -1
+        before 0."""
+        return self._cached(("window", None if rows is None else id(rows), count, span, ring_rows),
+                            lambda: step_index.ring_index(self.positions, self.row_start, self.row_first,
+                                                          self.row_slot, rows, ring_rows, count, span))
 
     # ---- writing rings ----
     def write_ring(self, ring: torch.Tensor, new: torch.Tensor) -> None:
@@ -221,42 +202,48 @@ class ForwardBatch:
         ring[self.row_slot[rows], self.positions[rows] % ring.shape[1]] = new.to(ring.dtype)
 
     # ---- compressed entries ----
-    def closing_rows(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows whose position closes a window of `ratio` positions ((p + 1) % ratio == 0) -> (rows [C], valid
-        [C]): a compact list when ragged; every row with a mask when static."""
-        return self._cached(("close", ratio), lambda: self._closing_rows(ratio))
+    @staticmethod
+    def picked(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """t [N, ...] at `rows` [C] (None: every row, no launch) -> [C, ...]."""
+        return t if rows is None else t[rows]
 
-    def _closing_rows(self, ratio: int):
-        if self.is_static:
-            return (torch.arange(self.num_rows, device=self.positions.device),
-                    (self.positions + 1) % ratio == 0)
+    def closing_rows(self, ratio: int) -> torch.Tensor | None:
+        """Rows whose position closes a window of `ratio` positions ((p + 1) % ratio == 0) -> [C] int64, a compact
+        list when ragged; None when static: every row, the ones closing none written to scratch (`write_entries`)
+        and pooled for nothing, which costs no launch where a mask would cost four."""
+        return None if self.is_static else self._cached(("close", ratio), lambda: self._closing_rows(ratio))
+
+    def _closing_rows(self, ratio: int) -> torch.Tensor:
         rows, o = [], 0
         for a, n in zip(self.host[1], self.host[2]):
             first = a + (-(a + 1)) % ratio                    # first position >= a with (p + 1) % ratio == 0
             rows.extend(range(o + first - a, o + n, ratio))
             o += n
-        dev = self.positions.device
-        rows = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
-        return rows, torch.ones(rows.shape[0], dtype=torch.bool, device=dev)
+        return torch.tensor(rows, dtype=torch.long).to(self.positions.device, non_blocking=True)
 
-    def write_entries(self, store: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, ratio: int,
-                      new: torch.Tensor) -> None:
-        """Entries new [C, w] closed by `rows` (entry p // ratio of each row's sequence) into store
-        [NB, E, w]; invalid ones, and those below their slot's write floor (a prefix hit's replay), to scratch
-        block 0."""
+    def window_starts(self, rows: torch.Tensor | None, ratio: int) -> torch.Tensor:
+        """The first position of the window each row of `rows` (`closing_rows`) closes, p + 1 - ratio -> [C] (a
+        static step's rows closing none get a value whose entry goes to scratch)."""
+        pos = self.picked(self.positions, rows)
+        return pos if ratio == 1 else pos + (1 - ratio)
+
+    def write_entries(self, store: torch.Tensor, rows: torch.Tensor | None, ratio: int, new: torch.Tensor) -> None:
+        """Entries new [C, w] of `rows` (`closing_rows`; None: every row) into store [NB, E, w] at entry p // ratio
+        of each row's sequence; a row closing no window, and one below its slot's write floor (a prefix hit's
+        replay), to scratch block 0."""
         per_block = store.shape[1]
-        block, at = self._cached(("entry_rows", id(rows), id(valid), ratio, per_block),
-                                 lambda: self._entry_rows(rows, valid, ratio, per_block))[:2]
+        block, at = self._cached(("entry_rows", None if rows is None else id(rows), ratio, per_block),
+                                 lambda: self._entry_rows(rows, ratio, per_block))[:2]
         store[block, at] = new.to(store.dtype)
 
-    def _entry_rows(self, rows: torch.Tensor, valid: torch.Tensor, ratio: int, per_block: int):
-        """(store block, row in the block) of the entries `rows` close (invalid ones and those below their slot's
-        write floor to scratch), and rows / valid themselves (kept alive with the step's cache, so the ids in its
-        key stay theirs): the stores of one ratio share them."""
+    def _entry_rows(self, rows: torch.Tensor | None, ratio: int, per_block: int):
+        """(store block, row in the block) of the entries `rows` close (rows closing none and those below their
+        slot's write floor to scratch), and rows itself (kept alive with the step's cache, so the id in its key
+        stays its): the stores of one ratio share them."""
         pools = self.pools
-        block, at = step_index.entry_slots(self.positions, self.row_slot, rows, valid, pools.block_table,
-                                           pools.write_floor, ratio, per_block, pools.block_tokens, SCRATCH)
-        return block, at, rows, valid
+        block, at = step_index.entry_slots(self.positions, self.row_slot, rows, pools.block_table, pools.write_floor,
+                                           ratio, per_block, pools.block_tokens, SCRATCH)
+        return block, at, rows
 
     def entry_index(self, ratio: int, per_block: int) -> torch.Tensor:
         """[N, J] rows of the flattened entry store [NB * per_block, w] of entries 0 .. J-1 of each row's

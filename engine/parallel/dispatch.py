@@ -67,8 +67,9 @@ class LocalDispatch:
         record(self.name, ids)
         n, k = ids.shape
         # slots of each row in ascending logical id (the combine order), then stably grouped by physical expert
-        expert_ids, offsets, order, inverse, weights = permute(ids, weights, self.n_experts, self.logical_to_physical)
-        return Dispatched(x=x.index_select(0, order // k), weights=weights,
+        expert_ids, offsets, order, inverse, weights, rows = permute(ids, weights, self.n_experts,
+                                                                     self.logical_to_physical)
+        return Dispatched(x=x.index_select(0, rows), weights=weights,
                           expert_ids=expert_ids, offsets=offsets, order=order, inverse=inverse, n_rows=n, top_k=k)
 
     def combine(self, y: torch.Tensor, d: Dispatched, shared: torch.Tensor | None = None,

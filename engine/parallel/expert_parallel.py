@@ -134,7 +134,7 @@ class ExpertSlots:
         grouped by local slot: (x [m, D], weights [m], local slot ids [m], offsets [count + 1], order [M],
         inverse [M]). The pairs go in as one column, so no pair moves within its row."""
         count = self.shard.count
-        local, offsets, order, inverse, w = permute(slots.view(-1, 1), weights.reshape(-1, 1), count + 1,
+        local, offsets, order, inverse, w, _ = permute(slots.view(-1, 1), weights.reshape(-1, 1), count + 1,
                                                     self.bucket(slots.device))
         m = int(offsets[count])                      # host read: this rank's pair count
         return x_source.index_select(0, order[:m] // k), w[:m], local[:m], offsets[:count + 1], order, inverse

@@ -97,7 +97,7 @@ class RankViewDispatch(ExpertSlots):
         slots = torch.cat([own, others.slots])
         rows = torch.cat([torch.arange(n * k, device=x.device) // k, others.rows])
         w = torch.cat([weights.reshape(-1), others.weights.to(weights.dtype)])
-        local, offsets, order, inverse, w = permute(slots.view(-1, 1), w.view(-1, 1), self.shard.count + 1,
+        local, offsets, order, inverse, w, _ = permute(slots.view(-1, 1), w.view(-1, 1), self.shard.count + 1,
                                                     self.bucket(x.device))
         if not _capturing(x):            # a boolean mask reads the host: traffic is recorded by the eager steps
             record(self.name, local[local < self.shard.count].view(-1, 1))   # the local slots this rank computes

@@ -135,7 +135,7 @@ def pool(comp, kv: torch.Tensor, gate: torch.Tensor, start: int, state: Compress
     kv = kv[: n_closed * r].view(n_closed, r, -1)
     score = score[: n_closed * r].view(n_closed, r, -1)
     prev_a = _predecessors(comp, kv, score, state) if comp.overlap else None
-    return comp.entries(kv, score, prev_a, torch.arange(n_closed, device=kv.device) + start // r, rope)
+    return comp.entries(kv, score, prev_a, (torch.arange(n_closed, device=kv.device) + start // r) * r, rope)
 
 
 def _predecessors(comp, kv: torch.Tensor, score: torch.Tensor, state: CompressorState):

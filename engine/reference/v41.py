@@ -197,7 +197,7 @@ def _publish(attn, st: LayerState, x: torch.Tensor, sh: dict) -> None:
     products replace the previous group's."""
     latents = _latents(attn.compressor, x, st.compressor)
     n0 = st.compressor.num_entries()
-    entries, keys = attn.compress(latents, n0 + torch.arange(latents.shape[0], device=x.device))
+    entries, keys = attn.compress(latents, (n0 + torch.arange(latents.shape[0], device=x.device)) * attn.ratio)
     st.compressor.entries = _append(st.compressor.entries, entries)
     if st.indexer is not None:
         st.indexer.entries = _append(st.indexer.entries, keys)

@@ -111,3 +111,40 @@ def test_fold_is_exact_within_fourteen_binades_and_measured_beyond():
         x, ids, offsets, r = routed_rows(4, 2, 128, torch.float32, gen)
         err = rel_err(kt.run(x, offsets, r, ew2, kt.DECODE), kx._reference(x, ids, offsets, r, ew2).double())
         assert err <= bound, (span, err)
+
+
+@pytest.mark.parametrize("experts,rows,bm", [(384, 6, 16), (384, 1536, 16), (12, 40, 64), (256, 300, 64), (5, 0, 16),
+                                             (1, 33, 16), (384, 49152, 64)])
+def test_tile_table_kernel_equals_the_torch_table(experts, rows, bm):
+    """One launch builds the torch formulation's table bit for bit: experts with no rows, one expert holding every
+    row, unused tiles past the last expert's (their row count 0, row and expert clamped as the torch table does),
+    V4.1's 384 experts at decode and prefill sizes."""
+    g = torch.Generator().manual_seed(experts + rows + bm)
+    if rows and experts > 1:
+        counts = torch.bincount(torch.randint(0, experts, (rows,), generator=g), minlength=experts)
+        counts[torch.randperm(experts, generator=g)[: experts // 3]] = 0       # a third of the experts get none
+        counts[0] += rows - int(counts.sum())
+    else:
+        counts = torch.full((experts,), rows // max(experts, 1), dtype=torch.long)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    n = int(offsets[-1])
+    want, got = kt._tile_table(offsets, bm, n), kt.tile_table(offsets, bm, n)
+    assert all(a.dtype == torch.int32 and torch.equal(a, b) for a, b in zip(got, want))
+    assert int(got[2].sum()) == n and bool((got[2] == 0).any()) == (got[2].shape[0] > int((got[2] > 0).sum()))
+
+
+@pytest.mark.parametrize("m,n,limit,dtype", [(1, 2048, 10.0, torch.float32), (5, 1500, 0.0, torch.float16),
+                                             (33, 64, 7.0, torch.float32)])
+def test_swiglu_kernel_equals_the_reference(m, n, limit, dtype):
+    """The dense MLP's activation in one launch: fp32 out, within an ulp or two of torch's silu (exp differs), the
+    clamps exactly (values past +-limit in the case), widths not a multiple of the block, fp16 inputs upcast."""
+    g = torch.Generator().manual_seed(m * n)
+    gate, up = (torch.randn(m, n, generator=g) * 8).to(dtype), (torch.randn(m, n, generator=g) * 8).to(dtype)
+    want, got = kx._swiglu(gate, up, limit), kt.swiglu_triton(gate, up, limit)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if limit:
+        assert bool((gate.float() > limit).any()) and bool((up.float().abs() > limit).any())
+    with use("triton") as table:                           # the op's entry reaches the kernel
+        assert table.backends["swiglu"] == "triton"
+        torch.testing.assert_close(kx.swiglu(gate, up, limit), want, rtol=1e-6, atol=1e-6)

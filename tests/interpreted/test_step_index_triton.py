@@ -1,7 +1,7 @@
 """kernels/step_index_triton.py in Triton's interpreter against the torch reference (kernels/step_index.py): the same
 integers on random step layouts: segments of 1 to 9 rows at positions 0 to 300 (rows before position 0, rows
 inside and before their segment, windows longer than the segment), row subsets, counts and index widths that are
-not a multiple of a block, invalid closing rows, write floors above and below the rows, the block column clamped."""
+not a multiple of a block, rows closing no entry, write floors above and below the rows, the block column clamped."""
 
 from __future__ import annotations
 
@@ -75,14 +75,20 @@ def test_entry_slots(segments, ratio, per_block, subset):
     lay = _layout(segments * 13 + ratio, segments)
     table, floor = _pools(lay)
     rows = _rows(lay, subset)
-    c = lay["n"] if rows is None else rows.shape[0]
-    valid = torch.rand(c, generator=lay["g"]) < 0.7
+    first = 0 if rows is None else int(rows[0])       # that row closes a window and writes above its floor
+    lay["pos"] += (ratio - 1 - int(lay["pos"][first])) % ratio
+    floor[lay["slot"][first]] = 0
     block_tokens = ratio * per_block          # as the pools lay blocks out; (4, 2, 8): 16-position blocks
-    args = (lay["pos"], lay["slot"], rows, valid, table, floor, ratio, per_block, block_tokens, SCRATCH)
+    args = (lay["pos"], lay["slot"], rows, table, floor, ratio, per_block, block_tokens, SCRATCH)
     want, got = ref._entry_slots(*args), kt.entry_slots_triton(*args)
     assert all(a.dtype == torch.long and torch.equal(a, b) for a, b in zip(got, want))
-    assert (want[0] == SCRATCH).any() and (want[0] != SCRATCH).any()     # scratch rows and written rows
+    assert (want[0] != SCRATCH).any()                                        # written rows
     picked = lay["pos"] if rows is None else lay["pos"][rows]
+    closes = (picked + 1) % ratio == 0
+    if ratio > 1:
+        assert bool((~closes).any()) and bool((want[0][~closes] == SCRATCH).all())    # rows closing no window
+    below = picked < floor[lay["slot"] if rows is None else lay["slot"][rows]]
+    assert bool((want[0][below] == SCRATCH).all())                                 # rows below their floor
     if per_block == 8:                        # positions past the 6 columns' 96: the column clamp is in the case
         assert (picked // block_tokens > table.shape[1] - 1).any()
 

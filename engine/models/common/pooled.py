@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.attention import SplitStore
+from deepinfer.kernels.gather import gather_rows
 from deepinfer.kernels.indexer import top_k_indices
 from deepinfer.kernels.step_index import entry_pick
 
@@ -24,22 +25,21 @@ def window_source(batch: ForwardBatch, ring: torch.Tensor, kv: torch.Tensor, win
     return SplitStore(flat, kv.to(ring.dtype)), batch.window_index(window, ring.shape[1], flat.shape[0])
 
 
-def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor
+def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A compressor's windows: this step's kv, score [N, w] (>= fp32) join the pending rings `{name}.pending_kv` /
-    `.pending_score` [S, span, w]; each row in `rows` [C] gets the `span` positions ending at its own, oldest
-    first -> (kv, score) [C, span, w]. A slot before position 0 (window 0's predecessor) has kv 0 and the lowest
-    finite score, so it weighs 0 and an all-missing window pools to finite garbage, never NaN. Then writes kv and
-    score into the rings."""
+    `.pending_score` [S, span, w]; each row in `rows` [C] (None: every row) gets the `span` positions ending at its
+    own, oldest first -> (kv, score) [C, span, w]. A slot before position 0 (window 0's predecessor) has kv 0 and
+    the lowest finite score, so it weighs 0 and an all-missing window pools to finite garbage, never NaN. The rings
+    are read in place, then kv and score are written into them."""
     pend_kv, pend_score = batch.pools.rings[f"{name}.pending_kv"], batch.pools.rings[f"{name}.pending_score"]
     span = batch.pools.spans[f"{name}.pending_kv"]                                  # the ring may hold more
-    kv_store, score_store = batch.store(pend_kv, kv), batch.store(pend_score, score)
-    batch.write_ring(pend_kv, kv)
+    flat_kv, flat_score = pend_kv.flatten(0, 1), pend_score.flatten(0, 1)           # views: [S * ring span, w]
+    index = batch.window_index(span, pend_kv.shape[1], flat_kv.shape[0], rows)      # [C, span]
+    win_kv = gather_rows(SplitStore(flat_kv, kv), index, 0.0)
+    win_score = gather_rows(SplitStore(flat_score, score), index, torch.finfo(score.dtype).min)
+    batch.write_ring(pend_kv, kv)                # after the reads: a row's write could overwrite a slot they read
     batch.write_ring(pend_score, score)
-    slots = batch.positions_index(rows, span, pend_kv.shape[1])                      # [C, span]
-    present = (slots >= 0).unsqueeze(-1)
-    win_kv = torch.where(present, kv_store[slots.clamp(min=0)], 0)
-    win_score = torch.where(present, score_store[slots.clamp(min=0)], torch.finfo(score.dtype).min)
     return win_kv, win_score
 
 

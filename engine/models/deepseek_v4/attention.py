@@ -90,13 +90,13 @@ class Attention(LatentAttention):
         closes a window pools it (with overlap: the previous window's A halves first) into the stream's entry
         p // r. Rows of a window before this step come from the pending rings."""
         r, d = comp.ratio, comp.head_dim
-        rows, valid = batch.closing_rows(r)
+        rows = batch.closing_rows(r)                                            # None: every row
         win_kv, win_score = open_windows(batch, name, upcast(kv), comp.scores(gate, batch.positions), rows)
         prev_a = (win_kv[:, :r, :d], win_score[:, :r, :d]) if comp.overlap else None
         cur_kv, cur_score = (win_kv[:, r:], win_score[:, r:]) if comp.overlap else (win_kv, win_score)
-        new = self.final_entries(comp.entries(cur_kv, cur_score, prev_a, batch.positions[rows] // r, self.rope),
+        new = self.final_entries(comp.entries(cur_kv, cur_score, prev_a, batch.window_starts(rows, r), self.rope),
                                  quantize)
-        batch.write_entries(batch.pools.entries[name], rows, valid, r, new)
+        batch.write_entries(batch.pools.entries[name], rows, r, new)
 
     def project(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         """The per-token part, batched over every row: x [N, D], rotary = the rows' (cos, sin) -> (q [N, H, d] roped,

@@ -39,15 +39,16 @@ class Compressor(nn.Module):
         return upcast(gate) + self.ape[positions % self.ratio]
 
     def entries(self, kv: torch.Tensor, score: torch.Tensor, prev_a: tuple[torch.Tensor, torch.Tensor] | None,
-                windows: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        """Closed windows kv, score [n, r, c*d] with window indices `windows` [n] -> entries [n, d] fp32 (normed
-        and roped at windows * r). With overlap, prev_a = (kv, score) [n, r, d]: the A halves each window pools
-        from its predecessor (zero weight for window 0); they come first, then this window's B halves."""
+                starts: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        """Closed windows kv, score [n, r, c*d] starting at positions `starts` [n] (window w: w * r) -> entries
+        [n, d] fp32 (normed and roped at starts). With overlap, prev_a = (kv, score) [n, r, d]: the A halves each
+        window pools from its predecessor (zero weight for window 0); they come first, then this window's B
+        halves."""
         if self.overlap:
             d = self.head_dim
             kv, score = torch.cat([prev_a[0], kv[..., d:]], dim=1), torch.cat([prev_a[1], score[..., d:]], dim=1)
         pooled = softmax_pool(kv, score)                                  # [n, d]
-        return apply_rope(self.norm(pooled), *rope(windows * self.ratio))
+        return apply_rope(self.norm(pooled), *rope(starts))
 
 
 class Indexer(nn.Module):

@@ -111,22 +111,22 @@ class AttentionV41(LatentAttention):
         """KV source: every row closing a group pools it (from the pending rings and this step's rows) and writes
         entry p // r and its index key; the group's stores replace the previous group's in batch.shared."""
         pools, r, comp = batch.pools, self.ratio, self.compressor
-        rows, valid = batch.closing_rows(r)
+        rows = batch.closing_rows(r)                                            # None: every row
         if comp.wgate is None:                                                  # ratio 1: every token is a group
-            latents = comp.norm(comp.wkv(x[rows]))
+            latents = comp.norm(comp.wkv(batch.picked(x, rows)))
         else:
             kv, gate = comp.project(x)                                          # [N, d] each, >= fp32
             latents = comp.pool(*open_windows(batch, f"{self.layer}.kv", kv, gate, rows), x.dtype)   # [C, r, d]
-        entries, keys = self.compress(latents, batch.positions[rows] // r)
+        entries, keys = self.compress(latents, batch.window_starts(rows, r))
         store = pools.entries[f"{self.layer}.kv"]
-        batch.write_entries(store, rows, valid, r, entries)
+        batch.write_entries(store, rows, r, entries)
         sh = batch.shared
         sh.clear()
         sh["entries"], sh["per_block"] = store.flatten(0, 1), store.shape[1]
         sh["keys"] = None
         if keys is not None:
             key_store = pools.entries[f"{self.layer}.index"]
-            batch.write_entries(key_store, rows, valid, r, keys)
+            batch.write_entries(key_store, rows, r, keys)
             sh["keys"] = key_store.flatten(0, 1)
 
     def _select_pooled(self, index_q: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
@@ -156,10 +156,9 @@ class AttentionV41(LatentAttention):
             sh["candidates"] = _Kept(torch.cat(published), at, False)
         sh["selected"] = _Kept(selected, at, -1)                                   # -1: no entry
 
-    def compress(self, latents: torch.Tensor, entry_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """KV source: pre-RoPE latents [n, d] of groups entry_ids [n] -> (cache entries [n, d], index keys
-        [n, dI] or None without an indexer); group j is roped at position j*ratio."""
-        pos = entry_ids * self.ratio
+    def compress(self, latents: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """KV source: pre-RoPE latents [n, d] of the groups starting at positions pos [n] (multiples of the ratio)
+        -> (cache entries [n, d], index keys [n, dI] or None without an indexer), roped at pos."""
         entries = apply_rope(latents, *self.rope_compress(pos))
         if self.qat_fake_quant:
             entries = quantize_entry(entries)

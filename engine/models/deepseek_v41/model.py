@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.kernels.attention import SplitStore
+from deepinfer.kernels.gather import gather_rows
+
 from ...cache.forward_batch import ForwardBatch
 from ...cache.spec import Ring, StateSpec
 from ...config.deepseek_v41 import DeepseekV41Config
@@ -162,11 +165,11 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         hasher = self.bound_hasher()
         ring = batch.pools.rings["engram"]                                     # [S, n-1, 1]
         ids = hasher.compressed(input_ids).unsqueeze(1)                        # [N, 1]
-        store = batch.store(ring, ids).squeeze(1)
         back = batch.pools.spans["engram"]                                     # n - 1 (the ring may hold more)
-        at = batch.positions_index(None, back + 1, ring.shape[1])              # [N, n] oldest first
-        window = torch.where(at >= 0, store[at.clamp(min=0)], BLOCKED).flip(1)
-        batch.write_ring(ring, ids)
+        flat = ring.flatten(0, 1)                                              # a view: [S * ring span, 1]
+        at = batch.window_index(back + 1, ring.shape[1], flat.shape[0])        # [N, n] oldest first
+        window = gather_rows(SplitStore(flat, ids), at, BLOCKED).squeeze(-1).flip(1)
+        batch.write_ring(ring, ids)                                            # after the read
         return hasher.hash_window(window)
 
     def bound_hasher(self) -> EngramHasher:
