@@ -1,5 +1,6 @@
 """The matmul_ogs call of FP4 experts held in triton_kernels' Hopper layout (kernels/experts_ogs.py says what the
-layout is, why and when), and the one kernel of its own: the gated activation between the GEMMs."""
+layout is, why and when), and the one kernel of its own: the gated activation between the GEMMs (also the `swiglu`
+op's kernel)."""
 
 from __future__ import annotations
 
@@ -58,23 +59,28 @@ def run(x: torch.Tensor, offsets: torch.Tensor, route_weights: torch.Tensor, ew:
 
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, r: torch.Tensor, limit: float) -> torch.Tensor:
-    """h = r * swiglu(gate, up, limit) in fp32, rounded to gate's dtype: gate, up [M, I], r [M] -> [M, I]
-    (kernels/experts.py swiglu: gate clamped above at limit, up to +-limit; limit <= 0: no clamp)."""
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, r: torch.Tensor | None, limit: float,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """h = r * swiglu(gate, up, limit) in fp32 (r None: no product), stored in out_dtype (None: gate's dtype):
+    gate, up [M, I] (columns contiguous), r [M] -> [M, I] (kernels/experts.py swiglu: gate clamped above at limit,
+    up to +-limit; limit <= 0: no clamp). The experts' activation between matmul_ogs's GEMMs, and the `swiglu`
+    op's (kernels/experts_triton.py `swiglu_triton`: fp32 out, no r)."""
     m, n = gate.shape
-    h = torch.empty(m, n, dtype=gate.dtype, device=gate.device)
-    if m == 0:
+    h = torch.empty(m, n, dtype=out_dtype or gate.dtype, device=gate.device)
+    if m == 0 or n == 0:
         return h
     block = min(1024, pow2(n))
-    _gated_activation[(m, triton.cdiv(n, block))](gate, up, r, h, n, gate.stride(0), up.stride(0), h.stride(0),
-                                                  float(limit), BLOCK=block, num_warps=4, **pdl(gate.device))
+    _gated_activation[(m, triton.cdiv(n, block))](gate, up, gate if r is None else r, h, n, gate.stride(0),
+                                                  up.stride(0), h.stride(0), float(limit), HAS_R=r is not None,
+                                                  BLOCK=block, num_warps=4, **pdl(gate.device))
     return h
 
 
 if triton is not None:
 
     @triton.jit
-    def _gated_activation(gate_ptr, up_ptr, r_ptr, h_ptr, N, sg, su, sh, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _gated_activation(gate_ptr, up_ptr, r_ptr, h_ptr, N, sg, su, sh, limit, HAS_R: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
         await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -84,8 +90,9 @@ if triton is not None:
         if limit > 0:
             g = tl.minimum(g, limit)
             u = tl.clamp(u, -limit, limit)
-        r = tl.load(r_ptr + row).to(tl.float32)
-        h = g / (1.0 + tl.exp(-g)) * u * r
+        h = g / (1.0 + tl.exp(-g)) * u
+        if HAS_R:
+            h = h * tl.load(r_ptr + row).to(tl.float32)
         tl.store(h_ptr + row * sh + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 

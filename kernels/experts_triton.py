@@ -130,38 +130,19 @@ def _tile_table(offsets: torch.Tensor, bm: int, n_rows: int) -> tuple[torch.Tens
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """`experts.swiglu` in one launch (torch takes four to six: the casts, the clamps, silu, the product), fp32 out.
-    silu through the kernels' exp, so within an ulp or two of torch's, not its bits."""
+    """`experts.swiglu` in one launch (torch takes four to six: the casts, the clamps, silu, the product), fp32 out,
+    through matmul_ogs's activation kernel without its routing weight (kernels/experts_ogs_triton.py). silu through
+    the kernels' exp, so within an ulp or two of torch's, not its bits."""
     if triton is None or not (gate.is_cuda or interpreting()) or gate.dim() != 2 or gate.shape != up.shape \
             or torch.float64 in (gate.dtype, up.dtype) or gate.stride(1) != 1 or up.stride(1) != 1:
         return _swiglu(gate, up, limit)
-    m, n = gate.shape
-    out = torch.empty((m, n), dtype=torch.float32, device=gate.device)
-    if m and n:
-        block = min(1024, max(16, 1 << (n - 1).bit_length()))
-        _swiglu_kernel[(m, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), float(limit),
-                                                   BLOCK=block, num_warps=4, **pdl(gate.device))
-    return out
+    return ogs_triton.gated_activation(gate, up, None, limit, torch.float32)
 
 
 TILE_BLOCK = 16              # tiles a tile-table program fills
 TILE_TABLE_EXPERTS = 1024    # experts a tile-table program holds (every program reads all of their counts)
 
 if triton is not None:
-
-    @triton.jit
-    def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, sg, su, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Row pid 0, columns [pid 1 * BLOCK, +BLOCK): out = silu(min(gate, limit)) * clamp(up, +-limit) in fp32."""
-        await_inputs(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < N
-        g = tl.load(gate_ptr + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + row * su + cols, mask=mask, other=0.0).to(tl.float32)
-        if limit > 0:
-            g = tl.minimum(g, limit)
-            u = tl.clamp(u, -limit, limit)
-        tl.store(out_ptr + row * N + cols, g / (1.0 + tl.exp(-g)) * u, mask=mask)
 
     @triton.jit
     def _tile_table_kernel(offsets_ptr, out_ptr, T, E, last_row, BM: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -387,10 +387,13 @@ def test_tile_table_compiles_for_sm90(bins, bm):
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_swiglu_compiles_for_sm90(dtype):
-    """The dense MLP activation kernel (kernels/experts_triton.py) at its widest block: compiles, no spills."""
-    kernel = compile_sm90(kt._swiglu_kernel, {"gate_ptr": f"*{dtype}", "up_ptr": f"*{dtype}", "out_ptr": "*fp32",
-                                              "N": "i32", "sg": "i32", "su": "i32", "limit": "fp32"},
-                          dict(BLOCK=1024), num_warps=4)
+@pytest.mark.parametrize("dtype,has_r", [("bf16", True), ("fp32", False)])
+def test_gated_activation_compiles_for_sm90(dtype, has_r):
+    """The experts' gated activation (kernels/experts_ogs_triton.py), with the routing weight (between matmul_ogs's
+    GEMMs) and without (the `swiglu` op), at its widest block: compiles, no spills."""
+    from deepinfer.kernels import experts_ogs_triton as ko
+    kernel = compile_sm90(ko._gated_activation, {"gate_ptr": f"*{dtype}", "up_ptr": f"*{dtype}", "r_ptr": "*fp32",
+                                                 "h_ptr": "*fp32", "N": "i32", "sg": "i32", "su": "i32", "sh": "i32",
+                                                 "limit": "fp32"},
+                          dict(HAS_R=has_r, BLOCK=1024), num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
