@@ -132,7 +132,8 @@ def _counting_calls(llm, census: Census, recorder: _Recorder):
 
     def counted(self, *args, **kwargs):
         on = recorder.on
-        census.kernels[self.fn.__name__] += on
+        if on and not kwargs.get("warmup"):
+            census.kernels[self.fn.__name__] += 1
         recorder.on = False
         try:
             return run(self, *args, **kwargs)
@@ -176,6 +177,10 @@ def check_census(model: str, kernel_backend: str | None, batch: int) -> str:
             raise DeepInferError(f"--kernel-backend {kernel_backend} runs on the CPU under Triton's interpreter only: "
                                  f"install triton and set TRITON_INTERPRET=1 (the census then counts each kernel "
                                  f"launch), or use --kernel-backend reference or invariant")
+        from deepinfer.kernels import gather_triton
+        if not gather_triton.INTERPRETED:
+            raise DeepInferError("Triton was imported before TRITON_INTERPRET=1 was set, so its kernels would not be "
+                                 "interpreted: set it before the process starts")
         check_invariant_backend(kernel_backend)
         return kernel_backend
     return check_kernel_backend(kernel_backend, "cpu")
@@ -189,10 +194,12 @@ def build_census_engine(model: str, kernel_backend: str | None, batch: int):
     from deepinfer.api import resolve_model
     from deepinfer.kernels.table import KernelTable
     interpreted = kernel_backend is not None and kernel_backend.startswith("triton")    # check_census: interpreter
-    llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu",
-              kernel_backend=None if interpreted else kernel_backend, enforce_eager=True, async_scheduling=False,
-              max_num_seqs=batch, max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
-    if interpreted:                  # the engine refuses a Triton set off CUDA; its kernels run interpreted here
+    # the engine refuses a Triton set off CUDA: it is built with the torch set of the same invariance (which sets its
+    # fixed shapes), then runs the Triton table, whose kernels the interpreter runs here
+    built = ("invariant" if kernel_backend == "triton_invariant" else "reference") if interpreted else kernel_backend
+    llm = LLM(resolve_model(model, "cpu", "float32"), device="cpu", kernel_backend=built, enforce_eager=True,
+              async_scheduling=False, max_num_seqs=batch, max_model_len=PROMPT_LEN + NEW_TOKENS + 1)
+    if interpreted:
         llm.engine.kernels = KernelTable(kernel_backend)
     if llm.engine.num_seats < batch:
         raise DeepInferError(f"--batch {batch}: the CPU state memory seats {llm.engine.num_seats} sequences of "

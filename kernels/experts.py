@@ -274,10 +274,15 @@ def expert_tiles(offsets: torch.Tensor, tile: int, n_rows: int) -> tuple[torch.T
     n_experts = offsets.shape[0] - 1
     tiles = (offsets[1:] - offsets[:-1] + tile - 1) // tile                   # [E]
     tile_end = tiles.cumsum(0)                                                  # [E] inclusive
-    n_tiles = max(1, (n_rows + min(n_rows, n_experts) * (tile - 1)) // tile)
+    n_tiles = tile_count(n_rows, n_experts, tile)
     t = torch.arange(n_tiles, device=offsets.device)
     tile_expert = torch.searchsorted(tile_end, t, right=True).clamp_(max=n_experts - 1)
     return tile_end - tiles, tile_end, tile_expert
+
+
+def tile_count(n_rows: int, n_experts: int, tile: int) -> int:
+    """T, the static bound on expert-aligned tiles: every row in a tile, each expert with rows wasting < a tile."""
+    return max(1, (n_rows + min(n_rows, n_experts) * (tile - 1)) // tile)
 
 
 def tile_layout(expert_ids: torch.Tensor, offsets: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:

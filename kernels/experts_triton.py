@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from . import experts_ogs as ogs
-from .experts import FP8_ACT_BLOCK, ExpertWeights, _invariant, _reference, _swiglu, expert_tiles
+from .experts import FP8_ACT_BLOCK, ExpertWeights, _invariant, _reference, _swiglu, expert_tiles, tile_count
 from .gpu import is_interpreted, sm_count
 from .pdl import pdl
 
@@ -112,7 +112,7 @@ def tile_table(offsets: torch.Tensor, bm: int, n_rows: int) -> tuple[torch.Tenso
     n_experts = offsets.shape[0] - 1
     if triton is None or not (offsets.is_cuda or interpreting()) or n_experts > TILE_TABLE_EXPERTS:
         return _tile_table(offsets, bm, n_rows)
-    n_tiles = max(1, (n_rows + min(n_rows, n_experts) * (bm - 1)) // bm)       # expert_tiles' static bound
+    n_tiles = tile_count(n_rows, n_experts, bm)
     out = torch.empty((3, n_tiles), dtype=torch.int32, device=offsets.device)
     _tile_table_kernel[(triton.cdiv(n_tiles, TILE_BLOCK),)](
         offsets.contiguous(), out, n_tiles, n_experts, max(n_rows - 1, 0), BM=bm, BLOCK_T=TILE_BLOCK,

@@ -6,7 +6,8 @@ gather_rows(store, index [C, K] int64, fill) -> [C, K, w] in the store's dtype:
            step's rows, cast to the ring's dtype) or one tensor [M, w]
     out[c, k] = row index[c, k] of the store (i < R: ring[i], else new[i - R]), `fill` where index[c, k] < 0
 Data movement only: every backend gives the same bits. A compressor's open windows are its pending rings' rows of
-each row's last `span` positions (models/common/pooled.py `open_windows`): two calls a compressor per step.
+each row's last `span` positions (models/common/pooled.py `open_windows`: two calls a compressor per step), and
+V4.1's engram look-back is its token-id ring's (one call a step).
 """
 
 from __future__ import annotations

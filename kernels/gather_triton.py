@@ -48,7 +48,8 @@ else:
 def gather_rows_triton(store, index, fill):
     ring, new = (store.ring, store.new) if isinstance(store, SplitStore) else (store, store[:0])
     if triton is None or not on_kernel_device(INTERPRETED, ring, new, index) or index.dtype != torch.long \
-            or ring.dim() != 2 or ring.stride(1) != 1 or new.stride(1) != 1 or ring.dtype == torch.float64:
+            or ring.dim() != 2 or new.dim() != 2 or ring.stride(1) != 1 or new.stride(1) != 1 \
+            or ring.dtype == torch.float64:
         return _gather_rows(store, index, fill)
     new = new.to(ring.dtype)                  # as the reference's store (no op when the dtypes agree)
     c, k = index.shape

@@ -209,9 +209,12 @@ class ForwardBatch:
 
     def closing_rows(self, ratio: int) -> torch.Tensor | None:
         """Rows whose position closes a window of `ratio` positions ((p + 1) % ratio == 0) -> [C] int64, a compact
-        list when ragged; None when static: every row, the ones closing none written to scratch (`write_entries`)
-        and pooled for nothing, which costs no launch where a mask would cost four."""
-        return None if self.is_static else self._cached(("close", ratio), lambda: self._closing_rows(ratio))
+        list when ragged; None when static (every row, the ones closing none written to scratch by `write_entries`
+        and pooled for nothing, which costs no launch where a mask would cost four) or when every row closes one
+        (ratio 1)."""
+        if self.is_static or ratio == 1:                     # ratio 1: every row closes its own window
+            return None
+        return self._cached(("close", ratio), lambda: self._closing_rows(ratio))
 
     def _closing_rows(self, ratio: int) -> torch.Tensor:
         rows, o = [], 0

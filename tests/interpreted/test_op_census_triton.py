@@ -16,7 +16,6 @@ BOUNDS = {"deepseek_v41": 222, "deepseek_v4": 281}
 @pytest.mark.parametrize("family", sorted(BOUNDS))
 def test_triton_census_counts_kernels_and_holds_the_fusions(family):
     llm = build_census_engine(f"random:{family}:tiny:4", "triton", 1)
-    assert llm.engine.kernels.name == "triton"
     census = run_graph_census(llm, batch=1)
     layers = llm.model.cfg.num_hidden_layers
     assert census.kernels["_permute_scatter_kernel"] == layers and "_expert_histogram_kernel" not in census.kernels

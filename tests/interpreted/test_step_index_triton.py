@@ -78,6 +78,10 @@ def test_entry_slots(segments, ratio, per_block, subset):
     first = 0 if rows is None else int(rows[0])       # that row closes a window and writes above its floor
     lay["pos"] += (ratio - 1 - int(lay["pos"][first])) % ratio
     floor[lay["slot"][first]] = 0
+    last = lay["n"] - 1 if rows is None else int(rows[-1])
+    floored = bool(lay["slot"][last] != lay["slot"][first])
+    if floored:                                         # another slot's row: below its floor
+        floor[lay["slot"][last]] = int(lay["pos"][last]) + 1
     block_tokens = ratio * per_block          # as the pools lay blocks out; (4, 2, 8): 16-position blocks
     args = (lay["pos"], lay["slot"], rows, table, floor, ratio, per_block, block_tokens, SCRATCH)
     want, got = ref._entry_slots(*args), kt.entry_slots_triton(*args)
@@ -89,6 +93,7 @@ def test_entry_slots(segments, ratio, per_block, subset):
         assert bool((~closes).any()) and bool((want[0][~closes] == SCRATCH).all())    # rows closing no window
     below = picked < floor[lay["slot"] if rows is None else lay["slot"][rows]]
     assert bool((want[0][below] == SCRATCH).all())                                 # rows below their floor
+    assert bool(below.any()) or not floored
     if per_block == 8:                        # positions past the 6 columns' 96: the column clamp is in the case
         assert (picked // block_tokens > table.shape[1] - 1).any()
 

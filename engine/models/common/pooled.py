@@ -15,14 +15,15 @@ from ...cache.forward_batch import ForwardBatch
 SELECT_BLOCK_ELEMENTS = 1 << 26      # [rows, J] elements of a selection's index and scores at once (12 B each)
 
 
-def window_source(batch: ForwardBatch, ring: torch.Tensor, kv: torch.Tensor, window: int
-                  ) -> tuple[SplitStore, torch.Tensor]:
-    """The sliding window of every row: latents of positions p-window+1 .. p, from the ring [S, W, d] as it was
-    before this step, read in place, and this step's kv [N, d]. Returns one sparse-attention source (SplitStore
-    of the ring pool and kv, index [N, window]). The caller writes kv into the ring after the attention
-    (batch.write_ring): a row's ring write would overwrite a slot an earlier row of the step still reads."""
-    flat = ring.flatten(0, 1)                                                       # a view: [S * W, d]
-    return SplitStore(flat, kv.to(ring.dtype)), batch.window_index(window, ring.shape[1], flat.shape[0])
+def window_source(batch: ForwardBatch, ring: torch.Tensor, new: torch.Tensor, count: int,
+                  rows: torch.Tensor | None = None) -> tuple[SplitStore, torch.Tensor]:
+    """Each row's last `count` positions p-count+1 .. p (oldest first) of a ring [S, W, w] as it was before this
+    step, read in place, and of this step's values new [N, w] (rows [C]: those rows only; None: every row) ->
+    (SplitStore of the ring pool and new, index [C, count], -1 before position 0): a sparse-attention source, or
+    what `gather_rows` reads. The caller writes new into the ring after the read (batch.write_ring): a row's ring
+    write would overwrite a slot an earlier row of the step still reads."""
+    flat = ring.flatten(0, 1)                                                       # a view: [S * W, w]
+    return SplitStore(flat, new.to(ring.dtype)), batch.window_index(count, ring.shape[1], flat.shape[0], rows)
 
 
 def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor | None
@@ -34,10 +35,12 @@ def open_windows(batch: ForwardBatch, name: str, kv: torch.Tensor, score: torch.
     are read in place, then kv and score are written into them."""
     pend_kv, pend_score = batch.pools.rings[f"{name}.pending_kv"], batch.pools.rings[f"{name}.pending_score"]
     span = batch.pools.spans[f"{name}.pending_kv"]                                  # the ring may hold more
-    flat_kv, flat_score = pend_kv.flatten(0, 1), pend_score.flatten(0, 1)           # views: [S * ring span, w]
-    index = batch.window_index(span, pend_kv.shape[1], flat_kv.shape[0], rows)      # [C, span]
-    win_kv = gather_rows(SplitStore(flat_kv, kv), index, 0.0)
-    win_score = gather_rows(SplitStore(flat_score, score), index, torch.finfo(score.dtype).min)
+    if pend_score.shape[:2] != pend_kv.shape[:2]:
+        raise RuntimeError(f"internal: {name}'s pending rings differ in shape: one window index reads both")
+    kv_store, index = window_source(batch, pend_kv, kv, span, rows)                 # index [C, span]
+    win_kv = gather_rows(kv_store, index, 0.0)
+    win_score = gather_rows(window_source(batch, pend_score, score, span, rows)[0], index,
+                            torch.finfo(score.dtype).min)
     batch.write_ring(pend_kv, kv)                # after the reads: a row's write could overwrite a slot they read
     batch.write_ring(pend_score, score)
     return win_kv, win_score

@@ -40,7 +40,8 @@ class Compressor(nn.Module):
 
     def entries(self, kv: torch.Tensor, score: torch.Tensor, prev_a: tuple[torch.Tensor, torch.Tensor] | None,
                 starts: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        """Closed windows kv, score [n, r, c*d] starting at positions `starts` [n] (window w: w * r) -> entries
+        """Closed windows kv, score [n, r, c*d] starting at positions `starts` [n] (window w: w * r; a static
+        step's rows closing none start elsewhere, their entries go to scratch) -> entries
         [n, d] fp32 (normed and roped at starts). With overlap, prev_a = (kv, score) [n, r, d]: the A halves each
         window pools from its predecessor (zero weight for window 0); they come first, then this window's B
         halves."""

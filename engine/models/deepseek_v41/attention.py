@@ -157,8 +157,9 @@ class AttentionV41(LatentAttention):
         sh["selected"] = _Kept(selected, at, -1)                                   # -1: no entry
 
     def compress(self, latents: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """KV source: pre-RoPE latents [n, d] of the groups starting at positions pos [n] (multiples of the ratio)
-        -> (cache entries [n, d], index keys [n, dI] or None without an indexer), roped at pos."""
+        """KV source: pre-RoPE latents [n, d] of the groups starting at positions pos [n] (multiples of the ratio
+        for rows closing a group; a static step's other rows go to scratch) -> (cache entries [n, d], index keys
+        [n, dI] or None without an indexer), roped at pos."""
         entries = apply_rope(latents, *self.rope_compress(pos))
         if self.qat_fake_quant:
             entries = quantize_entry(entries)

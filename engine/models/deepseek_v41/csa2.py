@@ -107,7 +107,7 @@ def candidate_block_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: i
     t, n = scores.shape
     padded = torch.nn.functional.pad(scores, (0, -n % block), value=float("-inf"))
     block_scores = padded.view(t, -1, block).amax(dim=-1)                       # [T, nb]
-    newest = ((positions + 1) // ratio - 1) // block                           # [T]; -1 when none visible
+    newest = (positions + (1 - ratio)) // (ratio * block)       # [T] ((p + 1) // ratio - 1) // block; -1: none visible
     ids = torch.arange(block_scores.shape[1], device=scores.device)
     block_scores = block_scores.masked_fill(ids.unsqueeze(0) == newest.unsqueeze(1), float("inf"))
     return top_k_mask(block_scores, n_blocks)

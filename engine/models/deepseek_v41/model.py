@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels.attention import SplitStore
 from deepinfer.kernels.gather import gather_rows
 
 from ...cache.forward_batch import ForwardBatch
@@ -34,6 +33,7 @@ from ..base import Drafting
 from ..common.flat_batch import FlatBatchLM
 from ..common.layers import Linear, RMSNorm
 from ..common.mhc import hc_collapse
+from ..common.pooled import window_source
 from .block import BlockV41
 from .dspark import DSpark, DraftOutput, build_stages
 from .engram import BLOCKED, EngramHasher
@@ -166,9 +166,7 @@ class DeepseekV41ForCausalLM(FlatBatchLM):
         ring = batch.pools.rings["engram"]                                     # [S, n-1, 1]
         ids = hasher.compressed(input_ids).unsqueeze(1)                        # [N, 1]
         back = batch.pools.spans["engram"]                                     # n - 1 (the ring may hold more)
-        flat = ring.flatten(0, 1)                                              # a view: [S * ring span, 1]
-        at = batch.window_index(back + 1, ring.shape[1], flat.shape[0])        # [N, n] oldest first
-        window = gather_rows(SplitStore(flat, ids), at, BLOCKED).squeeze(-1).flip(1)
+        window = gather_rows(*window_source(batch, ring, ids, back + 1), BLOCKED).squeeze(-1).flip(1)   # [N, n]
         batch.write_ring(ring, ids)                                            # after the read
         return hasher.hash_window(window)
 
