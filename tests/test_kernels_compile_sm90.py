@@ -397,3 +397,14 @@ def test_gated_activation_compiles_for_sm90(dtype, has_r):
                                                  "limit": "fp32"},
                           dict(HAS_R=has_r, BLOCK=1024), num_warps=4)
     assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0
+
+
+@pytest.mark.parametrize("slots", [4, 8, 128])
+def test_softmax_pool_compiles_for_sm90(slots):
+    """The compressor pooling kernel (kernels/softmax_pool_triton.py) for V4.1's 4-slot groups and V4's 8 / 128-slot
+    windows at the block the function picks for 512 channels: compiles, no spills."""
+    from deepinfer.kernels import softmax_pool_triton as ks
+    kernel = compile_sm90(ks._softmax_pool_kernel, {"kv_ptr": "*fp32", "score_ptr": "*fp32", "out_ptr": "*fp32",
+                                                    **{a: "i32" for a in ("S", "D", "kv_n", "kv_s", "sc_n", "sc_s")}},
+                          dict(S_PAD=slots, BLOCK_D=min(512, ks.BLOCK_ELEMENTS // slots)), num_warps=4)
+    assert _ptxas_spill_bytes(kernel.asm["ptx"]) == 0

@@ -10,7 +10,7 @@ import pytest
 from deepinfer.harness.op_census import build_census_engine, run_graph_census, table
 
 # launches per decode step measured when these fusions landed (docs/results.md): a regression past them fails
-BOUNDS = {"deepseek_v41": 220, "deepseek_v4": 281}
+BOUNDS = {"deepseek_v41": 218, "deepseek_v4": 271}
 
 
 @pytest.mark.parametrize("family", sorted(BOUNDS))
@@ -22,7 +22,7 @@ def test_triton_census_counts_kernels_and_holds_the_fusions(family):
     assert census.kernels["_tile_table_kernel"] == layers              # one table for the two expert GEMMs
     assert census.kernels["_gather_rows_kernel"] >= 2                  # a compressor's kv and scores
     inside = {k.split(":")[1] for k in census.kernel_ops}
-    assert not inside & {"permute", "grouped_experts", "swiglu", "route"}, inside
+    assert not inside & {"permute", "grouped_experts", "swiglu", "route", "softmax_pool"}, inside
     assert not any("closing_rows" in where or "open_windows" in where for where, _ in census.lines)
     assert 100 < census.launches_per_step <= BOUNDS[family]
     assert any(line.endswith("(before cuBLAS's split-K reduces)") for line in table(census, 5))
