@@ -18,8 +18,8 @@ Three ways to build one: `ragged` (host lists of any segment sizes; compact per-
 that close a compressor window), `uniform` (G segments of q rows from device tensors, static shapes: what a
 CUDA graph captures; every row where a ragged step lists some) and `varlen` (G segments whose lengths are a device
 tensor, N rows in all: a variable-length verify step under a CUDA graph). The static kinds write every row's
-ring entry: their segments are at most a ring long (speculation gives every ring draft-length slack). Index tensors are built once per step, on first
-use, and shared by every layer.
+ring entry: their segments are at most a ring long (speculation gives every ring draft-length slack). Index
+tensors are built once per step, on first use, and shared by every layer.
 """
 
 from __future__ import annotations
