@@ -52,6 +52,8 @@ ROUTE_CHUNK = 512          # D columns per logits chunk: the fixed unit of route
 # 2.5 / 6.4 ms). `triton_invariant` never takes it.
 ROUTE_GEMM_ROWS = 512
 PERMUTE_BLOCK_ROWS = 128   # rows per permute program (128 * next_pow2(k) sort keys)
+PERMUTE_MIN_ROWS = 16      # fewer rows than a block sort in a block of pow2(rows), at least this (decode: b1 sorts
+                           # 128 keys, not 1024)
 
 
 if triton is not None:
@@ -318,7 +320,8 @@ if triton is not None:
             return _permute_reference(ids, weights, n_experts, logical_to_physical)
         n, k = ids.shape
         m, dev = n * k, ids.device
-        k_pad, rows = pow2(k, 1), PERMUTE_BLOCK_ROWS
+        k_pad = pow2(k, 1)
+        rows = PERMUTE_BLOCK_ROWS if n > PERMUTE_BLOCK_ROWS else min(PERMUTE_BLOCK_ROWS, pow2(n, PERMUTE_MIN_ROWS))
         assert n_experts * rows * k_pad * k_pad < 2**31 - 1, "permute's int32 sort keys would overflow"
         outs = (torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=torch.int64, device=dev),
                 torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=weights.dtype, device=dev),

@@ -260,6 +260,8 @@ def test_permute_kernels_compile_for_sm90_without_a_masked_histogram():
                                                    "N": "i32", "E": "i32"}, common),
         (routing_triton._permute_scatter_kernel, scatter, dict(common, SINGLE=False)),
         (routing_triton._permute_scatter_kernel, scatter, dict(common, SINGLE=True)),
+        (routing_triton._permute_scatter_kernel, scatter, dict(common, SINGLE=True,            # b1's block
+                                                                BLOCK_ROWS=routing_triton.PERMUTE_MIN_ROWS)),
     ]
     histograms = 0
     for kernel, runtime, consts in kernels:
@@ -271,7 +273,7 @@ def test_permute_kernels_compile_for_sm90_without_a_masked_histogram():
             if "tt.histogram" in line:
                 histograms += 1
                 assert re.search(r"tt\.histogram %[\w.]+ :", line), line.strip()
-    assert histograms == 2                       # the histogram kernel's and the one-block scatter's
+    assert histograms == 3                       # the histogram kernel's and the one-block scatters'
 
 
 if INTERPRETER:
@@ -493,12 +495,27 @@ if INTERPRETER:
             def __getitem__(self, grid):
                 raise AssertionError("the histogram kernel ran for rows that fit one block")
 
+        class Recorded:                                       # the scatter kernel, its block size noted
+            def __init__(self, kernel):
+                self.kernel, self.blocks = kernel, []
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    self.blocks.append(kwargs["BLOCK_ROWS"])
+                    return self.kernel[grid](*args, **kwargs)
+                return launch
+
         ids, weights = routing_ids(37, 6, 384, torch.Generator().manual_seed(4))
         want = old_dispatch(ids, weights, 384, None)
         monkeypatch.setattr(routing_triton, "_expert_histogram_kernel", NotLaunched())
+        scatter = Recorded(routing_triton._permute_scatter_kernel)
+        monkeypatch.setattr(routing_triton, "_permute_scatter_kernel", scatter)
         _reorder_histogram_inputs(monkeypatch)
         _garbage_empty(monkeypatch)
         assert _equal(routing_triton._permute_triton(ids, weights, 384, None), want)
+        assert _equal(routing_triton._permute_triton(ids[:1], weights[:1], 384, None),
+                      old_dispatch(ids[:1], weights[:1], 384, None))
+        assert scatter.blocks == [64, routing_triton.PERMUTE_MIN_ROWS]   # a block of pow2(rows), not 128
         monkeypatch.setattr(routing_triton, "PERMUTE_BLOCK_ROWS", 16)                 # three blocks: it must run
         with pytest.raises(AssertionError, match="histogram kernel ran"):
             routing_triton._permute_triton(ids, weights, 384, None)
