@@ -123,7 +123,7 @@ def pool(comp, kv: torch.Tensor, gate: torch.Tensor, start: int, state: Compress
     """Feed one sequence's new tokens (absolute positions start..start+T-1) to compressor `comp`; return the
     entries of the windows they close, [n_closed, d] fp32 (normed and roped, before any QAT step)."""
     r, d = comp.ratio, comp.head_dim
-    score = comp.scores(gate, torch.arange(start, start + kv.shape[0], device=kv.device))
+    score = upcast(gate)                      # the pooling score without ape[slot], which comp.entries adds
     kv = upcast(kv)
     if state.pending_kv is not None:
         start -= state.pending_kv.shape[0]

@@ -91,10 +91,10 @@ class Attention(LatentAttention):
         p // r. Rows of a window before this step come from the pending rings."""
         r, d = comp.ratio, comp.head_dim
         rows = batch.closing_rows(r)                                            # None: every row
-        win_kv, win_score = open_windows(batch, name, upcast(kv), comp.scores(gate, batch.positions), rows)
-        prev_a = (win_kv[:, :r, :d], win_score[:, :r, :d]) if comp.overlap else None
-        cur_kv, cur_score = (win_kv[:, r:], win_score[:, r:]) if comp.overlap else (win_kv, win_score)
-        new = self.final_entries(comp.entries(cur_kv, cur_score, prev_a, batch.window_starts(rows, r), self.rope),
+        win_kv, win_gate = open_windows(batch, name, upcast(kv), upcast(gate), rows)   # ape: Compressor.entries
+        prev_a = (win_kv[:, :r, :d], win_gate[:, :r, :d]) if comp.overlap else None
+        cur_kv, cur_gate = (win_kv[:, r:], win_gate[:, r:]) if comp.overlap else (win_kv, win_gate)
+        new = self.final_entries(comp.entries(cur_kv, cur_gate, prev_a, batch.window_starts(rows, r), self.rope),
                                  quantize)
         batch.write_entries(batch.pools.entries[name], rows, r, new)
 

@@ -34,20 +34,21 @@ class Compressor(nn.Module):
         """x: [N, D] -> (kv, gate), each [N, c*d]. Per token, so it batches across sequences."""
         return self.wkv(x), self.wgate(x)
 
-    def scores(self, gate: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """gate [N, c*d] of tokens at positions [N] -> their pooling scores gate + ape[slot], >= fp32."""
-        return upcast(gate) + self.ape[positions % self.ratio]
-
-    def entries(self, kv: torch.Tensor, score: torch.Tensor, prev_a: tuple[torch.Tensor, torch.Tensor] | None,
+    def entries(self, kv: torch.Tensor, gate: torch.Tensor, prev_a: tuple[torch.Tensor, torch.Tensor] | None,
                 starts: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        """Closed windows kv, score [n, r, c*d] starting at positions `starts` [n] (window w: w * r; a static
-        step's rows closing none start elsewhere, their entries go to scratch) -> entries
-        [n, d] fp32 (normed and roped at starts). With overlap, prev_a = (kv, score) [n, r, d]: the A halves each
-        window pools from its predecessor (zero weight for window 0); they come first, then this window's B
-        halves."""
+        """Closed windows kv, gate [n, r, c*d] (>= fp32) starting at positions `starts` [n] (window w: w * r; a
+        static step's rows closing none start elsewhere, their entries go to scratch) -> entries [n, d] fp32
+        (normed and roped at starts). A slot's score is its gate + ape[slot], slot = position % r: the bias is
+        added here, once per window, rather than to every token's gate (a window's slots are its positions in
+        order). With overlap, prev_a = (kv, gate) [n, r, d]: the A halves each window pools from its predecessor
+        (zero weight for window 0); they come first, then this window's B halves."""
+        n, r, d = kv.shape[0], self.ratio, self.head_dim
         if self.overlap:
-            d = self.head_dim
-            kv, score = torch.cat([prev_a[0], kv[..., d:]], dim=1), torch.cat([prev_a[1], score[..., d:]], dim=1)
+            kv, gate = torch.cat([prev_a[0], kv[..., d:]], dim=1), torch.cat([prev_a[1], gate[..., d:]], dim=1)
+            # [n, 2, r, d] + ape's A and B halves [2, r, d] (a view): slots 0..r-1 the A halves, then the B halves
+            score = (gate.view(n, 2, r, d) + self.ape.view(r, 2, d).transpose(0, 1)).view(n, 2 * r, d)
+        else:
+            score = gate + self.ape                                       # [n, r, d] + [r, d]
         pooled = softmax_pool(kv, score)                                  # [n, d]
         return apply_rope(self.norm(pooled), *rope(starts))
 
