@@ -45,7 +45,7 @@ import torch
 
 from . import experts_ogs as ogs
 from .experts import FP8_ACT_BLOCK, ExpertWeights, _invariant, _reference, _swiglu, expert_tiles, tile_count
-from .gpu import is_interpreted, sm_count
+from .gpu import is_interpreted, pow2, sm_count
 from .pdl import pdl
 
 try:
@@ -116,7 +116,7 @@ def tile_table(offsets: torch.Tensor, bm: int, n_rows: int) -> tuple[torch.Tenso
     out = torch.empty((3, n_tiles), dtype=torch.int32, device=offsets.device)
     _tile_table_kernel[(triton.cdiv(n_tiles, TILE_BLOCK),)](
         offsets.contiguous(), out, n_tiles, n_experts, max(n_rows - 1, 0), BM=bm, BLOCK_T=TILE_BLOCK,
-        BINS=max(16, 1 << (n_experts - 1).bit_length()), num_warps=4, **pdl(offsets.device))
+        BINS=pow2(n_experts, 16), num_warps=4, **pdl(offsets.device))
     return out[0], out[1], out[2]
 
 

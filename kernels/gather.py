@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import SplitStore
+from .attention import SplitStore, store_rows
 from .registry import call
 
 __all__ = ["gather_rows"]
@@ -26,5 +26,8 @@ def gather_rows(store: SplitStore | torch.Tensor, index: torch.Tensor, fill: flo
 
 
 def _gather_rows(store, index, fill):
-    whole = torch.cat([store.ring, store.new.to(store.ring.dtype)]) if isinstance(store, SplitStore) else store
-    return torch.where((index >= 0).unsqueeze(-1), whole[index.clamp(min=0)], fill)
+    # the rows in place (no copy of the ring pool); a store with no step rows is its ring
+    if isinstance(store, SplitStore) and store.new.shape[0] == 0:
+        store = store.ring
+    rows = store_rows(store, index.clamp(min=0)).to(store.dtype)
+    return torch.where((index >= 0).unsqueeze(-1), rows, fill)
